@@ -1,0 +1,58 @@
+"""Scenario "fixed": the seed's comparison. Seed MLP, batches in pinned host memory, fixed size."""
+
+import torch
+
+from graphwrap import GraphedModule
+from harness import Case
+from workloads import (SeedMLP, copy_floor, d2h_floor, double_buffered_loop, graph_loop, replay_floor,
+                       stream_loop, sync_loop)
+
+BASELINE = "seed synchronous loop"
+PEER = "torch.compile reduce-overhead"
+
+
+def _compiled(model, cpu_data, device):
+    cm = torch.compile(model, mode="reduce-overhead")
+
+    def loop():
+        for data in cpu_data:
+            cm(data.to(device, non_blocking=True))
+    return loop
+
+
+def _make_graphed(model, cpu_data, device):
+    sample = torch.randn(cpu_data[0].shape, device=device)
+    with torch.enable_grad():
+        g = torch.cuda.make_graphed_callables(model, (sample,))
+
+    def loop():
+        for data in cpu_data:
+            g(data.to(device, non_blocking=True))
+    return loop
+
+
+def run(results, device, quick: bool, repeats: int):
+    num_batches = 128 if quick else 1280
+    for bs in (1, 16, 1280):
+        torch.manual_seed(0)
+        model = SeedMLP().to(device).eval()
+        cpu_data = [torch.randn(bs, 1024).pin_memory() for _ in range(num_batches)]
+        case = Case(results, "fixed", f"bs {bs}")
+        gm = GraphedModule(model, max_batch_size=max(bs, 256))
+        gm_host = GraphedModule(model, max_batch_size=max(bs, 256))
+        with torch.no_grad():
+            case.add(BASELINE, lambda: sync_loop(model, cpu_data, device))
+            case.add("seed stream loop", lambda: stream_loop(model, cpu_data, device))
+            case.add("seed graph loop", lambda: graph_loop(model, cpu_data, device))
+            case.add(PEER, lambda: _compiled(model, cpu_data, device))
+            case.add("make_graphed_callables", lambda: _make_graphed(model, cpu_data, device))
+            case.add("hand-written double-buffered graphs", lambda: double_buffered_loop(model, cpu_data, device))
+            case.add("graphwrap gm(x) loop", lambda: (lambda: [gm(x) for x in cpu_data] and None))
+            case.add("graphwrap pipeline", lambda: (lambda: [None for _ in gm.pipeline(cpu_data)] and None))
+            case.add("graphwrap pipeline to_host", lambda: (lambda: [None for _ in gm_host.pipeline(cpu_data, to_host=True)] and None))
+            case.add("floor: replays alone", lambda: replay_floor(model, cpu_data, device))
+            case.add("floor: H2D copies alone", lambda: copy_floor(cpu_data, device))
+            case.add("floor: D2H copies alone", lambda: d2h_floor((bs, 512), num_batches, device))
+            case.run(repeats)
+        del cpu_data, case, gm, gm_host
+        torch.cuda.empty_cache()

@@ -1,0 +1,84 @@
+"""graphwrap's benchmarks: ``python benchmarks/run.py [--suite NAME ...] [--quick] [--out DIR]``.
+
+Prints a table per scenario (speedups against the seed's synchronous loop or eager, and
+against torch.compile), and writes results.json, results.csv and a PNG chart per scenario
+(with matplotlib) under --out. Without a CUDA device it runs a short eager-against-fallback
+suite and says that graph figures need a GPU.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from harness import Case, Results  # noqa: E402
+
+SUITES = ["overhead", "fixed", "mixed", "models", "capture"]
+BASELINES = {
+    "fixed": ("seed synchronous loop", "torch.compile reduce-overhead"),
+    "overhead": ("eager", "torch.compile reduce-overhead"),
+    "mixed": ("eager", "torch.compile reduce-overhead dynamic=None"),
+    "models": ("eager", "torch.compile reduce-overhead"),
+    "capture": (None, None),
+    "cpu": ("eager", None),
+}
+
+
+def cpu_suite(results, quick):
+    from graphwrap import GraphedModule
+    from workloads import SeedMLP
+
+    model = SeedMLP(hidden=256).eval()
+    gm = GraphedModule(model)
+    xs = [torch.randn(n, 1024) for n in (1, 16, 64) * (3 if quick else 20)]
+    case = Case(results, "cpu", "seed MLP hidden 256, mixed sizes")
+    with torch.no_grad():
+        case.add("eager", lambda: (lambda: [model(x) for x in xs] and None))
+        case.add("graphwrap (eager fallback)", lambda: (lambda: [gm(x) for x in xs] and None))
+        case.run(3)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--suite", action="append", choices=SUITES, help="scenario to run (repeatable); default: all")
+    ap.add_argument("--quick", action="store_true", help="fewer batches and repeats, a minute or two")
+    ap.add_argument("--out", default="bench-out", help="folder for results.json, results.csv and charts")
+    ap.add_argument("--repeats", type=int, default=None, help="timed rounds per strategy (default 5, quick 3)")
+    a = ap.parse_args(argv)
+    repeats = a.repeats or (3 if a.quick else 5)
+    results = Results(a.out)
+    env = results.env
+    print(f"graphwrap benchmarks: {env['device']}, driver {env['driver']}, torch {env['torch']}, "
+          f"graphwrap {env['graphwrap']}, {env['date']}", flush=True)
+    if not torch.cuda.is_available():
+        print("No CUDA device found: running the CPU suite (eager against graphwrap's eager fallback).\n"
+              "Graph figures need a GPU.", flush=True)
+        suites = ["cpu"]
+        cpu_suite(results, a.quick)
+    else:
+        suites = a.suite or SUITES
+        import importlib
+
+        for name in suites:
+            t0 = time.perf_counter()
+            print(f"-- {name}", flush=True)
+            importlib.import_module("capture_time" if name == "capture" else name).run(
+                results, torch.device("cuda"), a.quick, repeats)
+            print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
+    for name in suites:
+        base, peer = BASELINES[name]
+        print()
+        print(results.table(name, base, peer))
+    results.write(suites)
+    if a.out:
+        print(f"\nresults in {os.path.abspath(a.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

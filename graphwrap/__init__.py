@@ -1,0 +1,14 @@
+"""graphwrap: bucketed CUDA-graph capture and replay for any PyTorch module.
+
+``gm = graphwrap.GraphedModule(model)``, then ``gm(x)`` exactly as ``model(x)``, any batch size.
+Imports on machines without CUDA; there every call runs the module eagerly.
+"""
+
+__version__ = "0.1.0"
+
+from .buckets import BucketTable, default_buckets
+from .errors import GraphwrapError
+from .module import GraphedModule
+from .pipeline import Inputs
+
+__all__ = ["GraphedModule", "GraphwrapError", "Inputs", "BucketTable", "default_buckets", "__version__"]

@@ -1,0 +1,78 @@
+"""Version gates and feature detection for the torch versions graphwrap supports (2.1 and newer)."""
+
+import contextlib
+import inspect
+
+import torch
+from packaging.version import Version
+
+TORCH_VERSION = Version(torch.__version__.split("+")[0])
+
+# torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype arrived in 2.4.
+_AUTOCAST_BY_DEVICE = hasattr(torch, "get_autocast_dtype")
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def autocast_state(device_type: str = "cuda"):
+    """The autocast dtype in force for ``device_type``, or None when autocast is off.
+
+    It is part of every graph key: a graph captured under autocast holds the casts.
+    """
+    if _AUTOCAST_BY_DEVICE:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return None
+    if device_type == "cuda":
+        if torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+        return None
+    if torch.is_autocast_cpu_enabled():
+        return torch.get_autocast_cpu_dtype()
+    return None
+
+
+def autocast_without_cache(dtype):
+    """Autocast for warm-up and capture with its weight-cast cache off.
+
+    A cached cast made before capture would be replayed from memory that is freed when the
+    caller's autocast region ends; with the cache off, every cast is recorded in the graph.
+    """
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type="cuda", dtype=dtype, cache_enabled=False)
+
+
+def _capture_begin_takes_mode() -> bool:
+    if not hasattr(torch.cuda, "CUDAGraph"):
+        return False
+    try:
+        return "capture_error_mode" in inspect.signature(torch.cuda.CUDAGraph.capture_begin).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+_CAPTURE_MODE = _capture_begin_takes_mode()
+
+
+def capture_begin(graph, pool):
+    # "thread_local": other threads may keep running CUDA work (their own models, other
+    # GraphedModules) while this thread captures; "global" would fail their calls.
+    if _CAPTURE_MODE:
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    else:
+        graph.capture_begin(pool=pool)
+
+
+def registration_hooks():
+    """Global hooks that fire when any module gets a new parameter, buffer or submodule."""
+    import torch.nn.modules.module as m
+
+    names = (
+        "register_module_parameter_registration_hook",
+        "register_module_buffer_registration_hook",
+        "register_module_module_registration_hook",
+    )
+    return [getattr(m, n) for n in names if hasattr(m, n)]

@@ -1,0 +1,261 @@
+"""The CUDA work: warm-up on a side stream, capture into a shared pool, and verification.
+
+Everything that decides (keys, buckets, output kinds, comparisons) lives in plain-Python
+modules; this file only runs the module, captures it and checks the capture.
+"""
+
+import time
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+from ._compat import autocast_without_cache, capture_begin
+from .tree import BATCHED, CONST, WHOLE, OutputSpec, classify_outputs, flatten_outputs, unflatten_inputs
+from .verify import CROSS_SHAPE_TOL, SAME_SHAPE_TOL, compare_leaves
+
+Tensor = torch.Tensor
+
+
+class CaptureFailed(Exception):
+    """A bucket could not be captured or did not verify.
+
+    ``scope`` is "key" when every bucket of the key would fail the same way (a host sync in
+    forward, a model that mixes rows), "bucket" when only this size failed (out of memory).
+    """
+
+    def __init__(self, reason: str, cause: Optional[BaseException] = None, scope: str = "key"):
+        super().__init__(reason)
+        self.reason = reason
+        self.cause = cause
+        self.scope = scope
+
+
+class Replica:
+    """One captured graph of one bucket, with its static inputs and outputs."""
+
+    __slots__ = (
+        "graph", "size", "batch_dim", "static_inputs", "static_outputs", "kinds", "is_tensor",
+        "_in_views", "_out_views", "copy_done", "replay_done", "d2h_done",
+    )
+
+    def __init__(self, graph, size: int, batch_dim: int, static_inputs, static_outputs, kinds):
+        self.graph = graph
+        self.size = size
+        self.batch_dim = batch_dim
+        self.static_inputs: List[Tensor] = static_inputs
+        self.static_outputs: List[Any] = static_outputs
+        self.kinds: List[str] = kinds
+        self.is_tensor = [k != CONST for k in kinds]
+        self._in_views = {}
+        self._out_views = {}
+        # Set by the pipeline: the last copy into this replica's inputs, the last replay of it.
+        self.copy_done = None
+        self.replay_done = None
+        self.d2h_done = None
+
+    def inputs_for(self, n: int) -> List[Tensor]:
+        """Views of the first ``n`` rows of each static input (cached: built once per n)."""
+        v = self._in_views.get(n)
+        if v is None:
+            bd = self.batch_dim
+            v = [t if n == self.size else t.narrow(bd, 0, n) for t in self.static_inputs]
+            self._in_views[n] = v
+        return v
+
+    def outputs_for(self, n: int) -> List[Any]:
+        """The static outputs cut back to ``n`` rows (cached views; valid until the next replay)."""
+        v = self._out_views.get(n)
+        if v is None:
+            bd = self.batch_dim
+            v = [
+                o.narrow(bd, 0, n) if k == BATCHED and n != self.size else o
+                for o, k in zip(self.static_outputs, self.kinds)
+            ]
+            self._out_views[n] = v
+        return v
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.static_inputs)
+
+
+def tile_rows(x: Tensor, rows: int, size: int, batch_dim: int) -> Tensor:
+    """A new ``size``-row tensor whose rows repeat the first ``rows`` rows of ``x`` in order.
+
+    Padding rows are always copies of real rows: never uninitialised memory, which can hold
+    NaN (poisoning a softmax) or an index out of range (a device assert in an embedding).
+    """
+    idx = torch.arange(size, device=x.device) % rows
+    return x.narrow(batch_dim, 0, rows).index_select(batch_dim, idx)
+
+
+def _perturb(rows: Tensor, batch_dim: int) -> Tensor:
+    # Other valid contents: the same rows in reverse order, and for floats halved as well
+    # (halving keeps non-negative float indices in range, unlike noise or a sign flip).
+    p = rows.flip(batch_dim)
+    if p.is_floating_point() or p.is_complex():
+        p = p * 0.5
+    return p
+
+
+def run_module(module, in_spec, leaves):
+    args, kwargs = unflatten_inputs(in_spec, leaves)
+    return module(*args, **kwargs)
+
+
+def _kept(outputs: Sequence[Any], kinds: Sequence[str], keep: int, batch_dim: int) -> List[Any]:
+    out = []
+    for o, k in zip(outputs, kinds):
+        if k == BATCHED:
+            out.append(o.narrow(batch_dim, 0, keep).clone())
+        elif k == WHOLE:
+            out.append(o.clone())
+        else:
+            out.append(o)
+    return out
+
+
+def capture_bucket(
+    *,
+    module,
+    device: torch.device,
+    pool,
+    stream: torch.cuda.Stream,
+    in_spec,
+    sample: Sequence[Tensor],
+    size: int,
+    batch_dim: int,
+    warmup_iters: int,
+    autocast_dtype,
+    verify: bool,
+    kinds: Optional[List[str]],
+    out_spec: Optional[OutputSpec],
+):
+    """Capture one graph of ``module`` at ``size`` rows, with ``sample`` (on ``device``) as inputs.
+
+    ``sample`` holds m <= size real rows; the static inputs repeat them up to ``size``. Returns
+    ``(replica, info)``; raises CaptureFailed when the graph cannot be trusted, and lets the
+    module's own exceptions on the real rows through unchanged (eager would raise them too).
+    """
+    m = sample[0].shape[batch_dim]
+    info = {"capture_s": 0.0, "verify_s": 0.0, "pool_bytes": 0}
+    t0 = time.perf_counter()
+    cur = torch.cuda.current_stream(device)
+    with torch.inference_mode(False), torch.no_grad(), autocast_without_cache(autocast_dtype):
+        static_in = [tile_rows(x, m, size, batch_dim) for x in sample]
+        stream.wait_stream(cur)
+        with torch.cuda.stream(stream):
+            # The real rows alone, as eager runs them: the module's own errors surface here.
+            ref_m, spec_m = flatten_outputs(run_module(module, in_spec, sample))
+            try:
+                # Warm-up on the side stream, so cuBLAS workspaces, cuDNN and Triton
+                # autotuning and other lazy initialisation happen outside the capture.
+                for _ in range(warmup_iters):
+                    ref_b, spec_b = flatten_outputs(run_module(module, in_spec, static_in))
+            except torch.cuda.OutOfMemoryError as e:
+                raise CaptureFailed(f"out of memory in warm-up at batch {size}", e, scope="bucket") from e
+            except Exception as e:  # noqa: BLE001 - any failure here is padding-induced
+                raise CaptureFailed(
+                    f"the forward failed on the padded batch of {size} rows but not on the {m} real rows: "
+                    f"{type(e).__name__}: {e}", e
+                ) from e
+            if spec_b != spec_m:
+                raise CaptureFailed("the structure of the output changes with the batch size")
+            if out_spec is not None and spec_b != out_spec:
+                raise CaptureFailed("the structure of the output differs between buckets")
+            if kinds is None:
+                kinds = _output_kinds(module, in_spec, sample, static_in, ref_m, ref_b, m, size, batch_dim, spec_b)
+
+            torch.cuda.synchronize(device)
+            reserved0 = torch.cuda.memory_reserved(device)
+            graph = torch.cuda.CUDAGraph()
+            err = None
+            capture_begin(graph, pool)
+            try:
+                out = run_module(module, in_spec, static_in)
+            except BaseException as e:  # noqa: BLE001 - the capture must be ended whatever happened
+                err = e
+            try:
+                graph.capture_end()
+            except BaseException as e:  # noqa: BLE001
+                err = err or e
+            if err is not None:
+                if isinstance(err, torch.cuda.OutOfMemoryError):
+                    raise CaptureFailed(f"out of memory in capture at batch {size}", err, scope="bucket") from err
+                raise CaptureFailed(
+                    f"the forward cannot be captured in a CUDA graph: {type(err).__name__}: "
+                    f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}", err
+                ) from err
+            info["pool_bytes"] = torch.cuda.memory_reserved(device) - reserved0
+            static_out, spec_c = flatten_outputs(out)
+            if spec_c != spec_b:
+                raise CaptureFailed("the structure of the output differs between warm-up and capture")
+            replica = Replica(graph, size, batch_dim, static_in, static_out, kinds)
+            info["capture_s"] = time.perf_counter() - t0
+            if verify:
+                t1 = time.perf_counter()
+                _verify(replica, ref_b, ref_m, m, spec_b)
+                info["verify_s"] = time.perf_counter() - t1
+        cur.wait_stream(stream)
+    info["capture_s"] = time.perf_counter() - t0 - info["verify_s"]
+    info["kinds"] = kinds
+    info["out_spec"] = spec_b
+    return replica, info
+
+
+def _output_kinds(module, in_spec, sample, static_in, ref_m, ref_b, m, size, batch_dim, spec):
+    """Which outputs are batched, from the outputs at two different batch sizes."""
+    if m != size:
+        other, k = ref_m, m
+    else:
+        k = size - 1 if size > 1 else 2
+        other, _ = flatten_outputs(run_module(module, in_spec, [tile_rows(x, m, k, batch_dim) for x in sample]))
+    kinds, problems = classify_outputs(ref_b, size, other, k, batch_dim, spec)
+    if problems:
+        raise CaptureFailed(next(iter(problems.values())))
+    whole = [i for i, kind in enumerate(kinds) if kind == WHOLE]
+    msg = compare_leaves([ref_b[i] for i in whole], [other[i] for i in whole], CROSS_SHAPE_TOL,
+                         names=lambda j: f"output {spec.describe(whole[j])}")
+    if msg:
+        raise CaptureFailed(
+            f"{msg}: an output without a batch dimension changes with the batch, so it cannot come "
+            "from a padded graph"
+        )
+    return kinds
+
+
+def _verify(replica: Replica, ref_b, ref_m, m: int, spec: OutputSpec):
+    """Replay on the warm-up inputs and against changed padding; raise CaptureFailed on a mismatch."""
+    g, bd, size = replica.graph, replica.batch_dim, replica.size
+    names = spec.describe
+    g.replay()
+    msg = compare_leaves(replica.static_outputs, ref_b, SAME_SHAPE_TOL, names=lambda i: f"output {names(i)}")
+    if msg:
+        raise CaptureFailed(
+            f"replay differs from eager on the same inputs ({msg}); the forward probably does work on "
+            "the host (Python-side state, CPU tensors, random numbers) that a graph replays frozen"
+        )
+    msg = compare_leaves(replica.outputs_for(m), ref_m, CROSS_SHAPE_TOL, names=lambda i: f"output {names(i)}")
+    if msg:
+        raise CaptureFailed(
+            f"with {size - m} padding rows, the {m} real rows differ from eager on the real rows alone "
+            f"({msg}); the model mixes rows of the batch"
+        )
+    if size < 2:
+        return
+    keep = m if m < size else size // 2
+    before = _kept(replica.static_outputs, replica.kinds, keep, bd)
+    saved = [t.clone() for t in replica.static_inputs]
+    for t in replica.static_inputs:
+        rows = t.narrow(bd, keep, size - keep)
+        rows.copy_(_perturb(rows, bd))
+    g.replay()
+    after = _kept(replica.static_outputs, replica.kinds, keep, bd)
+    for t, s in zip(replica.static_inputs, saved):
+        t.copy_(s)
+    msg = compare_leaves(after, before, SAME_SHAPE_TOL, names=lambda i: f"output {names(i)}")
+    if msg:
+        raise CaptureFailed(
+            f"changing rows {keep}..{size - 1} of the batch changed the outputs of rows 0..{keep - 1} "
+            f"({msg}); the model mixes rows of the batch (batch statistics, a reduction over dim "
+            f"{bd}), so padding would change real results"
+        )

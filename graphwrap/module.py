@@ -1,0 +1,689 @@
+"""GraphedModule: bucketed CUDA-graph capture and replay for any nn.Module."""
+
+import logging
+import threading
+import time
+import weakref
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from . import _compat
+from .buckets import BucketTable
+from .capture import CaptureFailed, Replica, capture_bucket
+from .errors import GraphwrapError
+from .tree import (
+    BATCHED,
+    CONST,
+    UnsupportedInput,
+    batch_size_of,
+    flatten_inputs,
+    flatten_outputs,
+    map_tensors,
+    tensor_meta,
+)
+
+logger = logging.getLogger("graphwrap")
+
+Tensor = torch.Tensor
+_data_ptr = Tensor.data_ptr
+
+# Bumped by global hooks whenever any module gets a new parameter, buffer or submodule; a
+# GraphedModule re-reads its module's tensors when it sees a new value.
+_GENERATION = [0]
+_HOOKS_INSTALLED = []
+_SINGLE_TENSOR_SPEC = flatten_inputs((torch.empty(0),), {})[1]
+
+
+def _bump(*_args):
+    _GENERATION[0] += 1
+
+
+def _install_hooks():
+    if not _HOOKS_INSTALLED:
+        for register in _compat.registration_hooks():
+            _HOOKS_INSTALLED.append(register(_bump))
+        _HOOKS_INSTALLED.append(True)
+
+
+class _Bucket:
+    __slots__ = ("size", "replicas", "leased", "failed", "replays", "rows", "padded_rows", "eager_calls",
+                 "capture_s", "verify_s", "pool_bytes")
+
+    def __init__(self, size):
+        self.size = size
+        self.replicas: List[Replica] = []  # [0] serves gm(...); the others are leased to loops
+        self.leased = set()
+        self.failed: Optional[str] = None
+        self.replays = self.rows = self.padded_rows = self.eager_calls = 0
+        self.capture_s = self.verify_s = 0.0
+        self.pool_bytes = 0
+
+
+class _Key:
+    __slots__ = ("label", "in_spec", "device", "autocast", "kinds", "out_spec", "buckets", "failed",
+                 "eager_calls")
+
+    def __init__(self, label, in_spec, device, autocast):
+        self.label = label
+        self.in_spec = in_spec
+        self.device = device
+        self.autocast = autocast
+        self.kinds = None
+        self.out_spec = None
+        self.buckets: Dict[int, _Bucket] = {}
+        self.failed: Optional[str] = None
+        self.eager_calls = 0
+
+
+class _Store:
+    """The graphs and their buffers, apart from the module so a finalizer can release them."""
+
+    def __init__(self):
+        self.keys: Dict[Any, _Key] = {}
+        self.device: Optional[torch.device] = None
+        self.pool = None
+        self.stream = None
+
+    def release(self):
+        if self.keys and self.device is not None and torch.cuda.is_initialized():
+            # A replay may still be running: its memory must not be handed out before it ends.
+            torch.cuda.synchronize(self.device)
+        self.keys.clear()
+        self.pool = None
+
+
+def _release_store(store: _Store):
+    try:
+        store.release()
+    except Exception:  # noqa: BLE001 - never raise from a finalizer (interpreter shutdown)
+        pass
+
+
+def _describe_key(in_spec, meta, autocast) -> str:
+    spec_args, spec_kw = in_spec
+    it = iter(meta)
+
+    def one(spec):
+        tag = spec[0]
+        if tag == "T":
+            shape, dtype, device = next(it)
+            dims = ", ".join(str(d) for d in shape)
+            return f"Tensor[B{', ' if dims else ''}{dims}] {str(dtype).replace('torch.', '')} {device}"
+        if tag == "C":
+            return repr(spec[2])
+        if tag in ("tuple", "list"):
+            inner = ", ".join(one(s) for s in spec[1])
+            return f"({inner})" if tag == "tuple" else f"[{inner}]"
+        if tag == "dict":
+            return "{" + ", ".join(f"{k!r}: {one(s)}" for k, s in zip(spec[2], spec[3])) + "}"
+        return f"{spec[1].__name__}(" + ", ".join(one(s) for s in spec[2]) + ")"
+
+    parts = [one(s) for s in spec_args] + [f"{k}={one(s)}" for k, s in spec_kw]
+    text = "(" + ", ".join(parts) + ")"
+    if autocast is not None:
+        text += f" autocast={str(autocast).replace('torch.', '')}"
+    return text
+
+
+class GraphedModule(nn.Module):
+    r"""Wraps a module so that calls replay CUDA graphs captured per batch-size bucket.
+
+    ``gm = GraphedModule(model)`` is called exactly like ``model``. Each call's batch is
+    padded up to the smallest bucket that holds it, copied into that bucket's static inputs,
+    and served by one graph replay; the outputs are cut back to the real rows.
+
+    Args:
+        module: the module to wrap. Its parameters, buffers and submodules are shared, not copied.
+        buckets: batch sizes to capture. Default: :func:`graphwrap.default_buckets` up to
+            ``max_batch_size``.
+        max_batch_size: largest bucket of the default list (256). Larger batches are split
+            into chunks of at most this size, each served by a replay, and joined.
+        batch_dim: the dimension of every tensor input and batched output that holds the batch.
+        warmup_iters: eager runs on a side stream before each capture.
+        outputs: ``"clone"`` returns tensors the caller owns. ``"view"`` returns views of the
+            static output buffers, with no copy.
+        fallback: ``"eager"`` runs the module eagerly for inputs whose capture failed, logging
+            the reason once; ``"raise"`` raises :class:`GraphwrapError` instead.
+        verify: after each capture, replay on the warm-up inputs and compare with eager, then
+            replay with other padding rows to catch models that mix rows of the batch.
+        max_keys: how many input signatures get graphs; calls with further signatures run eagerly.
+
+    .. warning::
+        With ``outputs="view"``, the returned tensors are overwritten by the next call of this
+        GraphedModule (from any thread). Clone what you keep.
+
+    .. warning::
+        The forward is captured once per bucket. Python-side state it reads (flags, plain tensor
+        attributes that are not parameters or buffers, random numbers drawn on the host) is
+        frozen at capture: call :meth:`reset` after changing it.
+
+    .. warning::
+        Outputs never require grad. A call whose inputs require grad with grad mode on, or with
+        the module in training mode, runs eagerly.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        buckets: Optional[Sequence[int]] = None,
+        max_batch_size: Optional[int] = None,
+        batch_dim: int = 0,
+        warmup_iters: int = 3,
+        outputs: str = "clone",
+        fallback: str = "eager",
+        verify: bool = True,
+        max_keys: int = 16,
+    ):
+        if not isinstance(module, nn.Module):
+            raise GraphwrapError(f"GraphedModule wraps an nn.Module, got {type(module).__name__}")
+        if outputs not in ("clone", "view"):
+            raise GraphwrapError(f'outputs must be "clone" or "view", got {outputs!r}')
+        if fallback not in ("eager", "raise"):
+            raise GraphwrapError(f'fallback must be "eager" or "raise", got {fallback!r}')
+        if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
+            raise GraphwrapError(f"batch_dim must be a non-negative int, got {batch_dim!r}")
+        if not isinstance(warmup_iters, int) or warmup_iters < 1:
+            raise GraphwrapError(f"warmup_iters must be an int >= 1, got {warmup_iters!r}")
+        if not isinstance(max_keys, int) or max_keys < 1:
+            raise GraphwrapError(f"max_keys must be an int >= 1, got {max_keys!r}")
+        super().__init__()
+        _install_hooks()
+        object.__setattr__(self, "_gw_module", module)
+        # Share the module's tables, so parameters(), state_dict keys and nesting inside a
+        # parent module are exactly the module's own.
+        object.__setattr__(self, "_parameters", module._parameters)
+        object.__setattr__(self, "_buffers", module._buffers)
+        object.__setattr__(self, "_modules", module._modules)
+        object.__setattr__(self, "_non_persistent_buffers_set", module._non_persistent_buffers_set)
+        self.training = module.training
+        d = self.__dict__
+        d["_gw_table"] = BucketTable(buckets, max_batch_size)
+        d["_gw_batch_dim"] = batch_dim
+        d["_gw_warmup_iters"] = warmup_iters
+        d["_gw_clone"] = outputs == "clone"
+        d["_gw_outputs"] = outputs
+        d["_gw_fallback"] = fallback
+        d["_gw_verify"] = bool(verify)
+        d["_gw_max_keys"] = max_keys
+        d["_gw_lock"] = threading.RLock()
+        d["_gw_store"] = _Store()
+        d["_gw_finalizer"] = weakref.finalize(self, _release_store, d["_gw_store"])
+        d["_gw_eager"] = {}  # reason -> calls
+        d["_gw_logged"] = set()
+        d["_gw_last_stream"] = None
+        d["_gw_gen"] = -1
+        d["_gw_tensors"] = []
+        d["_gw_ptrs"] = None  # data pointers of the module's tensors when the graphs were captured
+        d["_gw_keepalive"] = None
+        d["_gw_device"] = None
+
+    # ------------------------------------------------------------------ drop-in behaviour
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self.__dict__["_gw_module"]
+
+    @property
+    def buckets(self):
+        return self.__dict__["_gw_table"].buckets
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        d = self.__dict__
+        if "_gw_module" not in d:
+            raise AttributeError(name)
+        return getattr(d["_gw_module"], name)
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(dir(self.__dict__["_gw_module"])))
+
+    def extra_repr(self):
+        return (f"module={type(self.module).__name__}, buckets={list(self.buckets)}, "
+                f"outputs={self._gw_outputs!r}, fallback={self._gw_fallback!r}")
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        # In-place copies keep the tensors the graphs read, so the next replay sees the new
+        # weights; assign=True swaps tensors, which the pointer check below catches.
+        return self.module.load_state_dict(state_dict, *args, **kwargs)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        return self.module._load_from_state_dict(*args, **kwargs)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .cuda(), .half(), .float() ... all come here: graphs of the old tensors go.
+        self.reset()
+        self.module._apply(fn, *args, **kwargs)
+        return self
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    # ------------------------------------------------------------------ public API
+
+    def reset(self):
+        """Drop every graph and static buffer; the next calls capture again."""
+        with self._gw_lock:
+            store = self._gw_store
+            store.release()
+            d = self.__dict__
+            d["_gw_ptrs"] = None
+            d["_gw_keepalive"] = None
+            d["_gw_last_stream"] = None
+            d["_gw_device"] = None
+            d["_gw_gen"] = -1
+
+    def capture(self, *args, **kwargs):
+        """Capture every bucket for the signature of these inputs now, largest first.
+
+        The inputs serve as samples: buckets smaller than their batch take its first rows,
+        larger ones repeat its rows. Progress (bucket, time, pool memory) is logged at INFO on
+        the ``graphwrap`` logger. Returns ``stats()`` of this signature.
+        """
+        prep = self._prepare(args, kwargs)
+        if isinstance(prep, str):
+            raise GraphwrapError(f"cannot capture: {prep}")
+        key, ks_args = prep
+        leaves, n, spec, meta, autocast, device = ks_args
+        with self._gw_lock:
+            ks = self._key_for(key, spec, meta, autocast, device, leaves)
+            if ks is None:
+                raise GraphwrapError(
+                    f"cannot capture: this GraphedModule already holds max_keys={self._gw_max_keys} "
+                    "input signatures; pass a larger max_keys= or call reset()"
+                )
+            t0 = time.perf_counter()
+            for size in sorted(self._gw_table.buckets, reverse=True):
+                if ks.failed:
+                    break
+                b = ks.buckets.get(size)
+                if b is None or (not b.replicas and not b.failed):
+                    self._capture(ks, size, leaves, n)
+            logger.info("graphwrap: captured %d buckets of %s in %.2f s", len(ks.buckets), ks.label,
+                        time.perf_counter() - t0)
+            return self._key_stats(ks)
+
+    def stats(self) -> dict:
+        """Per signature and bucket: captured, replays, real and padded rows, capture time, fallbacks.
+
+        Also the eager calls by reason and the memory the graph pool and static inputs hold.
+        """
+        with self._gw_lock:
+            keys = [self._key_stats(ks) for ks in self._gw_store.keys.values()]
+            rows = sum(b["rows"] for k in keys for b in k["buckets"].values())
+            padded = sum(b["padded_rows"] for k in keys for b in k["buckets"].values())
+            return {
+                "keys": keys,
+                "eager_calls": dict(self._gw_eager),
+                "graph_pool_bytes": sum(k["pool_bytes"] for k in keys),
+                "static_input_bytes": sum(k["static_input_bytes"] for k in keys),
+                "rows": rows,
+                "padded_rows": padded,
+                "padded_share": padded / (rows + padded) if rows + padded else 0.0,
+                "device": str(self._gw_store.device) if self._gw_store.device is not None else None,
+            }
+
+    @staticmethod
+    def _key_stats(ks: _Key) -> dict:
+        buckets = {}
+        for size, b in sorted(ks.buckets.items()):
+            buckets[size] = {
+                "captured": bool(b.replicas),
+                "graphs": len(b.replicas),
+                "failed": b.failed,
+                "replays": b.replays,
+                "rows": b.rows,
+                "padded_rows": b.padded_rows,
+                "eager_calls": b.eager_calls,
+                "capture_s": b.capture_s,
+                "verify_s": b.verify_s,
+                "pool_bytes": b.pool_bytes,
+            }
+        return {
+            "key": ks.label,
+            "status": "eager" if ks.failed else "graphed",
+            "reason": ks.failed,
+            "eager_calls": ks.eager_calls,
+            "buckets": buckets,
+            "pool_bytes": sum(b["pool_bytes"] for b in buckets.values()),
+            "static_input_bytes": sum(r.nbytes() for b in ks.buckets.values() for r in b.replicas),
+        }
+
+    # ------------------------------------------------------------------ the call
+
+    def forward(self, *args, **kwargs):
+        prep = self._prepare(args, kwargs)
+        if type(prep) is str:
+            return self._eager(args, kwargs, prep)
+        key, (leaves, n, spec, meta, autocast, device) = prep
+        with self._gw_lock:
+            ks = self._gw_store.keys.get(key)
+            if ks is None:
+                ks = self._key_for(key, spec, meta, autocast, device, leaves)
+                if ks is None:
+                    return self._eager(args, kwargs, f"more than max_keys={self._gw_max_keys} input signatures")
+            if ks.failed is not None:
+                ks.eager_calls += 1
+                return self._eager(args, kwargs, ks.failed)
+            table = self._gw_table
+            if n <= table.max:
+                return self._run_one(ks, leaves, n, table.bucket_for(n), args, kwargs)
+            return self._run_chunked(ks, leaves, n, args, kwargs)
+
+    def _prepare(self, args, kwargs):
+        """The graph key and call facts, or a string saying why this call runs eagerly."""
+        module = self.__dict__["_gw_module"]
+        if module.training:
+            return "the module is in training mode"
+        if _GENERATION[0] != self._gw_gen:
+            self._refresh_tensors()
+        if self._gw_ptrs is not None and tuple(map(_data_ptr, self._gw_tensors)) != self._gw_ptrs:
+            self._tensors_moved()
+        if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
+            leaves = [args[0]]
+            spec = _SINGLE_TENSOR_SPEC
+        else:
+            try:
+                leaves, spec = flatten_inputs(args, kwargs)
+            except UnsupportedInput as e:
+                return str(e)
+        if not leaves:
+            return "the call has no tensor inputs to batch"
+        device = self._gw_device or self._find_device(leaves)
+        if device is None:
+            return "the module is not on a CUDA device" if _compat.cuda_available() else "CUDA is not available"
+        if torch.is_grad_enabled():
+            for t in leaves:
+                if t.requires_grad:
+                    return "an input requires grad and grad mode is on"
+        bd = self._gw_batch_dim
+        n = batch_size_of(leaves, bd)
+        if n == 0:
+            return "the batch is empty"
+        meta = tensor_meta(leaves, bd)
+        autocast = _compat.autocast_state("cuda")
+        return (spec, meta, autocast), (leaves, n, spec, meta, autocast, device)
+
+    def _find_device(self, leaves):
+        module = self.module
+        t = next(iter(module.parameters()), None)
+        if t is None:
+            t = next(iter(module.buffers()), None)
+        if t is None:
+            # A module with no tensors of its own runs where its inputs are, call by call.
+            t = next((x for x in leaves if x.is_cuda), None)
+            return None if t is None else t.device
+        if not t.is_cuda:
+            return None
+        self.__dict__["_gw_device"] = t.device
+        return t.device
+
+    def _refresh_tensors(self):
+        module = self.module
+        d = self.__dict__
+        d["_gw_tensors"] = list(module.parameters()) + list(module.buffers())
+        d["_gw_gen"] = _GENERATION[0]
+        d["_gw_device"] = None
+        if d["_gw_ptrs"] is not None and tuple(map(_data_ptr, d["_gw_tensors"])) != d["_gw_ptrs"]:
+            self._tensors_moved()
+
+    def _tensors_moved(self):
+        self._log_once("moved", logging.INFO,
+                       "graphwrap: the module's parameters or buffers were replaced or moved; "
+                       "dropping its graphs, they are captured again on the next calls")
+        self.reset()
+        self._refresh_tensors()
+
+    def _key_for(self, key, spec, meta, autocast, device, leaves) -> Optional[_Key]:
+        store = self._gw_store
+        ks = store.keys.get(key)
+        if ks is not None:
+            return ks
+        if len(store.keys) >= self._gw_max_keys:
+            return None
+        for i, t in enumerate(leaves):
+            if t.is_cuda and t.device != device:
+                raise GraphwrapError(
+                    f"input tensor #{i} is on {t.device} but the module is on {device}; move it with "
+                    f".to({str(device)!r}) (CPU tensors are copied over for you)"
+                )
+        if store.device is None:
+            store.device = device
+        elif store.device != device:
+            self.reset()
+            store.device = device
+        ks = _Key(_describe_key(spec, meta, autocast), spec, device, autocast)
+        store.keys[key] = ks
+        return ks
+
+    def _capture(self, ks: _Key, size: int, leaves, n: int) -> _Bucket:
+        b = ks.buckets.get(size)
+        if b is None:
+            b = ks.buckets[size] = _Bucket(size)
+        store = self._gw_store
+        device = ks.device
+        bd = self._gw_batch_dim
+        with torch.cuda.device(device):
+            if store.pool is None:
+                store.pool = torch.cuda.graph_pool_handle()
+            if store.stream is None or store.stream.device != device:
+                store.stream = torch.cuda.Stream(device)
+            if self._gw_ptrs is None:
+                self._refresh_tensors()
+                d = self.__dict__
+                d["_gw_keepalive"] = list(d["_gw_tensors"])  # never replay on freed memory
+                d["_gw_ptrs"] = tuple(map(_data_ptr, d["_gw_tensors"]))
+            m = min(n, size)
+            sample = [t.narrow(bd, 0, m).to(device) for t in leaves]
+            try:
+                rep, info = capture_bucket(
+                    module=self.module, device=device, pool=store.pool, stream=store.stream,
+                    in_spec=ks.in_spec, sample=sample, size=size, batch_dim=bd,
+                    warmup_iters=self._gw_warmup_iters, autocast_dtype=ks.autocast,
+                    verify=self._gw_verify, kinds=ks.kinds, out_spec=ks.out_spec,
+                )
+            except CaptureFailed as e:
+                self._capture_failed(ks, b, e)
+                return b
+        ks.kinds, ks.out_spec = info["kinds"], info["out_spec"]
+        b.replicas.append(rep)
+        b.capture_s += info["capture_s"]
+        b.verify_s += info["verify_s"]
+        b.pool_bytes += info["pool_bytes"]
+        logger.info("graphwrap: captured bucket %d of %s in %.1f ms (verify %.1f ms), graph pool +%.1f MiB",
+                    size, ks.label, 1e3 * info["capture_s"], 1e3 * info["verify_s"], info["pool_bytes"] / 2**20)
+        return b
+
+    def _capture_failed(self, ks: _Key, b: _Bucket, e: CaptureFailed):
+        if e.scope == "bucket":
+            b.failed = e.reason
+            torch.cuda.empty_cache()
+        else:
+            ks.failed = e.reason
+        msg = f"graphwrap: capture of bucket {b.size} for {ks.label} failed: {e.reason}"
+        if self._gw_fallback == "raise":
+            err = GraphwrapError(f"{msg}. Pass fallback=\"eager\" to run such inputs eagerly instead")
+            raise err from (e.cause or e)
+        self._log_once(("capture", ks.label, b.size if e.scope == "bucket" else None), logging.WARNING,
+                       f"{msg}; running {'this bucket' if e.scope == 'bucket' else 'these inputs'} eagerly")
+
+    def pipeline(self, batches, *, to_host: bool = False):
+        """Run the module over an iterable of inputs, copies hidden behind replays.
+
+        Yields one output per batch, in order, each what ``gm(...)`` returns for it. An item
+        is a tensor (``gm(t)``), a tuple or list (``gm(*item)``), a dict (``gm(**item)``) or
+        :class:`graphwrap.Inputs`. Host inputs are copied on a copy stream straight from pinned
+        memory, or through pinned buffers the loop owns when they are pageable; each bucket
+        takes turns on two graphs, so the copy of the next batch overlaps the replay of this
+        one. Outputs are new tensors on the GPU; with ``to_host=True`` they are pinned host
+        tensors, complete when yielded and the caller's to keep.
+
+        Batches above the largest bucket and calls that run eagerly are served by ``gm(...)``,
+        in order, without overlap.
+        """
+        from .pipeline import run_pipeline
+
+        return run_pipeline(self, batches, to_host=to_host)
+
+    def _take_lease(self, ks: _Key, size: int, leaves, n: int, count: int):
+        """``count`` graphs of this bucket for a loop's sole use (captured as needed), or None."""
+        b = ks.buckets.get(size)
+        if b is None or (not b.replicas and not b.failed):
+            b = self._capture(ks, size, leaves, n)
+        if b.failed is not None or ks.failed is not None:
+            return None
+        taken = []
+        for i in range(1, len(b.replicas)):
+            if len(taken) == count:
+                break
+            if i not in b.leased:
+                taken.append(i)
+        while len(taken) < count:
+            if not self._capture_replica(ks, b):
+                return None
+            taken.append(len(b.replicas) - 1)
+        b.leased.update(taken)
+        return [b.replicas[i] for i in taken]
+
+    def _return_lease(self, replicas):
+        for ks in self._gw_store.keys.values():
+            for b in ks.buckets.values():
+                for i, r in enumerate(b.replicas):
+                    if any(r is x for x in replicas):
+                        b.leased.discard(i)
+
+    def _capture_replica(self, ks: _Key, b: _Bucket) -> bool:
+        """One more graph of a captured bucket, with the first graph's static inputs as sample."""
+        store = self._gw_store
+        first = b.replicas[0]
+        with torch.cuda.device(ks.device):
+            try:
+                rep, info = capture_bucket(
+                    module=self.module, device=ks.device, pool=store.pool, stream=store.stream,
+                    in_spec=ks.in_spec, sample=first.static_inputs, size=b.size,
+                    batch_dim=self._gw_batch_dim, warmup_iters=1, autocast_dtype=ks.autocast,
+                    verify=self._gw_verify, kinds=ks.kinds, out_spec=ks.out_spec,
+                )
+            except CaptureFailed as e:
+                self._capture_failed(ks, b, e)
+                return False
+        b.replicas.append(rep)
+        b.capture_s += info["capture_s"]
+        b.verify_s += info["verify_s"]
+        b.pool_bytes += info["pool_bytes"]
+        return True
+
+    def _order_stream(self, device):
+        # The static buffers and the pool are shared by every caller: work issued on another
+        # stream waits for the last call's work before touching them.
+        cur = torch.cuda.current_stream(device)
+        last = self._gw_last_stream
+        if last is not None and last != cur:
+            cur.wait_stream(last)
+        self.__dict__["_gw_last_stream"] = cur
+        return cur
+
+    def _replay(self, ks: _Key, leaves, n: int, size: int, args, kwargs):
+        """Copy the real rows in and replay; the static outputs cut to n rows, or None if eager."""
+        b = ks.buckets.get(size)
+        if b is None or (not b.replicas and not b.failed):
+            b = self._capture(ks, size, leaves, n)
+            if ks.failed is not None:
+                return None
+        if b.failed is not None:
+            b.eager_calls += 1
+            return None
+        rep = b.replicas[0]
+        self._order_stream(ks.device)
+        for dst, src in zip(rep.inputs_for(n), leaves):
+            dst.copy_(src)
+        rep.graph.replay()
+        b.replays += 1
+        b.rows += n
+        b.padded_rows += size - n
+        return rep
+
+    def _run_one(self, ks: _Key, leaves, n: int, size: int, args, kwargs):
+        device = ks.device
+        if device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                return self._run_one(ks, leaves, n, size, args, kwargs)
+        rep = self._replay(ks, leaves, n, size, args, kwargs)
+        if rep is None:
+            return self._eager(args, kwargs, ks.failed or ks.buckets[size].failed)
+        outs = rep.outputs_for(n)
+        if self._gw_clone:
+            outs = [o.clone() if is_t else o for o, is_t in zip(outs, rep.is_tensor)]
+        return ks.out_spec.rebuild(outs)
+
+    def _run_chunked(self, ks: _Key, leaves, n: int, args, kwargs):
+        """A batch above the largest bucket: one replay per chunk, outputs joined into new tensors."""
+        device = ks.device
+        if device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                return self._run_chunked(ks, leaves, n, args, kwargs)
+        bd = self._gw_batch_dim
+        joined = None
+        for start, rows, size in self._gw_table.chunks(n):
+            part = [t.narrow(bd, start, rows) for t in leaves]
+            rep = self._replay(ks, part, rows, size, args, kwargs)
+            if rep is not None:
+                outs = rep.outputs_for(rows)
+            else:
+                if ks.failed is not None:  # the key failed at capture: the whole batch runs eagerly
+                    return self._eager(args, kwargs, ks.failed)
+                p_args, p_kwargs = _narrow_call(args, kwargs, bd, start, rows)
+                with torch.no_grad():
+                    outs, _ = flatten_outputs(self._eager_run(p_args, p_kwargs))
+            if joined is None:
+                joined = []
+                for o, kind in zip(outs, ks.kinds):
+                    if kind == BATCHED:
+                        shape = list(o.shape)
+                        shape[bd] = n
+                        joined.append(o.new_empty(shape))
+                    elif kind == CONST:
+                        joined.append(o)
+                    else:
+                        joined.append(o.clone())
+            for j, (o, kind) in enumerate(zip(outs, ks.kinds)):
+                if kind == BATCHED:
+                    joined[j].narrow(bd, start, rows).copy_(o)
+        return ks.out_spec.rebuild(joined)
+
+    # ------------------------------------------------------------------ eager
+
+    def _eager_run(self, args, kwargs):
+        device = self._gw_device
+        if device is not None:
+            args, kwargs = map_tensors(lambda t: t.to(device) if t.device.type == "cpu" else t, (args, kwargs))
+        return self.module(*args, **kwargs)
+
+    def _eager(self, args, kwargs, reason: str):
+        counts = self._gw_eager
+        counts[reason] = counts.get(reason, 0) + 1
+        if counts[reason] == 1:
+            level = logging.INFO if reason.startswith(("the module", "CUDA")) else logging.WARNING
+            self._log_once(("eager", reason), level, f"graphwrap: running eagerly: {reason}")
+        return self._eager_run(args, kwargs)
+
+    def _log_once(self, tag, level, msg):
+        logged = self._gw_logged
+        if tag not in logged:
+            logged.add(tag)
+            logger.log(level, msg)
+
+
+def _narrow_call(args, kwargs, bd, start, rows):
+    return map_tensors(lambda t: t.narrow(bd, start, rows), (args, kwargs))

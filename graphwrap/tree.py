@@ -1,0 +1,320 @@
+"""Inputs flattened into tensor leaves and a hashable key; outputs flattened and rebuilt.
+
+Pure Python and torch, no CUDA: everything here runs and is tested on a CPU.
+"""
+
+import dataclasses
+import enum
+import math
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+
+from .errors import GraphwrapError
+
+Tensor = torch.Tensor
+
+# Constants that are immutable, so a graph keyed on their value stays right. A mutable object
+# (a config, a list held elsewhere) could change after capture without changing the key.
+_CONSTANT_TYPES = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)
+
+
+class UnsupportedInput(GraphwrapError):
+    """An input leaf that is neither a tensor nor an immutable constant; the call runs eagerly."""
+
+
+_TENSOR = ("T",)
+
+
+def _const_spec(x):
+    if isinstance(x, float) and math.isnan(x):
+        return ("C", float, "nan")  # nan != nan would make a new key every call
+    return ("C", type(x), x)
+
+
+def _flatten(obj, leaves: List[Tensor], path: str):
+    if isinstance(obj, Tensor):
+        leaves.append(obj)
+        return _TENSOR
+    t = type(obj)
+    if t is tuple or t is list:
+        return (t.__name__, tuple(_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)))
+    if isinstance(obj, dict):
+        keys = tuple(obj.keys())
+        for k in keys:
+            if not isinstance(k, _CONSTANT_TYPES):
+                raise UnsupportedInput(f"dict key {k!r} at {path} is not a constant graphwrap can key on")
+        return ("dict", t, keys, tuple(_flatten(obj[k], leaves, f"{path}[{k!r}]") for k in keys))
+    if isinstance(obj, tuple):  # namedtuple and other tuple subclasses
+        return ("tuple+", t, tuple(_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)))
+    if isinstance(obj, list):
+        return ("list+", t, tuple(_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)))
+    if isinstance(obj, _CONSTANT_TYPES):
+        return _const_spec(obj)
+    raise UnsupportedInput(
+        f"input at {path} has type {t.__name__}, which is neither a tensor nor an immutable constant "
+        "(int, float, bool, str, None, torch.dtype, torch.device, an Enum)"
+    )
+
+
+def flatten_inputs(args: tuple, kwargs: dict) -> Tuple[List[Tensor], tuple]:
+    """Tensor leaves of ``(args, kwargs)`` in order, and a hashable spec of everything else.
+
+    The spec holds the tree structure and every constant, so two calls with the same spec and
+    the same tensor metadata run the same graph.
+    """
+    leaves: List[Tensor] = []
+    spec_args = tuple(_flatten(v, leaves, f"args[{i}]") for i, v in enumerate(args))
+    if kwargs:
+        spec_kw = tuple((k, _flatten(kwargs[k], leaves, f"kwargs[{k!r}]")) for k in kwargs)
+    else:
+        spec_kw = ()
+    return leaves, (spec_args, spec_kw)
+
+
+def _unflatten(spec, it):
+    tag = spec[0]
+    if tag == "T":
+        return next(it)
+    if tag == "C":
+        return float("nan") if spec[2] == "nan" and spec[1] is float else spec[2]
+    if tag == "tuple":
+        return tuple(_unflatten(s, it) for s in spec[1])
+    if tag == "list":
+        return [_unflatten(s, it) for s in spec[1]]
+    if tag == "dict":
+        _, t, keys, children = spec
+        d = {k: _unflatten(s, it) for k, s in zip(keys, children)}
+        return d if t is dict else t(d)
+    if tag == "tuple+":
+        _, t, children = spec
+        vals = [_unflatten(s, it) for s in children]
+        return t(*vals) if hasattr(t, "_fields") else t(vals)
+    if tag == "list+":
+        _, t, children = spec
+        return t([_unflatten(s, it) for s in children])
+    raise AssertionError(f"unknown spec tag {tag!r}")
+
+
+def unflatten_inputs(spec: tuple, leaves: Sequence[Tensor]) -> Tuple[tuple, dict]:
+    """Rebuild ``(args, kwargs)`` from a spec and tensor leaves (the inverse of flatten_inputs)."""
+    it = iter(leaves)
+    spec_args, spec_kw = spec
+    args = tuple(_unflatten(s, it) for s in spec_args)
+    kwargs = {k: _unflatten(s, it) for k, s in spec_kw}
+    return args, kwargs
+
+
+def batch_size_of(leaves: Sequence[Tensor], batch_dim: int) -> int:
+    """The common size of every leaf along ``batch_dim``, or a GraphwrapError naming the culprits."""
+    n = None
+    for i, t in enumerate(leaves):
+        if t.dim() <= batch_dim:
+            raise GraphwrapError(
+                f"input tensor #{i} has shape {tuple(t.shape)}, with no batch_dim={batch_dim}; graphwrap "
+                "batches every tensor input along batch_dim. Pass a per-call scalar as a Python number, "
+                "or give the tensor a batch dimension"
+            )
+        m = t.shape[batch_dim]
+        if n is None:
+            n = m
+        elif m != n:
+            sizes = [tuple(x.shape) for x in leaves]
+            raise GraphwrapError(
+                f"batched inputs disagree on the batch size along batch_dim={batch_dim}: tensor #0 has "
+                f"{n} rows but tensor #{i} has {m} (shapes {sizes}); every tensor input must have the "
+                "same batch size"
+            )
+    return n
+
+
+def tensor_meta(leaves: Sequence[Tensor], batch_dim: int) -> tuple:
+    """Per leaf: the shape without the batch dim, dtype and device (part of the graph key)."""
+    out = []
+    for t in leaves:
+        s = t.shape
+        out.append((s[:batch_dim] + s[batch_dim + 1:], t.dtype, t.device))
+    return tuple(out)
+
+
+def map_tensors(fn: Callable[[Tensor], Any], obj):
+    """Apply ``fn`` to every tensor in a nest of tuples, lists, dicts and dataclasses."""
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if type(obj) is tuple:
+        return tuple(map_tensors(fn, v) for v in obj)
+    if type(obj) is list:
+        return [map_tensors(fn, v) for v in obj]
+    if isinstance(obj, dict) and not dataclasses.is_dataclass(obj):
+        d = {k: map_tensors(fn, v) for k, v in obj.items()}
+        return d if type(obj) is dict else type(obj)(d)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(fn, v) for v in obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        leaves, spec = flatten_outputs(obj)
+        return spec.rebuild([map_tensors(fn, v) for v in leaves])
+    return obj
+
+
+# ----------------------------------------------------------------------------------------- outputs
+
+
+class OutputSpec:
+    """How to rebuild a module's output from its flat leaves (tensors and other values)."""
+
+    __slots__ = ("node", "num_leaves", "single")
+
+    def __init__(self, node, num_leaves: int):
+        self.node = node
+        self.num_leaves = num_leaves
+        self.single = node == ("L",)
+
+    def rebuild(self, leaves: Sequence[Any]):
+        if self.single:
+            return leaves[0]
+        return _rebuild(self.node, iter(leaves))
+
+    def __eq__(self, other):
+        return isinstance(other, OutputSpec) and self.node == other.node
+
+    def __hash__(self):
+        return hash(self.node)
+
+    def describe(self, i: int) -> str:
+        """A readable path to leaf ``i``, for messages."""
+        paths: List[str] = []
+        _paths(self.node, "out", paths)
+        return paths[i] if i < len(paths) else f"leaf {i}"
+
+
+def _dataclass_fields(obj):
+    return [f.name for f in dataclasses.fields(obj) if f.init]
+
+
+def _flatten_out(obj, leaves: list):
+    if isinstance(obj, Tensor):
+        leaves.append(obj)
+        return ("L",)
+    t = type(obj)
+    if t is tuple or t is list:
+        return (t.__name__, tuple(_flatten_out(v, leaves) for v in obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if isinstance(obj, dict):
+            # HF ModelOutput: a dataclass and an OrderedDict whose keys are the fields set.
+            keys = tuple(obj.keys())
+            return ("dcmap", t, keys, tuple(_flatten_out(obj[k], leaves) for k in keys))
+        names = tuple(_dataclass_fields(obj))
+        return ("dc", t, names, tuple(_flatten_out(getattr(obj, k), leaves) for k in names))
+    if isinstance(obj, dict):
+        keys = tuple(obj.keys())
+        return ("dict", t, keys, tuple(_flatten_out(obj[k], leaves) for k in keys))
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return ("nt", t, tuple(_flatten_out(v, leaves) for v in obj))
+    leaves.append(obj)
+    return ("L",)
+
+
+def _rebuild(node, it):
+    tag = node[0]
+    if tag == "L":
+        return next(it)
+    if tag == "tuple":
+        return tuple(_rebuild(c, it) for c in node[1])
+    if tag == "list":
+        return [_rebuild(c, it) for c in node[1]]
+    if tag == "dict":
+        _, t, keys, children = node
+        d = {k: _rebuild(c, it) for k, c in zip(keys, children)}
+        return d if t is dict else t(d)
+    if tag in ("dcmap", "dc"):
+        _, t, keys, children = node
+        return t(**{k: _rebuild(c, it) for k, c in zip(keys, children)})
+    if tag == "nt":
+        _, t, children = node
+        return t(*(_rebuild(c, it) for c in children))
+    raise AssertionError(f"unknown output node {tag!r}")
+
+
+def _paths(node, prefix, out):
+    tag = node[0]
+    if tag == "L":
+        out.append(prefix)
+    elif tag in ("tuple", "list"):
+        for i, c in enumerate(node[1]):
+            _paths(c, f"{prefix}[{i}]", out)
+    elif tag in ("dict", "dcmap"):
+        for k, c in zip(node[2], node[3]):
+            _paths(c, f"{prefix}[{k!r}]", out)
+    elif tag == "dc":
+        for k, c in zip(node[2], node[3]):
+            _paths(c, f"{prefix}.{k}", out)
+    elif tag == "nt":
+        for k, c in zip(node[1]._fields, node[2]):
+            _paths(c, f"{prefix}.{k}", out)
+
+
+def flatten_outputs(out) -> Tuple[list, OutputSpec]:
+    """Leaves of a module output (tensors and any other values) and the spec that rebuilds it.
+
+    Tuples, lists, namedtuples, dicts, dataclasses and HF-style ModelOutput keep their type.
+    """
+    leaves: list = []
+    node = _flatten_out(out, leaves)
+    return leaves, OutputSpec(node, len(leaves))
+
+
+# Output leaf kinds, decided once per key by comparing outputs at two batch sizes.
+BATCHED = "batched"  # a tensor with the batch along batch_dim: cut back to the real rows
+WHOLE = "whole"  # a tensor that does not change with the batch: returned whole
+CONST = "const"  # a non-tensor value that does not change with the batch: returned as is
+
+
+def classify_outputs(
+    leaves_a: Sequence[Any], n_a: int, leaves_b: Sequence[Any], n_b: int, batch_dim: int, spec: OutputSpec
+) -> Tuple[List[str], Dict[int, str]]:
+    """Which output leaves are batched, from one output at ``n_a`` rows and one at ``n_b`` rows.
+
+    Returns the kinds and, for leaves graphwrap cannot serve from a padded graph, the reason
+    (keyed by leaf index). A leaf is batched when its size along batch_dim is the batch size
+    in both outputs and its other dims agree; it is whole when its shape does not change.
+    """
+    if n_a == n_b:
+        raise ValueError("classify_outputs needs two different batch sizes")
+    kinds: List[str] = []
+    problems: Dict[int, str] = {}
+    for i, (a, b) in enumerate(zip(leaves_a, leaves_b)):
+        where = spec.describe(i)
+        if isinstance(a, Tensor) and isinstance(b, Tensor):
+            sa, sb = tuple(a.shape), tuple(b.shape)
+            if (
+                a.dim() > batch_dim
+                and b.dim() == a.dim()
+                and sa[batch_dim] == n_a
+                and sb[batch_dim] == n_b
+                and sa[:batch_dim] + sa[batch_dim + 1:] == sb[:batch_dim] + sb[batch_dim + 1:]
+            ):
+                kinds.append(BATCHED)
+            elif sa == sb:
+                kinds.append(WHOLE)
+            else:
+                kinds.append(WHOLE)
+                problems[i] = (
+                    f"output {where} has shape {sa} at batch {n_a} but {sb} at batch {n_b}: it changes "
+                    f"with the batch size but not along batch_dim={batch_dim}, so padded rows cannot be "
+                    "cut off it"
+                )
+        elif isinstance(a, Tensor) or isinstance(b, Tensor):
+            kinds.append(CONST)
+            problems[i] = f"output {where} is a tensor at one batch size and not at another"
+        else:
+            kinds.append(CONST)
+            try:
+                same = bool(a == b)
+            except Exception:  # noqa: BLE001 - any comparison failure means "can't prove it constant"
+                same = False
+            if not same:
+                problems[i] = (
+                    f"output {where} is {a!r} at batch {n_a} but {b!r} at batch {n_b}: a non-tensor output "
+                    "that depends on the batch cannot come from a graph captured at a padded size"
+                )
+    return kinds, problems

@@ -1,0 +1,30 @@
+import logging
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_clean():
+    torch.manual_seed(0)
+    yield
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def gw_log(caplog):
+    caplog.set_level(logging.INFO, logger="graphwrap")
+    return caplog

@@ -1,0 +1,107 @@
+"""Small helpers the tests keep using."""
+
+import dataclasses
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    """The seed notebook's model: Linear/ReLU stack."""
+
+    def __init__(self, d_in=32, hidden=64, d_out=16):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, d_out)
+        )
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    hidden: Optional[torch.Tensor] = None
+    tag: str = "x"
+
+
+class ModelOutputLike(OrderedDict):
+    """Mimics transformers' ModelOutput: a dataclass and an OrderedDict of the fields set."""
+
+    def __init_subclass__(cls):
+        super().__init_subclass__()
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is not None:
+                self[f.name] = v
+
+
+@dataclasses.dataclass
+class HFOut(ModelOutputLike):
+    last_hidden_state: Optional[torch.Tensor] = None
+    pooler_output: Optional[torch.Tensor] = None
+    attentions: Optional[torch.Tensor] = None
+
+
+class MultiIO(nn.Module):
+    """Several inputs, kwargs, constants and a nested, typed output."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.register_buffer("bias", torch.randn(d))
+
+    def forward(self, x, pair, *, scale=1.0, mode="sum", extra=None):
+        y = self.a(x) * scale + self.b(pair[0]) + pair[1]["m"]
+        if mode == "sum":
+            y = y + self.bias
+        out = {"y": y, "both": (y, x * 2), "w": self.bias * 3}
+        if extra is not None:
+            out["extra"] = extra + 1
+        return Out(logits=y, hidden=x + 1), out, 7
+
+
+class RowMixer(nn.Module):
+    """Each row's output depends on the other rows: must never be padded."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.lin(x - x.mean(0, keepdim=True))
+
+
+def assert_same(a, b, tol=1e-5):
+    """Recursively compare two outputs (tensors within ``tol``, everything else equal)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), (type(a), type(b))
+        assert a.shape == b.shape, (a.shape, b.shape)
+        assert a.dtype == b.dtype
+        assert a.device == b.device, (a.device, b.device)
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    elif dataclasses.is_dataclass(a) and not isinstance(a, dict):
+        assert type(a) is type(b)
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), tol)
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and list(a.keys()) == list(b.keys())
+        for k in a:
+            assert_same(a[k], b[k], tol)
+    elif isinstance(a, (tuple, list)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y, tol)
+    else:
+        assert a == b, (a, b)
+
+
+def num_graphs(gm) -> int:
+    """How many graphs the GraphedModule holds, over all keys and buckets."""
+    return sum(b["graphs"] for k in gm.stats()["keys"] for b in k["buckets"].values())

@@ -1,0 +1,315 @@
+"""GraphedModule on a GPU. Every call gets fresh random inputs and is compared with eager."""
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from graphwrap import GraphedModule, GraphwrapError, default_buckets
+from helpers import HFOut, MLP, MultiIO, RowMixer, assert_same, num_graphs
+
+pytestmark = pytest.mark.cuda
+DEV = "cuda"
+
+
+def _mlp(**kw):
+    return MLP(**kw).to(DEV).eval()
+
+
+def _eager(model, *args, **kwargs):
+    with torch.no_grad():
+        return model(*args, **kwargs)
+
+
+def test_every_bucket_and_past_the_largest():
+    model = _mlp()
+    gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16])
+    for n in list(range(1, 40)) + [3, 1, 17, 16]:
+        x = torch.randn(n, 32, device=DEV)
+        assert_same(gm(x), _eager(model, x))
+    s = gm.stats()
+    assert s["eager_calls"] == {}
+    assert num_graphs(gm) == 5
+    assert s["rows"] == sum(list(range(1, 40)) + [3, 1, 17, 16])
+
+
+def test_default_buckets_random_sizes():
+    model = _mlp()
+    gm = GraphedModule(model)
+    for n in torch.randint(1, 300, (40,)).tolist():
+        x = torch.randn(n, 32, device=DEV)
+        assert_same(gm(x), _eager(model, x))
+    assert gm.stats()["eager_calls"] == {}
+
+
+def test_clone_outputs_survive_later_calls_and_views_do_not():
+    model = _mlp()
+    gm = GraphedModule(model, buckets=[4])
+    x1, x2 = torch.randn(4, 32, device=DEV), torch.randn(4, 32, device=DEV)
+    y1 = gm(x1)
+    gm(x2)
+    assert_same(y1, _eager(model, x1))
+    gv = GraphedModule(model, buckets=[4], outputs="view")
+    v1 = gv(x1)
+    v2 = gv(x2)
+    assert v1.data_ptr() == v2.data_ptr(), "view outputs are the static output buffer"
+    assert_same(v1, _eager(model, x2))
+    v3 = gv(x1[:3])
+    assert v3.shape == (3, 16) and v3.data_ptr() == v1.data_ptr()
+
+
+def test_structured_inputs_and_outputs():
+    model = MultiIO().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[1, 4, 8])
+    for n in (1, 3, 8, 5, 11):
+        x = torch.randn(n, 8, device=DEV)
+        pair = (torch.randn(n, 8, device=DEV), {"m": torch.randn(n, 8, device=DEV)})
+        extra = torch.randn(n, 3, device=DEV)
+        got = gm(x, pair, scale=0.5, mode="sum", extra=extra)
+        assert_same(got, _eager(model, x, pair, scale=0.5, mode="sum", extra=extra))
+        got = gm(x, pair, scale=2.0, mode="plain")
+        assert_same(got, _eager(model, x, pair, scale=2.0, mode="plain"))
+    assert len(gm.stats()["keys"]) == 2, "constants are part of the key"
+    assert gm.stats()["eager_calls"] == {}
+
+
+def test_hf_style_output():
+    class Enc(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, input_ids, attention_mask=None):
+            h = self.lin(input_ids.float()) * attention_mask.unsqueeze(-1)
+            return HFOut(last_hidden_state=h, pooler_output=h.mean(1))
+
+    model = Enc().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[2, 8])
+    for n in (1, 2, 5, 8):
+        ids = torch.randint(0, 100, (n, 4, 8), device=DEV)
+        mask = torch.randint(0, 2, (n, 4), device=DEV)
+        got = gm(ids, attention_mask=mask)
+        assert type(got) is HFOut and list(got.keys()) == ["last_hidden_state", "pooler_output"]
+        assert_same(got, _eager(model, ids, attention_mask=mask))
+
+
+def test_cpu_inputs_are_copied_in():
+    model = _mlp()
+    gm = GraphedModule(model, buckets=[8])
+    x = torch.randn(5, 32)
+    y = gm(x)
+    assert y.is_cuda
+    assert_same(y, _eager(model, x.to(DEV)))
+
+
+class ItemSync(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum().item() > 1e9:  # a host sync: cannot be captured
+            return x
+        return self.lin(x)
+
+
+def test_host_sync_falls_back_and_others_still_capture(gw_log):
+    model = ItemSync().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[4])
+    for n in (2, 3, 4):
+        x = torch.randn(n, 8, device=DEV)
+        assert_same(gm(x), _eager(model, x))
+    k = gm.stats()["keys"][0]
+    assert k["status"] == "eager" and "cannot be captured" in k["reason"]
+    assert sum("capture of bucket" in r.message for r in gw_log.records) == 1
+    assert not torch.cuda.is_current_stream_capturing()
+    other = _mlp()
+    g2 = GraphedModule(other, buckets=[4])
+    x = torch.randn(3, 32, device=DEV)
+    assert_same(g2(x), _eager(other, x))
+    assert num_graphs(g2) == 1
+
+
+def test_host_sync_raises_under_fallback_raise():
+    gm = GraphedModule(ItemSync().to(DEV).eval(), buckets=[4], fallback="raise")
+    with pytest.raises(GraphwrapError, match=r"bucket 4 .*Tensor\[B, 8\]") as e:
+        gm(torch.randn(2, 8, device=DEV))
+    assert e.value.__cause__ is not None
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_verification_catches_row_mixing(n):
+    model = RowMixer().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[4])
+    x = torch.randn(n, 8, device=DEV)
+    assert_same(gm(x), _eager(model, x))
+    k = gm.stats()["keys"][0]
+    assert k["status"] == "eager" and "mixes rows" in k["reason"]
+
+
+def test_forward_error_on_real_rows_is_the_modules_own():
+    model = _mlp()
+    gm = GraphedModule(model, buckets=[4])
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        gm(torch.randn(2, 31, device=DEV))
+    x = torch.randn(2, 32, device=DEV)
+    assert_same(gm(x), _eager(model, x))
+
+
+def test_threads_share_one_module():
+    model = _mlp()
+    gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16, 32])
+    errors = []
+
+    def work(seed):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for _ in range(100):
+                n = int(torch.randint(1, 40, (1,), generator=g))
+                x = torch.randn(n, 32, generator=g).to(DEV)
+                try:
+                    assert_same(gm(x), _eager(model, x))
+                except Exception as e:  # noqa: BLE001
+                    errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert gm.stats()["eager_calls"] == {}
+
+
+def test_load_state_dict_after_capture_changes_outputs():
+    model = _mlp()
+    gm = GraphedModule(model, buckets=[4])
+    x = torch.randn(3, 32, device=DEV)
+    before = gm(x)
+    gm.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()})
+    after = gm(x)
+    assert not torch.allclose(before, after)
+    assert_same(after, _eager(model, x))
+    assert num_graphs(gm) == 1, "in-place loads keep the graphs"
+
+
+def test_replaced_or_moved_weights_are_recaptured():
+    model = _mlp()
+    gm = GraphedModule(model, buckets=[4])
+    x = torch.randn(3, 32, device=DEV)
+    gm(x)
+    model.layers[0].weight = nn.Parameter(torch.randn_like(model.layers[0].weight))
+    assert_same(gm(x), _eager(model, x))
+    model.layers[2].weight.data = torch.randn_like(model.layers[2].weight)
+    assert_same(gm(x), _eager(model, x))
+    gm.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()}, assign=True)
+    assert_same(gm(x), _eager(model, x))
+    gm.half()
+    assert_same(gm(x.half()), _eager(model, x.half()), tol=1e-2)
+    model.float()  # on the raw module, behind the wrapper's back
+    assert_same(gm(x), _eager(model, x))
+    assert gm.stats()["eager_calls"] == {}
+
+
+def test_train_then_eval_again():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.2)).to(DEV)
+    gm = GraphedModule(model, buckets=[8])
+    gm.eval()
+    x = torch.randn(5, 8, device=DEV)
+    assert_same(gm(x), _eager(model, x))
+    gm.train()
+    gm(torch.randn(8, 8, device=DEV))  # updates running stats in place
+    gm.eval()
+    assert_same(gm(x), _eager(model, x))
+
+
+def test_autocast_is_part_of_the_key():
+    model = _mlp()
+    gm = GraphedModule(model, buckets=[4])
+    x = torch.randn(3, 32, device=DEV)
+    with torch.autocast("cuda", dtype=torch.float16):
+        got = gm(x)
+        want = _eager(model, x)
+    assert got.dtype == torch.float16
+    assert_same(got, want, tol=1e-2)
+    assert_same(gm(x), _eager(model, x))
+    assert len(gm.stats()["keys"]) == 2
+
+
+def test_explicit_capture_logs_progress_and_memory_is_shared(gw_log):
+    model = _mlp(d_in=256, hidden=1024, d_out=256)
+    x = torch.randn(3, 256, device=DEV)
+    gm = GraphedModule(model)
+    ks = gm.capture(x)
+    assert all(b["captured"] for b in ks["buckets"].values())
+    assert len(ks["buckets"]) == len(default_buckets())
+    assert sum("captured bucket" in r.message for r in gw_log.records) == len(default_buckets())
+    all_pool = gm.stats()["graph_pool_bytes"]
+    one = GraphedModule(model, buckets=[256])
+    one.capture(x)
+    largest = one.stats()["graph_pool_bytes"]
+    print(f"\ngraph pool: all {len(default_buckets())} default buckets {all_pool / 2**20:.1f} MiB, "
+          f"largest bucket alone {largest / 2**20:.1f} MiB, ratio {all_pool / max(largest, 1):.2f}")
+    assert all_pool <= 3 * max(largest, 2**21)
+    for n in (1, 5, 100, 256):
+        x = torch.randn(n, 256, device=DEV)
+        assert_same(gm(x), _eager(model, x))
+
+
+def test_deleting_gives_memory_back():
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    model = _mlp(d_in=256, hidden=1024, d_out=256)
+    gm = GraphedModule(model, buckets=[64, 128, 256])
+    gm.capture(torch.randn(4, 256, device=DEV))
+    held = torch.cuda.memory_allocated() - base
+    del gm
+    torch.cuda.synchronize()
+    left = torch.cuda.memory_allocated() - base
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"\nheld {held / 2**20:.2f} MiB with graphs, {left / 2**20:.2f} MiB after del (params {param_bytes / 2**20:.2f})")
+    assert left <= param_bytes
+
+
+def test_module_without_parameters_and_empty_cache():
+    class Act(nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.gelu(x) * 2
+
+    gm = GraphedModule(Act(), buckets=[4])
+    for n in (1, 3, 4):
+        x = torch.randn(n, 5, device=DEV)
+        assert_same(gm(x), Act()(x))
+        torch.cuda.empty_cache()
+    cpu = torch.randn(2, 5)
+    assert_same(gm(cpu), Act()(cpu))  # no tensors of its own: runs where the input is
+
+
+def test_resnet18_from_torchvision():
+    tv = pytest.importorskip("torchvision")
+    model = tv.models.resnet18().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[1, 2, 4, 8])
+    for n in (1, 3, 8, 2):
+        x = torch.randn(n, 3, 64, 64, device=DEV)
+        assert_same(gm(x), _eager(model, x), tol=2e-2)
+    assert gm.stats()["eager_calls"] == {}
+
+
+def test_bert_from_config():
+    tr = pytest.importorskip("transformers")
+    cfg = tr.BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256)
+    model = tr.BertModel(cfg).to(DEV).eval()
+    gm = GraphedModule(model, buckets=[1, 4, 8])
+    assert gm.config is model.config
+    for n in (1, 3, 8, 6):
+        ids = torch.randint(0, cfg.vocab_size, (n, 16), device=DEV)
+        mask = torch.ones(n, 16, dtype=torch.long, device=DEV)
+        mask[:, 12:] = 0
+        got = gm(input_ids=ids, attention_mask=mask)
+        want = _eager(model, input_ids=ids, attention_mask=mask)
+        assert type(got) is type(want)
+        torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-3, atol=1e-3)
+    assert gm.stats()["eager_calls"] == {}, gm.stats()

@@ -1,0 +1,188 @@
+"""GraphedModule on the CPU: drop-in behaviour, errors and the eager fallback."""
+
+import logging
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import graphwrap
+from graphwrap import GraphedModule, GraphwrapError
+from helpers import MLP, MultiIO, assert_same
+
+
+def _multi_inputs(n, d=8):
+    x = torch.randn(n, d)
+    pair = (torch.randn(n, d), {"m": torch.randn(n, d)})
+    return (x, pair), {"scale": 0.5, "mode": "sum", "extra": torch.randn(n, 3)}
+
+
+def test_import_and_public_names():
+    assert set(graphwrap.__all__) >= {"GraphedModule", "GraphwrapError", "Inputs", "default_buckets"}
+    assert issubclass(GraphwrapError, RuntimeError)
+    assert graphwrap.__version__
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 300])
+def test_eager_fallback_matches_module(n):
+    model = MultiIO().eval()
+    gm = GraphedModule(model, buckets=[1, 4, 16])
+    args, kwargs = _multi_inputs(n)
+    assert_same(gm(*args, **kwargs), model(*args, **kwargs), tol=0)
+
+
+def test_fallback_reason_is_kept_and_logged_once(gw_log):
+    gm = GraphedModule(MLP().eval())
+    for _ in range(3):
+        gm(torch.randn(2, 32))
+    reasons = gm.stats()["eager_calls"]
+    assert sum(reasons.values()) == 3 and len(reasons) == 1
+    reason = next(iter(reasons))
+    assert "CUDA" in reason or "not on a CUDA device" in reason
+    assert sum("running eagerly" in r.message for r in gw_log.records) == 1
+
+
+def test_training_mode_runs_eagerly():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    gm = GraphedModule(model)
+    assert gm.training and model.training
+    gm.eval()
+    assert not gm.training and not model.training and not model[1].training
+    gm.train()
+    assert model[1].training
+    x = torch.randn(8, 4, requires_grad=True)
+    gm(x).sum().backward()
+    assert x.grad is not None
+    assert "the module is in training mode" in gm.stats()["eager_calls"]
+
+
+def test_state_dict_keys_and_loading_are_the_modules():
+    model = MLP().eval()
+    gm = GraphedModule(model)
+    assert list(gm.state_dict()) == list(model.state_dict())
+    assert [n for n, _ in gm.named_parameters()] == [n for n, _ in model.named_parameters()]
+    new = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    gm.load_state_dict(new)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, new[k])
+
+
+def test_nested_in_a_parent_module_keeps_keys():
+    class Parent(nn.Module):
+        def __init__(self, enc):
+            super().__init__()
+            self.enc = enc
+
+    plain = Parent(MLP())
+    wrapped = Parent(GraphedModule(MLP()))
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+    wrapped.load_state_dict(plain.state_dict())
+    for (k, a), (_, b) in zip(wrapped.state_dict().items(), plain.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_attributes_fall_through():
+    model = MLP()
+    model.config = {"hidden": 64}
+    gm = GraphedModule(model)
+    assert gm.config == {"hidden": 64}
+    assert gm.layers is model.layers
+    assert gm.module is model
+    assert "config" in dir(gm)
+    with pytest.raises(AttributeError):
+        gm.no_such_attribute
+
+
+def test_to_and_half_act_on_the_module():
+    model = MLP()
+    gm = GraphedModule(model)
+    assert gm.double() is gm
+    assert model.layers[0].weight.dtype == torch.float64
+    gm.to(torch.float32)
+    assert model.layers[0].weight.dtype == torch.float32
+
+
+def test_non_tensor_inputs_run_eagerly_with_a_reason():
+    class TakesObj(nn.Module):
+        def forward(self, x, cfg):
+            return x * cfg.k
+
+    class Cfg:
+        k = 3
+
+    gm = GraphedModule(TakesObj())
+    x = torch.randn(2, 2)
+    assert torch.equal(gm(x, Cfg()), x * 3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"outputs": "copy"}, 'outputs must be "clone" or "view"'),
+        ({"fallback": "ignore"}, 'fallback must be "eager" or "raise"'),
+        ({"batch_dim": -1}, "batch_dim must be a non-negative int"),
+        ({"warmup_iters": 0}, "warmup_iters must be an int >= 1"),
+        ({"max_keys": 0}, "max_keys must be an int >= 1"),
+        ({"buckets": [4], "max_batch_size": 8}, "does not match the largest bucket"),
+    ],
+)
+def test_bad_arguments_say_why(kwargs, words):
+    with pytest.raises(GraphwrapError, match=words):
+        GraphedModule(MLP(), **kwargs)
+
+
+def test_wrapping_a_non_module_fails_clearly():
+    with pytest.raises(GraphwrapError, match="wraps an nn.Module, got function"):
+        GraphedModule(lambda x: x)
+
+
+def test_capture_without_cuda_says_why():
+    with pytest.raises(GraphwrapError, match="cannot capture"):
+        GraphedModule(MLP().eval()).capture(torch.randn(2, 32))
+
+
+def test_fallback_is_thread_safe():
+    model = MLP().eval()
+    gm = GraphedModule(model, buckets=[1, 2, 4, 8])
+    errors = []
+
+    def work(seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(50):
+            n = int(torch.randint(1, 20, (1,), generator=g))
+            x = torch.randn(n, 32, generator=g)
+            try:
+                with torch.no_grad():
+                    assert_same(gm(x), model(x), tol=0)
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sum(gm.stats()["eager_calls"].values()) == 400
+
+
+def test_pipeline_without_cuda_matches_eager():
+    model = MultiIO().eval()
+    gm = GraphedModule(model)
+    items = [_multi_inputs(n) for n in (1, 5, 3)]
+    outs = list(gm.pipeline([graphwrap.Inputs(*a, **k) for a, k in items]))
+    assert len(outs) == 3
+    for (a, k), o in zip(items, outs):
+        assert_same(o, model(*a, **k), tol=0)
+    mlp = MLP().eval()
+    gm2 = GraphedModule(mlp)
+    xs = [torch.randn(n, 32) for n in (2, 9, 1)]
+    for x, o in zip(xs, gm2.pipeline(xs, to_host=True)):
+        assert_same(o, mlp(x), tol=0)
+    with pytest.raises(GraphwrapError, match="wrap it as graphwrap.Inputs"):
+        list(gm2.pipeline([object()]))
+
+
+def test_logger_is_named_graphwrap():
+    assert logging.getLogger("graphwrap") is graphwrap.module.logger

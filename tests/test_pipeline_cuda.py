@@ -1,0 +1,151 @@
+"""gm.pipeline on a GPU: every output against eager, races, and clean stops."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import graphwrap
+from graphwrap import GraphedModule
+from helpers import MLP, MultiIO, assert_same
+
+pytestmark = pytest.mark.cuda
+DEV = "cuda"
+
+
+def _batches(count, d, pinned, seed=0, top=40):
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, top, (count,), generator=g).tolist()
+    xs = [torch.randn(n, d, generator=g) for n in sizes]
+    return [x.pin_memory() for x in xs] if pinned else xs
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+@pytest.mark.parametrize("to_host", [False, True])
+def test_500_random_batches(pinned, to_host):
+    model = MLP().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16, 32])
+    xs = _batches(500, 32, pinned)
+    outs = list(gm.pipeline(xs, to_host=to_host))
+    assert len(outs) == 500
+    for x, o in zip(xs, outs):
+        with torch.no_grad():
+            want = model(x.to(DEV))
+        if to_host:
+            assert o.device.type == "cpu" and o.is_pinned()
+            want = want.cpu()
+        assert_same(o, want)
+    assert gm.stats()["eager_calls"] == {}
+
+
+def test_structured_items_and_batches_above_the_largest_bucket():
+    model = MultiIO().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[2, 8])
+    items = []
+    for n in (1, 7, 20, 3):
+        x = torch.randn(n, 8).pin_memory()
+        pair = (torch.randn(n, 8, device=DEV), {"m": torch.randn(n, 8)})
+        items.append(graphwrap.Inputs(x, pair, scale=0.5))
+    for it, o in zip(items, gm.pipeline(items)):
+        want = model(*[a.to(DEV) if torch.is_tensor(a) else a for a in it.args[:1]], (it.args[1][0], {"m": it.args[1][1]["m"].to(DEV)}), scale=0.5)
+        assert_same(o, want)
+
+
+class Slow(nn.Module):
+    """Long compute next to tiny copies."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        for _ in range(200):
+            x = torch.tanh(self.lin(x))
+        return x
+
+
+class Wide(nn.Module):
+    """Long copies next to tiny compute."""
+
+    def forward(self, x):
+        return x[:, :8] * 2 + 1
+
+
+@pytest.mark.parametrize("kind", ["slow", "wide"])
+def test_races(kind):
+    if kind == "slow":
+        model, d = Slow().to(DEV).eval(), 64
+    else:
+        model, d = Wide().to(DEV).eval(), 1 << 18
+    gm = GraphedModule(model, buckets=[4, 8])
+    xs = _batches(60, d, pinned=True, top=9)
+    for to_host in (False, True):
+        for x, o in zip(xs, gm.pipeline(xs, to_host=to_host)):
+            with torch.no_grad():
+                want = model(x.to(DEV))
+            assert_same(o.to(DEV), want, tol=1e-5)
+
+
+def test_under_launch_blocking():
+    code = (
+        "import torch, graphwrap, sys; sys.path.insert(0, 'tests'); from helpers import MLP\n"
+        "m = MLP().cuda().eval(); gm = graphwrap.GraphedModule(m, buckets=[4, 16])\n"
+        "xs = [torch.randn(n, 32).pin_memory() for n in (1, 4, 9, 16, 3) * 10]\n"
+        "for to_host in (False, True):\n"
+        "    for x, o in zip(xs, gm.pipeline(xs, to_host=to_host)):\n"
+        "        torch.testing.assert_close(o.cuda(), m(x.cuda()).detach())\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_break_and_exceptions_leave_it_usable():
+    model = MLP().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[4, 8])
+    xs = _batches(30, 32, pinned=True, top=9)
+    for i, _ in enumerate(gm.pipeline(xs)):
+        if i == 5:
+            break
+
+    def bad_iter():
+        yield from xs[:4]
+        raise ValueError("source failed")
+
+    with pytest.raises(ValueError, match="source failed"):
+        for _ in gm.pipeline(bad_iter(), to_host=True):
+            pass
+    with pytest.raises(KeyError):
+        for i, _ in enumerate(gm.pipeline(xs)):
+            if i == 3:
+                raise KeyError("body failed")
+    gen = gm.pipeline(xs, to_host=True)
+    next(gen)
+    del gen
+    x = torch.randn(6, 32, device=DEV)
+    assert_same(gm(x), model(x).detach())
+    for x, o in zip(xs, gm.pipeline(xs)):
+        assert_same(o, model(x.to(DEV)).detach())
+
+
+def test_memory_stays_flat():
+    model = MLP().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[1, 2, 4])
+    xs = [torch.randn(n, 32).pin_memory() for n in (1, 2, 3, 4)]
+
+    def stream(k):
+        for i in range(k):
+            yield xs[i % 4]
+
+    for _ in gm.pipeline(stream(200)):
+        pass
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    for _ in gm.pipeline(stream(20000), to_host=True):
+        pass
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - start <= 1 << 20

@@ -1,0 +1,116 @@
+import collections
+import enum
+import math
+
+import pytest
+import torch
+
+from graphwrap import GraphwrapError
+from graphwrap.tree import (
+    BATCHED, CONST, WHOLE, UnsupportedInput, batch_size_of, classify_outputs, flatten_inputs,
+    flatten_outputs, map_tensors, tensor_meta, unflatten_inputs,
+)
+from helpers import HFOut, Out, assert_same
+
+Point = collections.namedtuple("Point", "x y")
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+def test_flatten_roundtrip_nested():
+    x, y, z = torch.randn(2, 3), torch.randn(2), torch.randn(2, 1, 1)
+    args = (x, [y, {"z": z, "k": 3}], Point(x, None))
+    kwargs = {"flag": True, "name": "a", "dt": torch.float16, "c": Color.RED, "t": (z,)}
+    leaves, spec = flatten_inputs(args, kwargs)
+    assert [id(t) for t in leaves] == [id(x), id(y), id(z), id(x), id(z)]
+    a2, k2 = unflatten_inputs(spec, leaves)
+    assert_same(a2, args)
+    assert_same(k2, kwargs)
+    assert type(a2[2]) is Point
+    hash(spec)
+
+
+def test_key_separates_constants_and_types():
+    x = torch.randn(1, 2)
+    specs = [flatten_inputs((x, c), {})[1] for c in (1, 1.0, True, "1", None, 2)]
+    assert len(set(specs)) == len(specs), "1, 1.0 and True hash alike but shape graphs differently"
+    assert flatten_inputs((x,), {"a": 1})[1] != flatten_inputs((x,), {"b": 1})[1]
+    assert flatten_inputs(((x, x),), {})[1] != flatten_inputs(([x, x],), {})[1]
+
+
+def test_nan_constant_keeps_its_key():
+    x = torch.randn(1, 2)
+    assert flatten_inputs((x, float("nan")), {})[1] == flatten_inputs((x, float("nan")), {})[1]
+    a, _ = unflatten_inputs(flatten_inputs((x, float("nan")), {})[1], [x])
+    assert math.isnan(a[1])
+
+
+def test_mutable_objects_are_not_keyed():
+    class Cfg:
+        pass
+
+    with pytest.raises(UnsupportedInput, match=r"args\[1\]\['c'\] has type Cfg"):
+        flatten_inputs((torch.zeros(1), {"c": Cfg()}), {})
+
+
+def test_batch_size_and_errors():
+    assert batch_size_of([torch.zeros(3, 2), torch.zeros(3)], 0) == 3
+    assert batch_size_of([torch.zeros(2, 5), torch.zeros(1, 5)], 1) == 5
+    with pytest.raises(GraphwrapError, match="disagree on the batch size.*#1 has 4"):
+        batch_size_of([torch.zeros(3, 2), torch.zeros(4, 2)], 0)
+    with pytest.raises(GraphwrapError, match=r"shape \(\), with no batch_dim=0"):
+        batch_size_of([torch.zeros(3), torch.tensor(1.0)], 0)
+
+
+def test_meta_drops_the_batch_dim_only():
+    a, b = torch.zeros(3, 4, 5), torch.zeros(7, 4, 5)
+    assert tensor_meta([a], 0) == tensor_meta([b], 0)
+    assert tensor_meta([a], 0) != tensor_meta([b.double()], 0)
+    assert tensor_meta([a], 1) != tensor_meta([b], 1)
+
+
+def test_outputs_rebuild_with_their_types():
+    t = torch.randn(2, 3)
+    outs = [
+        t,
+        (t, [t, 3]),
+        {"a": t, "b": (None, "s")},
+        collections.OrderedDict(a=t),
+        Point(t, 1.5),
+        Out(logits=t, hidden=None, tag="q"),
+        HFOut(last_hidden_state=t, pooler_output=t * 2),
+    ]
+    for o in outs:
+        leaves, spec = flatten_outputs(o)
+        back = spec.rebuild(leaves)
+        assert_same(back, o)
+        assert type(back) is type(o)
+    hf = flatten_outputs(outs[-1])[1].rebuild(flatten_outputs(outs[-1])[0])
+    assert list(hf.keys()) == ["last_hidden_state", "pooler_output"] and hf.attentions is None
+
+
+def test_output_paths_name_leaves():
+    _, spec = flatten_outputs((torch.zeros(1), {"k": Out(torch.zeros(1))}))
+    assert spec.describe(0) == "out[0]"
+    assert spec.describe(1) == "out[1]['k'].logits"
+
+
+def test_classify_outputs():
+    n_a, n_b = 4, 3
+    a = [torch.zeros(n_a, 5), torch.ones(7), 3, torch.zeros(2, n_a)]
+    b = [torch.zeros(n_b, 5), torch.ones(7), 3, torch.zeros(2, n_b)]
+    _, spec = flatten_outputs(tuple(a))
+    kinds, problems = classify_outputs(a, n_a, b, n_b, 0, spec)
+    assert kinds[:3] == [BATCHED, WHOLE, CONST]
+    assert list(problems) == [3] and "not along batch_dim=0" in problems[3]
+    kinds, problems = classify_outputs([n_a], n_a, [n_b], n_b, 0, flatten_outputs((1,))[1])
+    assert problems and "depends on the batch" in problems[0]
+
+
+def test_map_tensors_keeps_structure():
+    t = torch.ones(2)
+    o = {"a": [t, (t, 3)], "p": Point(t, "s"), "d": Out(logits=t)}
+    m = map_tensors(lambda x: x * 2, o)
+    assert_same(m, {"a": [t * 2, (t * 2, 3)], "p": Point(t * 2, "s"), "d": Out(logits=t * 2)})
