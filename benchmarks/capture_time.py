@@ -29,6 +29,10 @@ def run(results, device, quick: bool, repeats: int):
     x = torch.randn(4, 1024, device=device)
     for verify in (True, False):
         _capture_all(results, "seed MLP", mlp, x, verify, top)
+    one = GraphedModule(mlp, buckets=[top])
+    one.capture(x)
+    results.note("capture", "seed MLP", f"graph pool of bucket {top} alone", one.stats()["graph_pool_bytes"] / 2**20, "MiB")
+    del one
     try:
         import torchvision
     except ImportError:

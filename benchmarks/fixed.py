@@ -1,5 +1,7 @@
 """Scenario "fixed": the seed's comparison. Seed MLP, batches in pinned host memory, fixed size."""
 
+import copy
+
 import torch
 
 from graphwrap import GraphedModule
@@ -21,9 +23,10 @@ def _compiled(model, cpu_data, device):
 
 
 def _make_graphed(model, cpu_data, device):
+    # make_graphed_callables replaces the forward of the module it is given: give it a copy.
+    model = copy.deepcopy(model).requires_grad_(False)
     sample = torch.randn(cpu_data[0].shape, device=device)
-    with torch.enable_grad():
-        g = torch.cuda.make_graphed_callables(model, (sample,))
+    g = torch.cuda.make_graphed_callables(model, (sample,))
 
     def loop():
         for data in cpu_data:

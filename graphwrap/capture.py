@@ -4,6 +4,7 @@ Everything that decides (keys, buckets, output kinds, comparisons) lives in plai
 modules; this file only runs the module, captures it and checks the capture.
 """
 
+import threading
 import time
 from typing import Any, List, Optional, Sequence
 
@@ -14,6 +15,34 @@ from .tree import BATCHED, CONST, WHOLE, OutputSpec, classify_outputs, flatten_o
 from .verify import CROSS_SHAPE_TOL, SAME_SHAPE_TOL, compare_leaves
 
 Tensor = torch.Tensor
+
+
+# One capture at a time in the process (a CUDA graph capture is process-wide state for
+# PyTorch's allocator and RNG), on one side stream per device shared by every GraphedModule:
+# each stream that runs a GEMM gets a cuBLAS workspace that lives as long as the process.
+CAPTURE_LOCK = threading.RLock()
+_SIDE_STREAMS = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    s = _SIDE_STREAMS.get(device)
+    if s is None:
+        s = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return s
+
+
+def _reset_rng_capture_state(device, pool):
+    """Close the RNG's capture phase after a failed capture.
+
+    When ending a capture fails, PyTorch raises before the CUDA generator leaves its capture
+    phase, and every later random op or graph replay on the device then fails. A small capture
+    that succeeds runs the generator's prologue and epilogue, which puts it back.
+    """
+    t = torch.zeros(1, device=device)
+    g = torch.cuda.CUDAGraph()
+    capture_begin(g, pool)
+    t.add_(1)
+    g.capture_end()
 
 
 class CaptureFailed(Exception):
@@ -119,7 +148,6 @@ def capture_bucket(
     module,
     device: torch.device,
     pool,
-    stream: torch.cuda.Stream,
     in_spec,
     sample: Sequence[Tensor],
     size: int,
@@ -136,6 +164,13 @@ def capture_bucket(
     ``(replica, info)``; raises CaptureFailed when the graph cannot be trusted, and lets the
     module's own exceptions on the real rows through unchanged (eager would raise them too).
     """
+    with CAPTURE_LOCK:
+        return _capture_bucket(module, device, pool, side_stream(device), in_spec, sample, size, batch_dim,
+                               warmup_iters, autocast_dtype, verify, kinds, out_spec)
+
+
+def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_dim, warmup_iters,
+                    autocast_dtype, verify, kinds, out_spec):
     m = sample[0].shape[batch_dim]
     info = {"capture_s": 0.0, "verify_s": 0.0, "pool_bytes": 0}
     t0 = time.perf_counter()
@@ -179,6 +214,8 @@ def capture_bucket(
             except BaseException as e:  # noqa: BLE001
                 err = err or e
             if err is not None:
+                del graph
+                _reset_rng_capture_state(device, pool)
                 if isinstance(err, torch.cuda.OutOfMemoryError):
                     raise CaptureFailed(f"out of memory in capture at batch {size}", err, scope="bucket") from err
                 raise CaptureFailed(

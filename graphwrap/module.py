@@ -84,7 +84,6 @@ class _Store:
         self.keys: Dict[Any, _Key] = {}
         self.device: Optional[torch.device] = None
         self.pool = None
-        self.stream = None
 
     def release(self):
         if self.keys and self.device is not None and torch.cuda.is_initialized():
@@ -477,8 +476,6 @@ class GraphedModule(nn.Module):
         with torch.cuda.device(device):
             if store.pool is None:
                 store.pool = torch.cuda.graph_pool_handle()
-            if store.stream is None or store.stream.device != device:
-                store.stream = torch.cuda.Stream(device)
             if self._gw_ptrs is None:
                 self._refresh_tensors()
                 d = self.__dict__
@@ -488,7 +485,7 @@ class GraphedModule(nn.Module):
             sample = [t.narrow(bd, 0, m).to(device) for t in leaves]
             try:
                 rep, info = capture_bucket(
-                    module=self.module, device=device, pool=store.pool, stream=store.stream,
+                    module=self.module, device=device, pool=store.pool,
                     in_spec=ks.in_spec, sample=sample, size=size, batch_dim=bd,
                     warmup_iters=self._gw_warmup_iters, autocast_dtype=ks.autocast,
                     verify=self._gw_verify, kinds=ks.kinds, out_spec=ks.out_spec,
@@ -570,7 +567,7 @@ class GraphedModule(nn.Module):
         with torch.cuda.device(ks.device):
             try:
                 rep, info = capture_bucket(
-                    module=self.module, device=ks.device, pool=store.pool, stream=store.stream,
+                    module=self.module, device=ks.device, pool=store.pool,
                     in_spec=ks.in_spec, sample=first.static_inputs, size=b.size,
                     batch_dim=self._gw_batch_dim, warmup_iters=1, autocast_dtype=ks.autocast,
                     verify=self._gw_verify, kinds=ks.kinds, out_spec=ks.out_spec,

@@ -94,7 +94,7 @@ def run_pipeline(gm, batches: Iterable[Any], to_host: bool = False) -> Iterator[
                 # in order on the caller's stream.
                 out = gm(*args, **kwargs)
                 if to_host:
-                    out = map_tensors(lambda t: t.to("cpu"), out)
+                    out = map_tensors(_to_pinned_host, out)
                 entry = ("done", out)
             pending.append(entry)
             while len(pending) > lag:
@@ -211,6 +211,14 @@ def _stage(lease, i, j, rep, src, n):
     view = buf.narrow(rep.batch_dim, 0, n)
     view.copy_(src)
     return view
+
+
+def _to_pinned_host(t):
+    if not t.is_cuda:
+        return t
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    h.copy_(t)
+    return h
 
 
 def _finish(entry, events):
