@@ -18,13 +18,14 @@ import torch  # noqa: E402
 
 from harness import Case, Results  # noqa: E402
 
-SUITES = ["overhead", "fixed", "mixed", "models", "capture"]
+SUITES = ["overhead", "host", "fixed", "mixed", "models", "capture"]
 BASELINES = {
     "fixed": ("seed synchronous loop", "torch.compile reduce-overhead"),
     "overhead": ("eager", "torch.compile reduce-overhead"),
     "mixed": ("eager", "torch.compile reduce-overhead dynamic=None"),
     "models": ("eager", "torch.compile reduce-overhead"),
     "capture": (None, None),
+    "host": (None, None),
     "cpu": ("eager", None),
 }
 

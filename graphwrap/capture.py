@@ -31,16 +31,17 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return s
 
 
-def _reset_rng_capture_state(device, pool):
+def _reset_rng_capture_state(device):
     """Close the RNG's capture phase after a failed capture.
 
     When ending a capture fails, PyTorch raises before the CUDA generator leaves its capture
     phase, and every later random op or graph replay on the device then fails. A small capture
-    that succeeds runs the generator's prologue and epilogue, which puts it back.
+    that succeeds runs the generator's prologue and epilogue, which puts it back. It uses a
+    pool of its own: the failed capture's pool is left marked as recording, and is dropped.
     """
     t = torch.zeros(1, device=device)
     g = torch.cuda.CUDAGraph()
-    capture_begin(g, pool)
+    capture_begin(g, None)
     t.add_(1)
     g.capture_end()
 
@@ -52,11 +53,13 @@ class CaptureFailed(Exception):
     forward, a model that mixes rows), "bucket" when only this size failed (out of memory).
     """
 
-    def __init__(self, reason: str, cause: Optional[BaseException] = None, scope: str = "key"):
+    def __init__(self, reason: str, cause: Optional[BaseException] = None, scope: str = "key",
+                 pool_lost: bool = False):
         super().__init__(reason)
         self.reason = reason
         self.cause = cause
         self.scope = scope
+        self.pool_lost = pool_lost  # the pool cannot take further captures
 
 
 class Replica:
@@ -215,12 +218,13 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
                 err = err or e
             if err is not None:
                 del graph
-                _reset_rng_capture_state(device, pool)
+                _reset_rng_capture_state(device)
                 if isinstance(err, torch.cuda.OutOfMemoryError):
-                    raise CaptureFailed(f"out of memory in capture at batch {size}", err, scope="bucket") from err
+                    raise CaptureFailed(f"out of memory in capture at batch {size}", err, scope="bucket",
+                                        pool_lost=True) from err
                 raise CaptureFailed(
                     f"the forward cannot be captured in a CUDA graph: {type(err).__name__}: "
-                    f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}", err
+                    f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}", err, pool_lost=True
                 ) from err
             info["pool_bytes"] = torch.cuda.memory_reserved(device) - reserved0
             static_out, spec_c = flatten_outputs(out)

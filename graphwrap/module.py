@@ -34,6 +34,8 @@ _data_ptr = Tensor.data_ptr
 _GENERATION = [0]
 _HOOKS_INSTALLED = []
 _SINGLE_TENSOR_SPEC = flatten_inputs((torch.empty(0),), {})[1]
+# (stream id, device index, device type) of the current stream, without building a Stream.
+_current_stream_id = getattr(torch._C, "_cuda_getCurrentStream", None)
 
 
 def _bump(*_args):
@@ -503,6 +505,8 @@ class GraphedModule(nn.Module):
         return b
 
     def _capture_failed(self, ks: _Key, b: _Bucket, e: CaptureFailed):
+        if e.pool_lost:
+            self._gw_store.pool = None  # graphs already in it keep their memory; new ones get a new pool
         if e.scope == "bucket":
             b.failed = e.reason
             torch.cuda.empty_cache()
@@ -582,10 +586,16 @@ class GraphedModule(nn.Module):
         return True
 
     def _order_stream(self, device):
-        # The static buffers and the pool are shared by every caller: work issued on another
-        # stream waits for the last call's work before touching them.
-        cur = torch.cuda.current_stream(device)
+        """The caller's current stream, made to wait for the last call's work if it is another.
+
+        The static buffers and the pool are shared by every caller: work issued on another
+        stream (another thread's, say) must not touch them before the last call's work is done.
+        """
         last = self._gw_last_stream
+        if _current_stream_id is not None and last is not None:
+            if _current_stream_id(device.index)[0] == last.stream_id and last.device == device:
+                return last
+        cur = torch.cuda.current_stream(device)
         if last is not None and last != cur:
             cur.wait_stream(last)
         self.__dict__["_gw_last_stream"] = cur

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from .errors import GraphwrapError
-from .tree import BATCHED, CONST, Tensor, map_tensors
+from .tree import CONST, Tensor, map_tensors
 
 LEASED = 2  # graphs per bucket a loop takes turns on
 HOST_LAG = 2  # with to_host, batches issued ahead of the one yielded
@@ -123,82 +123,94 @@ def _streams(streams, device):
 
 
 def _issue(gm, prep, leases, streams, events, to_host):
+    """Issue one batch's copies, replay and output copies; None if gm(...) must serve it."""
     key, (leaves, n, spec, meta, autocast, device) = prep
     with gm._gw_lock:
-        ks = gm._key_for(key, spec, meta, autocast, device, leaves)
+        ks = gm._gw_store.keys.get(key) or gm._key_for(key, spec, meta, autocast, device, leaves)
         if ks is None or ks.failed is not None or n > gm._gw_table.max:
             return None
         size = gm._gw_table.bucket_for(n)
-        lease = leases.get((key, size))
+        lease = leases.get((id(ks), size))
         if lease is None:
             reps = gm._take_lease(ks, size, leaves, n, LEASED)
             if reps is None:
                 return None
-            lease = leases[(key, size)] = _Lease(reps)
-        i = lease.turn
-        lease.turn = (i + 1) % len(lease.replicas)
-        rep = lease.replicas[i]
-        with torch.cuda.device(device):
-            copy_stream, d2h_stream = _streams(streams, device)
-            compute = gm._order_stream(device)
-            b = ks.buckets[size]
-            b.replays += 1
-            b.rows += n
-            b.padded_rows += size - n
-            dsts = rep.inputs_for(n)
-            if rep.replay_done is not None:
-                copy_stream.wait_event(rep.replay_done)
+            lease = leases[(id(ks), size)] = _Lease(reps)
+        if device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                return _issue_on(gm, ks, lease, size, leaves, n, device, streams, events, to_host)
+        return _issue_on(gm, ks, lease, size, leaves, n, device, streams, events, to_host)
+
+
+def _issue_on(gm, ks, lease, size, leaves, n, device, streams, events, to_host):
+    i = lease.turn
+    lease.turn = (i + 1) % len(lease.replicas)
+    rep = lease.replicas[i]
+    copy_stream, d2h_stream = _streams(streams, device)
+    compute = gm._order_stream(device)
+    b = ks.buckets[size]
+    b.replays += 1
+    b.rows += n
+    b.padded_rows += size - n
+    dsts = rep.inputs_for(n)
+    on_copy = []
+    pageable = False
+    for j, (dst, src) in enumerate(zip(dsts, leaves)):
+        if src.is_cuda:
+            dst.copy_(src)  # device to device: on the compute stream, in order after src is made
+        else:
+            pinned = src.is_pinned()
+            pageable = pageable or not pinned
+            on_copy.append((j, dst, src, pinned))
+    if on_copy:
+        if rep.copy_done is None:
+            rep.copy_done = torch.cuda.Event()
+            copy_stream.wait_stream(compute)
+        elif pageable:
+            # This replica's staging buffers are refilled on the host: the copy that read them
+            # (two batches ago) must be over.
+            rep.copy_done.synchronize()
+        if rep.replay_done is not None:
+            copy_stream.wait_event(rep.replay_done)  # the inputs are free once the last replay is done
+        torch.cuda.set_stream(copy_stream)
+        try:
+            for j, dst, src, pinned in on_copy:
+                if not pinned:
+                    src = _stage(lease, i, j, rep, src, n)
+                dst.copy_(src, non_blocking=True)
+            rep.copy_done.record(copy_stream)
+        finally:
+            torch.cuda.set_stream(compute)
+        compute.wait_event(rep.copy_done)
+    if rep.d2h_done is not None:
+        # The last host copy of this graph's outputs must be over before it replays again.
+        compute.wait_event(rep.d2h_done)
+    rep.graph.replay()
+    if rep.replay_done is None:
+        rep.replay_done = torch.cuda.Event()
+    rep.replay_done.record(compute)
+    outs = rep.outputs_for(n)
+    if not to_host:
+        return ("gpu", ks.out_spec, [o.clone() if t else o for o, t in zip(outs, rep.is_tensor)])
+    d2h_stream.wait_event(rep.replay_done)
+    host = []
+    torch.cuda.set_stream(d2h_stream)
+    try:
+        for o, kind in zip(outs, rep.kinds):
+            if kind == CONST:
+                host.append(o)
             else:
-                copy_stream.wait_stream(compute)
-            on_copy = []
-            pageable = False
-            for j, (dst, src) in enumerate(zip(dsts, leaves)):
-                if src.is_cuda:
-                    dst.copy_(src)  # device to device: on the compute stream, after src is made
-                else:
-                    pinned = src.is_pinned()
-                    pageable = pageable or not pinned
-                    on_copy.append((j, dst, src, pinned))
-            if on_copy:
-                if rep.copy_done is None:
-                    rep.copy_done = torch.cuda.Event()
-                elif pageable:
-                    # The staging buffers of this replica are refilled on the host: the copy
-                    # that read them (two batches ago) must be over.
-                    rep.copy_done.synchronize()
-                with torch.cuda.stream(copy_stream):
-                    for j, dst, src, pinned in on_copy:
-                        if not pinned:
-                            src = _stage(lease, i, j, rep, src, n)
-                        dst.copy_(src, non_blocking=True)
-                    rep.copy_done.record(copy_stream)
-                compute.wait_event(rep.copy_done)
-            if rep.d2h_done is not None:
-                # The last host copy of this graph's outputs must be over before it replays again.
-                compute.wait_event(rep.d2h_done)
-            if rep.replay_done is None:
-                rep.replay_done = torch.cuda.Event()
-            rep.graph.replay()
-            rep.replay_done.record(compute)
-            outs = rep.outputs_for(n)
-            if not to_host:
-                return ("gpu", ks.out_spec, [o.clone() if t else o for o, t in zip(outs, rep.is_tensor)])
-            d2h_stream.wait_event(rep.replay_done)
-            host = []
-            with torch.cuda.stream(d2h_stream):
-                for o, kind in zip(outs, rep.kinds):
-                    if kind == CONST:
-                        host.append(o)
-                    else:
-                        h = torch.empty(o.shape, dtype=o.dtype, pin_memory=True)
-                        h.copy_(o, non_blocking=True)
-                        host.append(h)
-                done = events.get()
-                done.record(d2h_stream)
-                if rep.d2h_done is None:
-                    rep.d2h_done = torch.cuda.Event()
-                rep.d2h_done.record(d2h_stream)
-            return ("host", ks.out_spec, host, done)
+                h = torch.empty(o.shape, dtype=o.dtype, pin_memory=True)
+                h.copy_(o, non_blocking=True)
+                host.append(h)
+        done = events.get()
+        done.record(d2h_stream)
+        if rep.d2h_done is None:
+            rep.d2h_done = torch.cuda.Event()
+        rep.d2h_done.record(d2h_stream)
+    finally:
+        torch.cuda.set_stream(compute)
+    return ("host", ks.out_spec, host, done)
 
 
 def _stage(lease, i, j, rep, src, n):
