@@ -67,7 +67,7 @@ class Replica:
 
     __slots__ = (
         "graph", "size", "batch_dim", "static_inputs", "static_outputs", "kinds", "is_tensor",
-        "_in_views", "_out_views", "copy_done", "replay_done", "d2h_done",
+        "_in_views", "_out_views", "copy_done", "replay_done",
     )
 
     def __init__(self, graph, size: int, batch_dim: int, static_inputs, static_outputs, kinds):
@@ -83,7 +83,6 @@ class Replica:
         # Set by the pipeline: the last copy into this replica's inputs, the last replay of it.
         self.copy_done = None
         self.replay_done = None
-        self.d2h_done = None
 
     def inputs_for(self, n: int) -> List[Tensor]:
         """Views of the first ``n`` rows of each static input (cached: built once per n)."""

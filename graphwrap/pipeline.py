@@ -4,7 +4,7 @@ Per batch, with two graphs per bucket (A and B) taking turns:
 
     copy stream     wait(A replayed) -> copy inputs into A -> record A.copy_done
     compute stream  wait(A.copy_done) -> replay A -> record A.replay_done -> clone outputs
-    d2h stream      wait(A.replay_done) -> copy outputs to pinned host -> record (to_host only)
+    d2h stream      wait(clones made) -> copy them to pinned host -> record (to_host only)
 
 so the copy for the next batch (into B) runs while A replays. The host never waits in the
 steady state, except with ``to_host=True``, where a batch is yielded only once its host
@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from .errors import GraphwrapError
-from .tree import CONST, Tensor, map_tensors
+from .tree import Tensor, map_tensors
 
 LEASED = 2  # graphs per bucket a loop takes turns on
 HOST_LAG = 2  # with to_host, batches issued ahead of the one yielded
@@ -182,35 +182,32 @@ def _issue_on(gm, ks, lease, size, leaves, n, device, streams, events, to_host):
         finally:
             torch.cuda.set_stream(compute)
         compute.wait_event(rep.copy_done)
-    if rep.d2h_done is not None:
-        # The last host copy of this graph's outputs must be over before it replays again.
-        compute.wait_event(rep.d2h_done)
     rep.graph.replay()
     if rep.replay_done is None:
         rep.replay_done = torch.cuda.Event()
     rep.replay_done.record(compute)
-    outs = rep.outputs_for(n)
+    # Clone on the compute stream, right after the replay: graphs share one pool, so a static
+    # output can sit in memory that the next replay of another bucket uses for intermediates.
+    outs = [o.clone() if t else o for o, t in zip(rep.outputs_for(n), rep.is_tensor)]
     if not to_host:
-        return ("gpu", ks.out_spec, [o.clone() if t else o for o, t in zip(outs, rep.is_tensor)])
-    d2h_stream.wait_event(rep.replay_done)
+        return ("gpu", ks.out_spec, outs)
+    d2h_stream.wait_stream(compute)
     host = []
     torch.cuda.set_stream(d2h_stream)
     try:
-        for o, kind in zip(outs, rep.kinds):
-            if kind == CONST:
-                host.append(o)
-            else:
+        for o in outs:
+            if isinstance(o, Tensor):
                 h = torch.empty(o.shape, dtype=o.dtype, pin_memory=True)
                 h.copy_(o, non_blocking=True)
                 host.append(h)
+            else:
+                host.append(o)
         done = events.get()
         done.record(d2h_stream)
-        if rep.d2h_done is None:
-            rep.d2h_done = torch.cuda.Event()
-        rep.d2h_done.record(d2h_stream)
     finally:
         torch.cuda.set_stream(compute)
-    return ("host", ks.out_spec, host, done)
+    # The clones stay referenced (in the entry) until the host has waited for `done`.
+    return ("host", ks.out_spec, host, done, outs)
 
 
 def _stage(lease, i, j, rep, src, n):
@@ -239,7 +236,7 @@ def _finish(entry, events):
         return entry[1]
     if kind == "gpu":
         return entry[1].rebuild(entry[2])
-    _, spec, host, done = entry
+    _, spec, host, done, _device_copies = entry
     done.synchronize()
     events.put(done)
     return spec.rebuild(host)
