@@ -34,9 +34,9 @@ def _make_graphed(model, cpu_data, device):
     return loop
 
 
-def run(results, device, quick: bool, repeats: int):
+def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 1280)):
     num_batches = 128 if quick else 1280
-    for bs in (1, 16, 1280):
+    for bs in batch_sizes:
         torch.manual_seed(0)
         model = SeedMLP().to(device).eval()
         cpu_data = [torch.randn(bs, 1024).pin_memory() for _ in range(num_batches)]

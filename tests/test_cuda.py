@@ -326,3 +326,43 @@ def test_bert_from_config():
         torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-3, atol=1e-3)
         torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-3, atol=1e-3)
     assert gm.stats()["eager_calls"] == {}, gm.stats()
+
+
+def test_bad_and_odd_inputs():
+    model = _mlp()
+    gm = GraphedModule(model, buckets=[4, 8])
+    empty = torch.randn(0, 32, device=DEV)
+    assert gm(empty).shape == (0, 16)
+    assert "the batch is empty" in gm.stats()["eager_calls"]
+    wide = torch.randn(32, 10, device=DEV)
+    assert_same(gm(wide.t()[:6]), _eager(model, wide.t()[:6].contiguous()))  # strided rows
+    x = torch.randn(5, 32, device=DEV)
+    x[1] = float("nan")
+    x[3, 0] = float("inf")
+    got, want = gm(x), _eager(model, x)
+    assert torch.isnan(got[1]).all()
+    assert_same(got[[0, 2, 4]], want[[0, 2, 4]])
+    with pytest.raises(GraphwrapError, match="disagree on the batch size"):
+        GraphedModule(MultiIO().to(DEV).eval())(torch.randn(3, 8, device=DEV),
+                                                 (torch.randn(4, 8, device=DEV), {"m": torch.randn(3, 8, device=DEV)}))
+
+
+def test_view_output_passed_back_in():
+    sq = nn.Sequential(nn.Linear(16, 16), nn.Tanh()).to(DEV).eval()
+    gv = GraphedModule(sq, buckets=[4], outputs="view")
+    x = torch.randn(3, 16, device=DEV)
+    y = gv(x)
+    want = _eager(sq, _eager(sq, x))
+    assert_same(gv(y), want)
+
+
+def test_inputs_that_require_grad_run_eagerly():
+    model = _mlp()
+    gm = GraphedModule(model, buckets=[4])
+    x = torch.randn(3, 32, device=DEV, requires_grad=True)
+    gm(x).sum().backward()
+    assert x.grad is not None
+    assert "an input requires grad and grad mode is on" in gm.stats()["eager_calls"]
+    with torch.no_grad():
+        assert_same(gm(x), _eager(model, x))
+    assert num_graphs(gm) == 1
