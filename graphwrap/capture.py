@@ -17,9 +17,9 @@ from .verify import CROSS_SHAPE_TOL, SAME_SHAPE_TOL, compare_leaves
 Tensor = torch.Tensor
 
 
-# One capture at a time in the process (a CUDA graph capture is process-wide state for
-# PyTorch's allocator and RNG), on one side stream per device shared by every GraphedModule:
-# each stream that runs a GEMM gets a cuBLAS workspace that lives as long as the process.
+# One capture at a time in the process: a capture is process-wide state for PyTorch's
+# allocator and RNG. Warm-up runs on one side stream per device, shared by every
+# GraphedModule (each stream that runs a GEMM keeps a cuBLAS workspace for the process).
 CAPTURE_LOCK = threading.RLock()
 _SIDE_STREAMS = {}
 
@@ -29,6 +29,19 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     if s is None:
         s = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     return s
+
+
+def new_capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream for one GraphedModule's captures, on which nothing else runs.
+
+    A captured GEMM keeps the address of its stream's cuBLAS workspace. A workspace made
+    before the capture lives in the ordinary allocator, and code that clears cuBLAS
+    workspaces (torch.compile's CUDA graphs do, around each recording; so do many memory
+    clean-ups) would free it under the graph. On a stream that never ran a GEMM eagerly, the
+    first captured GEMM allocates the workspace inside the graph's own pool, where a clear can
+    only hand it back to that pool.
+    """
+    return torch.cuda.Stream(device)
 
 
 def _reset_rng_capture_state(device):
@@ -150,6 +163,7 @@ def capture_bucket(
     module,
     device: torch.device,
     pool,
+    capture_stream: torch.cuda.Stream,
     in_spec,
     sample: Sequence[Tensor],
     size: int,
@@ -167,12 +181,12 @@ def capture_bucket(
     module's own exceptions on the real rows through unchanged (eager would raise them too).
     """
     with CAPTURE_LOCK:
-        return _capture_bucket(module, device, pool, side_stream(device), in_spec, sample, size, batch_dim,
-                               warmup_iters, autocast_dtype, verify, kinds, out_spec)
+        return _capture_bucket(module, device, pool, side_stream(device), capture_stream, in_spec, sample,
+                               size, batch_dim, warmup_iters, autocast_dtype, verify, kinds, out_spec)
 
 
-def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_dim, warmup_iters,
-                    autocast_dtype, verify, kinds, out_spec):
+def _capture_bucket(module, device, pool, stream, capture_stream, in_spec, sample, size, batch_dim,
+                    warmup_iters, autocast_dtype, verify, kinds, out_spec):
     m = sample[0].shape[batch_dim]
     info = {"capture_s": 0.0, "verify_s": 0.0, "pool_bytes": 0}
     t0 = time.perf_counter()
@@ -206,15 +220,16 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
             reserved0 = torch.cuda.memory_reserved(device)
             graph = torch.cuda.CUDAGraph()
             err = None
-            capture_begin(graph, pool)
-            try:
-                out = run_module(module, in_spec, static_in)
-            except BaseException as e:  # noqa: BLE001 - the capture must be ended whatever happened
-                err = e
-            try:
-                graph.capture_end()
-            except BaseException as e:  # noqa: BLE001
-                err = err or e
+            with torch.cuda.stream(capture_stream):
+                capture_begin(graph, pool)
+                try:
+                    out = run_module(module, in_spec, static_in)
+                except BaseException as e:  # noqa: BLE001 - the capture must be ended whatever happened
+                    err = e
+                try:
+                    graph.capture_end()
+                except BaseException as e:  # noqa: BLE001
+                    err = err or e
             if err is not None:
                 del graph
                 _reset_rng_capture_state(device)

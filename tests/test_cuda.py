@@ -366,3 +366,23 @@ def test_inputs_that_require_grad_run_eagerly():
     with torch.no_grad():
         assert_same(gm(x), _eager(model, x))
     assert num_graphs(gm) == 1
+
+
+def test_graphs_survive_cleared_cublas_workspaces():
+    # torch.compile's CUDA graphs and many memory clean-ups clear cuBLAS workspaces; a graph
+    # holding the address of a freed workspace would read or write reused memory.
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        pytest.skip("this torch has no _cuda_clearCublasWorkspaces")
+    model = nn.Sequential(nn.Linear(8192, 256), nn.ReLU(), nn.Linear(256, 8192)).to(DEV).eval()
+    gm = GraphedModule(model, buckets=[1, 4, 8])
+    xs = [torch.randn(n, 8192, device=DEV) for n in (1, 3, 8)]
+    for x in xs:
+        gm(x)
+    clear()
+    torch.cuda.empty_cache()
+    filler = [torch.full((1 << 20,), float("nan"), device=DEV) for _ in range(64)]
+    for _ in range(3):
+        for x in xs:
+            assert_same(gm(x), _eager(model, x), tol=1e-4)
+    del filler
