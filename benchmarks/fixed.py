@@ -44,17 +44,18 @@ def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 1280)):
         gm = GraphedModule(model, max_batch_size=max(bs, 256))
         gm_host = GraphedModule(model, max_batch_size=max(bs, 256))
         with torch.no_grad():
-            # torch.compile's CUDA graphs clear cuBLAS workspaces when they record, which would
-            # leave the hand-captured graphs below pointing at freed memory: it records first.
+            # torch.compile's CUDA graphs and graphwrap clear PyTorch's cuBLAS workspaces when they
+            # capture, which would leave graphs captured by hand before them pointing at freed
+            # memory: they capture first.
             case.add(PEER, lambda: _compiled(model, cpu_data, device))
+            case.add("graphwrap gm(x) loop", lambda: (lambda: [gm(x) for x in cpu_data] and None))
+            case.add("graphwrap pipeline", lambda: (lambda: [None for _ in gm.pipeline(cpu_data)] and None))
+            case.add("graphwrap pipeline to_host", lambda: (lambda: [None for _ in gm_host.pipeline(cpu_data, to_host=True)] and None))
             case.add(BASELINE, lambda: sync_loop(model, cpu_data, device))
             case.add("seed stream loop", lambda: stream_loop(model, cpu_data, device))
             case.add("seed graph loop", lambda: graph_loop(model, cpu_data, device))
             case.add("make_graphed_callables", lambda: _make_graphed(model, cpu_data, device))
             case.add("hand-written double-buffered graphs", lambda: double_buffered_loop(model, cpu_data, device))
-            case.add("graphwrap gm(x) loop", lambda: (lambda: [gm(x) for x in cpu_data] and None))
-            case.add("graphwrap pipeline", lambda: (lambda: [None for _ in gm.pipeline(cpu_data)] and None))
-            case.add("graphwrap pipeline to_host", lambda: (lambda: [None for _ in gm_host.pipeline(cpu_data, to_host=True)] and None))
             case.add("floor: replays alone", lambda: replay_floor(model, cpu_data, device))
             case.add("floor: H2D copies alone", lambda: copy_floor(cpu_data, device))
             case.add("floor: D2H copies alone", lambda: d2h_floor((bs, 512), num_batches, device))

@@ -145,7 +145,7 @@ class Results:
                 lines.append(cells)
         return "\n".join(lines)
 
-    def write(self, scenarios: List[str]):
+    def write(self, scenarios: List[str], charts: Optional[List[str]] = None):
         if not self.out_dir:
             return
         os.makedirs(self.out_dir, exist_ok=True)
@@ -164,7 +164,7 @@ class Results:
         except ImportError:
             print("matplotlib is not installed: no charts (pip install graphwrap[bench])")
             return
-        for sc in scenarios:
+        for sc in scenarios if charts is None else [c for c in charts if c in scenarios]:
             rows = [r for r in self.rows if r["scenario"] == sc and r["median"] is not None]
             if not rows:
                 continue

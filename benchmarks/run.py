@@ -77,7 +77,7 @@ def main(argv=None):
         base, peer = BASELINES[name]
         print()
         print(results.table(name, base, peer))
-    results.write(suites)
+    results.write(suites, charts=["overhead", "fixed", "mixed", "models", "cpu"])
     if a.out:
         print(f"\nresults in {os.path.abspath(a.out)}")
     return 0

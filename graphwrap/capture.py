@@ -31,17 +31,21 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return s
 
 
-def new_capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """A stream for one GraphedModule's captures, on which nothing else runs.
+_clear_cublas_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+
+
+def _own_cublas_workspace():
+    """Make the next captured GEMM allocate its cuBLAS workspace inside the capture's pool.
 
     A captured GEMM keeps the address of its stream's cuBLAS workspace. A workspace made
-    before the capture lives in the ordinary allocator, and code that clears cuBLAS
-    workspaces (torch.compile's CUDA graphs do, around each recording; so do many memory
-    clean-ups) would free it under the graph. On a stream that never ran a GEMM eagerly, the
-    first captured GEMM allocates the workspace inside the graph's own pool, where a clear can
-    only hand it back to that pool.
+    before the capture lives in the ordinary allocator, and whoever clears the workspaces
+    (torch.compile's CUDA graphs do, around each recording; so do many memory clean-ups) would
+    free it under the graph. Cleared before the capture, the workspace is allocated in the
+    graph's pool; cleared after it, no eager GEMM elsewhere uses that memory, and it goes with
+    the pool.
     """
-    return torch.cuda.Stream(device)
+    if _clear_cublas_workspaces is not None:
+        _clear_cublas_workspaces()
 
 
 def _reset_rng_capture_state(device):
@@ -163,7 +167,6 @@ def capture_bucket(
     module,
     device: torch.device,
     pool,
-    capture_stream: torch.cuda.Stream,
     in_spec,
     sample: Sequence[Tensor],
     size: int,
@@ -181,11 +184,11 @@ def capture_bucket(
     module's own exceptions on the real rows through unchanged (eager would raise them too).
     """
     with CAPTURE_LOCK:
-        return _capture_bucket(module, device, pool, side_stream(device), capture_stream, in_spec, sample,
+        return _capture_bucket(module, device, pool, side_stream(device), in_spec, sample,
                                size, batch_dim, warmup_iters, autocast_dtype, verify, kinds, out_spec)
 
 
-def _capture_bucket(module, device, pool, stream, capture_stream, in_spec, sample, size, batch_dim,
+def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_dim,
                     warmup_iters, autocast_dtype, verify, kinds, out_spec):
     m = sample[0].shape[batch_dim]
     info = {"capture_s": 0.0, "verify_s": 0.0, "pool_bytes": 0}
@@ -220,16 +223,17 @@ def _capture_bucket(module, device, pool, stream, capture_stream, in_spec, sampl
             reserved0 = torch.cuda.memory_reserved(device)
             graph = torch.cuda.CUDAGraph()
             err = None
-            with torch.cuda.stream(capture_stream):
-                capture_begin(graph, pool)
-                try:
-                    out = run_module(module, in_spec, static_in)
-                except BaseException as e:  # noqa: BLE001 - the capture must be ended whatever happened
-                    err = e
-                try:
-                    graph.capture_end()
-                except BaseException as e:  # noqa: BLE001
-                    err = err or e
+            _own_cublas_workspace()
+            capture_begin(graph, pool)
+            try:
+                out = run_module(module, in_spec, static_in)
+            except BaseException as e:  # noqa: BLE001 - the capture must be ended whatever happened
+                err = e
+            try:
+                graph.capture_end()
+            except BaseException as e:  # noqa: BLE001
+                err = err or e
+            _own_cublas_workspace()
             if err is not None:
                 del graph
                 _reset_rng_capture_state(device)

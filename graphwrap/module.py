@@ -11,7 +11,7 @@ from torch import nn
 
 from . import _compat
 from .buckets import BucketTable
-from .capture import CaptureFailed, Replica, capture_bucket, new_capture_stream
+from .capture import CaptureFailed, Replica, capture_bucket
 from .errors import GraphwrapError
 from .tree import (
     BATCHED,
@@ -86,7 +86,6 @@ class _Store:
         self.keys: Dict[Any, _Key] = {}
         self.device: Optional[torch.device] = None
         self.pool = None
-        self.capture_stream = None
 
     def release(self):
         if self.keys and self.device is not None and torch.cuda.is_initialized():
@@ -479,8 +478,6 @@ class GraphedModule(nn.Module):
         with torch.cuda.device(device):
             if store.pool is None:
                 store.pool = torch.cuda.graph_pool_handle()
-            if store.capture_stream is None or store.capture_stream.device != device:
-                store.capture_stream = new_capture_stream(device)
             if self._gw_ptrs is None:
                 self._refresh_tensors()
                 d = self.__dict__
@@ -490,7 +487,7 @@ class GraphedModule(nn.Module):
             sample = [t.narrow(bd, 0, m).to(device) for t in leaves]
             try:
                 rep, info = capture_bucket(
-                    module=self.module, device=device, pool=store.pool, capture_stream=store.capture_stream,
+                    module=self.module, device=device, pool=store.pool,
                     in_spec=ks.in_spec, sample=sample, size=size, batch_dim=bd,
                     warmup_iters=self._gw_warmup_iters, autocast_dtype=ks.autocast,
                     verify=self._gw_verify, kinds=ks.kinds, out_spec=ks.out_spec,
@@ -574,7 +571,7 @@ class GraphedModule(nn.Module):
         with torch.cuda.device(ks.device):
             try:
                 rep, info = capture_bucket(
-                    module=self.module, device=ks.device, pool=store.pool, capture_stream=store.capture_stream,
+                    module=self.module, device=ks.device, pool=store.pool,
                     in_spec=ks.in_spec, sample=first.static_inputs, size=b.size,
                     batch_dim=self._gw_batch_dim, warmup_iters=1, autocast_dtype=ks.autocast,
                     verify=self._gw_verify, kinds=ks.kinds, out_spec=ks.out_spec,
