@@ -50,8 +50,14 @@ def compare_tensors(got: Tensor, want: Tensor, tol: float) -> Optional[str]:
     if not (want.dtype.is_floating_point or want.dtype.is_complex):
         bad = (got != want).sum().item()
         return None if bad == 0 else f"{bad} of {want.numel()} elements differ"
-    g = got.detach().to(torch.float64 if not want.dtype.is_complex else torch.complex128)
-    w = want.detach().to(g.dtype)
+    # float32 holds fp16, bf16 and fp32 values exactly and keeps the temporaries small (a large
+    # logits tensor in float64 would take four times its fp16 size, several times over).
+    if want.dtype.is_complex:
+        work = torch.complex128 if want.dtype == torch.complex128 else torch.complex64
+    else:
+        work = torch.float64 if want.dtype == torch.float64 else torch.float32
+    g = got.detach().to(work)
+    w = want.detach().to(work)
     g_nan, w_nan = torch.isnan(g), torch.isnan(w)
     if not torch.equal(g_nan, w_nan):
         return f"NaN in {int(g_nan.sum())} elements, eager has {int(w_nan.sum())}"
