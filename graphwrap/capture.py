@@ -217,7 +217,7 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
             if out_spec is not None and spec_b != out_spec:
                 raise CaptureFailed("the structure of the output differs between buckets")
             if kinds is None:
-                kinds = _output_kinds(module, in_spec, sample, static_in, ref_m, ref_b, m, size, batch_dim, spec_b)
+                kinds = _output_kinds(module, in_spec, sample, ref_m, ref_b, m, size, batch_dim, spec_b)
 
             torch.cuda.synchronize(device)
             reserved0 = torch.cuda.memory_reserved(device)
@@ -261,7 +261,7 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
     return replica, info
 
 
-def _output_kinds(module, in_spec, sample, static_in, ref_m, ref_b, m, size, batch_dim, spec):
+def _output_kinds(module, in_spec, sample, ref_m, ref_b, m, size, batch_dim, spec):
     """Which outputs are batched, from the outputs at two different batch sizes."""
     if m != size:
         other, k = ref_m, m

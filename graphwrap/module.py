@@ -601,7 +601,7 @@ class GraphedModule(nn.Module):
         self.__dict__["_gw_last_stream"] = cur
         return cur
 
-    def _replay(self, ks: _Key, leaves, n: int, size: int, args, kwargs):
+    def _replay(self, ks: _Key, leaves, n: int, size: int):
         """Copy the real rows in and replay; the static outputs cut to n rows, or None if eager."""
         b = ks.buckets.get(size)
         if b is None or (not b.replicas and not b.failed):
@@ -626,7 +626,7 @@ class GraphedModule(nn.Module):
         if device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
                 return self._run_one(ks, leaves, n, size, args, kwargs)
-        rep = self._replay(ks, leaves, n, size, args, kwargs)
+        rep = self._replay(ks, leaves, n, size)
         if rep is None:
             return self._eager(args, kwargs, ks.failed or ks.buckets[size].failed)
         outs = rep.outputs_for(n)
@@ -644,7 +644,7 @@ class GraphedModule(nn.Module):
         joined = None
         for start, rows, size in self._gw_table.chunks(n):
             part = [t.narrow(bd, start, rows) for t in leaves]
-            rep = self._replay(ks, part, rows, size, args, kwargs)
+            rep = self._replay(ks, part, rows, size)
             if rep is not None:
                 outs = rep.outputs_for(rows)
             else:

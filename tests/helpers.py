@@ -1,6 +1,7 @@
 """Small helpers the tests keep using."""
 
 import dataclasses
+import threading
 from collections import OrderedDict
 from typing import Optional
 
@@ -105,3 +106,21 @@ def assert_same(a, b, tol=1e-5):
 def num_graphs(gm) -> int:
     """How many graphs the GraphedModule holds, over all keys and buckets."""
     return sum(b["graphs"] for k in gm.stats()["keys"] for b in k["buckets"].values())
+
+
+def run_threads(work, count: int = 8):
+    """Run ``work(i)`` in ``count`` threads at once; the exceptions they raised, in a list."""
+    errors = []
+
+    def guarded(i):
+        try:
+            work(i)
+        except Exception as e:  # noqa: BLE001 - collected and asserted on by the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors

@@ -1,13 +1,11 @@
 """GraphedModule on a GPU. Every call gets fresh random inputs and is compared with eager."""
 
-import threading
-
 import pytest
 import torch
 from torch import nn
 
 from graphwrap import GraphedModule, GraphwrapError, default_buckets
-from helpers import HFOut, MLP, MultiIO, RowMixer, assert_same, num_graphs
+from helpers import HFOut, MLP, MultiIO, RowMixer, assert_same, num_graphs, run_threads
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -160,25 +158,16 @@ def test_forward_error_on_real_rows_is_the_modules_own():
 def test_threads_share_one_module():
     model = _mlp()
     gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16, 32])
-    errors = []
 
     def work(seed):
         g = torch.Generator(device="cpu").manual_seed(seed)
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(torch.cuda.Stream()):
             for _ in range(100):
                 n = int(torch.randint(1, 40, (1,), generator=g))
                 x = torch.randn(n, 32, generator=g).to(DEV)
-                try:
-                    assert_same(gm(x), _eager(model, x))
-                except Exception as e:  # noqa: BLE001
-                    errors.append(e)
+                assert_same(gm(x), _eager(model, x))
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(work)
     assert not errors, errors[:3]
     assert gm.stats()["eager_calls"] == {}
 

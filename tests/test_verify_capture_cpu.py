@@ -31,7 +31,7 @@ def _replica(module, sample, size, kinds=None):
         ref_b, _ = flatten_outputs(module(*static_in))
         if kinds is None:
             spec_in = flatten_inputs((sample,), {})[1]
-            kinds = _output_kinds(module, spec_in, [sample], static_in, ref_m, ref_b, m, size, 0, spec)
+            kinds = _output_kinds(module, spec_in, [sample], ref_m, ref_b, m, size, 0, spec)
         static_out = [o.clone() for o in ref_b]
     rep = Replica(RecomputeGraph(module, static_in, static_out), size, 0, static_in, static_out, kinds)
     return rep, ref_b, ref_m, m, spec
