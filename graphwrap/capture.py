@@ -63,11 +63,18 @@ def _reset_rng_capture_state(device):
     g.capture_end()
 
 
+# The caching allocator rounds allocations up into segments of up to 20 MiB: a bucket's
+# estimated growth of the pool adds this much to the warm-up's peak.
+ALLOCATOR_SLACK = 20 << 20
+
+
 class CaptureFailed(Exception):
     """A bucket could not be captured or did not verify.
 
     ``scope`` is "key" when every bucket of the key would fail the same way (a host sync in
-    forward, a model that mixes rows), "bucket" when only this size failed (out of memory).
+    forward, a model that mixes rows), "bucket" when only this size failed (out of memory),
+    "budget" when the bucket would take the graph pool over its budget, "compile" when the
+    compiled forward failed (the plain forward may still capture).
     """
 
     def __init__(self, reason: str, cause: Optional[BaseException] = None, scope: str = "key",
@@ -77,6 +84,7 @@ class CaptureFailed(Exception):
         self.cause = cause
         self.scope = scope
         self.pool_lost = pool_lost  # the pool cannot take further captures
+        self.pool_estimate = 0  # scope "budget": the bytes the bucket was estimated to need
 
 
 class Replica:
@@ -176,22 +184,32 @@ def capture_bucket(
     verify: bool,
     kinds: Optional[List[str]],
     out_spec: Optional[OutputSpec],
+    compiled=None,
+    budget_left: Optional[int] = None,
 ):
     """Capture one graph of ``module`` at ``size`` rows, with ``sample`` (on ``device``) as inputs.
 
     ``sample`` holds m <= size real rows; the static inputs repeat them up to ``size``. Returns
     ``(replica, info)``; raises CaptureFailed when the graph cannot be trusted, and lets the
     module's own exceptions on the real rows through unchanged (eager would raise them too).
+
+    With ``compiled`` (a CompiledForward), warm-up and capture run the compiled forward and the
+    eager module is the reference it is verified against. With ``budget_left`` (bytes), the
+    pool growth is estimated from a warm-up's peak memory first, and a bucket that would not
+    fit raises CaptureFailed with scope "budget".
     """
     with CAPTURE_LOCK:
         return _capture_bucket(module, device, pool, side_stream(device), in_spec, sample,
-                               size, batch_dim, warmup_iters, autocast_dtype, verify, kinds, out_spec)
+                               size, batch_dim, warmup_iters, autocast_dtype, verify, kinds, out_spec,
+                               compiled, budget_left)
 
 
 def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_dim,
-                    warmup_iters, autocast_dtype, verify, kinds, out_spec):
+                    warmup_iters, autocast_dtype, verify, kinds, out_spec, compiled, budget_left):
     m = sample[0].shape[batch_dim]
-    info = {"capture_s": 0.0, "verify_s": 0.0, "pool_bytes": 0}
+    info = {"capture_s": 0.0, "verify_s": 0.0, "pool_bytes": 0, "compile_s": 0.0, "compiled_graphs": 0,
+            "pool_estimate": 0}
+    forward = module if compiled is None else compiled
     t0 = time.perf_counter()
     cur = torch.cuda.current_stream(device)
     with torch.inference_mode(False), torch.no_grad(), autocast_without_cache(autocast_dtype):
@@ -203,11 +221,25 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
             try:
                 # Warm-up on the side stream, so cuBLAS workspaces, cuDNN and Triton
                 # autotuning and other lazy initialisation happen outside the capture.
-                for _ in range(warmup_iters):
-                    ref_b, spec_b = flatten_outputs(run_module(module, in_spec, static_in))
+                if compiled is not None:
+                    graphs0 = compiled.graphs
+                    ref_b, spec_b = flatten_outputs(run_module(forward, in_spec, static_in))
+                    info["compile_s"] = time.perf_counter() - t0  # tracing and compiling, if any
+                    info["compiled_graphs"] = compiled.graphs - graphs0
+                for _ in range(warmup_iters - (compiled is not None)):
+                    ref_b, spec_b = flatten_outputs(run_module(forward, in_spec, static_in))
+                if budget_left is not None:
+                    info["pool_estimate"] = _check_budget(forward, in_spec, static_in, device, size, budget_left)
+            except CaptureFailed:
+                raise
             except torch.cuda.OutOfMemoryError as e:
                 raise CaptureFailed(f"out of memory in warm-up at batch {size}", e, scope="bucket") from e
             except Exception as e:  # noqa: BLE001 - any failure here is padding-induced
+                if compiled is not None:
+                    raise CaptureFailed(
+                        f"the compiled forward failed at batch {size}: {type(e).__name__}: {_first_line(e)}",
+                        e, scope="compile",
+                    ) from e
                 raise CaptureFailed(
                     f"the forward failed on the padded batch of {size} rows but not on the {m} real rows: "
                     f"{type(e).__name__}: {e}", e
@@ -226,7 +258,7 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
             _own_cublas_workspace()
             capture_begin(graph, pool)
             try:
-                out = run_module(module, in_spec, static_in)
+                out = run_module(forward, in_spec, static_in)
             except BaseException as e:  # noqa: BLE001 - the capture must be ended whatever happened
                 err = e
             try:
@@ -241,8 +273,9 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
                     raise CaptureFailed(f"out of memory in capture at batch {size}", err, scope="bucket",
                                         pool_lost=True) from err
                 raise CaptureFailed(
-                    f"the forward cannot be captured in a CUDA graph: {type(err).__name__}: "
-                    f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}", err, pool_lost=True
+                    f"the {'compiled ' if compiled is not None else ''}forward cannot be captured in a "
+                    f"CUDA graph: {type(err).__name__}: {_first_line(err)}", err, pool_lost=True,
+                    scope="compile" if compiled is not None else "key",
                 ) from err
             info["pool_bytes"] = torch.cuda.memory_reserved(device) - reserved0
             static_out, spec_c = flatten_outputs(out)
@@ -259,6 +292,36 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
     info["kinds"] = kinds
     info["out_spec"] = spec_b
     return replica, info
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _check_budget(forward, in_spec, static_in, device, size, budget_left) -> int:
+    """The bytes of graph pool this bucket is estimated to need; CaptureFailed (scope "budget")
+    if that is more than ``budget_left``.
+
+    The pool needs about the forward's peak memory: one more warm-up run measures it, with the
+    cuBLAS workspaces cleared first so that the workspace the capture allocates in the pool is
+    counted too.
+    """
+    _own_cublas_workspace()
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run_module(forward, in_spec, static_in)
+    torch.cuda.synchronize(device)
+    need = torch.cuda.max_memory_allocated(device) - base + ALLOCATOR_SLACK
+    if need > budget_left:
+        err = CaptureFailed(
+            f"bucket {size} needs about {need / 2**20:.1f} MiB of graph pool, {max(budget_left, 0) / 2**20:.1f} "
+            "MiB of max_pool_bytes are left", scope="budget",
+        )
+        err.pool_estimate = need
+        raise err
+    return need
 
 
 def _output_kinds(module, in_spec, sample, ref_m, ref_b, m, size, batch_dim, spec):

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from . import _compat
-from .buckets import BucketTable
+from .buckets import Adaptive, BucketTable, padded_rows
 from .capture import CaptureFailed, Replica, capture_bucket
+from .compiled import CompiledForward, compile_options, unavailable_reason
 from .errors import GraphwrapError
 from .tree import (
     BATCHED,
@@ -50,17 +51,22 @@ def _install_hooks():
 
 
 class _Bucket:
-    __slots__ = ("size", "replicas", "leased", "failed", "replays", "rows", "padded_rows", "eager_calls",
-                 "capture_s", "verify_s", "pool_bytes")
+    __slots__ = ("size", "replicas", "leased", "failed", "over_budget", "replays", "rows", "padded_rows",
+                 "eager_calls", "capture_s", "verify_s", "pool_bytes", "pool_estimate", "compiled", "compile_s",
+                 "compiled_graphs")
 
     def __init__(self, size):
         self.size = size
         self.replicas: List[Replica] = []  # [0] serves gm(...); the others are leased to loops
         self.leased = set()
         self.failed: Optional[str] = None
+        self.over_budget = False  # not captured for the pool budget: a larger bucket serves its batches
         self.replays = self.rows = self.padded_rows = self.eager_calls = 0
-        self.capture_s = self.verify_s = 0.0
+        self.capture_s = self.verify_s = self.compile_s = 0.0
         self.pool_bytes = 0
+        self.pool_estimate = 0  # with max_pool_bytes: the pool growth estimated before capture
+        self.compiled: Optional[bool] = None  # runs Inductor's kernels (None: compile not asked)
+        self.compiled_graphs = 0
 
 
 class _Key:
@@ -137,10 +143,27 @@ class GraphedModule(nn.Module):
 
     Args:
         module: the module to wrap. Its parameters, buffers and submodules are shared, not copied.
-        buckets: batch sizes to capture. Default: :func:`graphwrap.default_buckets` up to
-            ``max_batch_size``.
-        max_batch_size: largest bucket of the default list (256). Larger batches are split
-            into chunks of at most this size, each served by a replay, and joined.
+        buckets: the batch sizes graphs are captured for, or a policy:
+
+            * ``None`` or ``"default"``: :func:`graphwrap.default_buckets` up to ``max_batch_size``
+              (1, 2, 4, 8, steps of 8 to 128, then eighths): at most 12.5% padding above 64 rows.
+            * ``"exact"``: one bucket per batch size up to ``max_batch_size``, no padding; a graph
+              per distinct size seen. For compute-bound models whose padded rows cost real time.
+            * :class:`graphwrap.Adaptive`: at most ``k`` buckets fitted to a histogram of batch
+              sizes, given or counted over the first calls (which run eagerly).
+            * a list of batch sizes.
+        max_batch_size: largest bucket of ``"default"`` and ``"exact"`` (256). Larger batches
+            are split into chunks of at most the largest bucket, each served by a replay, and joined.
+        compile: ``True`` or a dict of ``torch.compile`` options (``mode``, ``options``,
+            ``dynamic``, ``fullgraph``). The forward is compiled by Inductor without its CUDA
+            graphs, and each bucket's graph captures the kernels compiled for its shape
+            (``dynamic=False`` unless given). If compiling fails, or Inductor cannot run here,
+            the plain forward is captured instead, with a warning and the reason in ``stats()``.
+        max_pool_bytes: memory budget of the graph pool. A bucket is captured only if the
+            pool's growth, estimated from the peak memory of a warm-up run, fits in what is left;
+            batches of a bucket left out go to the next larger captured bucket (or run eagerly
+            if there is none). Call :meth:`capture` first so that the largest buckets are
+            captured first. Estimating resets ``torch.cuda``'s peak memory statistics.
         batch_dim: the dimension of every tensor input and batched output that holds the batch.
         warmup_iters: eager runs on a side stream before each capture.
         outputs: ``"clone"`` returns tensors the caller owns. ``"view"`` returns views of the
@@ -177,6 +200,8 @@ class GraphedModule(nn.Module):
         fallback: str = "eager",
         verify: bool = True,
         max_keys: int = 16,
+        compile=None,
+        max_pool_bytes: Optional[int] = None,
     ):
         if not isinstance(module, nn.Module):
             raise GraphwrapError(f"GraphedModule wraps an nn.Module, got {type(module).__name__}")
@@ -190,6 +215,16 @@ class GraphedModule(nn.Module):
             raise GraphwrapError(f"warmup_iters must be an int >= 1, got {warmup_iters!r}")
         if not isinstance(max_keys, int) or max_keys < 1:
             raise GraphwrapError(f"max_keys must be an int >= 1, got {max_keys!r}")
+        if max_pool_bytes is not None and (not isinstance(max_pool_bytes, int) or max_pool_bytes < 1):
+            raise GraphwrapError(f"max_pool_bytes must be a positive int (bytes), got {max_pool_bytes!r}")
+        compile_opts = compile_options(compile)
+        adaptive = None
+        if isinstance(buckets, Adaptive):
+            adaptive = buckets
+            if max_batch_size is not None:
+                raise GraphwrapError("an Adaptive policy picks the largest bucket itself; leave max_batch_size unset")
+            buckets = adaptive.buckets  # None until the warm-up calls are counted
+        table = BucketTable(buckets, max_batch_size)
         super().__init__()
         _install_hooks()
         object.__setattr__(self, "_gw_module", module)
@@ -201,7 +236,13 @@ class GraphedModule(nn.Module):
         object.__setattr__(self, "_non_persistent_buffers_set", module._non_persistent_buffers_set)
         self.training = module.training
         d = self.__dict__
-        d["_gw_table"] = BucketTable(buckets, max_batch_size)
+        d["_gw_table"] = table
+        d["_gw_adaptive"] = adaptive if adaptive is not None and adaptive.buckets is None else None
+        d["_gw_policy"] = adaptive
+        d["_gw_compile_opts"] = compile_opts
+        d["_gw_compiled"] = None  # CompiledForward, made at the first capture
+        d["_gw_compile_off"] = None  # why compile= was given up, if it was
+        d["_gw_max_pool_bytes"] = max_pool_bytes
         d["_gw_batch_dim"] = batch_dim
         d["_gw_warmup_iters"] = warmup_iters
         d["_gw_clone"] = outputs == "clone"
@@ -324,8 +365,18 @@ class GraphedModule(nn.Module):
             keys = [self._key_stats(ks) for ks in self._gw_store.keys.values()]
             rows = sum(b["rows"] for k in keys for b in k["buckets"].values())
             padded = sum(b["padded_rows"] for k in keys for b in k["buckets"].values())
+            cf = self._gw_compiled
+            adaptive = self._gw_adaptive
             return {
                 "keys": keys,
+                "buckets": None if adaptive is not None else list(self._gw_table.buckets),
+                "bucket_policy": repr(self._gw_policy) if self._gw_policy is not None else None,
+                "compile": None if self._gw_compile_opts is None else {
+                    "options": dict(self._gw_compile_opts),
+                    "off": self._gw_compile_off,
+                    "graphs": cf.graphs if cf is not None else 0,
+                    "compile_s": sum(b["compile_s"] for k in keys for b in k["buckets"].values()),
+                },
                 "eager_calls": dict(self._gw_eager),
                 "graph_pool_bytes": sum(k["pool_bytes"] for k in keys),
                 "static_input_bytes": sum(k["static_input_bytes"] for k in keys),
@@ -343,6 +394,10 @@ class GraphedModule(nn.Module):
                 "captured": bool(b.replicas),
                 "graphs": len(b.replicas),
                 "failed": b.failed,
+                "over_budget": b.over_budget,
+                "compiled": b.compiled,
+                "compiled_graphs": b.compiled_graphs,
+                "compile_s": b.compile_s,
                 "replays": b.replays,
                 "rows": b.rows,
                 "padded_rows": b.padded_rows,
@@ -350,6 +405,7 @@ class GraphedModule(nn.Module):
                 "capture_s": b.capture_s,
                 "verify_s": b.verify_s,
                 "pool_bytes": b.pool_bytes,
+                "pool_estimate": b.pool_estimate,
             }
         return {
             "key": ks.label,
@@ -412,9 +468,28 @@ class GraphedModule(nn.Module):
         n = batch_size_of(leaves, bd)
         if n == 0:
             return "the batch is empty"
+        if self._gw_adaptive is not None:
+            return self._observe(n)
         meta = tensor_meta(leaves, bd)
         autocast = _compat.autocast_state("cuda")
         return (spec, meta, autocast), (leaves, n, spec, meta, autocast, device)
+
+    def _observe(self, n: int) -> str:
+        """Count a batch size for the Adaptive policy; the call runs eagerly."""
+        with self._gw_lock:
+            adaptive = self._gw_adaptive
+            if adaptive is not None:
+                buckets = adaptive.observe(n)
+                if buckets is not None:
+                    d = self.__dict__
+                    d["_gw_table"] = BucketTable(buckets)
+                    d["_gw_adaptive"] = None
+                    hist = adaptive.histogram
+                    rows = sum(k * v for k, v in hist.items())
+                    pad = padded_rows(buckets, hist)
+                    logger.info("graphwrap: adaptive buckets %s from %d calls; %.1f%% of their rows would be padding",
+                                buckets, adaptive.seen, 100.0 * pad / (rows + pad))
+        return f"adaptive buckets: counting batch sizes over the first {self._gw_policy.warmup_calls} calls"
 
     def _find_device(self, leaves):
         module = self.module
@@ -485,28 +560,96 @@ class GraphedModule(nn.Module):
                 d["_gw_ptrs"] = tuple(map(_data_ptr, d["_gw_tensors"]))
             m = min(n, size)
             sample = [t.narrow(bd, 0, m).to(device) for t in leaves]
+            compiled = self._compiled_forward()
+            budget_left = self._budget_left()
             try:
                 rep, info = capture_bucket(
                     module=self.module, device=device, pool=store.pool,
                     in_spec=ks.in_spec, sample=sample, size=size, batch_dim=bd,
                     warmup_iters=self._gw_warmup_iters, autocast_dtype=ks.autocast,
                     verify=self._gw_verify, kinds=ks.kinds, out_spec=ks.out_spec,
+                    compiled=compiled, budget_left=budget_left,
                 )
             except CaptureFailed as e:
+                if e.scope == "compile":
+                    if e.pool_lost:
+                        store.pool = None
+                    self._give_up_compile(e.reason)
+                    return self._capture(ks, size, leaves, n)  # the plain forward
                 self._capture_failed(ks, b, e)
                 return b
         ks.kinds, ks.out_spec = info["kinds"], info["out_spec"]
+        self._add_replica(ks, b, rep, info, compiled)
+        if compiled is not None:
+            how = (f"compiled, {info['compiled_graphs']} graphs in {info['compile_s']:.2f} s" if b.compiled
+                   else "NOT compiled: torch.compile compiled nothing for this shape")
+            level = logging.INFO if b.compiled else logging.WARNING
+        else:
+            how, level = "plain forward", logging.INFO
+        logger.log(level, "graphwrap: captured bucket %d of %s in %.1f ms (%s; verify %.1f ms), graph pool +%.1f MiB",
+                   size, ks.label, 1e3 * info["capture_s"], how, 1e3 * info["verify_s"], info["pool_bytes"] / 2**20)
+        return b
+
+    def _add_replica(self, ks: _Key, b: _Bucket, rep: Replica, info: dict, compiled):
         b.replicas.append(rep)
         b.capture_s += info["capture_s"]
         b.verify_s += info["verify_s"]
         b.pool_bytes += info["pool_bytes"]
-        logger.info("graphwrap: captured bucket %d of %s in %.1f ms (verify %.1f ms), graph pool +%.1f MiB",
-                    size, ks.label, 1e3 * info["capture_s"], 1e3 * info["verify_s"], info["pool_bytes"] / 2**20)
-        return b
+        b.pool_estimate = max(b.pool_estimate, info["pool_estimate"])
+        b.compile_s += info["compile_s"]
+        b.compiled_graphs += info["compiled_graphs"]
+        if compiled is None:
+            b.compiled = False if self._gw_compile_opts is not None else None
+            return
+        # Compiled kernels ran if this warm-up compiled a graph, or this shape (any shape, with
+        # dynamic shapes) was compiled before (dynamo's cache outlives reset()): otherwise
+        # dynamo ran the forward uncompiled.
+        seen = compiled.shapes
+        dynamic = self._gw_compile_opts["dynamic"] is not False
+        ran = (info["compiled_graphs"] > 0 or (ks.label, b.size) in seen
+               or (dynamic and any(label == ks.label for label, _ in seen)))
+        if ran:
+            seen.add((ks.label, b.size))
+        b.compiled = ran if b.compiled is None else (b.compiled and ran)
+
+    def _compiled_forward(self) -> Optional[CompiledForward]:
+        """The compiled forward to capture, or None for the plain one."""
+        opts = self._gw_compile_opts
+        if opts is None or self._gw_compile_off is not None:
+            return None
+        cf = self._gw_compiled
+        if cf is None:
+            reason = unavailable_reason()
+            if reason is not None:
+                self._give_up_compile(reason)
+                return None
+            cf = self.__dict__["_gw_compiled"] = CompiledForward(self.module, opts)
+        return cf
+
+    def _give_up_compile(self, reason: str):
+        self.__dict__["_gw_compile_off"] = reason
+        msg = f"graphwrap: compile= given up ({reason}); capturing the plain forward"
+        if self._gw_fallback == "raise":
+            raise GraphwrapError(f"{msg}. Pass fallback=\"eager\" to accept the plain forward")
+        self._log_once(("compile",), logging.WARNING, msg)
+
+    def _budget_left(self) -> Optional[int]:
+        budget = self._gw_max_pool_bytes
+        if budget is None:
+            return None
+        return budget - sum(b.pool_bytes for ks in self._gw_store.keys.values() for b in ks.buckets.values())
 
     def _capture_failed(self, ks: _Key, b: _Bucket, e: CaptureFailed):
         if e.pool_lost:
             self._gw_store.pool = None  # graphs already in it keep their memory; new ones get a new pool
+        if e.scope == "budget":
+            b.failed = e.reason
+            b.over_budget = True
+            b.pool_estimate = e.pool_estimate
+            self._log_once(("budget", ks.label, b.size), logging.INFO,
+                           f"graphwrap: bucket {b.size} of {ks.label} not captured: {e.reason}; its batches go "
+                           "to the next larger captured bucket")
+            return
         if e.scope == "bucket":
             b.failed = e.reason
             torch.cuda.empty_cache()
@@ -528,7 +671,9 @@ class GraphedModule(nn.Module):
         memory, or through pinned buffers the loop owns when they are pageable; each bucket
         takes turns on two graphs, so the copy of the next batch overlaps the replay of this
         one. Outputs are new tensors on the GPU; with ``to_host=True`` they are pinned host
-        tensors, complete when yielded and the caller's to keep.
+        tensors, complete when yielded and the caller's to keep. With ``outputs="view"``, GPU
+        outputs are views of the graph's static outputs instead, valid until the loop is asked
+        for the next item (no copy per batch: clone what you keep).
 
         Batches above the largest bucket and calls that run eagerly are served by ``gm(...)``,
         in order, without overlap.
@@ -568,21 +713,27 @@ class GraphedModule(nn.Module):
         """One more graph of a captured bucket, with the first graph's static inputs as sample."""
         store = self._gw_store
         first = b.replicas[0]
+        compiled = self._gw_compiled if b.compiled else None
         with torch.cuda.device(ks.device):
+            if store.pool is None:
+                store.pool = torch.cuda.graph_pool_handle()
             try:
                 rep, info = capture_bucket(
                     module=self.module, device=ks.device, pool=store.pool,
                     in_spec=ks.in_spec, sample=first.static_inputs, size=b.size,
                     batch_dim=self._gw_batch_dim, warmup_iters=1, autocast_dtype=ks.autocast,
                     verify=self._gw_verify, kinds=ks.kinds, out_spec=ks.out_spec,
+                    compiled=compiled, budget_left=self._budget_left(),
                 )
             except CaptureFailed as e:
-                self._capture_failed(ks, b, e)
+                if e.scope == "budget":  # the loop runs this bucket through gm(...) instead
+                    return False
+                if e.scope == "compile" and e.pool_lost:
+                    store.pool = None
+                if e.scope != "compile":
+                    self._capture_failed(ks, b, e)
                 return False
-        b.replicas.append(rep)
-        b.capture_s += info["capture_s"]
-        b.verify_s += info["verify_s"]
-        b.pool_bytes += info["pool_bytes"]
+        self._add_replica(ks, b, rep, info, compiled)
         return True
 
     def _order_stream(self, device):
@@ -609,8 +760,12 @@ class GraphedModule(nn.Module):
             if ks.failed is not None:
                 return None
         if b.failed is not None:
-            b.eager_calls += 1
-            return None
+            if b.over_budget:
+                b = self._larger_captured(ks, size)
+            if b is None or b.failed is not None:
+                ks.buckets[size].eager_calls += 1
+                return None
+            size = b.size
         rep = b.replicas[0]
         self._order_stream(ks.device)
         for dst, src in zip(rep.inputs_for(n), leaves):
@@ -620,6 +775,20 @@ class GraphedModule(nn.Module):
         b.rows += n
         b.padded_rows += size - n
         return rep
+
+    def _larger_captured(self, ks: _Key, size: int) -> Optional[_Bucket]:
+        for s in self._gw_table.buckets:
+            if s > size:
+                b = ks.buckets.get(s)
+                if b is not None and b.replicas and b.failed is None:
+                    return b
+        if self._gw_fallback == "raise":
+            raise GraphwrapError(
+                f"bucket {size} of {ks.label} is over max_pool_bytes and no larger bucket is captured; "
+                "raise max_pool_bytes, call capture() first (it takes the largest buckets first) or pass "
+                'fallback="eager"'
+            )
+        return None
 
     def _run_one(self, ks: _Key, leaves, n: int, size: int, args, kwargs):
         device = ks.device

@@ -176,3 +176,46 @@ def test_pipeline_without_cuda_matches_eager():
 
 def test_logger_is_named_graphwrap():
     assert logging.getLogger("graphwrap") is graphwrap.module.logger
+
+
+def test_bucket_policies_on_the_module():
+    assert GraphedModule(MLP(), buckets="exact", max_batch_size=6).buckets == (1, 2, 3, 4, 5, 6)
+    gm = GraphedModule(MLP(), buckets=graphwrap.Adaptive(k=2, histogram={1: 9, 3: 10, 20: 2}))
+    assert gm.buckets == (3, 20)
+    with pytest.raises(GraphwrapError, match="max_batch_size"):
+        GraphedModule(MLP(), buckets=graphwrap.Adaptive(k=2), max_batch_size=64)
+    for bad in (0, -5, 1.5, "1GB"):
+        with pytest.raises(GraphwrapError, match="max_pool_bytes"):
+            GraphedModule(MLP(), max_pool_bytes=bad)
+
+
+@pytest.mark.parametrize("compile, match", [
+    ({"mode": "reduce-overhead"}, "CUDA graphs of its own"),
+    ({"mode": "max-autotune"}, "max-autotune-no-cudagraphs"),
+    ({"options": {"triton.cudagraphs": True}}, "conflicts"),
+    ({"backend": "eager"}, "takes the torch.compile options"),
+    ({"mode": "default", "options": {"max_autotune": True}}, "not both"),
+    ("yes", "True, False or a dict"),
+])
+def test_compile_options_are_checked(compile, match):
+    with pytest.raises(GraphwrapError, match=match):
+        GraphedModule(MLP(), compile=compile)
+
+
+def test_compile_options_completed():
+    from graphwrap.compiled import compile_options
+
+    assert compile_options(None) is None and compile_options(False) is None
+    opts = compile_options(True)
+    assert opts["dynamic"] is False and opts["options"] == {"triton.cudagraphs": False} and opts["mode"] is None
+    opts = compile_options({"mode": "max-autotune-no-cudagraphs", "dynamic": True})
+    assert opts["options"] is None and opts["dynamic"] is True
+
+
+def test_compile_on_cpu_runs_eagerly_with_the_same_results():
+    model = MLP().eval()
+    gm = GraphedModule(model, compile=True)
+    x = torch.randn(3, 32)
+    assert_same(gm(x), model(x), tol=0)
+    s = gm.stats()
+    assert s["compile"]["graphs"] == 0 and s["compile"]["options"]["dynamic"] is False

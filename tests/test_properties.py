@@ -95,3 +95,21 @@ def test_inputs_flatten_and_rebuild(args_tree, kw_tree):
     out = _materialise(args_tree)
     ol, ospec = flatten_outputs(out)
     assert _same(ospec.rebuild(ol), out)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.integers(1, 40), st.integers(1, 30), min_size=1, max_size=7), st.integers(1, 5))
+def test_fit_buckets_is_optimal(hist, k):
+    import itertools
+
+    from graphwrap import fit_buckets, padded_rows
+
+    chosen = fit_buckets(hist, k)
+    sizes = sorted(hist)
+    assert len(chosen) <= k and chosen[-1] == sizes[-1] and set(chosen) <= set(sizes)
+    best = min(
+        padded_rows(list(rest) + [sizes[-1]], hist)
+        for r in range(k)
+        for rest in itertools.combinations(sizes[:-1], r)
+    )
+    assert padded_rows(chosen, hist) == best

@@ -1,0 +1,192 @@
+"""compile=True and the bucket policies on a GPU, every output compared with eager."""
+
+import logging
+
+import pytest
+import torch
+
+import graphwrap
+from graphwrap import GraphedModule, GraphwrapError
+from helpers import MLP, assert_same, num_graphs
+
+pytestmark = pytest.mark.cuda
+DEV = "cuda"
+
+
+def _eager(model, *args, **kwargs):
+    with torch.no_grad():
+        return model(*args, **kwargs)
+
+
+def _buckets(gm, key=0):
+    return gm.stats()["keys"][key]["buckets"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _assert_all_compiled(gm):
+    for size, b in _buckets(gm).items():
+        assert b["captured"] and b["compiled"] is True, (size, b)
+        assert b["compiled_graphs"] >= 1 and b["compile_s"] > 0, (size, b)
+
+
+def test_compiled_mlp_every_bucket_and_in_between():
+    model = MLP().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16], compile=True)
+    for n in list(range(1, 18)) + [5, 1]:
+        x = torch.randn(n, 32, device=DEV)
+        assert_same(gm(x), _eager(model, x), tol=1e-4)
+    _assert_all_compiled(gm)
+    s = gm.stats()
+    assert s["eager_calls"] == {} and s["compile"]["off"] is None
+    assert s["compile"]["graphs"] == 5 and s["compile"]["compile_s"] > 0
+    # After reset() the graphs are captured again from the kernels dynamo already holds.
+    gm.reset()
+    x = torch.randn(3, 32, device=DEV)
+    assert_same(gm(x), _eager(model, x), tol=1e-4)
+    b = _buckets(gm)[4]
+    assert b["compiled"] is True and b["compiled_graphs"] == 0 and gm.stats()["compile"]["graphs"] == 5
+
+
+def test_more_buckets_than_the_recompile_limit_all_compile():
+    import torch._dynamo.config as cfg
+
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    model = MLP().to(DEV).eval()
+    with cfg.patch({name: 2}):
+        gm = GraphedModule(model, buckets="exact", max_batch_size=10, compile=True)
+        gm.capture(torch.randn(10, 32, device=DEV))
+        assert getattr(cfg, name) == 2
+    # Each of the 10 buckets compiled a graph for its own shape in its warm-up: with a limit of
+    # 2, plain torch.compile would have run 8 of them uncompiled.
+    _assert_all_compiled(gm)
+    assert len(_buckets(gm)) == 10 and gm.stats()["compile"]["graphs"] == 10
+    for n in range(1, 11):
+        x = torch.randn(n, 32, device=DEV)
+        assert_same(gm(x), _eager(model, x), tol=1e-4)
+
+
+def test_compiled_resnet18():
+    tv = pytest.importorskip("torchvision")
+    model = tv.models.resnet18().to(DEV).half().eval()
+    gm = GraphedModule(model, buckets=[1, 4], compile=True)
+    for n in (1, 3, 4, 2):
+        x = torch.randn(n, 3, 64, 64, device=DEV, dtype=torch.half)
+        assert_same(gm(x), _eager(model, x), tol=3e-2)
+    _assert_all_compiled(gm)
+    assert gm.stats()["eager_calls"] == {}
+
+
+def test_compiled_bert_from_config():
+    tr = pytest.importorskip("transformers")
+    cfg = tr.BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256)
+    model = tr.BertModel(cfg).to(DEV).eval()
+    gm = GraphedModule(model, buckets=[2, 8], compile=True)
+    for n in (1, 2, 5, 8):
+        ids = torch.randint(0, cfg.vocab_size, (n, 16), device=DEV)
+        mask = torch.ones(n, 16, dtype=torch.long, device=DEV)
+        mask[:, 12:] = 0
+        got = gm(input_ids=ids, attention_mask=mask)
+        want = _eager(model, input_ids=ids, attention_mask=mask)
+        assert type(got) is type(want)
+        torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-3, atol=1e-3)
+    _assert_all_compiled(gm)
+    assert gm.stats()["eager_calls"] == {}
+
+
+class _Breaks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.lin(x)
+        torch._dynamo.graph_break()
+        return y.relu()
+
+
+def test_failed_compile_captures_the_plain_forward(gw_log):
+    model = _Breaks().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[4], compile={"fullgraph": True})
+    x = torch.randn(3, 16, device=DEV)
+    assert_same(gm(x), _eager(model, x))
+    s = gm.stats()
+    assert "compiled forward failed" in s["compile"]["off"]
+    assert _buckets(gm)[4]["captured"] and _buckets(gm)[4]["compiled"] is False
+    assert s["eager_calls"] == {}
+    assert any("compile= given up" in r.message for r in gw_log.records if r.levelno == logging.WARNING)
+    with pytest.raises(GraphwrapError, match="compile= given up"):
+        GraphedModule(model, buckets=[4], compile={"fullgraph": True}, fallback="raise")(x)
+
+
+def test_exact_policy_pads_nothing():
+    model = MLP().to(DEV).eval()
+    gm = GraphedModule(model, buckets="exact", max_batch_size=8)
+    for n in (1, 5, 8, 3, 5, 12):
+        x = torch.randn(n, 32, device=DEV)
+        assert_same(gm(x), _eager(model, x))
+    s = gm.stats()
+    assert sorted(_buckets(gm)) == [1, 3, 4, 5, 8] and s["padded_rows"] == 0 and s["eager_calls"] == {}
+
+
+def test_adaptive_policy_counts_then_captures_the_fitted_buckets(gw_log):
+    model = MLP().to(DEV).eval()
+    sizes = [1, 1, 2, 1, 30, 32, 1, 2, 31, 1]
+    gm = GraphedModule(model, buckets=graphwrap.Adaptive(k=2, warmup_calls=len(sizes)))
+    for n in sizes:
+        x = torch.randn(n, 32, device=DEV)
+        assert_same(gm(x), _eager(model, x))
+    assert num_graphs(gm) == 0 and sum(gm.stats()["eager_calls"].values()) == len(sizes)
+    want = graphwrap.fit_buckets({1: 5, 2: 2, 30: 1, 31: 1, 32: 1}, 2)
+    assert gm.buckets == tuple(want) == (2, 32)
+    assert any("adaptive buckets [2, 32]" in r.message for r in gw_log.records)
+    for n in (1, 2, 17, 32, 40):
+        x = torch.randn(n, 32, device=DEV)
+        assert_same(gm(x), _eager(model, x))
+    assert sorted(_buckets(gm)) == [2, 32] and sum(gm.stats()["eager_calls"].values()) == len(sizes)
+
+
+def test_pool_budget_holds_and_smaller_batches_use_larger_buckets():
+    model = MLP(d_in=1024, hidden=4096, d_out=1024).to(DEV).eval()
+    x = torch.randn(256, 1024, device=DEV)
+    # A budget too large to bind gives each bucket's estimate and real growth of the pool.
+    probe = GraphedModule(model, buckets=[8, 64, 256], max_pool_bytes=1 << 40)
+    probe.capture(x)
+    pb = _buckets(probe)
+    assert all(0 < b["pool_bytes"] <= b["pool_estimate"] for b in pb.values() if b["pool_bytes"]), pb
+    p256, e64, e8 = pb[256]["pool_bytes"], pb[64]["pool_estimate"], pb[8]["pool_estimate"]
+    assert pb[256]["pool_bytes"] > 0 and e8 < e64
+    del probe
+    torch.cuda.empty_cache()
+
+    budget = p256 + (e8 + e64) // 2  # after 256 (captured first), room for 8 but not for 64
+    gm = GraphedModule(model, buckets=[8, 64, 256], max_pool_bytes=budget)
+    gm.capture(x)
+    b = _buckets(gm)
+    assert b[256]["captured"] and b[8]["captured"]
+    assert b[64]["over_budget"] and not b[64]["captured"] and "max_pool_bytes" in b[64]["failed"]
+    assert gm.stats()["graph_pool_bytes"] <= budget
+    for n in (3, 40, 256, 300):
+        xi = torch.randn(n, 1024, device=DEV)
+        assert_same(gm(xi), _eager(model, xi), tol=1e-4)
+    s = gm.stats()
+    b = _buckets(gm)
+    assert s["eager_calls"] == {} and b[8]["replays"] == 1
+    assert b[256]["replays"] == 4  # 40 rows, 256 rows, and 300 = 256 + 44 (44 goes to 256, not 64)
+    assert s["graph_pool_bytes"] <= budget
+
+    # Too small for any bucket: eager, with the reason; or an error under fallback="raise".
+    tiny = GraphedModule(model, buckets=[8], max_pool_bytes=e8 // 2)
+    xi = torch.randn(5, 1024, device=DEV)
+    assert_same(tiny(xi), _eager(model, xi))
+    assert any("max_pool_bytes" in r for r in tiny.stats()["eager_calls"])
+    assert tiny.stats()["graph_pool_bytes"] == 0
+    strict = GraphedModule(model, buckets=[8], max_pool_bytes=e8 // 2, fallback="raise")
+    with pytest.raises(GraphwrapError, match="max_pool_bytes"):
+        strict(xi)
