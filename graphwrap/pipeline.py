@@ -186,6 +186,10 @@ def _issue_on(gm, ks, lease, size, leaves, n, device, streams, events, to_host):
     if rep.replay_done is None:
         rep.replay_done = torch.cuda.Event()
     rep.replay_done.record(compute)
+    if not to_host and not gm._gw_clone:
+        # outputs="view": the static outputs themselves, valid until the next batch is issued
+        # (when the caller asks for the next item), as gm(...) views are until the next call.
+        return ("gpu", ks.out_spec, rep.outputs_for(n))
     # Clone on the compute stream, right after the replay: graphs share one pool, so a static
     # output can sit in memory that the next replay of another bucket uses for intermediates.
     outs = [o.clone() if t else o for o, t in zip(rep.outputs_for(n), rep.is_tensor)]

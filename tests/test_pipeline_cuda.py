@@ -41,6 +41,22 @@ def test_500_random_batches(pinned, to_host):
     assert gm.stats()["eager_calls"] == {}
 
 
+def test_view_outputs_are_right_when_yielded():
+    model = MLP().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16, 32], outputs="view")
+    xs = _batches(500, 32, pinned=True, seed=3)
+    kept = []
+    for x, o in zip(xs, gm.pipeline(xs)):
+        with torch.no_grad():
+            assert_same(o, model(x.to(DEV)))  # checked before asking for the next batch
+        kept.append(o)
+    assert gm.stats()["eager_calls"] == {}
+    # Views are not the caller's: later batches overwrite them, as the documentation says.
+    with torch.no_grad():
+        stale = sum(not torch.allclose(o, model(x.to(DEV))) for x, o in zip(xs, kept))
+    assert stale > 0
+
+
 def test_structured_items_and_batches_above_the_largest_bucket():
     model = MultiIO().to(DEV).eval()
     gm = GraphedModule(model, buckets=[2, 8])
@@ -141,11 +157,23 @@ def test_memory_stays_flat():
         for i in range(k):
             yield xs[i % 4]
 
-    for _ in gm.pipeline(stream(200)):
+    for _ in gm.pipeline(stream(200), to_host=True):
         pass
     torch.cuda.synchronize()
-    start = torch.cuda.memory_allocated()
-    for _ in gm.pipeline(stream(20000), to_host=True):
-        pass
+    start = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), _rss())
+    count = sum(1 for _ in gm.pipeline(stream(100_000), to_host=True))
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() - start <= 1 << 20
+    end = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), _rss())
+    print(f"\npipeline of {count} batches on {torch.cuda.get_device_name()}: device allocated "
+          f"{start[0] / 2**20:.1f} -> {end[0] / 2**20:.1f} MiB, reserved {start[1] / 2**20:.1f} -> "
+          f"{end[1] / 2**20:.1f} MiB, host RSS {start[2] / 2**20:.0f} -> {end[2] / 2**20:.0f} MiB")
+    assert count == 100_000
+    assert end[0] - start[0] <= 1 << 20 and end[1] - start[1] <= 2 << 20
+    assert end[2] - start[2] <= 32 << 20
+
+
+def _rss() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

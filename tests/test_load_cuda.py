@@ -1,0 +1,139 @@
+"""Load and faults on a GPU: many threads, out-of-memory inside capture, a second GPU."""
+
+import random
+import threading
+
+import pytest
+import torch
+
+from graphwrap import GraphedModule, GraphwrapError
+from helpers import MLP, assert_same
+
+pytestmark = pytest.mark.cuda
+DEV = "cuda"
+THREADS, CALLS = 8, 10_000
+
+
+def test_eight_threads_ten_thousand_calls_each():
+    model = MLP().to(DEV).eval()
+    gm = GraphedModule(model, max_batch_size=64)
+    worst = [None] * THREADS
+    errors = []
+    # Start and end memory are taken with every thread's stream made and warm (each stream
+    # that runs a GEMM keeps a cuBLAS workspace), so they compare like with like.
+    warm = threading.Barrier(THREADS + 1)
+    go = threading.Barrier(THREADS + 1)
+
+    def calls(rng, g, count, diff):
+        for _ in range(count):
+            n = rng.randint(1, 80)  # above 64: split over two replays
+            x = torch.randn(n, 32, device=DEV, generator=g) * rng.choice((0.01, 1.0, 100.0))
+            got, want = gm(x), model(x)
+            diff = torch.maximum(diff, ((got - want).abs() / (want.abs() + 1)).max())
+        return diff
+
+    def work(i):
+        rng = random.Random(i)
+        g = torch.Generator(device=DEV).manual_seed(i)
+        diff = torch.zeros((), device=DEV)
+        try:
+            with torch.no_grad(), torch.cuda.stream(torch.cuda.Stream()):
+                diff = calls(rng, g, 100, diff)
+                torch.cuda.current_stream().synchronize()
+                warm.wait()
+                go.wait()
+                diff = calls(rng, g, CALLS - 100, diff)
+                worst[i] = float(diff)  # one host sync per thread: the loop itself never waits
+        except Exception as e:  # noqa: BLE001 - asserted on below
+            errors.append(e)
+            warm.abort()
+            go.abort()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    try:
+        warm.wait()
+        torch.cuda.synchronize()
+        start = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+        go.wait()
+    except threading.BrokenBarrierError:
+        pass
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    torch.cuda.synchronize()
+    end = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+    s = gm.stats()
+    print(f"\nload: {THREADS} threads x {CALLS} calls on {torch.cuda.get_device_name()}: errors {len(errors)}, "
+          f"worst relative difference {max(worst):.2e}, rows {s['rows']}, "
+          f"device allocated {start[0] / 2**20:.1f} -> {end[0] / 2**20:.1f} MiB, "
+          f"reserved {start[1] / 2**20:.1f} -> {end[1] / 2**20:.1f} MiB")
+    assert all(w is not None and w < 1e-4 for w in worst), worst
+    assert s["eager_calls"] == {}
+    assert sum(b["replays"] for b in s["keys"][0]["buckets"].values()) >= THREADS * CALLS
+    assert end[0] - start[0] <= 4 << 20
+
+
+class _Greedy(torch.nn.Module):
+    """Asks for more memory than the device has, at one moment of its life only."""
+
+    def __init__(self, when):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.when = when
+
+    def forward(self, x):
+        y = self.lin(x)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if (self.when == "capture" and capturing) or (self.when == "warmup" and x.shape[0] == 8 and not capturing):
+            y = y + torch.empty(1 << 50, dtype=torch.uint8, device=x.device)[: y.numel()].view_as(y).zero_()
+        return y
+
+
+@pytest.mark.parametrize("when", ["capture", "warmup"])
+def test_out_of_memory_during_capture_falls_back_and_recovers(when, gw_log):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    model = _Greedy(when).to(DEV).eval()
+    gm = GraphedModule(model, buckets=[8, 16])
+    x = torch.randn(5, 16, device=DEV)
+    with torch.no_grad():
+        want = model.lin(x)
+    assert_same(gm(x), want)  # served eagerly: the eager run of 5 rows asks for nothing
+    b = gm.stats()["keys"][0]["buckets"][8]
+    assert not b["captured"] and f"out of memory in {'capture' if when == 'capture' else 'warm-up'}" in b["failed"]
+    assert b["eager_calls"] == 1
+    assert any("out of memory" in r.message for r in gw_log.records)
+    # The process goes on: random numbers, a new capture, and other buckets of this module.
+    torch.randn(4, device=DEV).sum().item()
+    model.when = None
+    other = GraphedModule(MLP().to(DEV).eval(), buckets=[4])
+    xo = torch.randn(3, 32, device=DEV)
+    with torch.no_grad():
+        assert_same(other(xo), other.module(xo))
+    x16 = torch.randn(12, 16, device=DEV)
+    with torch.no_grad():
+        assert_same(gm(x16), model.lin(x16))
+    assert gm.stats()["keys"][0]["buckets"][16]["captured"]
+    del gm, other, model
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated() - base <= 1 << 20
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_inputs_on_another_gpu():
+    model = MLP().to("cuda:0").eval()
+    gm = GraphedModule(model, buckets=[4])
+    with pytest.raises(GraphwrapError, match=r"on cuda:1 but the module is on cuda:0.*\.to\('cuda:0'\)"):
+        gm(torch.randn(3, 32, device="cuda:1"))
+    x = torch.randn(3, 32, device="cuda:0")
+    with torch.no_grad():
+        assert_same(gm(x), model(x))
+    # The module moved to the second GPU: graphs are captured again there.
+    gm.to("cuda:1")
+    x1 = x.to("cuda:1")
+    with torch.no_grad():
+        assert_same(gm(x1), model(x1))
+    assert gm.stats()["device"] == "cuda:1"
