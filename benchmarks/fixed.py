@@ -43,6 +43,7 @@ def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 1280)):
         case = Case(results, "fixed", f"bs {bs}")
         gm = GraphedModule(model, max_batch_size=max(bs, 256))
         gm_host = GraphedModule(model, max_batch_size=max(bs, 256))
+        gm_view = GraphedModule(model, max_batch_size=max(bs, 256), outputs="view")
         with torch.no_grad():
             # torch.compile's CUDA graphs and graphwrap clear PyTorch's cuBLAS workspaces when they
             # capture, which would leave graphs captured by hand before them pointing at freed
@@ -50,6 +51,8 @@ def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 1280)):
             case.add(PEER, lambda: _compiled(model, cpu_data, device))
             case.add("graphwrap gm(x) loop", lambda: (lambda: [gm(x) for x in cpu_data] and None))
             case.add("graphwrap pipeline", lambda: (lambda: [None for _ in gm.pipeline(cpu_data)] and None))
+            case.add("graphwrap pipeline outputs=view",
+                     lambda: (lambda: [None for _ in gm_view.pipeline(cpu_data)] and None))
             case.add("graphwrap pipeline to_host", lambda: (lambda: [None for _ in gm_host.pipeline(cpu_data, to_host=True)] and None))
             case.add(BASELINE, lambda: sync_loop(model, cpu_data, device))
             case.add("seed stream loop", lambda: stream_loop(model, cpu_data, device))
@@ -60,5 +63,5 @@ def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 1280)):
             case.add("floor: H2D copies alone", lambda: copy_floor(cpu_data, device))
             case.add("floor: D2H copies alone", lambda: d2h_floor((bs, 512), num_batches, device))
             case.run(repeats)
-        del cpu_data, case, gm, gm_host
+        del cpu_data, case, gm, gm_host, gm_view
         torch.cuda.empty_cache()

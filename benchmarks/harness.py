@@ -116,7 +116,7 @@ class Results:
     def note(self, scenario, case, strategy, value, unit, **extra):
         self.rows.append({"scenario": scenario, "case": case, "strategy": strategy, "unit": unit,
                           "median": value, "min": value, "max": value, "repeats": 1, "cold_start_s": None,
-                          "peak_mem_mib": None, "error": None, **extra})
+                          "peak_mem_mib": None, "error": None, "note": True, **extra})
 
     def table(self, scenario: str, baseline: Optional[str] = None, peer: Optional[str] = None) -> str:
         rows = [r for r in self.rows if r["scenario"] == scenario]
@@ -140,7 +140,7 @@ class Results:
                 for ref in (baseline, peer):
                     if ref:
                         b = strat.get(ref)
-                        ok = b and b["median"] and r["median"]
+                        ok = b and b["median"] and r["median"] and not r.get("note")
                         cells += f" {b['median'] / r['median']:.2f}x |" if ok else " |"
                 lines.append(cells)
         return "\n".join(lines)
@@ -165,7 +165,7 @@ class Results:
             print("matplotlib is not installed: no charts (pip install graphwrap[bench])")
             return
         for sc in scenarios if charts is None else [c for c in charts if c in scenarios]:
-            rows = [r for r in self.rows if r["scenario"] == sc and r["median"] is not None]
+            rows = [r for r in self.rows if r["scenario"] == sc and r["median"] is not None and not r.get("note")]
             if not rows:
                 continue
             cases = list(dict.fromkeys(r["case"] for r in rows))

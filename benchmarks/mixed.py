@@ -1,24 +1,77 @@
-"""Scenario "mixed": batch sizes drawn from 1..64, pinned host data, the seed MLP at two widths."""
+"""Scenario "mixed": batch sizes drawn at random, pinned host data.
+
+The seed MLP at two widths (sizes 1..64) and BERT-base at seq 128 in fp16 (sizes 1..32), each
+served by eager, torch.compile reduce-overhead, and graphwrap with its bucket policies, with
+and without compiled kernels.
+"""
+
+import collections
 
 import torch
 
-from graphwrap import GraphedModule
+from graphwrap import Adaptive, GraphedModule
 from harness import Case
 from workloads import SeedMLP
 
 PEER = "torch.compile reduce-overhead dynamic=None"
 
 
-def _eager(model, data, device):
+def _to(item, device):
+    if isinstance(item, dict):
+        return {k: v.to(device, non_blocking=True) for k, v in item.items()}
+    return item.to(device, non_blocking=True)
+
+
+def _loop(fn, data, device):
     def loop():
-        for x in data:
-            model(x.to(device, non_blocking=True))
+        for item in data:
+            x = _to(item, device)
+            fn(**x) if isinstance(x, dict) else fn(x)
     return loop
 
 
 def _compiled(model, data, device, dynamic):
-    cm = torch.compile(model, mode="reduce-overhead", dynamic=dynamic)
-    return _eager(cm, data, device)
+    return _loop(torch.compile(model, mode="reduce-overhead", dynamic=dynamic), data, device)
+
+
+def _pipeline(gm, data):
+    def loop():
+        for _ in gm.pipeline(data):
+            pass
+    return loop
+
+
+def _graphwrap(case, results, model, data, name, histogram, **kw):
+    """Add a graphwrap pipeline strategy; note its pool memory, padding and compile time."""
+    gms = {}
+
+    def setup():
+        gms["gm"] = GraphedModule(model, **kw)
+        return _pipeline(gms["gm"], data)
+
+    case.add(name, setup)
+    gm = gms.get("gm")
+    if gm is None:
+        return
+    s = gm.stats()
+    extra = {"buckets": len(s["buckets"] or []), "padded_share": s["padded_share"]}
+    if s["compile"]:
+        extra.update(compile_s=s["compile"]["compile_s"], compiled_graphs=s["compile"]["graphs"],
+                     compile_off=s["compile"]["off"])
+    results.note(case.scenario, case.case, f"{name}: graph pool MiB", s["graph_pool_bytes"] / 2**20, "MiB", **extra)
+
+
+def _policies(case, results, model, data, sizes, compiled_exact: bool):
+    hist = dict(collections.Counter(sizes))
+    _graphwrap(case, results, model, data, "graphwrap pipeline", hist)
+    _graphwrap(case, results, model, data, "graphwrap pipeline compile=True", hist, compile=True)
+    if compiled_exact:
+        _graphwrap(case, results, model, data, "graphwrap pipeline compile=True exact", hist,
+                   compile=True, buckets="exact", max_batch_size=max(sizes))
+    _graphwrap(case, results, model, data, "graphwrap pipeline compile=dynamic exact", hist,
+               compile={"dynamic": True}, buckets="exact", max_batch_size=max(sizes))
+    _graphwrap(case, results, model, data, "graphwrap pipeline compile=True Adaptive(k=8)", hist,
+               compile=True, buckets=Adaptive(k=8, histogram=hist))
 
 
 def run(results, device, quick: bool, repeats: int):
@@ -29,19 +82,46 @@ def run(results, device, quick: bool, repeats: int):
         torch.manual_seed(0)
         model = SeedMLP(hidden=hidden).to(device).eval()
         data = [torch.randn(n, 1024, generator=g).pin_memory() for n in sizes]
-        case = Case(results, "mixed", f"hidden {hidden}")
-        gm = GraphedModule(model)
+        case = Case(results, "mixed", f"MLP hidden {hidden}, sizes 1..64")
         with torch.no_grad():
-            case.add("eager", lambda: _eager(model, data, device))
+            case.add("eager", lambda: _loop(model, data, device))
             torch._dynamo.reset()
             case.add(PEER, lambda: _compiled(model, data, device, None))
             torch._dynamo.reset()
             case.add("torch.compile reduce-overhead dynamic=False", lambda: _compiled(model, data, device, False))
+            torch._dynamo.reset()
+            gm = GraphedModule(model)
             case.add("graphwrap gm(x) loop", lambda: (lambda: [gm(x) for x in data] and None))
-            case.add("graphwrap pipeline", lambda: (lambda: [None for _ in gm.pipeline(data)] and None))
+            _policies(case, results, model, data, sizes, compiled_exact=not quick)
             case.run(repeats)
-        s = gm.stats()
-        results.note("mixed", f"hidden {hidden}", "graphwrap padded share of rows", s["padded_share"], "share")
         del data, case, gm
         torch._dynamo.reset()
         torch.cuda.empty_cache()
+    _bert(results, device, quick, repeats)
+
+
+def _bert(results, device, quick, repeats):
+    try:
+        import transformers as tr
+    except ImportError:
+        return
+    count = 200 if quick else 2000
+    g = torch.Generator().manual_seed(1)
+    sizes = torch.randint(1, 33, (count,), generator=g).tolist()
+    torch.manual_seed(0)
+    model = tr.BertModel(tr.BertConfig()).to(device).half().eval()
+    data = []
+    for n in sizes:
+        ids = torch.randint(0, 30000, (n, 128), generator=g)
+        data.append({"input_ids": ids.pin_memory(), "attention_mask": torch.ones_like(ids).pin_memory()})
+    case = Case(results, "mixed", "BERT-base fp16 seq 128, sizes 1..32")
+    with torch.no_grad():
+        torch._dynamo.reset()
+        case.add(PEER, lambda: _compiled(model, data, device, None))
+        torch._dynamo.reset()
+        case.add("eager", lambda: _loop(model, data, device))
+        _policies(case, results, model, data, sizes, compiled_exact=False)
+        case.run(repeats)
+    del data, case, model
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()

@@ -80,10 +80,21 @@ def run(results, device, quick: bool, repeats: int):
                 # workspaces when they capture (see fixed.py).
                 torch._dynamo.reset()
                 case.add(PEER, lambda: _calls(torch.compile(model, mode="reduce-overhead"), args, kwargs, calls))
+                gmc = GraphedModule(model, compile=True)
+                case.add("graphwrap GraphedModule(compile=True)", lambda: _calls(gmc, args, kwargs, calls))
+                # outputs="view": no copy of the outputs per call, the contract of torch.compile's
+                # CUDA graphs (outputs overwritten by the next call).
+                case.add("graphwrap GraphedModule(compile=True, outputs=view)",
+                         lambda: _calls(GraphedModule(model, compile=True, outputs="view"), args, kwargs, calls))
                 case.add("graphwrap GraphedModule", lambda: _calls(GraphedModule(model), args, kwargs, calls))
                 case.add("eager", lambda: _calls(model, args, kwargs, calls))
                 case.add("hand-captured graph of eager", lambda: _hand_graph(model, args, kwargs, calls))
                 case.run(repeats)
-            del model, case
+            s = gmc.stats()
+            results.note("models", f"{name}, bs {bs}", "graphwrap compile=True: compile seconds",
+                         s["compile"]["compile_s"], "s", compiled=s["compile"]["graphs"], off=s["compile"]["off"])
+            results.note("models", f"{name}, bs {bs}", "graphwrap compile=True: graph pool MiB",
+                         s["graph_pool_bytes"] / 2**20, "MiB")
+            del model, case, gmc
             torch._dynamo.reset()
             torch.cuda.empty_cache()
