@@ -92,6 +92,8 @@ class _Store:
         self.keys: Dict[Any, _Key] = {}
         self.device: Optional[torch.device] = None
         self.pool = None
+        # Bumped by release(): a pipeline holding graphs of an older epoch drops them.
+        self.epoch = 0
 
     def release(self):
         if self.keys and self.device is not None and torch.cuda.is_initialized():
@@ -99,6 +101,7 @@ class _Store:
             torch.cuda.synchronize(self.device)
         self.keys.clear()
         self.pool = None
+        self.epoch += 1
 
 
 def _release_store(store: _Store):
@@ -256,6 +259,7 @@ class GraphedModule(nn.Module):
         d["_gw_eager"] = {}  # reason -> calls
         d["_gw_logged"] = set()
         d["_gw_last_stream"] = None
+        d["_gw_last_sid"] = None
         d["_gw_gen"] = -1
         d["_gw_tensors"] = []
         d["_gw_ptrs"] = None  # data pointers of the module's tensors when the graphs were captured
@@ -323,6 +327,7 @@ class GraphedModule(nn.Module):
             d["_gw_ptrs"] = None
             d["_gw_keepalive"] = None
             d["_gw_last_stream"] = None
+            d["_gw_last_sid"] = None
             d["_gw_device"] = None
             d["_gw_gen"] = -1
 
@@ -448,7 +453,18 @@ class GraphedModule(nn.Module):
         if self._gw_ptrs is not None and tuple(map(_data_ptr, self._gw_tensors)) != self._gw_ptrs:
             self._tensors_moved()
         if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
-            leaves = [args[0]]
+            # The common call, gm(x): the same facts as below with a fraction of the host work.
+            x = args[0]
+            device = self._gw_device
+            bd = self._gw_batch_dim
+            shape = x.shape
+            if (device is not None and len(shape) > bd and shape[bd] and self._gw_adaptive is None
+                    and not (x.requires_grad and torch.is_grad_enabled())):
+                meta = ((shape[:bd] + shape[bd + 1:], x.dtype, x.device),)
+                autocast = _compat.autocast_state("cuda")
+                spec = _SINGLE_TENSOR_SPEC
+                return (spec, meta, autocast), ([x], shape[bd], spec, meta, autocast, device)
+            leaves = [x]
             spec = _SINGLE_TENSOR_SPEC
         else:
             try:
@@ -744,12 +760,15 @@ class GraphedModule(nn.Module):
         """
         last = self._gw_last_stream
         if _current_stream_id is not None and last is not None:
-            if _current_stream_id(device.index)[0] == last.stream_id and last.device == device:
+            # (stream id, device index, device type): one C call, no Stream object built.
+            if _current_stream_id(device.index) == self._gw_last_sid:
                 return last
         cur = torch.cuda.current_stream(device)
         if last is not None and last != cur:
             cur.wait_stream(last)
-        self.__dict__["_gw_last_stream"] = cur
+        d = self.__dict__
+        d["_gw_last_stream"] = cur
+        d["_gw_last_sid"] = _current_stream_id(device.index) if _current_stream_id is not None else None
         return cur
 
     def _replay(self, ks: _Key, leaves, n: int, size: int):
