@@ -92,7 +92,7 @@ class Replica:
 
     __slots__ = (
         "graph", "size", "batch_dim", "static_inputs", "static_outputs", "kinds", "is_tensor",
-        "_in_views", "_out_views", "copy_done", "replay_done",
+        "_in_views", "_out_views", "copy_done", "replay_done", "out_bytes",
     )
 
     def __init__(self, graph, size: int, batch_dim: int, static_inputs, static_outputs, kinds):
@@ -103,6 +103,7 @@ class Replica:
         self.static_outputs: List[Any] = static_outputs
         self.kinds: List[str] = kinds
         self.is_tensor = [k != CONST for k in kinds]
+        self.out_bytes = sum(o.numel() * o.element_size() for o in static_outputs if isinstance(o, Tensor))
         self._in_views = {}
         self._out_views = {}
         # Set by the pipeline: the last copy into this replica's inputs, the last replay of it.

@@ -6,12 +6,22 @@ Per batch, with two graphs per bucket (A and B) taking turns:
     compute stream  wait(A.copy_done) -> replay A -> record A.replay_done -> clone outputs
     d2h stream      wait(clones made) -> copy them to pinned host -> record (to_host only)
 
-so the copy for the next batch (into B) runs while A replays. The host never waits in the
-steady state, except with ``to_host=True``, where a batch is yielded only once its host
-copy is complete (two batches behind the newest one issued, so the wait is usually over).
+so the copy for the next batch (into B) runs while A replays. Buckets whose inputs take at
+most ``H2D_INLINE_BYTES`` copy on the compute stream instead, in order: at such sizes the
+events and stream switches cost the host more than the overlap saves the device. With
+``to_host``, outputs of at most ``D2H_INLINE_BYTES`` skip the clone and the third stream: their
+host copy follows the replay on the compute stream.
+
+The host waits on events only where memory is handed back: a copy that read the caller's
+pinned memory is complete before its batch is yielded (the caller may refill that memory), a
+staging buffer is refilled once the copy that read it (two batches ago) is over, and with
+``to_host=True`` a batch is yielded once its host copy is complete (two batches behind the
+newest one issued). Each wait is for work that has later work queued behind it on the device,
+so the device does not run dry while the host waits.
 """
 
 import collections
+import functools
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -19,8 +29,31 @@ import torch
 from .errors import GraphwrapError
 from .tree import Tensor, map_tensors
 
+set_stream = torch.cuda.set_stream
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+# The C calls behind torch.cuda.set_stream, Event.record(stream) and Stream.wait_event(event),
+# without their Python layers: at batch 1 the loop is bound by host time, a microsecond a step
+# counts. The stream is always given, so the wrappers' only logic (defaulting it) is not needed.
+_cuda_set_stream = getattr(torch._C, "_cuda_setStream", None)
+_record = getattr(torch._C._CudaEventBase, "record", None) or torch.cuda.Event.record
+_wait = getattr(torch._C._CudaEventBase, "wait", None) or torch.cuda.Event.wait
+
+
+def _setter(stream):
+    """A no-argument callable that makes ``stream`` current, as ``torch.cuda.set_stream`` does."""
+    if _cuda_set_stream is None:
+        return functools.partial(set_stream, stream)
+    return functools.partial(_cuda_set_stream, stream_id=stream.stream_id, device_index=stream.device_index,
+                             device_type=stream.device_type)
+
 LEASED = 2  # graphs per bucket a loop takes turns on
 HOST_LAG = 2  # with to_host, batches issued ahead of the one yielded
+# A bucket whose static inputs take at most this many bytes takes its host copies on the
+# compute stream, in order; larger ones go on the copy stream, overlapping the replay before.
+H2D_INLINE_BYTES = 64 << 10
+# with to_host, outputs up to this size are copied to the host on the compute stream, straight
+# from the graph's static outputs; larger ones are cloned and copied on a stream of their own
+D2H_INLINE_BYTES = 64 << 10
 
 
 class Inputs:
@@ -54,14 +87,36 @@ def as_call(item):
 
 
 class _Lease:
-    """The replicas one loop takes turns on for one bucket, and its pinned staging buffers."""
+    """The graphs one loop takes turns on for one bucket, with the loop's streams on its device
+    and pinned staging buffers for pageable inputs."""
 
-    __slots__ = ("replicas", "turn", "staging")
+    __slots__ = ("replicas", "turn", "staging", "bucket", "size", "device", "copy_stream", "d2h_stream",
+                 "to_copy", "compute", "to_compute", "inline")
 
-    def __init__(self, replicas):
+    def __init__(self, replicas, bucket, device, streams, compute):
         self.replicas = replicas
         self.turn = 0
         self.staging = {}  # replica index -> pinned buffers for pageable inputs
+        self.bucket = bucket
+        self.size = bucket.size
+        self.device = device
+        self.copy_stream, self.d2h_stream = streams
+        self.to_copy = _setter(self.copy_stream)
+        self.compute = self.to_compute = None  # the caller's stream of the last batch, and its setter
+        # Small inputs: the copy costs the device less than ordering it across streams costs the host.
+        self.inline = replicas[0].nbytes() <= H2D_INLINE_BYTES
+        for rep in replicas:
+            if rep.copy_done is None:
+                rep.copy_done, rep.replay_done = torch.cuda.Event(), torch.cuda.Event()
+        # Copies into these graphs' inputs come after all the work issued so far: their captures,
+        # earlier loops, gm(...) calls (ordered onto the caller's stream by _order_stream).
+        self.copy_stream.wait_stream(compute)
+
+    def back_to(self, compute):
+        """The setter of the caller's stream ``compute`` (made again only when it changes)."""
+        if compute is not self.compute:
+            self.compute, self.to_compute = compute, _setter(compute)
+        return self.to_compute
 
 
 class _EventPool:
@@ -78,14 +133,28 @@ class _EventPool:
 def run_pipeline(gm, batches: Iterable[Any], to_host: bool = False) -> Iterator[Any]:
     it = iter(batches)
     pending = collections.deque()
+    # (key, bucket size) -> _Lease. Keys are held, not their ids: a key dropped by reset()
+    # must never be mistaken for a new one that Python put at the same address.
     leases = {}
     events = _EventPool()
     streams = {}
+    store = gm._gw_store
+    epoch = store.epoch
     lag = HOST_LAG if to_host else 0
+    prepare = gm._prepare
     try:
         for item in it:
-            args, kwargs = as_call(item)
-            prep = gm._prepare(args, kwargs)
+            if type(item) is Tensor:
+                args, kwargs = (item,), {}
+            else:
+                args, kwargs = as_call(item)
+            prep = prepare(args, kwargs)
+            if store.epoch != epoch:
+                # The graphs were dropped (weights replaced or moved, reset()): so are the leases.
+                # release() synchronized the device, so no copy into their buffers is in flight.
+                _sync(streams)
+                leases.clear()
+                epoch = store.epoch
             entry = None
             if type(prep) is not str:
                 entry = _issue(gm, prep, leases, streams, events, to_host)
@@ -96,30 +165,30 @@ def run_pipeline(gm, batches: Iterable[Any], to_host: bool = False) -> Iterator[
                 if to_host:
                     out = map_tensors(_to_pinned_host, out)
                 entry = ("done", out)
-            pending.append(entry)
-            while len(pending) > lag:
-                yield _finish(pending.popleft(), events)
+            if lag:
+                pending.append(entry)
+                if len(pending) > lag:
+                    yield _finish(pending.popleft(), events)
+            else:
+                yield _finish(entry, events)
         while pending:
             yield _finish(pending.popleft(), events)
     finally:
         # Leave no copy in flight on memory this loop owns or is about to drop.
-        for copy_stream, d2h_stream in streams.values():
-            copy_stream.synchronize()
-            d2h_stream.synchronize()
+        _sync(streams)
         for entry in pending:
             if entry[0] == "host":
                 entry[3].synchronize()
         with gm._gw_lock:
-            for lease in leases.values():
-                gm._return_lease(lease.replicas)
+            if store.epoch == epoch:
+                for lease in leases.values():
+                    gm._return_lease(lease.replicas)
 
 
-def _streams(streams, device):
-    """The loop's copy stream and device-to-host stream on ``device``."""
-    s = streams.get(device)
-    if s is None:
-        s = streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-    return s
+def _sync(streams):
+    for copy_stream, d2h_stream in streams.values():
+        copy_stream.synchronize()
+        d2h_stream.synchronize()
 
 
 def _issue(gm, prep, leases, streams, events, to_host):
@@ -127,77 +196,83 @@ def _issue(gm, prep, leases, streams, events, to_host):
     key, (leaves, n, spec, meta, autocast, device) = prep
     with gm._gw_lock:
         ks = gm._gw_store.keys.get(key) or gm._key_for(key, spec, meta, autocast, device, leaves)
-        if ks is None or ks.failed is not None or n > gm._gw_table.max:
+        table = gm._gw_table
+        if ks is None or ks.failed is not None or n > table.max:
             return None
-        size = gm._gw_table.bucket_for(n)
-        lease = leases.get((id(ks), size))
+        size = table.bucket_for(n)
+        lease = leases.get((ks, size))
         if lease is None:
             reps = gm._take_lease(ks, size, leaves, n, LEASED)
             if reps is None:
                 return None
-            lease = leases[(id(ks), size)] = _Lease(reps)
-        if device.index != torch.cuda.current_device():
+            s = streams.get(device)
+            if s is None:
+                s = streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            lease = leases[(ks, size)] = _Lease(reps, ks.buckets[size], device, s, gm._order_stream(device))
+        if device.index != _current_device():
             with torch.cuda.device(device):
-                return _issue_on(gm, ks, lease, size, leaves, n, device, streams, events, to_host)
-        return _issue_on(gm, ks, lease, size, leaves, n, device, streams, events, to_host)
+                return _issue_on(gm, ks, lease, leaves, n, events, to_host)
+        return _issue_on(gm, ks, lease, leaves, n, events, to_host)
 
 
-def _issue_on(gm, ks, lease, size, leaves, n, device, streams, events, to_host):
+def _issue_on(gm, ks, lease, leaves, n, events, to_host):
     i = lease.turn
-    lease.turn = (i + 1) % len(lease.replicas)
-    rep = lease.replicas[i]
-    copy_stream, d2h_stream = _streams(streams, device)
-    compute = gm._order_stream(device)
-    b = ks.buckets[size]
+    reps = lease.replicas
+    rep = reps[i]
+    lease.turn = i + 1 if i + 1 < len(reps) else 0
+    compute = gm._order_stream(lease.device)
+    b = lease.bucket
     b.replays += 1
     b.rows += n
-    b.padded_rows += size - n
+    b.padded_rows += lease.size - n
     dsts = rep.inputs_for(n)
-    on_copy = []
-    pageable = False
-    for j, (dst, src) in enumerate(zip(dsts, leaves)):
-        if src.is_cuda:
-            dst.copy_(src)  # device to device: on the compute stream, in order after src is made
+    x = leaves[0]
+    if len(leaves) == 1 and not x.is_cuda and x.is_pinned():
+        # The common loop: one input in the caller's pinned memory.
+        if lease.inline:
+            dsts[0].copy_(x, non_blocking=True)  # in order after this graph's last replay
+            _record(rep.copy_done, compute)
         else:
-            pinned = src.is_pinned()
-            pageable = pageable or not pinned
-            on_copy.append((j, dst, src, pinned))
-    if on_copy:
-        if rep.copy_done is None:
-            rep.copy_done = torch.cuda.Event()
-            copy_stream.wait_stream(compute)
-        elif pageable:
-            # This replica's staging buffers are refilled on the host: the copy that read them
-            # (two batches ago) must be over.
-            rep.copy_done.synchronize()
-        if rep.replay_done is not None:
-            copy_stream.wait_event(rep.replay_done)  # the inputs are free once the last replay is done
-        torch.cuda.set_stream(copy_stream)
-        try:
-            for j, dst, src, pinned in on_copy:
-                if not pinned:
-                    src = _stage(lease, i, j, rep, src, n)
-                dst.copy_(src, non_blocking=True)
-            rep.copy_done.record(copy_stream)
-        finally:
-            torch.cuda.set_stream(compute)
-        compute.wait_event(rep.copy_done)
+            copy_stream = lease.copy_stream
+            _wait(rep.replay_done, copy_stream)  # its inputs are free once its last replay is done
+            back = lease.back_to(compute)
+            lease.to_copy()
+            try:
+                dsts[0].copy_(x, non_blocking=True)
+                _record(rep.copy_done, copy_stream)
+            finally:
+                back()
+            _wait(rep.copy_done, compute)
+        read_pinned = True
+    elif lease.inline:
+        read_pinned = _copy_in_order(lease, i, rep, dsts, leaves, n, compute)
+    else:
+        read_pinned = _copy_in(lease, i, rep, dsts, leaves, n, compute)
     rep.graph.replay()
-    if rep.replay_done is None:
-        rep.replay_done = torch.cuda.Event()
-    rep.replay_done.record(compute)
+    _record(rep.replay_done, compute)
+    if read_pinned:
+        # The copy read the caller's pinned memory asynchronously. It is over before this batch's
+        # output is yielded and before the iterator runs again, either of which may refill that
+        # memory in place (one pinned buffer reused for every batch is a common loop).
+        rep.copy_done.synchronize()
     if not to_host and not gm._gw_clone:
         # outputs="view": the static outputs themselves, valid until the next batch is issued
         # (when the caller asks for the next item), as gm(...) views are until the next call.
         return ("gpu", ks.out_spec, rep.outputs_for(n))
+    if to_host and rep.out_bytes <= D2H_INLINE_BYTES:
+        # Small outputs: copied to the host in stream order right after the replay, before any
+        # later replay can overwrite them. That adds a few microseconds of device time and saves
+        # a clone and a hop to another stream, which cost more host time than the copy takes.
+        return _to_host_inline(ks, rep, n, events, compute)
     # Clone on the compute stream, right after the replay: graphs share one pool, so a static
     # output can sit in memory that the next replay of another bucket uses for intermediates.
     outs = [o.clone() if t else o for o, t in zip(rep.outputs_for(n), rep.is_tensor)]
     if not to_host:
         return ("gpu", ks.out_spec, outs)
+    d2h_stream = lease.d2h_stream
     d2h_stream.wait_stream(compute)
     host = []
-    torch.cuda.set_stream(d2h_stream)
+    set_stream(d2h_stream)
     try:
         for o in outs:
             if isinstance(o, Tensor):
@@ -209,9 +284,82 @@ def _issue_on(gm, ks, lease, size, leaves, n, device, streams, events, to_host):
         done = events.get()
         done.record(d2h_stream)
     finally:
-        torch.cuda.set_stream(compute)
+        set_stream(compute)
     # The clones stay referenced (in the entry) until the host has waited for `done`.
     return ("host", ks.out_spec, host, done, outs)
+
+
+def _to_host_inline(ks, rep, n, events, compute):
+    host = []
+    for o, t in zip(rep.outputs_for(n), rep.is_tensor):
+        if t:
+            h = torch.empty(o.shape, dtype=o.dtype, pin_memory=True)
+            h.copy_(o, non_blocking=True)
+            host.append(h)
+        else:
+            host.append(o)
+    done = events.get()
+    done.record(compute)
+    return ("host", ks.out_spec, host, done, None)
+
+
+def _copy_in(lease, i, rep, dsts, leaves, n, compute) -> bool:
+    """Copy a batch into ``rep``'s static inputs on the copy stream, after its last replay.
+
+    Device inputs are copied on the compute stream (in order after whatever made them); host
+    inputs on the copy stream, pageable ones through this replica's pinned staging buffers.
+    Returns whether the caller's own pinned memory was read.
+    """
+    on_copy = []
+    pageable = read_pinned = False
+    for j, (dst, src) in enumerate(zip(dsts, leaves)):
+        if src.is_cuda:
+            dst.copy_(src)
+        else:
+            pinned = src.is_pinned()
+            pageable = pageable or not pinned
+            read_pinned = read_pinned or pinned
+            on_copy.append((j, dst, src, pinned))
+    if not on_copy:
+        return False
+    if pageable:
+        # This replica's staging buffers are refilled on the host: the copy that read them
+        # (two batches ago) must be over.
+        rep.copy_done.synchronize()
+    copy_stream = lease.copy_stream
+    _wait(rep.replay_done, copy_stream)  # the inputs are free once the last replay is done
+    set_stream(copy_stream)
+    try:
+        for j, dst, src, pinned in on_copy:
+            if not pinned:
+                src = _stage(lease, i, j, rep, src, n)
+            dst.copy_(src, non_blocking=True)
+        _record(rep.copy_done, copy_stream)
+    finally:
+        set_stream(compute)
+    _wait(rep.copy_done, compute)
+    return read_pinned
+
+
+def _copy_in_order(lease, i, rep, dsts, leaves, n, compute) -> bool:
+    """Copy a batch into ``rep``'s static inputs on the compute stream, in order after its last
+    replay; pageable inputs through this replica's pinned staging buffers. Returns whether the
+    caller's own pinned memory was read."""
+    host = read_pinned = staged = False
+    for j, (dst, src) in enumerate(zip(dsts, leaves)):
+        if not src.is_cuda:
+            host = True
+            if src.is_pinned():
+                read_pinned = True
+            else:
+                if not staged:
+                    rep.copy_done.synchronize()  # the copy that last read the staging buffers
+                    staged = True
+                src = _stage(lease, i, j, rep, src, n)
+        dst.copy_(src, non_blocking=True)
+    if host:
+        _record(rep.copy_done, compute)
+    return read_pinned
 
 
 def _stage(lease, i, j, rep, src, n):

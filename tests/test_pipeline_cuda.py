@@ -23,9 +23,12 @@ def _batches(count, d, pinned, seed=0, top=40):
     return [x.pin_memory() for x in xs] if pinned else xs
 
 
+@pytest.mark.parametrize("h2d", ["inline", "copy stream"])
 @pytest.mark.parametrize("pinned", [True, False])
 @pytest.mark.parametrize("to_host", [False, True])
-def test_500_random_batches(pinned, to_host):
+def test_500_random_batches(pinned, to_host, h2d, monkeypatch):
+    if h2d == "copy stream":  # every bucket copies on the copy stream, however small its inputs
+        monkeypatch.setattr(graphwrap.pipeline, "H2D_INLINE_BYTES", -1)
     model = MLP().to(DEV).eval()
     gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16, 32])
     xs = _batches(500, 32, pinned)
@@ -39,6 +42,20 @@ def test_500_random_batches(pinned, to_host):
             want = want.cpu()
         assert_same(o, want)
     assert gm.stats()["eager_calls"] == {}
+
+
+def test_to_host_with_every_output_on_the_third_stream(monkeypatch):
+    # Outputs above D2H_INLINE_BYTES are cloned and copied on a stream of their own; here all are.
+    monkeypatch.setattr(graphwrap.pipeline, "D2H_INLINE_BYTES", -1)
+    model = MLP().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16, 32])
+    xs = _batches(500, 32, pinned=True, seed=4)
+    outs = list(gm.pipeline(xs, to_host=True))
+    torch.cuda.synchronize()
+    for x, o in zip(xs, outs):
+        assert not o.is_cuda and o.is_pinned()
+        with torch.no_grad():
+            assert_same(o, model(x.to(DEV)).cpu())
 
 
 def test_view_outputs_are_right_when_yielded():
@@ -84,18 +101,22 @@ class Slow(nn.Module):
 
 
 class Wide(nn.Module):
-    """Long copies next to tiny compute."""
+    """Long copies next to tiny compute; long copies back too with ``out_cols=None``."""
+
+    def __init__(self, out_cols=8):
+        super().__init__()
+        self.out_cols = out_cols
 
     def forward(self, x):
-        return x[:, :8] * 2 + 1
+        return x[:, : self.out_cols] * 2 + 1
 
 
-@pytest.mark.parametrize("kind", ["slow", "wide"])
+@pytest.mark.parametrize("kind", ["slow", "wide", "wide-out"])
 def test_races(kind):
     if kind == "slow":
         model, d = Slow().to(DEV).eval(), 64
     else:
-        model, d = Wide().to(DEV).eval(), 1 << 18
+        model, d = Wide(8 if kind == "wide" else None).to(DEV).eval(), 1 << 18
     gm = GraphedModule(model, buckets=[4, 8])
     xs = _batches(60, d, pinned=True, top=9)
     for to_host in (False, True):
@@ -177,3 +198,48 @@ def _rss() -> int:
 
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_weights_replaced_inside_the_loop_take_effect_from_the_next_batch():
+    model = MLP().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[4, 8])
+    xs = _batches(80, 32, pinned=True, seed=5, top=9)
+    junk = []
+    for i, (x, o) in enumerate(zip(xs, gm.pipeline(xs))):
+        with torch.no_grad():
+            assert_same(o, model(x.to(DEV)))
+        if i % 20 == 4:  # a new Parameter: the old weight's memory is freed and refilled
+            model.layers[0].weight = nn.Parameter(torch.randn_like(model.layers[0].weight))
+        elif i % 20 == 9:  # a .data swap behind the wrapper's back
+            model.layers[2].weight.data = torch.randn_like(model.layers[2].weight)
+        elif i % 20 == 14:
+            gm.reset()
+        elif i % 20 == 19:  # in place: the same memory, new values, no recapture needed
+            with torch.no_grad():
+                model.layers[4].bias.uniform_(-1, 1)
+        torch.cuda.empty_cache()
+        junk.append(torch.full((1 << 16,), float("nan"), device=DEV))
+    assert gm.stats()["eager_calls"] == {}
+
+
+@pytest.mark.parametrize("h2d", ["inline", "copy stream"])
+@pytest.mark.parametrize("to_host", [False, True])
+def test_one_pinned_buffer_refilled_in_place_for_every_batch(to_host, h2d, monkeypatch):
+    # A common loop: one pinned buffer, refilled for each batch as soon as the loop asks for the
+    # next item. A copy still pending at that moment would read the next batch's rows.
+    if h2d == "copy stream":
+        monkeypatch.setattr(graphwrap.pipeline, "H2D_INLINE_BYTES", -1)
+    model = Slow().to(DEV).eval()  # long replays: copies queue behind them
+    gm = GraphedModule(model, buckets=[8])
+    xs = [torch.randn(8, 64) for _ in range(40)]
+    buf = torch.empty(8, 64).pin_memory()
+
+    def refilled():
+        for x in xs:
+            buf.copy_(x)
+            yield buf
+
+    outs = list(gm.pipeline(refilled(), to_host=to_host))
+    with torch.no_grad():
+        for x, o in zip(xs, outs):
+            assert_same(o.to(DEV), model(x.to(DEV)), tol=1e-5)
