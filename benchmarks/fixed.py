@@ -4,6 +4,7 @@ import copy
 
 import torch
 
+import graphwrap.pipeline as gw_pipeline
 from graphwrap import GraphedModule
 from harness import Case
 from workloads import (SeedMLP, copy_floor, d2h_floor, double_buffered_loop, graph_loop, replay_floor,
@@ -34,6 +35,19 @@ def _make_graphed(model, cpu_data, device):
     return loop
 
 
+def _d2h_on_third_stream(gm, cpu_data):
+    """to_host with the small-output shortcut off: every output cloned and copied on the d2h stream."""
+    def loop():
+        old = gw_pipeline.D2H_INLINE_BYTES
+        gw_pipeline.D2H_INLINE_BYTES = -1
+        try:
+            for _ in gm.pipeline(cpu_data, to_host=True):
+                pass
+        finally:
+            gw_pipeline.D2H_INLINE_BYTES = old
+    return loop
+
+
 def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 1280)):
     num_batches = 128 if quick else 1280
     for bs in batch_sizes:
@@ -54,6 +68,8 @@ def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 1280)):
             case.add("graphwrap pipeline outputs=view",
                      lambda: (lambda: [None for _ in gm_view.pipeline(cpu_data)] and None))
             case.add("graphwrap pipeline to_host", lambda: (lambda: [None for _ in gm_host.pipeline(cpu_data, to_host=True)] and None))
+            case.add("graphwrap pipeline to_host, every D2H on the third stream",
+                     lambda: _d2h_on_third_stream(gm_host, cpu_data))
             case.add(BASELINE, lambda: sync_loop(model, cpu_data, device))
             case.add("seed stream loop", lambda: stream_loop(model, cpu_data, device))
             case.add("seed graph loop", lambda: graph_loop(model, cpu_data, device))

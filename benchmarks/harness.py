@@ -76,6 +76,7 @@ class Case:
             print(f"  [{self.case}] {name}: FAILED {self.failed[name]}", flush=True)
             return
         self.cold[name] = time.perf_counter() - t0
+        print(f"  [{self.case}] {name}: cold start {self.cold[name]:.2f} s", flush=True)
         if torch.cuda.is_available():
             self.peak[name] = torch.cuda.max_memory_allocated() - base
         self.loops[name] = loop

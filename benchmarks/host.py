@@ -37,6 +37,7 @@ def run(results, device, quick: bool, repeats: int):
     static_in, static_out = rep.static_inputs[0], rep.static_outputs[0]
     compute, copy = torch.cuda.current_stream(), torch.cuda.Stream()
     ev = torch.cuda.Event()
+    host_out = torch.empty(static_out.shape, pin_memory=True)
     ops = {
         "gm._prepare (flatten, key, checks)": lambda: gm._prepare((x,), {}),
         "Tensor.is_pinned()": lambda: x.is_pinned(),
@@ -46,6 +47,9 @@ def run(results, device, quick: bool, repeats: int):
         "Stream.wait_event": lambda: compute.wait_event(ev),
         "CUDAGraph.replay()": lambda: rep.graph.replay(),
         "clone of the output": lambda: static_out.clone(),
+        "torch.empty(pin_memory=True) of the output's size": lambda: torch.empty(static_out.shape, pin_memory=True),
+        "D2H copy_ into pinned, non_blocking": lambda: host_out.copy_(static_out, non_blocking=True),
+        "Stream.wait_stream": lambda: copy.wait_stream(compute),
         "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(),
     }
     def stream_ctx():
@@ -66,3 +70,13 @@ def run(results, device, quick: bool, repeats: int):
             torch.cuda.synchronize()
             ts.append((time.perf_counter() - t0) / n)
         results.add("host", "one batch-1 step, per op", "whole pipeline step (wall, incl. GPU)", ts, "us", None, None)
+        ts = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in gm.pipeline(xs, to_host=True):
+                pass
+            torch.cuda.synchronize()
+            ts.append((time.perf_counter() - t0) / n)
+        results.add("host", "one batch-1 step, per op", "whole pipeline step, to_host (wall, incl. GPU)", ts, "us",
+                    None, None)

@@ -51,6 +51,7 @@ def main(argv=None):
     ap.add_argument("--out", default="bench-out", help="folder for results.json, results.csv and charts")
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds per strategy (default 5, quick 3)")
     ap.add_argument("--batch-sizes", default="1,16,1280", help="batch sizes of the fixed scenario")
+    ap.add_argument("--mixed-models", default="mlp,bert", help="models of the mixed scenario: mlp, bert or both")
     a = ap.parse_args(argv)
     repeats = a.repeats or (3 if a.quick else 5)
     results = Results(a.out)
@@ -70,7 +71,11 @@ def main(argv=None):
             t0 = time.perf_counter()
             print(f"-- {name}", flush=True)
             mod = importlib.import_module("capture_time" if name == "capture" else name)
-            extra = {"batch_sizes": [int(b) for b in a.batch_sizes.split(",")]} if name == "fixed" else {}
+            extra = {}
+            if name == "fixed":
+                extra = {"batch_sizes": [int(b) for b in a.batch_sizes.split(",")]}
+            elif name == "mixed":
+                extra = {"models": tuple(a.mixed_models.split(","))}
             mod.run(results, torch.device("cuda"), a.quick, repeats, **extra)
             print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
     for name in suites:
