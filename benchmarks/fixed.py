@@ -35,16 +35,18 @@ def _make_graphed(model, cpu_data, device):
     return loop
 
 
-def _d2h_on_third_stream(gm, cpu_data):
-    """to_host with the small-output shortcut off: every output cloned and copied on the d2h stream."""
+def _pipeline_with(gm, cpu_data, to_host=False, **settings):
+    """The pipeline with some of graphwrap.pipeline's size thresholds changed, for comparison."""
     def loop():
-        old = gw_pipeline.D2H_INLINE_BYTES
-        gw_pipeline.D2H_INLINE_BYTES = -1
+        old = {k: getattr(gw_pipeline, k) for k in settings}
+        for k, v in settings.items():
+            setattr(gw_pipeline, k, v)
         try:
-            for _ in gm.pipeline(cpu_data, to_host=True):
+            for _ in gm.pipeline(cpu_data, to_host=to_host):
                 pass
         finally:
-            gw_pipeline.D2H_INLINE_BYTES = old
+            for k, v in old.items():
+                setattr(gw_pipeline, k, v)
     return loop
 
 
@@ -69,7 +71,11 @@ def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 1280)):
                      lambda: (lambda: [None for _ in gm_view.pipeline(cpu_data)] and None))
             case.add("graphwrap pipeline to_host", lambda: (lambda: [None for _ in gm_host.pipeline(cpu_data, to_host=True)] and None))
             case.add("graphwrap pipeline to_host, every D2H on the third stream",
-                     lambda: _d2h_on_third_stream(gm_host, cpu_data))
+                     lambda: _pipeline_with(gm_host, cpu_data, to_host=True, D2H_INLINE_BYTES=-1))
+            case.add("graphwrap pipeline, every H2D on the copy stream",
+                     lambda: _pipeline_with(gm, cpu_data, H2D_INLINE_BYTES=-1))
+            case.add("graphwrap pipeline outputs=view, every H2D on the copy stream",
+                     lambda: _pipeline_with(gm_view, cpu_data, H2D_INLINE_BYTES=-1))
             case.add(BASELINE, lambda: sync_loop(model, cpu_data, device))
             case.add("seed stream loop", lambda: stream_loop(model, cpu_data, device))
             case.add("seed graph loop", lambda: graph_loop(model, cpu_data, device))

@@ -375,3 +375,28 @@ def test_graphs_survive_cleared_cublas_workspaces():
         for x in xs:
             assert_same(gm(x), _eager(model, x), tol=1e-4)
     del filler
+
+
+def test_other_dtype_width_or_rank_get_their_own_key_and_aliased_inputs_work():
+    model = _mlp()
+    gm = GraphedModule(model, buckets=[4, 8])
+    x = torch.randn(3, 32, device=DEV)
+    assert_same(gm(x), _eager(model, x))
+    # Another dtype or feature width is another key: the module runs on it (and raises its own
+    # error here, as eager does); the captured graph is never replayed on mismatched shapes.
+    for bad in (x.double(), torch.randn(3, 31, device=DEV)):
+        with pytest.raises(RuntimeError) as info:
+            gm(bad)
+        assert not isinstance(info.value, GraphwrapError)
+    # Another rank the module accepts: a key of its own, captured and correct.
+    x3 = torch.randn(5, 2, 32, device=DEV)
+    assert_same(gm(x3), _eager(model, x3))
+    assert_same(gm(x), _eager(model, x))
+    assert len(gm.stats()["keys"]) == 4 and num_graphs(gm) == 2
+    # One tensor passed for two inputs, and an input that is a view of another.
+    mio = MultiIO().to(DEV).eval()
+    gmio = GraphedModule(mio, buckets=[4])
+    a = torch.randn(4, 8, device=DEV)
+    for args in ((a, (a, {"m": a})), (a[:3], (a[1:], {"m": a[:3] * 1}))):
+        assert_same(gmio(*args), _eager(mio, *args))
+    assert gmio.stats()["eager_calls"] == {}
