@@ -72,10 +72,7 @@ def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 1280)):
             case.add("graphwrap pipeline to_host", lambda: (lambda: [None for _ in gm_host.pipeline(cpu_data, to_host=True)] and None))
             case.add("graphwrap pipeline to_host, every D2H on the third stream",
                      lambda: _pipeline_with(gm_host, cpu_data, to_host=True, D2H_INLINE_BYTES=-1))
-            case.add("graphwrap pipeline, every H2D on the copy stream",
-                     lambda: _pipeline_with(gm, cpu_data, H2D_INLINE_BYTES=-1))
-            case.add("graphwrap pipeline outputs=view, every H2D on the copy stream",
-                     lambda: _pipeline_with(gm_view, cpu_data, H2D_INLINE_BYTES=-1))
+
             case.add(BASELINE, lambda: sync_loop(model, cpu_data, device))
             case.add("seed stream loop", lambda: stream_loop(model, cpu_data, device))
             case.add("seed graph loop", lambda: graph_loop(model, cpu_data, device))

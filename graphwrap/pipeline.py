@@ -6,11 +6,9 @@ Per batch, with two graphs per bucket (A and B) taking turns:
     compute stream  wait(A.copy_done) -> replay A -> record A.replay_done -> clone outputs
     d2h stream      wait(clones made) -> copy them to pinned host -> record (to_host only)
 
-so the copy for the next batch (into B) runs while A replays. Buckets whose inputs take at
-most ``H2D_INLINE_BYTES`` copy on the compute stream instead, in order: at such sizes the
-events and stream switches cost the host more than the overlap saves the device. With
-``to_host``, outputs of at most ``D2H_INLINE_BYTES`` skip the clone and the third stream: their
-host copy follows the replay on the compute stream.
+so the copy for the next batch (into B) runs while A replays. With ``to_host``, outputs of at
+most ``D2H_INLINE_BYTES`` skip the clone and the third stream: their host copy follows the
+replay on the compute stream.
 
 The host waits on events only where memory is handed back: a copy that read the caller's
 pinned memory is complete before its batch is yielded (the caller may refill that memory), a
@@ -48,9 +46,6 @@ def _setter(stream):
 
 LEASED = 2  # graphs per bucket a loop takes turns on
 HOST_LAG = 2  # with to_host, batches issued ahead of the one yielded
-# A bucket whose static inputs take at most this many bytes takes its host copies on the
-# compute stream, in order; larger ones go on the copy stream, overlapping the replay before.
-H2D_INLINE_BYTES = 64 << 10
 # with to_host, outputs up to this size are copied to the host on the compute stream, straight
 # from the graph's static outputs; larger ones are cloned and copied on a stream of their own
 D2H_INLINE_BYTES = 64 << 10
@@ -91,7 +86,7 @@ class _Lease:
     and pinned staging buffers for pageable inputs."""
 
     __slots__ = ("replicas", "turn", "staging", "bucket", "size", "device", "copy_stream", "d2h_stream",
-                 "to_copy", "compute", "to_compute", "inline")
+                 "to_copy", "compute", "to_compute")
 
     def __init__(self, replicas, bucket, device, streams, compute):
         self.replicas = replicas
@@ -103,8 +98,6 @@ class _Lease:
         self.copy_stream, self.d2h_stream = streams
         self.to_copy = _setter(self.copy_stream)
         self.compute = self.to_compute = None  # the caller's stream of the last batch, and its setter
-        # Small inputs: the copy costs the device less than ordering it across streams costs the host.
-        self.inline = replicas[0].nbytes() <= H2D_INLINE_BYTES
         for rep in replicas:
             if rep.copy_done is None:
                 rep.copy_done, rep.replay_done = torch.cuda.Event(), torch.cuda.Event()
@@ -229,23 +222,17 @@ def _issue_on(gm, ks, lease, leaves, n, events, to_host):
     x = leaves[0]
     if len(leaves) == 1 and not x.is_cuda and x.is_pinned():
         # The common loop: one input in the caller's pinned memory.
-        if lease.inline:
-            dsts[0].copy_(x, non_blocking=True)  # in order after this graph's last replay
-            _record(rep.copy_done, compute)
-        else:
-            copy_stream = lease.copy_stream
-            _wait(rep.replay_done, copy_stream)  # its inputs are free once its last replay is done
-            back = lease.back_to(compute)
-            lease.to_copy()
-            try:
-                dsts[0].copy_(x, non_blocking=True)
-                _record(rep.copy_done, copy_stream)
-            finally:
-                back()
-            _wait(rep.copy_done, compute)
+        copy_stream = lease.copy_stream
+        _wait(rep.replay_done, copy_stream)  # its inputs are free once its last replay is done
+        back = lease.back_to(compute)
+        lease.to_copy()
+        try:
+            dsts[0].copy_(x, non_blocking=True)
+            _record(rep.copy_done, copy_stream)
+        finally:
+            back()
+        _wait(rep.copy_done, compute)
         read_pinned = True
-    elif lease.inline:
-        read_pinned = _copy_in_order(lease, i, rep, dsts, leaves, n, compute)
     else:
         read_pinned = _copy_in(lease, i, rep, dsts, leaves, n, compute)
     rep.graph.replay()
@@ -338,27 +325,6 @@ def _copy_in(lease, i, rep, dsts, leaves, n, compute) -> bool:
     finally:
         set_stream(compute)
     _wait(rep.copy_done, compute)
-    return read_pinned
-
-
-def _copy_in_order(lease, i, rep, dsts, leaves, n, compute) -> bool:
-    """Copy a batch into ``rep``'s static inputs on the compute stream, in order after its last
-    replay; pageable inputs through this replica's pinned staging buffers. Returns whether the
-    caller's own pinned memory was read."""
-    host = read_pinned = staged = False
-    for j, (dst, src) in enumerate(zip(dsts, leaves)):
-        if not src.is_cuda:
-            host = True
-            if src.is_pinned():
-                read_pinned = True
-            else:
-                if not staged:
-                    rep.copy_done.synchronize()  # the copy that last read the staging buffers
-                    staged = True
-                src = _stage(lease, i, j, rep, src, n)
-        dst.copy_(src, non_blocking=True)
-    if host:
-        _record(rep.copy_done, compute)
     return read_pinned
 
 

@@ -23,12 +23,9 @@ def _batches(count, d, pinned, seed=0, top=40):
     return [x.pin_memory() for x in xs] if pinned else xs
 
 
-@pytest.mark.parametrize("h2d", ["inline", "copy stream"])
 @pytest.mark.parametrize("pinned", [True, False])
 @pytest.mark.parametrize("to_host", [False, True])
-def test_500_random_batches(pinned, to_host, h2d, monkeypatch):
-    if h2d == "copy stream":  # every bucket copies on the copy stream, however small its inputs
-        monkeypatch.setattr(graphwrap.pipeline, "H2D_INLINE_BYTES", -1)
+def test_500_random_batches(pinned, to_host):
     model = MLP().to(DEV).eval()
     gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16, 32])
     xs = _batches(500, 32, pinned)
@@ -222,13 +219,10 @@ def test_weights_replaced_inside_the_loop_take_effect_from_the_next_batch():
     assert gm.stats()["eager_calls"] == {}
 
 
-@pytest.mark.parametrize("h2d", ["inline", "copy stream"])
 @pytest.mark.parametrize("to_host", [False, True])
-def test_one_pinned_buffer_refilled_in_place_for_every_batch(to_host, h2d, monkeypatch):
+def test_one_pinned_buffer_refilled_in_place_for_every_batch(to_host):
     # A common loop: one pinned buffer, refilled for each batch as soon as the loop asks for the
     # next item. A copy still pending at that moment would read the next batch's rows.
-    if h2d == "copy stream":
-        monkeypatch.setattr(graphwrap.pipeline, "H2D_INLINE_BYTES", -1)
     model = Slow().to(DEV).eval()  # long replays: copies queue behind them
     gm = GraphedModule(model, buckets=[8])
     xs = [torch.randn(8, 64) for _ in range(40)]
