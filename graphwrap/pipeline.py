@@ -33,8 +33,9 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.curre
 # without their Python layers: at batch 1 the loop is bound by host time, a microsecond a step
 # counts. The stream is always given, so the wrappers' only logic (defaulting it) is not needed.
 _cuda_set_stream = getattr(torch._C, "_cuda_setStream", None)
-_record = getattr(torch._C._CudaEventBase, "record", None) or torch.cuda.Event.record
-_wait = getattr(torch._C._CudaEventBase, "wait", None) or torch.cuda.Event.wait
+_event_base = getattr(torch._C, "_CudaEventBase", None)  # a stand-in type, or absent, without CUDA
+_record = getattr(_event_base, "record", None) or torch.cuda.Event.record
+_wait = getattr(_event_base, "wait", None) or torch.cuda.Event.wait
 
 
 def _setter(stream):
