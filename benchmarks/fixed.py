@@ -72,14 +72,6 @@ def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 1280)):
             case.add("graphwrap pipeline to_host", lambda: (lambda: [None for _ in gm_host.pipeline(cpu_data, to_host=True)] and None))
             case.add("graphwrap pipeline to_host, every D2H on the third stream",
                      lambda: _pipeline_with(gm_host, cpu_data, to_host=True, D2H_INLINE_BYTES=-1))
-            if bs <= 16:
-                # The input path beside the default: every H2D on the copy stream, and graphs that
-                # copy their inputs in themselves up to 64 KiB (batch 16 here) instead of 16 KiB.
-                for label, bound in (("every H2D on the copy stream", -1), ("in-graph H2D up to 64 KiB", 64 << 10)):
-                    case.add(f"graphwrap pipeline, {label}",
-                             lambda bound=bound: _pipeline_with(gm, cpu_data, GRAPH_COPY_BYTES=bound))
-                    case.add(f"graphwrap pipeline outputs=view, {label}",
-                             lambda bound=bound: _pipeline_with(gm_view, cpu_data, GRAPH_COPY_BYTES=bound))
 
             case.add(BASELINE, lambda: sync_loop(model, cpu_data, device))
             case.add("seed stream loop", lambda: stream_loop(model, cpu_data, device))

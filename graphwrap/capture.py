@@ -74,8 +74,7 @@ class CaptureFailed(Exception):
     ``scope`` is "key" when every bucket of the key would fail the same way (a host sync in
     forward, a model that mixes rows), "bucket" when only this size failed (out of memory),
     "budget" when the bucket would take the graph pool over its budget, "compile" when the
-    compiled forward failed (the plain forward may still capture), "staging" when the copy of a
-    host buffer could not be captured (a graph without it may still capture).
+    compiled forward failed (the plain forward may still capture).
     """
 
     def __init__(self, reason: str, cause: Optional[BaseException] = None, scope: str = "key",
@@ -93,10 +92,10 @@ class Replica:
 
     __slots__ = (
         "graph", "size", "batch_dim", "static_inputs", "static_outputs", "kinds", "is_tensor",
-        "_in_views", "_out_views", "copy_done", "replay_done", "out_bytes", "staging", "_staging_views",
+        "_in_views", "_out_views", "copy_done", "replay_done", "out_bytes",
     )
 
-    def __init__(self, graph, size: int, batch_dim: int, static_inputs, static_outputs, kinds, staging=None):
+    def __init__(self, graph, size: int, batch_dim: int, static_inputs, static_outputs, kinds):
         self.graph = graph
         self.size = size
         self.batch_dim = batch_dim
@@ -107,10 +106,6 @@ class Replica:
         self.out_bytes = sum(o.numel() * o.element_size() for o in static_outputs if isinstance(o, Tensor))
         self._in_views = {}
         self._out_views = {}
-        # Per input: a pinned host buffer whose contents the graph itself copies into the static
-        # input before the forward, or None (copied in by whoever replays it). None: no input is.
-        self.staging: Optional[List[Optional[Tensor]]] = staging
-        self._staging_views = {}
         # Set by the pipeline: the last copy into this replica's inputs, the last replay of it.
         self.copy_done = None
         self.replay_done = None
@@ -123,21 +118,6 @@ class Replica:
             v = [t if n == self.size else t.narrow(bd, 0, n) for t in self.static_inputs]
             self._in_views[n] = v
         return v
-
-    def staging_for(self, n: int) -> List[Optional[Tensor]]:
-        """Views of the first ``n`` rows of each staging buffer (None where an input has none)."""
-        v = self._staging_views.get(n)
-        if v is None:
-            bd = self.batch_dim
-            v = [t if t is None or n == self.size else t.narrow(bd, 0, n) for t in self.staging]
-            self._staging_views[n] = v
-        return v
-
-    def sources(self) -> List[Tensor]:
-        """What each replay reads its inputs from: the staging buffers, else the static inputs."""
-        if self.staging is None:
-            return self.static_inputs
-        return [s if s is not None else t for s, t in zip(self.staging, self.static_inputs)]
 
     def outputs_for(self, n: int) -> List[Any]:
         """The static outputs cut back to ``n`` rows (cached views; valid until the next replay)."""
@@ -207,7 +187,6 @@ def capture_bucket(
     out_spec: Optional[OutputSpec],
     compiled=None,
     budget_left: Optional[int] = None,
-    staged: Optional[Sequence[bool]] = None,
 ):
     """Capture one graph of ``module`` at ``size`` rows, with ``sample`` (on ``device``) as inputs.
 
@@ -218,18 +197,16 @@ def capture_bucket(
     With ``compiled`` (a CompiledForward), warm-up and capture run the compiled forward and the
     eager module is the reference it is verified against. With ``budget_left`` (bytes), the
     pool growth is estimated from a warm-up's peak memory first, and a bucket that would not
-    fit raises CaptureFailed with scope "budget". With ``staged`` (a flag per input), each
-    flagged input gets a pinned host buffer, and the graph begins with the copy of that buffer
-    into the static input: a replay then reads the input from host memory by itself.
+    fit raises CaptureFailed with scope "budget".
     """
     with CAPTURE_LOCK:
         return _capture_bucket(module, device, pool, side_stream(device), in_spec, sample,
                                size, batch_dim, warmup_iters, autocast_dtype, verify, kinds, out_spec,
-                               compiled, budget_left, staged)
+                               compiled, budget_left)
 
 
 def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_dim,
-                    warmup_iters, autocast_dtype, verify, kinds, out_spec, compiled, budget_left, staged):
+                    warmup_iters, autocast_dtype, verify, kinds, out_spec, compiled, budget_left):
     m = sample[0].shape[batch_dim]
     info = {"capture_s": 0.0, "verify_s": 0.0, "pool_bytes": 0, "compile_s": 0.0, "compiled_graphs": 0,
             "pool_estimate": 0}
@@ -275,26 +252,13 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
             if kinds is None:
                 kinds = _output_kinds(module, in_spec, sample, ref_m, ref_b, m, size, batch_dim, spec_b)
 
-            staging = None
-            if staged is not None and any(staged):
-                # Filled from the static inputs (real rows), allocated before the capture: the
-                # host allocator must never hand this memory out while the graph can read it.
-                staging = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if f else None
-                           for t, f in zip(static_in, staged)]
-                for h, t in zip(staging, static_in):
-                    if h is not None:
-                        h.copy_(t)
             torch.cuda.synchronize(device)
             reserved0 = torch.cuda.memory_reserved(device)
             graph = torch.cuda.CUDAGraph()
             err = None
             _own_cublas_workspace()
             capture_begin(graph, pool)
-            in_staging = staging is not None
             try:
-                if staging is not None:
-                    _copy_staged(static_in, staging)
-                in_staging = False
                 out = run_module(forward, in_spec, static_in)
             except BaseException as e:  # noqa: BLE001 - the capture must be ended whatever happened
                 err = e
@@ -309,11 +273,6 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
                 if isinstance(err, torch.cuda.OutOfMemoryError):
                     raise CaptureFailed(f"out of memory in capture at batch {size}", err, scope="bucket",
                                         pool_lost=True) from err
-                if in_staging:
-                    raise CaptureFailed(
-                        f"a host-to-device copy cannot be captured in a graph here: {type(err).__name__}: "
-                        f"{_first_line(err)}", err, pool_lost=True, scope="staging",
-                    ) from err
                 raise CaptureFailed(
                     f"the {'compiled ' if compiled is not None else ''}forward cannot be captured in a "
                     f"CUDA graph: {type(err).__name__}: {_first_line(err)}", err, pool_lost=True,
@@ -323,7 +282,7 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
             static_out, spec_c = flatten_outputs(out)
             if spec_c != spec_b:
                 raise CaptureFailed("the structure of the output differs between warm-up and capture")
-            replica = Replica(graph, size, batch_dim, static_in, static_out, kinds, staging)
+            replica = Replica(graph, size, batch_dim, static_in, static_out, kinds)
             info["capture_s"] = time.perf_counter() - t0
             if verify:
                 t1 = time.perf_counter()
@@ -334,13 +293,6 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
     info["kinds"] = kinds
     info["out_spec"] = spec_b
     return replica, info
-
-
-def _copy_staged(static_in, staging):
-    """The copies a staged graph begins with, host buffer to static input (captured)."""
-    for h, t in zip(staging, static_in):
-        if h is not None:
-            t.copy_(h, non_blocking=True)
 
 
 def _first_line(e: BaseException) -> str:
@@ -415,16 +367,13 @@ def _verify(replica: Replica, ref_b, ref_m, m: int, spec: OutputSpec):
         return
     keep = m if m < size else size // 2
     before = _kept(replica.static_outputs, replica.kinds, keep, bd)
-    sources = replica.sources()
-    saved = [t.clone() for t in sources]
-    for t in sources:
+    saved = [t.clone() for t in replica.static_inputs]
+    for t in replica.static_inputs:
         rows = t.narrow(bd, keep, size - keep)
         rows.copy_(_perturb(rows, bd))
     g.replay()
     after = _kept(replica.static_outputs, replica.kinds, keep, bd)
-    if replica.staging is not None and torch.cuda.is_initialized():
-        torch.cuda.current_stream().synchronize()  # the replay has read the host buffers
-    for t, s in zip(sources, saved):
+    for t, s in zip(replica.static_inputs, saved):
         t.copy_(s)
     msg = compare_leaves(after, before, SAME_SHAPE_TOL, names=lambda i: f"output {names(i)}")
     if msg:

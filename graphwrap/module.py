@@ -245,7 +245,6 @@ class GraphedModule(nn.Module):
         d["_gw_compile_opts"] = compile_opts
         d["_gw_compiled"] = None  # CompiledForward, made at the first capture
         d["_gw_compile_off"] = None  # why compile= was given up, if it was
-        d["_gw_staging_off"] = None  # why pipeline graphs stopped copying their own inputs, if they did
         d["_gw_max_pool_bytes"] = max_pool_bytes
         d["_gw_batch_dim"] = batch_dim
         d["_gw_warmup_iters"] = warmup_iters
@@ -687,9 +686,7 @@ class GraphedModule(nn.Module):
         :class:`graphwrap.Inputs`. Host inputs are copied on a copy stream straight from pinned
         memory, or through pinned buffers the loop owns when they are pageable; each bucket
         takes turns on two graphs, so the copy of the next batch overlaps the replay of this
-        one. Where a bucket's host inputs are small (``graphwrap.pipeline.GRAPH_COPY_BYTES``,
-        16 KiB), its graphs copy them in themselves from pinned buffers the host fills, which
-        costs the host less per batch. Outputs are new tensors on the GPU; with ``to_host=True`` they are pinned host
+        one. Outputs are new tensors on the GPU; with ``to_host=True`` they are pinned host
         tensors, complete when yielded and the caller's to keep. With ``outputs="view"``, GPU
         outputs are views of the graph's static outputs instead, valid until the loop is asked
         for the next item (no copy per batch: clone what you keep).
@@ -701,28 +698,21 @@ class GraphedModule(nn.Module):
 
         return run_pipeline(self, batches, to_host=to_host)
 
-    def _take_lease(self, ks: _Key, size: int, leaves, n: int, count: int, staged=None):
-        """``count`` graphs of this bucket for a loop's sole use (captured as needed), or None.
-
-        With ``staged`` (a flag per input), graphs that copy the flagged inputs in from pinned
-        host buffers of their own (see :func:`capture_bucket`); without, plain ones.
-        """
+    def _take_lease(self, ks: _Key, size: int, leaves, n: int, count: int):
+        """``count`` graphs of this bucket for a loop's sole use (captured as needed), or None."""
         b = ks.buckets.get(size)
         if b is None or (not b.replicas and not b.failed):
             b = self._capture(ks, size, leaves, n)
         if b.failed is not None or ks.failed is not None:
             return None
-        want = staged is not None and any(staged)
         taken = []
         for i in range(1, len(b.replicas)):
             if len(taken) == count:
                 break
-            if i not in b.leased and (b.replicas[i].staging is not None) == want:
+            if i not in b.leased:
                 taken.append(i)
         while len(taken) < count:
-            if not self._capture_replica(ks, b, staged if want else None):
-                if want and self._gw_staging_off is not None:
-                    return self._take_lease(ks, size, leaves, n, count)  # plain graphs instead
+            if not self._capture_replica(ks, b):
                 return None
             taken.append(len(b.replicas) - 1)
         b.leased.update(taken)
@@ -735,7 +725,7 @@ class GraphedModule(nn.Module):
                     if any(r is x for x in replicas):
                         b.leased.discard(i)
 
-    def _capture_replica(self, ks: _Key, b: _Bucket, staged=None) -> bool:
+    def _capture_replica(self, ks: _Key, b: _Bucket) -> bool:
         """One more graph of a captured bucket, with the first graph's static inputs as sample."""
         store = self._gw_store
         first = b.replicas[0]
@@ -749,17 +739,10 @@ class GraphedModule(nn.Module):
                     in_spec=ks.in_spec, sample=first.static_inputs, size=b.size,
                     batch_dim=self._gw_batch_dim, warmup_iters=1, autocast_dtype=ks.autocast,
                     verify=self._gw_verify, kinds=ks.kinds, out_spec=ks.out_spec,
-                    compiled=compiled, budget_left=self._budget_left(), staged=staged,
+                    compiled=compiled, budget_left=self._budget_left(),
                 )
             except CaptureFailed as e:
                 if e.scope == "budget":  # the loop runs this bucket through gm(...) instead
-                    return False
-                if e.scope == "staging":
-                    if e.pool_lost:
-                        store.pool = None
-                    self.__dict__["_gw_staging_off"] = e.reason
-                    self._log_once(("staging",), logging.WARNING,
-                                   f"graphwrap: {e.reason}; pipeline copies every input on its copy stream")
                     return False
                 if e.scope == "compile" and e.pool_lost:
                     store.pool = None

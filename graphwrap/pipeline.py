@@ -10,26 +10,15 @@ so the copy for the next batch (into B) runs while A replays. With ``to_host``, 
 most ``D2H_INLINE_BYTES`` skip the clone and the third stream: their host copy follows the
 replay on the compute stream.
 
-Buckets whose host inputs take at most ``GRAPH_COPY_BYTES`` use graphs that begin with the
-copy themselves, from pinned buffers of their own:
-
-    host            wait(A replayed) -> memcpy the batch into A's pinned buffers
-    compute stream  replay A (H2D copy, then the forward) -> record A.replay_done -> clone outputs
-
-At small batches the loop is bound by host time; this path spends one host memcpy where the
-copy stream spends a stream switch, a copy launch, two event waits and a record, and a wait for
-the copy to finish reading the caller's memory.
-
 The host waits on events only where memory is handed back: a copy that read the caller's
 pinned memory is complete before its batch is yielded (the caller may refill that memory), a
-staging buffer is refilled once the copy or replay that read it (two batches ago) is over, and with
+staging buffer is refilled once the copy that read it (two batches ago) is over, and with
 ``to_host=True`` a batch is yielded once its host copy is complete (two batches behind the
 newest one issued). Each wait is for work that has later work queued behind it on the device,
 so the device does not run dry while the host waits.
 """
 
 import collections
-import ctypes
 import functools
 from typing import Any, Iterable, Iterator
 
@@ -47,9 +36,6 @@ _cuda_set_stream = getattr(torch._C, "_cuda_setStream", None)
 _event_base = getattr(torch._C, "_CudaEventBase", None)  # a stand-in type, or absent, without CUDA
 _record = getattr(_event_base, "record", None) or torch.cuda.Event.record
 _wait = getattr(_event_base, "wait", None) or torch.cuda.Event.wait
-_event_sync = getattr(_event_base, "synchronize", None) or torch.cuda.Event.synchronize
-_memmove = ctypes.memmove
-_strided = torch.strided
 
 
 def _setter(stream):
@@ -64,9 +50,6 @@ HOST_LAG = 2  # with to_host, batches issued ahead of the one yielded
 # with to_host, outputs up to this size are copied to the host on the compute stream, straight
 # from the graph's static outputs; larger ones are cloned and copied on a stream of their own
 D2H_INLINE_BYTES = 64 << 10
-# buckets whose host inputs take up to this many bytes run graphs that copy those inputs in
-# themselves, from pinned buffers the host fills; larger ones are copied on the copy stream
-GRAPH_COPY_BYTES = 16 << 10
 
 
 class Inputs:
@@ -104,12 +87,11 @@ class _Lease:
     and pinned staging buffers for pageable inputs."""
 
     __slots__ = ("replicas", "turn", "staging", "bucket", "size", "device", "copy_stream", "d2h_stream",
-                 "to_copy", "compute", "to_compute", "in_graph")
+                 "to_copy", "compute", "to_compute")
 
     def __init__(self, replicas, bucket, device, streams, compute):
         self.replicas = replicas
         self.turn = 0
-        self.in_graph = replicas[0].staging is not None  # the graphs copy their host inputs in
         self.staging = {}  # replica index -> pinned buffers for pageable inputs
         self.bucket = bucket
         self.size = bucket.size
@@ -214,8 +196,7 @@ def _issue(gm, prep, leases, streams, events, to_host):
         size = table.bucket_for(n)
         lease = leases.get((ks, size))
         if lease is None:
-            staged = None if gm._gw_staging_off is not None else _in_graph_flags(leaves, n, size)
-            reps = gm._take_lease(ks, size, leaves, n, LEASED, staged)
+            reps = gm._take_lease(ks, size, leaves, n, LEASED)
             if reps is None:
                 return None
             s = streams.get(device)
@@ -240,10 +221,7 @@ def _issue_on(gm, ks, lease, leaves, n, events, to_host):
     b.padded_rows += lease.size - n
     dsts = rep.inputs_for(n)
     x = leaves[0]
-    if lease.in_graph:
-        _fill_staging(rep, dsts, leaves, n)
-        read_pinned = False
-    elif len(leaves) == 1 and not x.is_cuda and x.is_pinned():
+    if len(leaves) == 1 and not x.is_cuda and x.is_pinned():
         # The common loop: one input in the caller's pinned memory.
         copy_stream = lease.copy_stream
         _wait(rep.replay_done, copy_stream)  # its inputs are free once its last replay is done
@@ -311,38 +289,6 @@ def _to_host_inline(ks, rep, n, events, compute):
     done = events.get()
     done.record(compute)
     return ("host", ks.out_spec, host, done, None)
-
-
-def _in_graph_flags(leaves, n, size):
-    """Which inputs the bucket's graphs copy in themselves: the host ones, if they are small.
-
-    At small batches the loop is bound by host time, and a copy-stream round (a stream switch,
-    the copy, an event each way, and a wait until the copy has read the caller's memory) costs
-    more of it than the copy takes on the device. A graph that begins with the copy costs the
-    host one memcpy into pinned memory and the device a few microseconds in line.
-    """
-    host = [not t.is_cuda for t in leaves]
-    if not any(host):
-        return None
-    nbytes = sum(t.numel() * t.element_size() for t, h in zip(leaves, host) if h) // n * size
-    return host if nbytes <= GRAPH_COPY_BYTES else None
-
-
-def _fill_staging(rep, dsts, leaves, n):
-    """Put a batch where ``rep``'s graph reads it: host inputs into its pinned buffers (by a
-    host memcpy, so the caller's memory is free again at once), device inputs into its static
-    inputs on the compute stream."""
-    # The buffers were read by this graph's last replay (two batches ago): it must be over.
-    _event_sync(rep.replay_done)
-    for dst, buf, src in zip(dsts, rep.staging_for(n), leaves):
-        if buf is None:
-            dst.copy_(src)
-        elif (src.layout is _strided and src.is_contiguous() and buf.is_contiguous() and not src.is_conj()
-              and not src.is_neg()):
-            # Same dtype and shape (both are in the graph key): the bytes are the values.
-            _memmove(buf.data_ptr(), src.data_ptr(), buf.numel() * buf.element_size())
-        else:
-            buf.copy_(src)
 
 
 def _copy_in(lease, i, rep, dsts, leaves, n, compute) -> bool:

@@ -219,19 +219,3 @@ def test_compile_on_cpu_runs_eagerly_with_the_same_results():
     assert_same(gm(x), model(x), tol=0)
     s = gm.stats()
     assert s["compile"]["graphs"] == 0 and s["compile"]["options"]["dynamic"] is False
-
-
-def test_which_inputs_pipeline_graphs_copy_in_themselves(monkeypatch):
-    from graphwrap import pipeline
-
-    monkeypatch.setattr(pipeline, "GRAPH_COPY_BYTES", 4096)
-    host, dev = torch.randn(3, 16), torch.randn(3, 16)  # 64 bytes a row each
-    # Only host inputs, only when the bucket's rows of them fit: 64 rows x 64 bytes = 4096.
-    assert pipeline._in_graph_flags([host], 3, 64) == [True]
-    assert pipeline._in_graph_flags([host], 3, 65) is None
-    assert pipeline._in_graph_flags([host, host], 3, 32) == [True, True]
-    assert pipeline._in_graph_flags([host, host], 3, 33) is None
-    # A stand-in for a device input: a tensor whose is_cuda is True.
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t is dev))
-    assert pipeline._in_graph_flags([dev, host], 3, 64) == [False, True]
-    assert pipeline._in_graph_flags([dev], 3, 1) is None

@@ -16,19 +16,6 @@ pytestmark = pytest.mark.cuda
 DEV = "cuda"
 
 
-@pytest.fixture(autouse=True, params=["in-graph copies", "copy stream"])
-def input_path(request, monkeypatch):
-    """Every test runs both ways small host inputs can reach the graph: copied in by the graph
-    itself from pinned buffers the host fills, and copied on the copy stream."""
-    if request.param == "copy stream":
-        monkeypatch.setattr(graphwrap.pipeline, "GRAPH_COPY_BYTES", -1)
-    return request.param
-
-
-def _leased(gm):
-    return [r for ks in gm._gw_store.keys.values() for b in ks.buckets.values() for r in b.replicas[1:]]
-
-
 def _batches(count, d, pinned, seed=0, top=40):
     g = torch.Generator().manual_seed(seed)
     sizes = torch.randint(1, top, (count,), generator=g).tolist()
@@ -38,14 +25,12 @@ def _batches(count, d, pinned, seed=0, top=40):
 
 @pytest.mark.parametrize("pinned", [True, False])
 @pytest.mark.parametrize("to_host", [False, True])
-def test_500_random_batches(pinned, to_host, input_path):
+def test_500_random_batches(pinned, to_host):
     model = MLP().to(DEV).eval()
     gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16, 32])
     xs = _batches(500, 32, pinned)
     outs = list(gm.pipeline(xs, to_host=to_host))
     assert len(outs) == 500
-    reps = _leased(gm)
-    assert len(reps) == 12 and all((r.staging is not None) == (input_path == "in-graph copies") for r in reps)
     for x, o in zip(xs, outs):
         with torch.no_grad():
             want = model(x.to(DEV))
@@ -138,10 +123,9 @@ def test_races(kind):
             assert_same(o.to(DEV), want, tol=1e-5)
 
 
-def test_under_launch_blocking(input_path):
+def test_under_launch_blocking():
     code = (
         "import torch, graphwrap, sys; sys.path.insert(0, 'tests'); from helpers import MLP\n"
-        f"graphwrap.pipeline.GRAPH_COPY_BYTES = {graphwrap.pipeline.GRAPH_COPY_BYTES}\n"
         "m = MLP().cuda().eval(); gm = graphwrap.GraphedModule(m, buckets=[4, 16])\n"
         "xs = [torch.randn(n, 32).pin_memory() for n in (1, 4, 9, 16, 3) * 10]\n"
         "for to_host in (False, True):\n"
@@ -253,48 +237,3 @@ def test_one_pinned_buffer_refilled_in_place_for_every_batch(to_host):
     with torch.no_grad():
         for x, o in zip(xs, outs):
             assert_same(o.to(DEV), model(x.to(DEV)), tol=1e-5)
-
-
-def test_a_graph_that_cannot_copy_its_inputs_falls_back_to_the_copy_stream(monkeypatch, caplog, input_path):
-    if input_path != "in-graph copies":
-        pytest.skip("only the in-graph path has this fallback")
-
-    def refuse(static_in, staging):
-        raise RuntimeError("no host copies in graphs here")
-
-    monkeypatch.setattr(graphwrap.capture, "_copy_staged", refuse)
-    model = MLP().to(DEV).eval()
-    gm = GraphedModule(model, buckets=[4, 8])
-    xs = _batches(40, 32, pinned=False, seed=6, top=9)
-    with caplog.at_level("WARNING", logger="graphwrap"):
-        outs = list(gm.pipeline(xs))
-    for x, o in zip(xs, outs):
-        with torch.no_grad():
-            assert_same(o, model(x.to(DEV)))
-    assert "no host copies in graphs here" in gm._gw_staging_off
-    assert "copies every input on its copy stream" in caplog.text
-    reps = _leased(gm)
-    assert reps and all(r.staging is None for r in reps)
-    assert gm.stats()["eager_calls"] == {}
-    x = torch.randn(5, 32, device=DEV)
-    assert_same(gm(x), model(x).detach())
-
-
-def test_host_inputs_in_any_layout():
-    # Strided views, a negated view (its bytes are not its values) and pageable and pinned
-    # memory, all with the bytes of the stored values differing from the logical values.
-    model = MLP().to(DEV).eval()
-    gm = GraphedModule(model, buckets=[2, 4, 8])
-    g = torch.Generator().manual_seed(7)
-    items = []
-    for i, n in enumerate((3, 8, 1, 5, 2, 7) * 4):
-        base = torch.randn(32, n, generator=g)
-        x = base.t()  # not contiguous
-        if i % 3 == 1:
-            x = torch._neg_view(torch.randn(n, 32, generator=g))
-        elif i % 3 == 2:
-            x = torch.randn(n, 64, generator=g)[:, ::2]
-        items.append(x.pin_memory() if i % 2 else x)
-    for x, o in zip(items, gm.pipeline(items)):
-        with torch.no_grad():
-            assert_same(o, model(x.to(DEV)))
