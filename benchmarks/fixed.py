@@ -72,15 +72,6 @@ def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 1280)):
             case.add("graphwrap pipeline to_host", lambda: (lambda: [None for _ in gm_host.pipeline(cpu_data, to_host=True)] and None))
             case.add("graphwrap pipeline to_host, every D2H on the third stream",
                      lambda: _pipeline_with(gm_host, cpu_data, to_host=True, D2H_INLINE_BYTES=-1))
-            if bs * 1024 * 4 <= gw_pipeline.STAGE_ALL_BYTES:
-                # Beside the default (small inputs through the loop's own pinned buffers): pinned
-                # inputs copied straight from the caller's memory, as large ones are.
-                label = "pinned input copied from the caller's memory"
-                case.add(f"graphwrap pipeline, {label}", lambda: _pipeline_with(gm, cpu_data, STAGE_ALL_BYTES=-1))
-                case.add(f"graphwrap pipeline outputs=view, {label}",
-                         lambda: _pipeline_with(gm_view, cpu_data, STAGE_ALL_BYTES=-1))
-                case.add(f"graphwrap pipeline to_host, {label}",
-                         lambda: _pipeline_with(gm_host, cpu_data, to_host=True, STAGE_ALL_BYTES=-1))
 
             case.add(BASELINE, lambda: sync_loop(model, cpu_data, device))
             case.add("seed stream loop", lambda: stream_loop(model, cpu_data, device))

@@ -8,14 +8,10 @@ Per batch, with two graphs per bucket (A and B) taking turns:
 
 so the copy for the next batch (into B) runs while A replays. With ``to_host``, outputs of at
 most ``D2H_INLINE_BYTES`` skip the clone and the third stream: their host copy follows the
-replay on the compute stream. Host inputs are copied from pinned buffers the loop owns (one
-per graph, filled by a host memcpy) when they are pageable, or when the bucket's host inputs
-take at most ``STAGE_ALL_BYTES``; larger pinned inputs are copied straight from the caller's
-memory.
+replay on the compute stream.
 
 The host waits on events only where memory is handed back: a copy that read the caller's
-pinned memory is complete before its batch is yielded (the caller may refill that memory; this
-wait is for a copy just issued, which is why small inputs are staged instead), a
+pinned memory is complete before its batch is yielded (the caller may refill that memory), a
 staging buffer is refilled once the copy that read it (two batches ago) is over, and with
 ``to_host=True`` a batch is yielded once its host copy is complete (two batches behind the
 newest one issued). Each wait is for work that has later work queued behind it on the device,
@@ -23,7 +19,6 @@ so the device does not run dry while the host waits.
 """
 
 import collections
-import ctypes
 import functools
 from typing import Any, Iterable, Iterator
 
@@ -41,9 +36,6 @@ _cuda_set_stream = getattr(torch._C, "_cuda_setStream", None)
 _event_base = getattr(torch._C, "_CudaEventBase", None)  # a stand-in type, or absent, without CUDA
 _record = getattr(_event_base, "record", None) or torch.cuda.Event.record
 _wait = getattr(_event_base, "wait", None) or torch.cuda.Event.wait
-_event_sync = getattr(_event_base, "synchronize", None) or torch.cuda.Event.synchronize
-_memmove = ctypes.memmove
-_strided = torch.strided
 
 
 def _setter(stream):
@@ -58,11 +50,6 @@ HOST_LAG = 2  # with to_host, batches issued ahead of the one yielded
 # with to_host, outputs up to this size are copied to the host on the compute stream, straight
 # from the graph's static outputs; larger ones are cloned and copied on a stream of their own
 D2H_INLINE_BYTES = 64 << 10
-# buckets whose host inputs take up to this many bytes copy even pinned inputs into the loop's
-# own pinned buffers first (a host memcpy): the caller's memory is then free at once, where a
-# copy straight from it would have to be waited for before the batch is yielded. The memcpy
-# costs the host about 1 us per 8 KiB; at 64 KiB it cost more than the wait it saves.
-STAGE_ALL_BYTES = 16 << 10
 
 
 class Inputs:
@@ -100,13 +87,12 @@ class _Lease:
     and pinned staging buffers for pageable inputs."""
 
     __slots__ = ("replicas", "turn", "staging", "bucket", "size", "device", "copy_stream", "d2h_stream",
-                 "to_copy", "compute", "to_compute", "stage_all")
+                 "to_copy", "compute", "to_compute")
 
-    def __init__(self, replicas, bucket, device, streams, compute, stage_all):
+    def __init__(self, replicas, bucket, device, streams, compute):
         self.replicas = replicas
         self.turn = 0
-        self.staging = {}  # replica index -> pinned buffers for host inputs
-        self.stage_all = stage_all  # pinned inputs are staged too, not only pageable ones
+        self.staging = {}  # replica index -> pinned buffers for pageable inputs
         self.bucket = bucket
         self.size = bucket.size
         self.device = device
@@ -216,8 +202,7 @@ def _issue(gm, prep, leases, streams, events, to_host):
             s = streams.get(device)
             if s is None:
                 s = streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-            lease = leases[(ks, size)] = _Lease(reps, ks.buckets[size], device, s, gm._order_stream(device),
-                                                _host_bytes(leaves, n, size) <= STAGE_ALL_BYTES)
+            lease = leases[(ks, size)] = _Lease(reps, ks.buckets[size], device, s, gm._order_stream(device))
         if device.index != _current_device():
             with torch.cuda.device(device):
                 return _issue_on(gm, ks, lease, leaves, n, events, to_host)
@@ -236,25 +221,19 @@ def _issue_on(gm, ks, lease, leaves, n, events, to_host):
     b.padded_rows += lease.size - n
     dsts = rep.inputs_for(n)
     x = leaves[0]
-    if len(leaves) == 1 and not x.is_cuda and (lease.stage_all or x.is_pinned()):
-        # The common loop: one host input, small (copied into the loop's own pinned buffer
-        # first) or pinned (copied straight from the caller's memory).
-        read_pinned = not lease.stage_all
-        if read_pinned:
-            src = x
-        else:
-            _event_sync(rep.copy_done)  # the copy that read this buffer (two batches ago) is over
-            src = _stage(lease, i, 0, rep, x, n)
+    if len(leaves) == 1 and not x.is_cuda and x.is_pinned():
+        # The common loop: one input in the caller's pinned memory.
         copy_stream = lease.copy_stream
         _wait(rep.replay_done, copy_stream)  # its inputs are free once its last replay is done
         back = lease.back_to(compute)
         lease.to_copy()
         try:
-            dsts[0].copy_(src, non_blocking=True)
+            dsts[0].copy_(x, non_blocking=True)
             _record(rep.copy_done, copy_stream)
         finally:
             back()
         _wait(rep.copy_done, compute)
+        read_pinned = True
     else:
         read_pinned = _copy_in(lease, i, rep, dsts, leaves, n, compute)
     rep.graph.replay()
@@ -312,27 +291,20 @@ def _to_host_inline(ks, rep, n, events, compute):
     return ("host", ks.out_spec, host, done, None)
 
 
-def _host_bytes(leaves, n, size) -> int:
-    """The bytes of host input one batch of ``size`` rows takes."""
-    return sum(t.numel() * t.element_size() for t in leaves if not t.is_cuda) // n * size
-
-
 def _copy_in(lease, i, rep, dsts, leaves, n, compute) -> bool:
     """Copy a batch into ``rep``'s static inputs on the copy stream, after its last replay.
 
     Device inputs are copied on the compute stream (in order after whatever made them); host
-    inputs on the copy stream, pageable ones (all of them, in a lease that stages all) through
-    this replica's pinned staging buffers. Returns whether the caller's own pinned memory was
-    read.
+    inputs on the copy stream, pageable ones through this replica's pinned staging buffers.
+    Returns whether the caller's own pinned memory was read.
     """
     on_copy = []
     pageable = read_pinned = False
-    stage_all = lease.stage_all
     for j, (dst, src) in enumerate(zip(dsts, leaves)):
         if src.is_cuda:
             dst.copy_(src)
         else:
-            pinned = not stage_all and src.is_pinned()
+            pinned = src.is_pinned()
             pageable = pageable or not pinned
             read_pinned = read_pinned or pinned
             on_copy.append((j, dst, src, pinned))
@@ -358,21 +330,14 @@ def _copy_in(lease, i, rep, dsts, leaves, n, compute) -> bool:
 
 
 def _stage(lease, i, j, rep, src, n):
-    """Copy a host input into this replica's pinned staging buffer (owned by the loop)."""
-    bufs = lease.staging.get(i)
-    if bufs is None:
-        bufs = lease.staging[i] = {}
+    """Copy a pageable input into this replica's pinned staging buffer (owned by the loop)."""
+    bufs = lease.staging.setdefault(i, {})
     buf = bufs.get(j)
     if buf is None:
         full = rep.static_inputs[j]
         buf = bufs[j] = torch.empty(full.shape, dtype=full.dtype, pin_memory=True)
-    view = buf if n == buf.shape[rep.batch_dim] else buf.narrow(rep.batch_dim, 0, n)
-    if (src.layout is _strided and src.is_contiguous() and view.is_contiguous() and not src.is_conj()
-            and not src.is_neg()):
-        # Same dtype and shape (both are in the graph key): the bytes are the values.
-        _memmove(view.data_ptr(), src.data_ptr(), view.numel() * view.element_size())
-    else:
-        view.copy_(src)
+    view = buf.narrow(rep.batch_dim, 0, n)
+    view.copy_(src)
     return view
 
 

@@ -219,15 +219,3 @@ def test_compile_on_cpu_runs_eagerly_with_the_same_results():
     assert_same(gm(x), model(x), tol=0)
     s = gm.stats()
     assert s["compile"]["graphs"] == 0 and s["compile"]["options"]["dynamic"] is False
-
-
-def test_host_bytes_of_a_bucket(monkeypatch):
-    from graphwrap import pipeline
-
-    host, dev = torch.randn(3, 16), torch.randn(3, 16)  # 64 bytes a row each
-    assert pipeline._host_bytes([host], 3, 64) == 4096
-    assert pipeline._host_bytes([host, host.double()], 3, 8) == 8 * (64 + 128)
-    # Device inputs do not count (a stand-in: a tensor whose is_cuda is True).
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t is dev))
-    assert pipeline._host_bytes([dev, host], 3, 2) == 128
-    assert pipeline._host_bytes([dev], 3, 2) == 0
