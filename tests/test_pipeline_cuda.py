@@ -25,12 +25,18 @@ def _batches(count, d, pinned, seed=0, top=40):
 
 @pytest.mark.parametrize("pinned", [True, False])
 @pytest.mark.parametrize("to_host", [False, True])
-def test_500_random_batches(pinned, to_host):
+def test_500_random_batches(pinned, to_host, monkeypatch):
+    staged = []
+    stage = graphwrap.pipeline._stage
+    monkeypatch.setattr(graphwrap.pipeline, "_stage", lambda *a: staged.append(1) or stage(*a))
     model = MLP().to(DEV).eval()
     gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16, 32])
     xs = _batches(500, 32, pinned)
     outs = list(gm.pipeline(xs, to_host=to_host))
     assert len(outs) == 500
+    # Pageable batches within the buckets go through the loop's pinned buffers, pinned ones not.
+    within = sum(x.shape[0] <= 32 for x in xs)
+    assert len(staged) == (0 if pinned else within)
     for x, o in zip(xs, outs):
         with torch.no_grad():
             want = model(x.to(DEV))
@@ -237,3 +243,23 @@ def test_one_pinned_buffer_refilled_in_place_for_every_batch(to_host):
     with torch.no_grad():
         for x, o in zip(xs, outs):
             assert_same(o.to(DEV), model(x.to(DEV)), tol=1e-5)
+
+
+def test_host_inputs_in_any_layout():
+    # Inputs whose memory is not their rows in order: a transposed view, a negated view (its
+    # bytes hold the values with the other sign), a strided slice; pageable and pinned.
+    model = MLP().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[2, 4, 8])
+    g = torch.Generator().manual_seed(7)
+    items = []
+    for i, n in enumerate((3, 8, 1, 5, 2, 7) * 4):
+        base = torch.randn(32, n, generator=g)
+        x = base.t()  # not contiguous
+        if i % 3 == 1:
+            x = torch._neg_view(torch.randn(n, 32, generator=g))
+        elif i % 3 == 2:
+            x = torch.randn(n, 64, generator=g)[:, ::2]
+        items.append(x.pin_memory() if i % 2 else x)
+    for x, o in zip(items, gm.pipeline(items)):
+        with torch.no_grad():
+            assert_same(o, model(x.to(DEV)))
