@@ -71,10 +71,14 @@ class _Bucket:
 
 class _Key:
     __slots__ = ("label", "in_spec", "device", "autocast", "kinds", "out_spec", "buckets", "failed",
-                 "eager_calls")
+                 "eager_calls", "seen_as")
 
-    def __init__(self, label, in_spec, device, autocast):
+    def __init__(self, label, in_spec, device, autocast, seen_as=None):
         self.label = label
+        # The inputs as the captured forward sees them (its static inputs: every tensor on the
+        # module's device). Keys that differ only in where the caller's tensors are share it,
+        # and with it torch.compile's compiled code.
+        self.seen_as = seen_as if seen_as is not None else label
         self.in_spec = in_spec
         self.device = device
         self.autocast = autocast
@@ -555,7 +559,8 @@ class GraphedModule(nn.Module):
         elif store.device != device:
             self.reset()
             store.device = device
-        ks = _Key(_describe_key(spec, meta, autocast), spec, device, autocast)
+        ks = _Key(_describe_key(spec, meta, autocast), spec, device, autocast,
+                  _describe_key(spec, tuple((shape, dtype, device) for shape, dtype, _ in meta), autocast))
         store.keys[key] = ks
         return ks
 
@@ -618,14 +623,14 @@ class GraphedModule(nn.Module):
             b.compiled = False if self._gw_compile_opts is not None else None
             return
         # Compiled kernels ran if this warm-up compiled a graph, or this shape (any shape, with
-        # dynamic shapes) was compiled before (dynamo's cache outlives reset()): otherwise
-        # dynamo ran the forward uncompiled.
+        # dynamic shapes) was compiled before, by this key or one whose static inputs look the
+        # same (dynamo's cache outlives reset()): otherwise dynamo ran the forward uncompiled.
         seen = compiled.shapes
         dynamic = self._gw_compile_opts["dynamic"] is not False
-        ran = (info["compiled_graphs"] > 0 or (ks.label, b.size) in seen
-               or (dynamic and any(label == ks.label for label, _ in seen)))
+        ran = (info["compiled_graphs"] > 0 or (ks.seen_as, b.size) in seen
+               or (dynamic and any(label == ks.seen_as for label, _ in seen)))
         if ran:
-            seen.add((ks.label, b.size))
+            seen.add((ks.seen_as, b.size))
         b.compiled = ran if b.compiled is None else (b.compiled and ran)
 
     def _compiled_forward(self) -> Optional[CompiledForward]:

@@ -53,6 +53,27 @@ def test_compiled_mlp_every_bucket_and_in_between():
     assert b["compiled"] is True and b["compiled_graphs"] == 0 and gm.stats()["compile"]["graphs"] == 5
 
 
+def test_host_inputs_reuse_the_kernels_compiled_for_device_inputs(caplog):
+    # gm(x) on device tensors, then the same shapes from the host: a second key whose static
+    # inputs (on the device) look the same to torch.compile, so its warm-ups compile nothing
+    # new and still run the compiled kernels. It must be reported compiled, not warned about.
+    model = MLP().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[2, 4], compile=True)
+    for n in (2, 3):
+        x = torch.randn(n, 32, device=DEV)
+        assert_same(gm(x), _eager(model, x), tol=1e-4)
+    with caplog.at_level(logging.INFO, logger="graphwrap"):
+        for n in (2, 3, 1):
+            x = torch.randn(n, 32)
+            assert_same(gm(x), _eager(model, x.to(DEV)), tol=1e-4)
+        outs = list(gm.pipeline([torch.randn(n, 32).pin_memory() for n in (4, 1, 3)]))
+    assert len(outs) == 3 and "NOT compiled" not in caplog.text
+    keys = gm.stats()["keys"]
+    assert len(keys) == 2 and gm.stats()["compile"]["graphs"] == 2
+    host = next(k for k in keys if "cpu" in k["key"])
+    assert all(b["compiled"] is True and b["compiled_graphs"] == 0 for b in host["buckets"].values())
+
+
 def test_more_buckets_than_the_recompile_limit_all_compile():
     import torch._dynamo.config as cfg
 
