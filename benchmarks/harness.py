@@ -5,6 +5,10 @@ compile, first copies, timed apart), then the strategies are timed in turn, roun
 ``repeats`` rounds. Each timing is a wall clock around the whole loop, with the device
 synchronized before and after. Reported: median, min and max over the rounds. Not done: fixed
 clocks, cache flushes in end-to-end loops, process isolation between strategies.
+
+With ``DEVICE_TIME`` on (``run.py --device-time``), each strategy then runs once more under
+torch.profiler, and the device time of its kernels (memsets included) and of its copies is
+noted beside it: how far a loop is from what its own kernels need.
 """
 
 import csv
@@ -20,6 +24,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import graphwrap
+
+DEVICE_TIME = False
+UNIT_SCALE = {"us": 1e6, "ms": 1e3}  # seconds to the unit a case reports in
 
 
 def sync():
@@ -92,9 +99,43 @@ class Case:
                 times[name].append((time.perf_counter() - t0) / self.per)
         for name, ts in times.items():
             self.results.add(self.scenario, self.case, name, ts, self.unit, self.cold[name], self.peak.get(name))
+        if DEVICE_TIME and torch.cuda.is_available():
+            for name, loop in self.loops.items():
+                dev = device_time(loop)
+                kernels = dev["kernels"] / self.per  # seconds, per call where a loop makes several
+                ratio = statistics.median(times[name]) / kernels if kernels else float("nan")
+                scale = UNIT_SCALE.get(self.unit, 1.0)
+                self.results.note(self.scenario, self.case,
+                                  f"{name}: device time of its kernels (its median is {ratio:.2f}x that)",
+                                  kernels * scale, self.unit, copies=dev["copies"] / self.per * scale,
+                                  h2d=dev["h2d"] / self.per * scale, median_over_kernels=ratio)
         for name, why in self.failed.items():
             self.results.add(self.scenario, self.case, name, [], self.unit, None, None, error=why)
         return times
+
+
+def device_time(loop) -> Dict[str, float]:
+    """Seconds of device time one run of ``loop`` spends in kernels (and memsets), in copies,
+    and in host-to-device copies (part of copies), from torch.profiler's CUDA activity."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        loop()
+        sync()
+    out = {"kernels": 0.0, "copies": 0.0, "h2d": 0.0}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        t = getattr(e, "device_time", None)
+        t = (t if t is not None else e.cuda_time) / 1e6
+        if "Memcpy" in e.name:
+            out["copies"] += t
+            if "HtoD" in e.name:
+                out["h2d"] += t
+        else:
+            out["kernels"] += t
+    return out
 
 
 class Results:
@@ -104,7 +145,7 @@ class Results:
         self.out_dir = out_dir
 
     def add(self, scenario, case, strategy, times, unit, cold_s, peak_bytes, error=None, **extra):
-        scale = {"us": 1e6, "ms": 1e3}.get(unit, 1.0)
+        scale = UNIT_SCALE.get(unit, 1.0)
         row = {"scenario": scenario, "case": case, "strategy": strategy, "unit": unit,
                "median": statistics.median(times) * scale if times else None,
                "min": min(times) * scale if times else None,

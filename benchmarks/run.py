@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import harness  # noqa: E402
 from harness import Case, Results  # noqa: E402
 
 SUITES = ["overhead", "host", "fixed", "mixed", "models", "capture"]
@@ -52,7 +53,10 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds per strategy (default 5, quick 3)")
     ap.add_argument("--batch-sizes", default="1,16,1280", help="batch sizes of the fixed scenario")
     ap.add_argument("--mixed-models", default="mlp,bert", help="models of the mixed scenario: mlp, bert or both")
+    ap.add_argument("--device-time", action="store_true",
+                    help="also profile each strategy once and note the device time of its kernels and copies")
     a = ap.parse_args(argv)
+    harness.DEVICE_TIME = a.device_time
     repeats = a.repeats or (3 if a.quick else 5)
     results = Results(a.out)
     env = results.env
