@@ -73,12 +73,12 @@ class _Key:
     __slots__ = ("label", "in_spec", "device", "autocast", "kinds", "out_spec", "buckets", "failed",
                  "eager_calls", "seen_as")
 
-    def __init__(self, label, in_spec, device, autocast, seen_as=None):
+    def __init__(self, label, in_spec, device, autocast, seen_as):
         self.label = label
         # The inputs as the captured forward sees them (its static inputs: every tensor on the
         # module's device). Keys that differ only in where the caller's tensors are share it,
         # and with it torch.compile's compiled code.
-        self.seen_as = seen_as if seen_as is not None else label
+        self.seen_as = seen_as
         self.in_spec = in_spec
         self.device = device
         self.autocast = autocast
