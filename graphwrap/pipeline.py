@@ -259,16 +259,9 @@ def _issue_on(gm, ks, lease, leaves, n, events, to_host):
         return ("gpu", ks.out_spec, outs)
     d2h_stream = lease.d2h_stream
     d2h_stream.wait_stream(compute)
-    host = []
     set_stream(d2h_stream)
     try:
-        for o in outs:
-            if isinstance(o, Tensor):
-                h = torch.empty(o.shape, dtype=o.dtype, pin_memory=True)
-                h.copy_(o, non_blocking=True)
-                host.append(h)
-            else:
-                host.append(o)
+        host = _copies_to_pinned(outs, rep.is_tensor)
         done = events.get()
         done.record(d2h_stream)
     finally:
@@ -277,15 +270,22 @@ def _issue_on(gm, ks, lease, leaves, n, events, to_host):
     return ("host", ks.out_spec, host, done, outs)
 
 
-def _to_host_inline(ks, rep, n, events, compute):
+def _copies_to_pinned(outs, is_tensor):
+    """Each tensor of ``outs`` copied into new pinned host memory on the current stream (not
+    waited for); the other outputs as they are."""
     host = []
-    for o, t in zip(rep.outputs_for(n), rep.is_tensor):
+    for o, t in zip(outs, is_tensor):
         if t:
             h = torch.empty(o.shape, dtype=o.dtype, pin_memory=True)
             h.copy_(o, non_blocking=True)
             host.append(h)
         else:
             host.append(o)
+    return host
+
+
+def _to_host_inline(ks, rep, n, events, compute):
+    host = _copies_to_pinned(rep.outputs_for(n), rep.is_tensor)
     done = events.get()
     done.record(compute)
     return ("host", ks.out_spec, host, done, None)
