@@ -124,3 +124,23 @@ def run_threads(work, count: int = 8):
     for t in threads:
         t.join()
     return errors
+
+
+def small_bert(tr, device):
+    """A two-layer BertModel from its config (transformers module ``tr``), and the config."""
+    cfg = tr.BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256)
+    return tr.BertModel(cfg).to(device).eval(), cfg
+
+
+def check_bert(gm, model, cfg, sizes, device):
+    """gm against eager on masked BERT inputs of each batch size: output type and both outputs."""
+    for n in sizes:
+        ids = torch.randint(0, cfg.vocab_size, (n, 16), device=device)
+        mask = torch.ones(n, 16, dtype=torch.long, device=device)
+        mask[:, 12:] = 0
+        got = gm(input_ids=ids, attention_mask=mask)
+        with torch.no_grad():
+            want = model(input_ids=ids, attention_mask=mask)
+        assert type(got) is type(want)
+        torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-3, atol=1e-3)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from graphwrap import GraphedModule, GraphwrapError, default_buckets
-from helpers import HFOut, MLP, MultiIO, RowMixer, assert_same, num_graphs, run_threads
+from helpers import HFOut, MLP, MultiIO, RowMixer, assert_same, check_bert, num_graphs, run_threads, small_bert
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -300,20 +300,10 @@ def test_resnet18_from_torchvision():
 
 
 def test_bert_from_config():
-    tr = pytest.importorskip("transformers")
-    cfg = tr.BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256)
-    model = tr.BertModel(cfg).to(DEV).eval()
+    model, cfg = small_bert(pytest.importorskip("transformers"), DEV)
     gm = GraphedModule(model, buckets=[1, 4, 8])
     assert gm.config is model.config
-    for n in (1, 3, 8, 6):
-        ids = torch.randint(0, cfg.vocab_size, (n, 16), device=DEV)
-        mask = torch.ones(n, 16, dtype=torch.long, device=DEV)
-        mask[:, 12:] = 0
-        got = gm(input_ids=ids, attention_mask=mask)
-        want = _eager(model, input_ids=ids, attention_mask=mask)
-        assert type(got) is type(want)
-        torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-3, atol=1e-3)
-        torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-3, atol=1e-3)
+    check_bert(gm, model, cfg, (1, 3, 8, 6), DEV)
     assert gm.stats()["eager_calls"] == {}, gm.stats()
 
 
