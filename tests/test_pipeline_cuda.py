@@ -245,6 +245,25 @@ def test_one_pinned_buffer_refilled_in_place_for_every_batch(to_host):
             assert_same(o.to(DEV), model(x.to(DEV)), tol=1e-5)
 
 
+@pytest.mark.parametrize("outputs", ["clone", "view"])
+def test_one_pinned_buffer_refilled_in_the_loop_body(outputs):
+    # The other common loop: the body refills the pinned buffer for the next batch as soon as it
+    # has an output. The copy that read the buffer must be over before the output is yielded.
+    model = Slow().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[8], outputs=outputs)
+    xs = [torch.randn(8, 64) for _ in range(40)]
+    buf = torch.empty(8, 64).pin_memory()
+    buf.copy_(xs[0])
+    outs = []
+    for i, o in enumerate(gm.pipeline(buf for _ in xs)):
+        outs.append(o.clone())
+        if i + 1 < len(xs):
+            buf.copy_(xs[i + 1])
+    with torch.no_grad():
+        for x, o in zip(xs, outs):
+            assert_same(o, model(x.to(DEV)), tol=1e-5)
+
+
 def test_host_inputs_in_any_layout():
     # Inputs whose memory is not their rows in order: a transposed view, a negated view (its
     # bytes hold the values with the other sign), a strided slice; pageable and pinned.
