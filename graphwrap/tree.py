@@ -9,6 +9,7 @@ import math
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
+import torch.utils._pytree as _pytree
 
 from .errors import GraphwrapError
 
@@ -137,6 +138,43 @@ def tensor_meta(leaves: Sequence[Tensor], batch_dim: int) -> tuple:
     return tuple(out)
 
 
+def _registered(t: type):
+    """``(flatten_fn, unflatten_fn)`` of a type registered with ``torch.utils._pytree``, or None.
+
+    Containers graphwrap knows (tuples, lists, dicts, dataclasses, namedtuples) are handled
+    before this is asked; other registered types (a model's cache object, say) are looked into
+    through their registration, so the tensors they hold are outputs like any other.
+    """
+    node = _pytree.SUPPORTED_NODES.get(t)
+    if node is None:
+        return None
+    return node.flatten_fn, node.unflatten_fn
+
+
+class _Context:
+    """A registered type's flatten context in an output spec: compared by value, never hashed
+    by it (contexts are often lists)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        if not isinstance(other, _Context):
+            return NotImplemented
+        try:
+            return bool(self.value == other.value)
+        except Exception:  # noqa: BLE001 - contexts that cannot be compared are not the same
+            return False
+
+    def __hash__(self):
+        return hash(type(self.value))
+
+    def __repr__(self):
+        return f"_Context({self.value!r})"
+
+
 def map_tensors(fn: Callable[[Tensor], Any], obj):
     """Apply ``fn`` to every tensor in a nest of tuples, lists, dicts and dataclasses."""
     if isinstance(obj, Tensor):
@@ -153,6 +191,10 @@ def map_tensors(fn: Callable[[Tensor], Any], obj):
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         leaves, spec = flatten_outputs(obj)
         return spec.rebuild([map_tensors(fn, v) for v in leaves])
+    reg = _registered(type(obj))
+    if reg is not None:
+        children, context = reg[0](obj)
+        return reg[1]([map_tensors(fn, v) for v in children], context)
     return obj
 
 
@@ -210,6 +252,10 @@ def _flatten_out(obj, leaves: list):
         return ("dict", t, keys, tuple(_flatten_out(obj[k], leaves) for k in keys))
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return ("nt", t, tuple(_flatten_out(v, leaves) for v in obj))
+    reg = _registered(t)
+    if reg is not None:
+        children, context = reg[0](obj)
+        return ("pytree", t, _Context(context), tuple(_flatten_out(v, leaves) for v in children), reg[1])
     leaves.append(obj)
     return ("L",)
 
@@ -232,6 +278,9 @@ def _rebuild(node, it):
     if tag == "nt":
         _, t, children = node
         return t(*(_rebuild(c, it) for c in children))
+    if tag == "pytree":
+        _, _t, context, children, unflatten = node
+        return unflatten([_rebuild(c, it) for c in children], context.value)
     raise AssertionError(f"unknown output node {tag!r}")
 
 
@@ -251,12 +300,16 @@ def _paths(node, prefix, out):
     elif tag == "nt":
         for k, c in zip(node[1]._fields, node[2]):
             _paths(c, f"{prefix}.{k}", out)
+    elif tag == "pytree":
+        for i, c in enumerate(node[3]):
+            _paths(c, f"{prefix}<{node[1].__name__} child {i}>", out)
 
 
 def flatten_outputs(out) -> Tuple[list, OutputSpec]:
     """Leaves of a module output (tensors and any other values) and the spec that rebuilds it.
 
-    Tuples, lists, namedtuples, dicts, dataclasses and HF-style ModelOutput keep their type.
+    Tuples, lists, namedtuples, dicts, dataclasses and HF-style ModelOutput keep their type;
+    so does any other type registered with ``torch.utils._pytree``, rebuilt by its registration.
     """
     leaves: list = []
     node = _flatten_out(out, leaves)
@@ -314,7 +367,22 @@ def classify_outputs(
                 same = False
             if not same:
                 problems[i] = (
-                    f"output {where} is {a!r} at batch {n_a} but {b!r} at batch {n_b}: a non-tensor output "
-                    "that depends on the batch cannot come from a graph captured at a padded size"
+                    f"output {where} is {_short(a)} at batch {n_a} but {_short(b)} at batch {n_b}: a non-tensor "
+                    "output that depends on the batch cannot come from a graph captured at a padded size"
                 )
+                if not isinstance(a, _CONSTANT_TYPES):
+                    problems[i] += (
+                        f". graphwrap cannot look inside a {type(a).__name__}: if it holds tensors, register "
+                        "its type with torch.utils._pytree.register_pytree_node and graphwrap returns it "
+                        "rebuilt around its tensors, or leave it out of the output"
+                    )
     return kinds, problems
+
+
+def _short(x, limit: int = 80) -> str:
+    """``repr(x)``, cut to ``limit`` characters."""
+    try:
+        text = repr(x)
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real message
+        text = f"<{type(x).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

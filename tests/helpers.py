@@ -22,6 +22,41 @@ class MLP(nn.Module):
         return self.layers(x)
 
 
+class KVCache:
+    """A cache object as models return: tensors inside a class of its own, registered with
+    torch.utils._pytree (below) and with no __eq__."""
+
+    def __init__(self, keys, values):
+        self.keys, self.values = list(keys), list(values)
+
+
+class Opaque:
+    """An object holding a tensor, not registered anywhere."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+_register = getattr(torch.utils._pytree, "register_pytree_node", None) or torch.utils._pytree._register_pytree_node
+_register(KVCache, lambda c: ([c.keys, c.values], len(c.keys)), lambda children, n: KVCache(*children))
+
+
+class WithCache(nn.Module):
+    """An MLP that also returns a KVCache of two batched tensors per layer."""
+
+    def __init__(self, d=32, layers=2):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x):
+        keys, values = [], []
+        for lin in self.lins:
+            x = torch.relu(lin(x))
+            keys.append(x * 2)
+            values.append(x.sum(-1, keepdim=True))
+        return x, KVCache(keys, values)
+
+
 @dataclasses.dataclass
 class Out:
     logits: torch.Tensor
@@ -99,6 +134,12 @@ def assert_same(a, b, tol=1e-5):
         assert type(a) is type(b) and len(a) == len(b)
         for x, y in zip(a, b):
             assert_same(x, y, tol)
+    elif type(a) in torch.utils._pytree.SUPPORTED_NODES:
+        assert type(a) is type(b)
+        flatten = torch.utils._pytree.SUPPORTED_NODES[type(a)].flatten_fn
+        (ca, xa), (cb, xb) = flatten(a), flatten(b)
+        assert xa == xb
+        assert_same(list(ca), list(cb), tol)
     else:
         assert a == b, (a, b)
 

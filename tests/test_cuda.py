@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from graphwrap import GraphedModule, GraphwrapError, default_buckets
-from helpers import HFOut, MLP, MultiIO, RowMixer, assert_same, check_bert, num_graphs, run_threads, small_bert
+from helpers import (HFOut, KVCache, MLP, MultiIO, RowMixer, WithCache, assert_same, check_bert, num_graphs,
+                     run_threads, small_bert)
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -304,6 +305,58 @@ def test_bert_from_config():
     gm = GraphedModule(model, buckets=[1, 4, 8])
     assert gm.config is model.config
     check_bert(gm, model, cfg, (1, 3, 8, 6), DEV)
+    assert gm.stats()["eager_calls"] == {}, gm.stats()
+
+
+def test_registered_cache_objects_in_outputs():
+    # A cache object registered with torch.utils._pytree comes out of the graphs rebuilt around
+    # its own tensors, cut to the real rows, owned by the caller, in gm(...) and the pipeline.
+    model = WithCache().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[2, 4, 8])
+    kept = []
+    for n in (1, 3, 8, 5, 2):
+        x = torch.randn(n, 32, device=DEV)
+        got = gm(x)
+        assert type(got[1]) is KVCache and got[1].keys[0].shape[0] == n
+        assert_same(got, _eager(model, x))
+        kept.append((x, got))
+    for x, got in kept:  # later calls did not overwrite earlier outputs
+        assert_same(got, _eager(model, x))
+    assert gm.stats()["eager_calls"] == {} and num_graphs(gm) == 3
+    xs = [torch.randn(n, 32).pin_memory() for n in (3, 8, 1, 6, 4)]
+    for to_host in (False, True):
+        for x, got in zip(xs, gm.pipeline(xs, to_host=to_host)):
+            assert type(got[1]) is KVCache and got[1].values[1].is_cuda is not to_host
+            assert_same(got, _eager(model, x.to(DEV)) if not to_host else
+                        tuple(_cpu(o) for o in _eager(model, x.to(DEV))))
+
+
+def _cpu(o):
+    if isinstance(o, KVCache):
+        return KVCache([k.cpu() for k in o.keys], [v.cpu() for v in o.values])
+    return o.cpu()
+
+
+def test_gpt2_with_its_cache_once_the_cache_is_registered():
+    # GPT2LMHeadModel returns its key/value cache by default (a DynamicCache). transformers can
+    # register that type with torch.utils._pytree; then the graphs serve the model as it is.
+    tr = pytest.importorskip("transformers")
+    try:
+        from transformers.integrations.executorch import register_dynamic_cache_export_support
+    except ImportError as e:
+        pytest.skip(f"this transformers ({tr.__version__}) cannot register DynamicCache with pytree: {e}")
+    register_dynamic_cache_export_support()
+    cfg = tr.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=1000, n_positions=64)
+    model = tr.GPT2LMHeadModel(cfg).to(DEV).eval()
+    gm = GraphedModule(model, buckets=[2, 4])
+    for n in (1, 4, 3):
+        ids = torch.randint(0, 1000, (n, 16), device=DEV)
+        got, want = gm(ids), _eager(model, ids)
+        assert type(got.past_key_values) is type(want.past_key_values)
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+        for a, b in zip(torch.utils._pytree.tree_leaves(got.past_key_values),
+                        torch.utils._pytree.tree_leaves(want.past_key_values)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert gm.stats()["eager_calls"] == {}, gm.stats()
 
 

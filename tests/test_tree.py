@@ -10,7 +10,7 @@ from graphwrap.tree import (
     BATCHED, CONST, WHOLE, UnsupportedInput, batch_size_of, classify_outputs, flatten_inputs,
     flatten_outputs, map_tensors, tensor_meta, unflatten_inputs,
 )
-from helpers import HFOut, Out, assert_same
+from helpers import HFOut, KVCache, Opaque, Out, assert_same
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -114,3 +114,35 @@ def test_map_tensors_keeps_structure():
     o = {"a": [t, (t, 3)], "p": Point(t, "s"), "d": Out(logits=t)}
     m = map_tensors(lambda x: x * 2, o)
     assert_same(m, {"a": [t * 2, (t * 2, 3)], "p": Point(t * 2, "s"), "d": Out(logits=t * 2)})
+
+
+def test_registered_types_are_looked_into():
+    # A cache object registered with torch.utils._pytree: its tensors are output leaves, and it
+    # comes back as its own type, rebuilt around the tensors given.
+    n = 4
+    cache = KVCache([torch.randn(n, 3), torch.randn(n, 3)], [torch.randn(n, 1), torch.randn(n, 1)])
+    out = (torch.randn(n, 5), cache)
+    leaves, spec = flatten_outputs(out)
+    assert len(leaves) == 5 and all(isinstance(x, torch.Tensor) for x in leaves)
+    assert "KVCache" in spec.describe(3)
+    doubled = spec.rebuild([x * 2 for x in leaves])
+    assert type(doubled[1]) is KVCache and doubled[1] is not cache
+    assert_same(doubled, (out[0] * 2, KVCache([k * 2 for k in cache.keys], [v * 2 for v in cache.values])))
+    assert_same(map_tensors(lambda x: x * 2, out), doubled)
+    # The same structure at another batch size has an equal spec, and its tensors are batched.
+    other = (torch.randn(n - 1, 5), KVCache([torch.randn(n - 1, 3)] * 2, [torch.randn(n - 1, 1)] * 2))
+    leaves_b, spec_b = flatten_outputs(other)
+    assert spec_b == spec and hash(spec_b) == hash(spec)
+    kinds, problems = classify_outputs(leaves, n, leaves_b, n - 1, 0, spec)
+    assert kinds == [BATCHED] * 5 and not problems
+    # A cache with another number of layers is another structure.
+    assert flatten_outputs((out[0], KVCache(cache.keys[:1], cache.values[:1])))[1] != spec
+
+
+def test_unregistered_objects_get_a_short_message_with_the_way_out():
+    a, b = Opaque(torch.zeros(4)), Opaque(torch.zeros(3))
+    _, spec = flatten_outputs((a,))
+    kinds, problems = classify_outputs([a], 4, [b], 3, 0, spec)
+    assert kinds == [CONST]
+    msg = problems[0]
+    assert "Opaque" in msg and "register_pytree_node" in msg and len(msg) < 500, msg
