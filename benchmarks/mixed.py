@@ -61,9 +61,9 @@ def _graphwrap(case, results, model, data, name, histogram, **kw):
     results.note(case.scenario, case.case, f"{name}: graph pool MiB", s["graph_pool_bytes"] / 2**20, "MiB", **extra)
 
 
-def _policies(case, results, model, data, sizes, plain_exact=True):
-    # Exact buckets compile with a dynamic batch dimension: one compile serves every bucket
-    # (a static compile per size would take 64 compiles for sizes 1..64).
+def _policies(case, results, model, data, sizes, plain_exact=True, static_exact=False):
+    # Exact buckets compile with a dynamic batch dimension (one compile serves every bucket)
+    # and, where asked, with kernels compiled for each size (one compile per size).
     hist = dict(collections.Counter(sizes))
     _graphwrap(case, results, model, data, "graphwrap pipeline", hist)
     if plain_exact:
@@ -72,18 +72,21 @@ def _policies(case, results, model, data, sizes, plain_exact=True):
     _graphwrap(case, results, model, data, "graphwrap pipeline compile=True", hist, compile=True)
     _graphwrap(case, results, model, data, "graphwrap pipeline compile=dynamic exact", hist,
                compile={"dynamic": True}, buckets="exact", max_batch_size=max(sizes))
+    if static_exact:
+        _graphwrap(case, results, model, data, "graphwrap pipeline compile=True exact", hist,
+                   compile=True, buckets="exact", max_batch_size=max(sizes))
     _graphwrap(case, results, model, data, "graphwrap pipeline compile=True Adaptive(k=8)", hist,
                compile=True, buckets=Adaptive(k=8, histogram=hist))
 
 
-def run(results, device, quick: bool, repeats: int, models=("mlp", "bert")):
+def run(results, device, quick: bool, repeats: int, models=("mlp", "bert"), static_exact=False):
     if "mlp" in models:
-        _mlp(results, device, quick, repeats)
+        _mlp(results, device, quick, repeats, static_exact)
     if "bert" in models:
         _bert(results, device, quick, repeats)
 
 
-def _mlp(results, device, quick, repeats):
+def _mlp(results, device, quick, repeats, static_exact):
     count = 400 if quick else 2000
     g = torch.Generator().manual_seed(0)
     sizes = torch.randint(1, 65, (count,), generator=g).tolist()
@@ -99,7 +102,7 @@ def _mlp(results, device, quick, repeats):
             torch._dynamo.reset()
             gm = GraphedModule(model)
             case.add("graphwrap gm(x) loop", lambda: (lambda: [gm(x) for x in data] and None))
-            _policies(case, results, model, data, sizes)
+            _policies(case, results, model, data, sizes, static_exact=static_exact)
             case.run(repeats)
         del data, case, gm
         torch._dynamo.reset()

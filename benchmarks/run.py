@@ -53,6 +53,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds per strategy (default 5, quick 3)")
     ap.add_argument("--batch-sizes", default="1,16,1280", help="batch sizes of the fixed scenario")
     ap.add_argument("--mixed-models", default="mlp,bert", help="models of the mixed scenario: mlp, bert or both")
+    ap.add_argument("--mixed-static-exact", action="store_true",
+                    help="mixed MLP: also exact buckets with kernels compiled for each size (64 compiles a width)")
     ap.add_argument("--device-time", action="store_true",
                     help="also profile each strategy once and note the device time of its kernels and copies")
     a = ap.parse_args(argv)
@@ -79,7 +81,7 @@ def main(argv=None):
             if name == "fixed":
                 extra = {"batch_sizes": [int(b) for b in a.batch_sizes.split(",")]}
             elif name == "mixed":
-                extra = {"models": tuple(a.mixed_models.split(","))}
+                extra = {"models": tuple(a.mixed_models.split(",")), "static_exact": a.mixed_static_exact}
             mod.run(results, torch.device("cuda"), a.quick, repeats, **extra)
             print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
     for name in suites:
