@@ -376,6 +376,11 @@ def classify_outputs(
                         "its type with torch.utils._pytree.register_pytree_node and graphwrap returns it "
                         "rebuilt around its tensors, or leave it out of the output"
                     )
+                    if type(a).__name__ == "DynamicCache":
+                        problems[i] += (
+                            " (for transformers' DynamicCache: call transformers.integrations.executorch."
+                            "register_dynamic_cache_export_support() once, or pass use_cache=False)"
+                        )
     return kinds, problems
 
 

@@ -146,3 +146,10 @@ def test_unregistered_objects_get_a_short_message_with_the_way_out():
     assert kinds == [CONST]
     msg = problems[0]
     assert "Opaque" in msg and "register_pytree_node" in msg and len(msg) < 500, msg
+
+
+def test_a_dynamic_cache_gets_the_transformers_way_out():
+    DynamicCache = type("DynamicCache", (), {})  # stands in for transformers' class, by name
+    _, spec = flatten_outputs((DynamicCache(),))
+    _, problems = classify_outputs([DynamicCache()], 4, [DynamicCache()], 3, 0, spec)
+    assert "register_dynamic_cache_export_support()" in problems[0] and "use_cache=False" in problems[0]
