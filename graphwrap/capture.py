@@ -249,6 +249,7 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
                 raise CaptureFailed("the structure of the output changes with the batch size")
             if out_spec is not None and spec_b != out_spec:
                 raise CaptureFailed("the structure of the output differs between buckets")
+            _check_rebuild(spec_b, ref_b)
             if kinds is None:
                 kinds = _output_kinds(module, in_spec, sample, ref_m, ref_b, m, size, batch_dim, spec_b)
 
@@ -293,6 +294,36 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
     info["kinds"] = kinds
     info["out_spec"] = spec_b
     return replica, info
+
+
+def _check_rebuild(spec: OutputSpec, leaves) -> None:
+    """Every call rebuilds the output from its parts: check that this gives back the output.
+
+    A container whose constructor takes other arguments than what it holds (a dict subclass
+    that wants a name first, say) could otherwise come back empty, or raise on every call.
+    """
+    try:
+        back, back_spec = flatten_outputs(spec.rebuild(leaves))
+    except Exception as e:  # noqa: BLE001 - whatever the type's constructor raises
+        raise CaptureFailed(f"the output cannot be rebuilt from its parts: {type(e).__name__}: {_first_line(e)}",
+                            e) from e
+    if back_spec != spec or len(back) != len(leaves) or not all(map(_same_leaf, back, leaves)):
+        raise CaptureFailed(
+            "the output cannot be rebuilt from its parts: rebuilt, it is not what the module returned "
+            "(a container type whose constructor takes other arguments than its contents?)"
+        )
+
+
+def _same_leaf(a, b) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                and bool(torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _first_line(e: BaseException) -> str:

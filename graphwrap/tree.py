@@ -3,6 +3,7 @@
 Pure Python and torch, no CUDA: everything here runs and is tested on a CPU.
 """
 
+import collections
 import dataclasses
 import enum
 import math
@@ -139,16 +140,32 @@ def tensor_meta(leaves: Sequence[Tensor], batch_dim: int) -> tuple:
 
 
 def _registered(t: type):
-    """``(flatten_fn, unflatten_fn)`` of a type registered with ``torch.utils._pytree``, or None.
-
-    Containers graphwrap knows (tuples, lists, dicts, dataclasses, namedtuples) are handled
-    before this is asked; other registered types (a model's cache object, say) are looked into
-    through their registration, so the tensors they hold are outputs like any other.
-    """
+    """``(flatten_fn, unflatten_fn)`` of a type registered with ``torch.utils._pytree``, or None."""
     node = _pytree.SUPPORTED_NODES.get(t)
     if node is None:
         return None
     return node.flatten_fn, node.unflatten_fn
+
+
+def _looked_into(obj):
+    """``(children, context, unflatten)`` of an object whose type is registered with
+    ``torch.utils._pytree`` and rebuilt as that type by its registration; else None.
+
+    Containers graphwrap knows (tuples, lists, dicts, dataclasses, namedtuples) are handled
+    before this is asked; other registered types (a model's cache object, say) are looked into,
+    so the tensors they hold are outputs like any other. A registration that rebuilds another
+    type (torch.Size comes back a tuple) is not used: the object stays as it is.
+    """
+    reg = _registered(type(obj))
+    if reg is None:
+        return None
+    children, context = reg[0](obj)
+    children = list(children)
+    try:
+        same = type(reg[1](children, context)) is type(obj)
+    except Exception:  # noqa: BLE001 - a registration that cannot rebuild it is not used
+        same = False
+    return (children, context, reg[1]) if same else None
 
 
 class _Context:
@@ -176,25 +193,28 @@ class _Context:
 
 
 def map_tensors(fn: Callable[[Tensor], Any], obj):
-    """Apply ``fn`` to every tensor in a nest of tuples, lists, dicts and dataclasses."""
+    """Apply ``fn`` to every tensor in a nest of tuples, lists, dicts, dataclasses, namedtuples
+    and types registered with ``torch.utils._pytree``, in the order outputs are flattened."""
     if isinstance(obj, Tensor):
         return fn(obj)
-    if type(obj) is tuple:
+    t = type(obj)
+    if t is tuple:
         return tuple(map_tensors(fn, v) for v in obj)
-    if type(obj) is list:
+    if t is list:
         return [map_tensors(fn, v) for v in obj]
-    if isinstance(obj, dict) and not dataclasses.is_dataclass(obj):
-        d = {k: map_tensors(fn, v) for k, v in obj.items()}
-        return d if type(obj) is dict else type(obj)(d)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_tensors(fn, v) for v in obj))
+    if t is dict:
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         leaves, spec = flatten_outputs(obj)
         return spec.rebuild([map_tensors(fn, v) for v in leaves])
-    reg = _registered(type(obj))
-    if reg is not None:
-        children, context = reg[0](obj)
-        return reg[1]([map_tensors(fn, v) for v in children], context)
+    node = None if t is collections.OrderedDict else _looked_into(obj)
+    if node is not None:
+        children, context, unflatten = node
+        return unflatten([map_tensors(fn, v) for v in children], context)
+    if isinstance(obj, dict):
+        return t({k: map_tensors(fn, v) for k, v in obj.items()})
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return t(*(map_tensors(fn, v) for v in obj))
     return obj
 
 
@@ -247,15 +267,16 @@ def _flatten_out(obj, leaves: list):
             return ("dcmap", t, keys, tuple(_flatten_out(obj[k], leaves) for k in keys))
         names = tuple(_dataclass_fields(obj))
         return ("dc", t, names, tuple(_flatten_out(getattr(obj, k), leaves) for k in names))
+    node = None if t is dict or t is collections.OrderedDict else _looked_into(obj)
+    if node is not None:
+        # A registered type (a model's cache; defaultdict, whose constructor takes a factory)
+        children, context, unflatten = node
+        return ("pytree", t, _Context(context), tuple(_flatten_out(v, leaves) for v in children), unflatten)
     if isinstance(obj, dict):
         keys = tuple(obj.keys())
         return ("dict", t, keys, tuple(_flatten_out(obj[k], leaves) for k in keys))
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return ("nt", t, tuple(_flatten_out(v, leaves) for v in obj))
-    reg = _registered(t)
-    if reg is not None:
-        children, context = reg[0](obj)
-        return ("pytree", t, _Context(context), tuple(_flatten_out(v, leaves) for v in children), reg[1])
     leaves.append(obj)
     return ("L",)
 

@@ -37,6 +37,14 @@ class Opaque:
         self.t = t
 
 
+class NeedsAName(dict):
+    """A dict whose constructor wants a name first: ``t(d)`` makes an empty one named ``d``."""
+
+    def __init__(self, name, *args):
+        super().__init__(*args)
+        self.name = name
+
+
 _register = getattr(torch.utils._pytree, "register_pytree_node", None) or torch.utils._pytree._register_pytree_node
 _register(KVCache, lambda c: ([c.keys, c.values], len(c.keys)), lambda children, n: KVCache(*children))
 

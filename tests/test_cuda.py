@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from graphwrap import GraphedModule, GraphwrapError, default_buckets
-from helpers import (HFOut, KVCache, MLP, MultiIO, RowMixer, WithCache, assert_same, check_bert, num_graphs,
-                     run_threads, small_bert)
+from helpers import (HFOut, KVCache, MLP, MultiIO, NeedsAName, RowMixer, WithCache, assert_same, check_bert,
+                     num_graphs, run_threads, small_bert)
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -329,6 +329,44 @@ def test_registered_cache_objects_in_outputs():
             assert type(got[1]) is KVCache and got[1].values[1].is_cuda is not to_host
             assert_same(got, _eager(model, x.to(DEV)) if not to_host else
                         tuple(_cpu(o) for o in _eager(model, x.to(DEV))))
+
+
+def test_outputs_of_every_container_and_one_that_cannot_be_rebuilt():
+    import collections
+
+    class Containers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return torch.max(h, dim=1), collections.defaultdict(list, h=h), collections.deque([h * 2])
+
+    class Unrebuildable(Containers):
+        def forward(self, x):
+            return NeedsAName("out", {"h": self.lin(x)})
+
+    model = Containers().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[2, 8])
+    for n in (1, 2, 5, 8):
+        x = torch.randn(n, 8, device=DEV)
+        got, want = gm(x), _eager(model, x)
+        assert [type(o) for o in got] == [type(o) for o in want]
+        assert_same(got[0].values, want[0].values)
+        assert_same(got[0].indices, want[0].indices)
+        assert_same(got[1]["h"], want[1]["h"])
+        assert_same(got[2][0], want[2][0])
+    assert gm.stats()["eager_calls"] == {} and num_graphs(gm) == 2
+
+    model = Unrebuildable().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[2, 8])
+    x = torch.randn(3, 8, device=DEV)
+    got = gm(x)
+    assert type(got) is NeedsAName and got.name == "out"  # eager's own object
+    assert_same(got["h"], _eager(model, x)["h"])
+    assert any("cannot be rebuilt from its parts" in r for r in gm.stats()["eager_calls"]), gm.stats()
+    assert num_graphs(gm) == 0
 
 
 def _cpu(o):

@@ -81,13 +81,17 @@ def test_outputs_rebuild_with_their_types():
         Point(t, 1.5),
         Out(logits=t, hidden=None, tag="q"),
         HFOut(last_hidden_state=t, pooler_output=t * 2),
+        collections.defaultdict(list, a=t),  # its constructor takes a factory, not a dict
+        collections.deque([t, 1]),
+        torch.max(t, dim=1),  # a torch.return_types structseq
+        torch.Size([2, 3]),  # registered with pytree, but rebuilt a tuple there: kept whole
     ]
     for o in outs:
         leaves, spec = flatten_outputs(o)
         back = spec.rebuild(leaves)
         assert_same(back, o)
         assert type(back) is type(o)
-    hf = flatten_outputs(outs[-1])[1].rebuild(flatten_outputs(outs[-1])[0])
+    hf = flatten_outputs(outs[6])[1].rebuild(flatten_outputs(outs[6])[0])
     assert list(hf.keys()) == ["last_hidden_state", "pooler_output"] and hf.attentions is None
 
 

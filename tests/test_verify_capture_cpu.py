@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from graphwrap.capture import CaptureFailed, Replica, _output_kinds, _verify, tile_rows
+from graphwrap.capture import CaptureFailed, Replica, _check_rebuild, _output_kinds, _verify, tile_rows
 from graphwrap.tree import BATCHED, WHOLE, flatten_inputs, flatten_outputs
-from helpers import MLP, RowMixer
+from helpers import MLP, HFOut, KVCache, NeedsAName, RowMixer
 
 
 class RecomputeGraph:
@@ -108,3 +108,22 @@ def test_whole_outputs_are_kept_whole():
     _verify(rep, ref_b, ref_m, m, spec)
     outs = rep.outputs_for(3)
     assert outs[0].shape == (3, 4) and outs[1].shape == (5,)
+
+
+def test_outputs_that_rebuild_pass_and_others_are_caught():
+    import collections
+
+    t = torch.randn(3, 2)
+    for out in (t, (t, [t, 1]), HFOut(last_hidden_state=t), collections.defaultdict(list, a=t),
+                (KVCache([t], [t * 2]), torch.max(t, dim=1)), {"nan": torch.full((2,), float("nan"))}):
+        _check_rebuild(*reversed(flatten_outputs(out)))
+    # t(d) "works" for this dict subclass but gives an empty one: caught, not returned
+    with pytest.raises(CaptureFailed, match="cannot be rebuilt from its parts: rebuilt, it is not"):
+        _check_rebuild(*reversed(flatten_outputs(NeedsAName("out", {"h": t}))))
+
+    class Strict(dict):
+        def __init__(self, **kw):  # takes no positional dict: t(d) raises
+            super().__init__(**kw)
+
+    with pytest.raises(CaptureFailed, match="cannot be rebuilt from its parts: TypeError"):
+        _check_rebuild(*reversed(flatten_outputs(Strict(h=t))))
