@@ -207,6 +207,8 @@ def map_tensors(fn: Callable[[Tensor], Any], obj):
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         leaves, spec = flatten_outputs(obj)
         return spec.rebuild([map_tensors(fn, v) for v in leaves])
+    if isinstance(obj, collections.defaultdict):
+        return t(obj.default_factory, {k: map_tensors(fn, v) for k, v in obj.items()})
     node = None if t is collections.OrderedDict else _looked_into(obj)
     if node is not None:
         children, context, unflatten = node
@@ -267,9 +269,12 @@ def _flatten_out(obj, leaves: list):
             return ("dcmap", t, keys, tuple(_flatten_out(obj[k], leaves) for k in keys))
         names = tuple(_dataclass_fields(obj))
         return ("dc", t, names, tuple(_flatten_out(getattr(obj, k), leaves) for k in names))
+    if isinstance(obj, collections.defaultdict):  # its constructor takes the factory first
+        keys = tuple(obj.keys())
+        return ("defaultdict", t, keys, tuple(_flatten_out(obj[k], leaves) for k in keys), obj.default_factory)
     node = None if t is dict or t is collections.OrderedDict else _looked_into(obj)
     if node is not None:
-        # A registered type (a model's cache; defaultdict, whose constructor takes a factory)
+        # A registered type: a model's cache object, say
         children, context, unflatten = node
         return ("pytree", t, _Context(context), tuple(_flatten_out(v, leaves) for v in children), unflatten)
     if isinstance(obj, dict):
@@ -293,6 +298,9 @@ def _rebuild(node, it):
         _, t, keys, children = node
         d = {k: _rebuild(c, it) for k, c in zip(keys, children)}
         return d if t is dict else t(d)
+    if tag == "defaultdict":
+        _, t, keys, children, factory = node
+        return t(factory, {k: _rebuild(c, it) for k, c in zip(keys, children)})
     if tag in ("dcmap", "dc"):
         _, t, keys, children = node
         return t(**{k: _rebuild(c, it) for k, c in zip(keys, children)})
@@ -312,7 +320,7 @@ def _paths(node, prefix, out):
     elif tag in ("tuple", "list"):
         for i, c in enumerate(node[1]):
             _paths(c, f"{prefix}[{i}]", out)
-    elif tag in ("dict", "dcmap"):
+    elif tag in ("dict", "dcmap", "defaultdict"):
         for k, c in zip(node[2], node[3]):
             _paths(c, f"{prefix}[{k!r}]", out)
     elif tag == "dc":
