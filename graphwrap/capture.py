@@ -308,9 +308,10 @@ def _check_rebuild(spec: OutputSpec, leaves) -> None:
         raise CaptureFailed(f"the output cannot be rebuilt from its parts: {type(e).__name__}: {_first_line(e)}",
                             e) from e
     if back_spec != spec or len(back) != len(leaves) or not all(map(_same_leaf, back, leaves)):
+        where = spec.first_difference(back_spec) if back_spec != spec else "a part of it"
         raise CaptureFailed(
-            "the output cannot be rebuilt from its parts: rebuilt, it is not what the module returned "
-            "(a container type whose constructor takes other arguments than its contents?)"
+            f"the output cannot be rebuilt from its parts: rebuilt, it is not what the module returned ({where} "
+            "differs; a container type whose constructor takes other arguments than its contents?)"
         )
 
 

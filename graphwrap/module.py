@@ -130,8 +130,9 @@ def _describe_key(in_spec, meta, autocast) -> str:
         if tag in ("tuple", "list"):
             inner = ", ".join(one(s) for s in spec[1])
             return f"({inner})" if tag == "tuple" else f"[{inner}]"
-        if tag == "dict":
-            return "{" + ", ".join(f"{k!r}: {one(s)}" for k, s in zip(spec[2], spec[3])) + "}"
+        if tag in ("dict", "defaultdict"):
+            inner = "{" + ", ".join(f"{k!r}: {one(s)}" for k, s in zip(spec[2], spec[3])) + "}"
+            return inner if spec[1] is dict else f"{spec[1].__name__}({inner})"
         return f"{spec[1].__name__}(" + ", ".join(one(s) for s in spec[2]) + ")"
 
     parts = [one(s) for s in spec_args] + [f"{k}={one(s)}" for k, s in spec_kw]
@@ -867,7 +868,10 @@ class GraphedModule(nn.Module):
     def _eager_run(self, args, kwargs):
         device = self._gw_device
         if device is not None:
-            args, kwargs = map_tensors(lambda t: t.to(device) if t.device.type == "cpu" else t, (args, kwargs))
+            try:
+                args, kwargs = map_tensors(lambda t: t.to(device) if t.device.type == "cpu" else t, (args, kwargs))
+            except GraphwrapError:
+                pass  # inputs in a container that cannot be rebuilt: the module gets them as given
         return self.module(*args, **kwargs)
 
     def _eager(self, args, kwargs, reason: str):

@@ -46,7 +46,14 @@ def _flatten(obj, leaves: List[Tensor], path: str):
         for k in keys:
             if not isinstance(k, _CONSTANT_TYPES):
                 raise UnsupportedInput(f"dict key {k!r} at {path} is not a constant graphwrap can key on")
-        return ("dict", t, keys, tuple(_flatten(obj[k], leaves, f"{path}[{k!r}]") for k in keys))
+        children = tuple(_flatten(obj[k], leaves, f"{path}[{k!r}]") for k in keys)
+        if isinstance(obj, collections.defaultdict):  # its constructor takes the factory first
+            return ("defaultdict", t, keys, children, obj.default_factory)
+        if t is not dict and not _dict_type_rebuilds(t):
+            raise UnsupportedInput(
+                f"input at {path} is a {t.__name__}, a dict type that {t.__name__}(items) does not rebuild"
+            )
+        return ("dict", t, keys, children)
     if isinstance(obj, tuple):  # namedtuple and other tuple subclasses
         return ("tuple+", t, tuple(_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)))
     if isinstance(obj, list):
@@ -57,6 +64,22 @@ def _flatten(obj, leaves: List[Tensor], path: str):
         f"input at {path} has type {t.__name__}, which is neither a tensor nor an immutable constant "
         "(int, float, bool, str, None, torch.dtype, torch.device, an Enum)"
     )
+
+
+_DICT_TYPES_REBUILT = {collections.OrderedDict: True}
+
+
+def _dict_type_rebuilds(t: type) -> bool:
+    """Whether ``t(items)`` gives back a ``t`` with those items (asked once per type)."""
+    ok = _DICT_TYPES_REBUILT.get(t)
+    if ok is None:
+        try:
+            probe = t({"graphwrap": 1})
+            ok = type(probe) is t and dict(probe) == {"graphwrap": 1}
+        except Exception:  # noqa: BLE001 - whatever the constructor raises
+            ok = False
+        _DICT_TYPES_REBUILT[t] = ok
+    return ok
 
 
 def flatten_inputs(args: tuple, kwargs: dict) -> Tuple[List[Tensor], tuple]:
@@ -88,6 +111,9 @@ def _unflatten(spec, it):
         _, t, keys, children = spec
         d = {k: _unflatten(s, it) for k, s in zip(keys, children)}
         return d if t is dict else t(d)
+    if tag == "defaultdict":
+        _, t, keys, children, factory = spec
+        return t(factory, {k: _unflatten(s, it) for k, s in zip(keys, children)})
     if tag == "tuple+":
         _, t, children = spec
         vals = [_unflatten(s, it) for s in children]
@@ -193,31 +219,23 @@ class _Context:
 
 
 def map_tensors(fn: Callable[[Tensor], Any], obj):
-    """Apply ``fn`` to every tensor in a nest of tuples, lists, dicts, dataclasses, namedtuples
-    and types registered with ``torch.utils._pytree``, in the order outputs are flattened."""
-    if isinstance(obj, Tensor):
-        return fn(obj)
-    t = type(obj)
-    if t is tuple:
-        return tuple(map_tensors(fn, v) for v in obj)
-    if t is list:
-        return [map_tensors(fn, v) for v in obj]
-    if t is dict:
-        return {k: map_tensors(fn, v) for k, v in obj.items()}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        leaves, spec = flatten_outputs(obj)
-        return spec.rebuild([map_tensors(fn, v) for v in leaves])
-    if isinstance(obj, collections.defaultdict):
-        return t(obj.default_factory, {k: map_tensors(fn, v) for k, v in obj.items()})
-    node = None if t is collections.OrderedDict else _looked_into(obj)
-    if node is not None:
-        children, context, unflatten = node
-        return unflatten([map_tensors(fn, v) for v in children], context)
-    if isinstance(obj, dict):
-        return t({k: map_tensors(fn, v) for k, v in obj.items()})
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return t(*(map_tensors(fn, v) for v in obj))
-    return obj
+    """``obj`` with ``fn`` applied to every tensor in it, rebuilt as outputs are: tuples, lists,
+    dicts, dataclasses, namedtuples and types registered with ``torch.utils._pytree``; ``obj``
+    itself where ``fn`` changed nothing. Raises GraphwrapError where the rebuilt object would not
+    hold what ``obj`` held (a container whose constructor takes other arguments)."""
+    leaves, spec = flatten_outputs(obj)
+    mapped = [fn(x) if isinstance(x, Tensor) else x for x in leaves]
+    if all(a is b for a, b in zip(mapped, leaves)):
+        return obj
+    out = spec.rebuild(mapped)
+    back = flatten_outputs(out)[1]
+    if back != spec:
+        raise GraphwrapError(
+            f"{spec.first_difference(back, 'the object')} is not there once the object is rebuilt from its parts "
+            "(a container whose constructor takes other arguments than its contents?), so graphwrap cannot "
+            "give it back with its tensors moved or cut"
+        )
+    return out
 
 
 # ----------------------------------------------------------------------------------------- outputs
@@ -249,6 +267,17 @@ class OutputSpec:
         paths: List[str] = []
         _paths(self.node, "out", paths)
         return paths[i] if i < len(paths) else f"leaf {i}"
+
+    def first_difference(self, other: "OutputSpec", name: str = "out") -> str:
+        """The path of the first leaf of this spec that ``other`` lacks or has elsewhere."""
+        mine: List[str] = []
+        theirs: List[str] = []
+        _paths(self.node, name, mine)
+        _paths(other.node, name, theirs)
+        for i, p in enumerate(mine):
+            if i >= len(theirs) or theirs[i] != p:
+                return p
+        return name
 
 
 def _dataclass_fields(obj):

@@ -369,6 +369,32 @@ def test_outputs_of_every_container_and_one_that_cannot_be_rebuilt():
     assert num_graphs(gm) == 0
 
 
+def test_dict_inputs_of_other_types():
+    import collections
+
+    class Takes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, d):
+            return self.lin(d["x"]) * len(d)
+
+    model = Takes().to(DEV).eval()
+    gm = GraphedModule(model, buckets=[2, 8])
+    for n in (1, 5):
+        x = torch.randn(n, 8, device=DEV)
+        d = collections.defaultdict(list, x=x)
+        assert_same(gm(d), _eager(model, d))
+        named = NeedsAName("n", {"x": x})  # not rebuilt from its items: eager, given as is
+        assert_same(gm(named), _eager(model, named))
+        with pytest.raises(RuntimeError) as e:  # its CPU tensor is not moved: eager's own error
+            gm(NeedsAName("n", {"x": x.cpu()}))
+        assert not isinstance(e.value, GraphwrapError) and "device" in str(e.value)
+    assert num_graphs(gm) == 2
+    assert any("NeedsAName" in r for r in gm.stats()["eager_calls"]), gm.stats()
+
+
 def _cpu(o):
     if isinstance(o, KVCache):
         return KVCache([k.cpu() for k in o.keys], [v.cpu() for v in o.values])

@@ -219,3 +219,24 @@ def test_compile_on_cpu_runs_eagerly_with_the_same_results():
     assert_same(gm(x), model(x), tol=0)
     s = gm.stats()
     assert s["compile"]["graphs"] == 0 and s["compile"]["options"]["dynamic"] is False
+
+
+def test_keys_of_every_input_kind_are_described():
+    import collections
+
+    from graphwrap.module import _describe_key
+    from graphwrap.tree import flatten_inputs, tensor_meta
+
+    Pair = collections.namedtuple("Pair", "a b")
+
+    class Items(list):
+        pass
+
+    t = torch.zeros(2, 3)
+    args = (t, 1.5, (t, "s"), [t], {"k": t}, collections.OrderedDict(o=t), collections.defaultdict(list, d=t),
+            Pair(t, None), Items([t]))
+    leaves, spec = flatten_inputs(args, {"kw": t})
+    text = _describe_key(spec, tensor_meta(leaves, 0), None)
+    for part in ("Tensor[B, 3] float32 cpu", "1.5", "'s'", "{'k': Tensor", "OrderedDict({'o': Tensor",
+                 "defaultdict({'d': Tensor", "Pair(Tensor", "None)", "Items(Tensor", "kw=Tensor"):
+        assert part in text, (part, text)

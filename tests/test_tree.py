@@ -10,7 +10,7 @@ from graphwrap.tree import (
     BATCHED, CONST, WHOLE, UnsupportedInput, batch_size_of, classify_outputs, flatten_inputs,
     flatten_outputs, map_tensors, tensor_meta, unflatten_inputs,
 )
-from helpers import HFOut, KVCache, Opaque, Out, assert_same
+from helpers import HFOut, KVCache, NeedsAName, Opaque, Out, assert_same
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -157,3 +157,31 @@ def test_a_dynamic_cache_gets_the_transformers_way_out():
     _, spec = flatten_outputs((DynamicCache(),))
     _, problems = classify_outputs([DynamicCache()], 4, [DynamicCache()], 3, 0, spec)
     assert "register_dynamic_cache_export_support()" in problems[0] and "use_cache=False" in problems[0]
+
+
+def test_map_tensors_gives_back_what_it_cannot_change_and_refuses_what_it_cannot_rebuild():
+    t = torch.ones(2)
+    o = (t, {"k": [t]})
+    assert map_tensors(lambda x: x, o) is o
+    with pytest.raises(GraphwrapError, match=r"the object\[0\]\['h'\] is not there once the object is rebuilt"):
+        map_tensors(lambda x: x * 2, (NeedsAName("n", {"h": t}),))
+    d = map_tensors(lambda x: x * 2, collections.defaultdict(list, h=t))
+    assert type(d) is collections.defaultdict and d.default_factory is list and d["h"].tolist() == [2.0, 2.0]
+
+
+def test_dict_inputs_of_other_types():
+    t = torch.ones(2, 3)
+
+    class Plain(dict):
+        pass
+
+    for d in (collections.defaultdict(list, a=t), collections.OrderedDict(a=t), Plain(a=t)):
+        leaves, spec = flatten_inputs((d,), {"kw": d})
+        args, kwargs = unflatten_inputs(spec, leaves)
+        for back in (args[0], kwargs["kw"]):
+            assert type(back) is type(d) and list(back) == ["a"] and back["a"] is t
+            if isinstance(d, collections.defaultdict):
+                assert back.default_factory is list
+    # A dict type whose constructor does not take its items cannot be passed through a graph.
+    with pytest.raises(UnsupportedInput, match="NeedsAName, a dict type that NeedsAName"):
+        flatten_inputs((NeedsAName("n", {"a": t}),), {})
