@@ -698,7 +698,9 @@ class GraphedModule(nn.Module):
         for the next item (no copy per batch: clone what you keep).
 
         Batches above the largest bucket and calls that run eagerly are served by ``gm(...)``,
-        in order, without overlap.
+        in order, without overlap. Without ``to_host`` the next item is taken from ``batches``
+        after the loop body has run for the last output; with ``to_host=True`` the loop reads
+        two items ahead of the output it yields.
         """
         from .pipeline import run_pipeline
 
