@@ -318,12 +318,12 @@ def _check_rebuild(spec: OutputSpec, leaves) -> None:
 def _same_leaf(a, b) -> bool:
     if a is b:
         return True
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-                and bool(torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))))
     try:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                    and bool(torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))))
         return bool(a == b)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - what cannot be compared is not known to be the same
         return False
 
 
