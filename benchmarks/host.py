@@ -1,14 +1,17 @@
-"""Scenario "host": where the host time of one batch-1 pipeline step goes.
+"""Scenario "host": where the host time of one call goes.
 
-Each operation of a step is issued N times in a row and the host time to issue them is
-divided by N (the device is synchronized before and after, outside the timed region). The
-GPU runs each op in a few microseconds, so these are the costs of issuing, not of running.
+Case "gm(x) at batch 1, per piece": each piece of the direct call's common path (one tensor
+on the GPU, a shape seen before) issued N times in a row, the host time divided by N, the
+device synchronized before and after outside the timed region; then the whole call. Case
+"pipeline step at batch 1, per op": the same for the operations of one pipeline step.
 """
 
 import time
 
 import torch
 
+import graphwrap.engine as engine_mod
+import graphwrap.module as module_mod
 from graphwrap import GraphedModule
 from workloads import SeedMLP
 
@@ -23,60 +26,112 @@ def _issue_time(fn, n):
     return dt / n
 
 
-def run(results, device, quick: bool, repeats: int):
-    n = 200 if quick else 1000
+def _measure(results, case, ops, n, repeats):
+    with torch.no_grad():
+        for _ in range(2):  # warm every op up
+            for fn in ops.values():
+                fn()
+        for name, fn in ops.items():
+            ts = [_issue_time(fn, n) for _ in range(repeats)]
+            results.add("host", case, name, ts, "us", None, None)
+
+
+def _direct_call(results, device, n, repeats):
+    model = SeedMLP().to(device).eval()
+    x = torch.randn(1, 1024, device=device)
+    with torch.no_grad():
+        gm = GraphedModule(model, eager_if_faster=False)
+        gv = GraphedModule(model, outputs="view", eager_if_faster=False)
+        gm(x), gv(x)
+    eng = gm.engine
+    ring_plan = gm.engine.fast_plan(x)
+    assert ring_plan.ring is not None, "no output ring"
+    plan = ring_plan
+    assert not plan.eager, "the common path is not taken"
+    d = gm.__dict__
+    hooks = module_mod._GLOBAL_HOOKS
+    data_ptr = torch.Tensor.data_ptr
+    ptrs = tuple(eng.ptr_list)
+    tensors = eng.tensors
+    sid = engine_mod.current_stream_id
+    idx = x.device.index
+    lock = eng.lock
+
+    def locked():
+        with lock:
+            pass
+
+    ops = {
+        "hook check in GraphedModule.__call__": lambda: (d["_forward_pre_hooks"] or d["_forward_hooks"]
+                                                         or d["_backward_pre_hooks"] or d["_backward_hooks"]
+                                                         or d.get("_compiled_call_impl") is not None
+                                                         or any(hooks)),
+        "engine.fast_plan(x): lookup and every per-call check": lambda: eng.fast_plan(x),
+        "  of which dict lookup by x.shape": lambda: eng.fast.get(x.shape),
+        "  of which weights_unmoved()": eng.weights_unmoved,
+        f"  weights check as a Python tuple compare ({len(tensors)} tensors)":
+            lambda: tuple(map(data_ptr, tensors)) == ptrs,
+        "  of which autocast check": engine_mod.autocast_on,
+        "lock acquire and release": locked,
+        "current stream id, compared": lambda: sid(idx) != eng.last_sid,
+        "input copy_": lambda: plan.input.copy_(x),
+        "CUDAGraph.replay()": plan.replay,
+        "output clone()": lambda: plan.output.clone(),
+        "owned output: take a free slot (storage use count)": lambda: plan.ring.take(sid(idx)),
+        "owned output: copy graph replay": lambda: plan.ring.take(sid(idx)).fill(),
+        "owned output: a fresh view of the slot": lambda: plan.output.narrow(0, 0, 1),
+        "whole gm(x), outputs=view": lambda: gv(x),
+        "whole gm(x), outputs=clone": lambda: gm(x),
+        "floor: copy_ + replay() + clone()": lambda: (plan.input.copy_(x), plan.replay(), plan.output.clone()),
+        "floor: copy_ + replay() + copy graph replay": lambda: (plan.input.copy_(x), plan.replay(),
+                                                               plan.ring.take(sid(idx)).fill()),
+        "eager model(x)": lambda: model(x),
+    }
+    _measure(results, "gm(x) at batch 1, per piece", ops, n, repeats)
+
+
+def _pipeline_step(results, device, n, repeats):
     model = SeedMLP().to(device).eval()
     gm = GraphedModule(model)
     x = torch.randn(1, 1024).pin_memory()
     xs = [x] * n
     with torch.no_grad():
-        gm(x.to(device))
         for _ in gm.pipeline(xs[:8]):
             pass
-    rep = gm._gw_store.keys[next(iter(gm._gw_store.keys))].buckets[1].replicas[0]
-    static_in, static_out = rep.static_inputs[0], rep.static_outputs[0]
+        gm(x)  # the direct call's plan, for its static buffers
+    plan = gm.engine.fast_plan(x)
+    static_in, static_out = plan.input, plan.output
     compute, copy = torch.cuda.current_stream(), torch.cuda.Stream()
     ev = torch.cuda.Event()
     host_out = torch.empty(static_out.shape, pin_memory=True)
     ops = {
-        "gm._prepare (flatten, key, checks)": lambda: gm._prepare((x,), {}),
+        "engine.prepare (flatten, key, checks)": lambda: gm.engine.prepare((x,), {}),
         "Tensor.is_pinned()": lambda: x.is_pinned(),
         "set_stream there and back": lambda: (torch.cuda.set_stream(copy), torch.cuda.set_stream(compute)),
         "H2D copy_ from pinned, non_blocking": lambda: static_in.copy_(x, non_blocking=True),
         "Event.record": lambda: ev.record(compute),
         "Stream.wait_event": lambda: compute.wait_event(ev),
-        "CUDAGraph.replay()": lambda: rep.graph.replay(),
+        "CUDAGraph.replay()": plan.replay,
         "clone of the output": lambda: static_out.clone(),
         "torch.empty(pin_memory=True) of the output's size": lambda: torch.empty(static_out.shape, pin_memory=True),
         "D2H copy_ into pinned, non_blocking": lambda: host_out.copy_(static_out, non_blocking=True),
-        "Stream.wait_stream": lambda: copy.wait_stream(compute),
-        "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(),
     }
-    def stream_ctx():
-        with torch.cuda.stream(copy):
-            pass
-
-    ops["with torch.cuda.stream(s): pass"] = stream_ctx
+    _measure(results, "pipeline step at batch 1, per op", ops, n, repeats)
     with torch.no_grad():
-        for name, fn in ops.items():
-            ts = [_issue_time(fn, n) for _ in range(repeats)]
-            results.add("host", "one batch-1 step, per op", name, ts, "us", None, None)
-        ts = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in gm.pipeline(xs):
-                pass
-            torch.cuda.synchronize()
-            ts.append((time.perf_counter() - t0) / n)
-        results.add("host", "one batch-1 step, per op", "whole pipeline step (wall, incl. GPU)", ts, "us", None, None)
-        ts = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in gm.pipeline(xs, to_host=True):
-                pass
-            torch.cuda.synchronize()
-            ts.append((time.perf_counter() - t0) / n)
-        results.add("host", "one batch-1 step, per op", "whole pipeline step, to_host (wall, incl. GPU)", ts, "us",
-                    None, None)
+        for to_host in (False, True):
+            ts = []
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in gm.pipeline(xs, to_host=to_host):
+                    pass
+                torch.cuda.synchronize()
+                ts.append((time.perf_counter() - t0) / n)
+            results.add("host", "pipeline step at batch 1, per op",
+                        f"whole pipeline step{', to_host' if to_host else ''} (wall, incl. GPU)", ts, "us", None, None)
+
+
+def run(results, device, quick: bool, repeats: int):
+    n = 200 if quick else 2000
+    _direct_call(results, device, n, repeats)
+    _pipeline_step(results, device, n, repeats)

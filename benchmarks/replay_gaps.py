@@ -47,7 +47,7 @@ def _run(hidden, sizes, g):
         gm = GraphedModule(model, buckets="exact", max_batch_size=64)
         for _ in gm.pipeline(data):  # captures every size that occurs
             pass
-        (ks,) = gm._gw_store.keys.values()
+        (ks,) = gm.engine.store.keys.values()
         graphs = {n: b.replicas[0].graph for n, b in ks.buckets.items()}
         one = graphs[sizes[0]]
         src, dst = torch.zeros(1, device=dev), torch.zeros(1, device=dev)

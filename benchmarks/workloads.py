@@ -137,3 +137,16 @@ def d2h_floor(shape, count, device):
         for _ in range(count):
             dst.copy_(src, non_blocking=True)
     return loop
+
+
+def chunk_floor(model, cpu_data, device, chunk=256):
+    """Floor of chunked replays: a graph of ``chunk`` rows replayed once per chunk, no copies."""
+    rows = cpu_data[0].shape[0]
+    static = torch.randn((chunk,) + tuple(cpu_data[0].shape[1:]), device=device)
+    g, _ = capture(model, static)
+    per_batch = -(-rows // chunk)
+
+    def loop():
+        for _ in range(len(cpu_data) * per_batch):
+            g.replay()
+    return loop

@@ -196,6 +196,17 @@ class BucketTable:
         """The smallest bucket that holds ``n`` rows; ``1 <= n <= self.max``."""
         return self._table[n]
 
+    def size_for(self, n: int) -> int:
+        """The bucket of ``n`` rows; above the largest bucket, a size on the same kind of grid
+        continued (steps of one eighth of the power of two below: 288, 320, ... after 256), so a
+        large batch pads at most 12.5% if it gets a graph of its own."""
+        if n <= self.max:
+            return self._table[n]
+        b = self.max
+        while b < n:
+            b += max(8, 1 << (b.bit_length() - 4))
+        return b
+
     def chunks(self, n: int) -> List[Tuple[int, int, int]]:
         """Split ``n`` rows into ``(start, rows, bucket)`` pieces, largest bucket first."""
         out = []

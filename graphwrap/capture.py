@@ -4,6 +4,7 @@ Everything that decides (keys, buckets, output kinds, comparisons) lives in plai
 modules; this file only runs the module, captures it and checks the capture.
 """
 
+import statistics
 import threading
 import time
 from typing import Any, List, Optional, Sequence
@@ -63,6 +64,28 @@ def _reset_rng_capture_state(device):
     g.capture_end()
 
 
+def copy_graph(device: torch.device, pool, dsts, srcs):
+    """A captured graph that copies each of ``srcs`` into the matching one of ``dsts``; its replay.
+
+    One launch, whatever the number of outputs: the host cost of owned outputs (see
+    :mod:`graphwrap.outputs`). It allocates nothing, so it shares the bucket graphs' pool.
+    """
+    graph = torch.cuda.CUDAGraph()
+    with CAPTURE_LOCK:
+        stream = side_stream(device)
+        cur = torch.cuda.current_stream(device)
+        stream.wait_stream(cur)
+        with torch.cuda.stream(stream):
+            capture_begin(graph, pool)
+            try:
+                for d, s in zip(dsts, srcs):
+                    d.copy_(s)
+            finally:
+                graph.capture_end()
+        cur.wait_stream(stream)
+    return graph.replay
+
+
 # The caching allocator rounds allocations up into segments of up to 20 MiB: a bucket's
 # estimated growth of the pool adds this much to the warm-up's peak.
 ALLOCATOR_SLACK = 20 << 20
@@ -92,7 +115,7 @@ class Replica:
 
     __slots__ = (
         "graph", "size", "batch_dim", "static_inputs", "static_outputs", "kinds", "is_tensor",
-        "_in_views", "_out_views", "copy_done", "replay_done", "out_bytes",
+        "_in_views", "_out_views", "copy_done", "replay_done", "out_bytes", "ring",
     )
 
     def __init__(self, graph, size: int, batch_dim: int, static_inputs, static_outputs, kinds):
@@ -109,6 +132,7 @@ class Replica:
         # Set by the pipeline: the last copy into this replica's inputs, the last replay of it.
         self.copy_done = None
         self.replay_done = None
+        self.ring = None  # owned-output slots (graphwrap.outputs), set by the engine
 
     def inputs_for(self, n: int) -> List[Tensor]:
         """Views of the first ``n`` rows of each static input (cached: built once per n)."""
@@ -133,6 +157,52 @@ class Replica:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.static_inputs)
+
+
+def _timed(fn, k: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn(k)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / k
+
+
+def race(replica: Replica, eager_call, clone: bool, rounds: int = 3, round_s: float = 2e-3):
+    """Seconds per call of this bucket through its graph and eagerly, timed back to back.
+
+    The graph's call is what ``gm(...)`` does: copy inputs in (from device tensors), replay,
+    clone the outputs if ``clone``; eager's is ``eager_call`` on the same inputs. Each round
+    times a few calls of each with the device synchronized around them (so both host and
+    device time count); medians over the rounds. A graph at least twice as fast in the first
+    round needs no more rounds.
+    """
+    src = [t.clone() for t in replica.static_inputs]
+    dsts, graph, outs = replica.static_inputs, replica.graph, replica.static_outputs
+    tensors = [o for o, t in zip(outs, replica.is_tensor) if t]
+
+    def graph_calls(k):
+        for _ in range(k):
+            for d, s in zip(dsts, src):
+                d.copy_(s)
+            graph.replay()
+            if clone:
+                for o in tensors:
+                    o.clone()
+
+    def eager_calls(k):
+        for _ in range(k):
+            eager_call(src)
+
+    with torch.inference_mode(False), torch.no_grad():
+        once = max(_timed(graph_calls, 1), _timed(eager_calls, 1))
+        k = max(1, min(64, int(round_s / max(once, 1e-6))))
+        gs, es = [], []
+        for r in range(rounds):
+            gs.append(_timed(graph_calls, k))
+            es.append(_timed(eager_calls, k))
+            if r == 0 and 2 * gs[0] <= es[0]:
+                break
+    return statistics.median(gs), statistics.median(es)
 
 
 def tile_rows(x: Tensor, rows: int, size: int, batch_dim: int) -> Tensor:

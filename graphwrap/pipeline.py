@@ -24,6 +24,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from .calls import call
+from .engine import Engine, current_stream_id
 from .errors import GraphwrapError
 from .tree import Tensor, map_tensors
 
@@ -86,10 +88,11 @@ class _Lease:
     """The graphs one loop takes turns on for one bucket, with the loop's streams on its device
     and pinned staging buffers for pageable inputs."""
 
-    __slots__ = ("replicas", "turn", "staging", "bucket", "size", "device", "copy_stream", "d2h_stream",
+    __slots__ = ("key", "replicas", "turn", "staging", "bucket", "size", "device", "copy_stream", "d2h_stream",
                  "to_copy", "compute", "to_compute")
 
-    def __init__(self, replicas, bucket, device, streams, compute):
+    def __init__(self, key, replicas, bucket, device, streams, compute):
+        self.key = key
         self.replicas = replicas
         self.turn = 0
         self.staging = {}  # replica index -> pinned buffers for pageable inputs
@@ -103,7 +106,7 @@ class _Lease:
             if rep.copy_done is None:
                 rep.copy_done, rep.replay_done = torch.cuda.Event(), torch.cuda.Event()
         # Copies into these graphs' inputs come after all the work issued so far: their captures,
-        # earlier loops, gm(...) calls (ordered onto the caller's stream by _order_stream).
+        # earlier loops, gm(...) calls (ordered onto the caller's stream by Engine.order_stream).
         self.copy_stream.wait_stream(compute)
 
     def back_to(self, compute):
@@ -124,18 +127,18 @@ class _EventPool:
         self.free.append(ev)
 
 
-def run_pipeline(gm, batches: Iterable[Any], to_host: bool = False) -> Iterator[Any]:
+def run_pipeline(engine: Engine, batches: Iterable[Any], to_host: bool = False) -> Iterator[Any]:
     it = iter(batches)
     pending = collections.deque()
-    # (key, bucket size) -> _Lease. Keys are held, not their ids: a key dropped by reset()
-    # must never be mistaken for a new one that Python put at the same address.
+    # (Key, bucket size) -> _Lease, and (key tuple, batch size) -> the same lease. Keys are held,
+    # not their ids: a key dropped by reset() must never be mistaken for a new one that Python
+    # put at the same address.
     leases = {}
     events = _EventPool()
     streams = {}
-    store = gm._gw_store
-    epoch = store.epoch
+    epoch = engine.epoch
     lag = HOST_LAG if to_host else 0
-    prepare = gm._prepare
+    prepare = engine.prepare
     try:
         for item in it:
             if type(item) is Tensor:
@@ -143,19 +146,19 @@ def run_pipeline(gm, batches: Iterable[Any], to_host: bool = False) -> Iterator[
             else:
                 args, kwargs = as_call(item)
             prep = prepare(args, kwargs)
-            if store.epoch != epoch:
+            if engine.epoch != epoch:
                 # The graphs were dropped (weights replaced or moved, reset()): so are the leases.
                 # release() synchronized the device, so no copy into their buffers is in flight.
                 _sync(streams)
                 leases.clear()
-                epoch = store.epoch
+                epoch = engine.epoch
             entry = None
             if type(prep) is not str:
-                entry = _issue(gm, prep, leases, streams, events, to_host)
+                entry = _issue(engine, prep, leases, streams, events, to_host)
             if entry is None:
-                # Eager, a failed capture, or a batch above the largest bucket: gm() serves it,
-                # in order on the caller's stream.
-                out = gm(*args, **kwargs)
+                # Eager, a failed capture, a bucket that serves eagerly, or a batch above the
+                # largest bucket: the direct call serves it, in order on the caller's stream.
+                out = call(engine, args, kwargs)
                 if to_host:
                     out = map_tensors(_to_pinned_host, out)
                 entry = ("done", out)
@@ -173,10 +176,10 @@ def run_pipeline(gm, batches: Iterable[Any], to_host: bool = False) -> Iterator[
         for entry in pending:
             if entry[0] == "host":
                 entry[3].synchronize()
-        with gm._gw_lock:
-            if store.epoch == epoch:
+        with engine.lock:
+            if engine.epoch == epoch:
                 for lease in leases.values():
-                    gm._return_lease(lease.replicas)
+                    engine.give_back(lease.replicas)
 
 
 def _sync(streams):
@@ -185,40 +188,43 @@ def _sync(streams):
         d2h_stream.synchronize()
 
 
-def _issue(gm, prep, leases, streams, events, to_host):
-    """Issue one batch's copies, replay and output copies; None if gm(...) must serve it."""
+def _issue(engine, prep, leases, streams, events, to_host):
+    """Issue one batch's copies, replay and output copies; None if the direct call must serve it."""
     key, (leaves, n, spec, meta, autocast, device) = prep
-    with gm._gw_lock:
-        ks = gm._gw_store.keys.get(key) or gm._key_for(key, spec, meta, autocast, device, leaves)
-        table = gm._gw_table
-        if ks is None or ks.failed is not None or n > table.max:
-            return None
-        size = table.bucket_for(n)
-        lease = leases.get((ks, size))
+    with engine.lock:
+        lease = leases.get((key, n))  # (key, n) -> lease: one lookup a batch once seen
         if lease is None:
-            reps = gm._take_lease(ks, size, leaves, n, LEASED)
-            if reps is None:
+            ks = engine.key_of(prep)
+            if ks is None:
                 return None
-            s = streams.get(device)
-            if s is None:
-                s = streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-            lease = leases[(ks, size)] = _Lease(reps, ks.buckets[size], device, s, gm._order_stream(device))
+            size = engine.table.size_for(n)
+            lease = leases.get((ks, size))
+            if lease is None:
+                taken = engine.lease(prep, LEASED)
+                if taken is None:
+                    return None
+                ks, bucket, reps = taken
+                s = streams.get(device)
+                if s is None:
+                    s = streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+                lease = leases[(ks, size)] = _Lease(ks, reps, bucket, device, s, engine.order_stream(device))
+            leases[(key, n)] = lease
+        if lease.key.failed is not None:
+            return None
         if device.index != _current_device():
             with torch.cuda.device(device):
-                return _issue_on(gm, ks, lease, leaves, n, events, to_host)
-        return _issue_on(gm, ks, lease, leaves, n, events, to_host)
+                return _issue_on(engine, lease, leaves, n, events, to_host)
+        return _issue_on(engine, lease, leaves, n, events, to_host)
 
 
-def _issue_on(gm, ks, lease, leaves, n, events, to_host):
+def _issue_on(engine, lease, leaves, n, events, to_host):
     i = lease.turn
     reps = lease.replicas
     rep = reps[i]
     lease.turn = i + 1 if i + 1 < len(reps) else 0
-    compute = gm._order_stream(lease.device)
-    b = lease.bucket
-    b.replays += 1
-    b.rows += n
-    b.padded_rows += lease.size - n
+    compute = engine.order_stream(lease.device)
+    lease.bucket.count(n)
+    ks = lease.key
     dsts = rep.inputs_for(n)
     x = leaves[0]
     if len(leaves) == 1 and not x.is_cuda and x.is_pinned():
@@ -243,7 +249,7 @@ def _issue_on(gm, ks, lease, leaves, n, events, to_host):
         # output is yielded and before the iterator runs again, either of which may refill that
         # memory in place (one pinned buffer reused for every batch is a common loop).
         rep.copy_done.synchronize()
-    if not to_host and not gm._gw_clone:
+    if not to_host and not engine.clone:
         # outputs="view": the static outputs themselves, valid until the next batch is issued
         # (when the caller asks for the next item), as gm(...) views are until the next call.
         return ("gpu", ks.out_spec, rep.outputs_for(n))
@@ -252,9 +258,15 @@ def _issue_on(gm, ks, lease, leaves, n, events, to_host):
         # later replay can overwrite them. That adds a few microseconds of device time and saves
         # a clone and a hop to another stream, which cost more host time than the copy takes.
         return _to_host_inline(ks, rep, n, events, compute)
-    # Clone on the compute stream, right after the replay: graphs share one pool, so a static
-    # output can sit in memory that the next replay of another bucket uses for intermediates.
-    outs = [o.clone() if t else o for o, t in zip(rep.outputs_for(n), rep.is_tensor)]
+    # Copied out on the compute stream, right after the replay (into a free slot of the graph's
+    # output ring, or clones): graphs share one pool, so a static output can sit in memory that
+    # the next replay of another bucket uses for intermediates.
+    slot = rep.ring.take(current_stream_id(lease.device.index)) if rep.ring is not None else None
+    if slot is not None:
+        slot.fill()
+        outs = slot.views(n)
+    else:
+        outs = [o.clone() if t else o for o, t in zip(rep.outputs_for(n), rep.is_tensor)]
     if not to_host:
         return ("gpu", ks.out_spec, outs)
     d2h_stream = lease.d2h_stream

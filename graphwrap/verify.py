@@ -9,13 +9,16 @@ import torch
 
 from .tree import Tensor
 
-# Same shapes, same kernels: replay against eager on identical inputs. Only reduction order
-# in nondeterministic kernels (atomics) separates them.
+# Same shapes: replay against eager on identical inputs. Reduction order in nondeterministic
+# kernels (atomics) separates them, and so can cuBLAS's choice of algorithm, which depends on
+# the workspace a stream has (a captured GEMM's is the graph pool's): in fp16, BERT-base at
+# batch 64 differed by 2.6e-3 of its largest output (H100, torch 2.11). A graph that replays
+# frozen host state is off by far more.
 SAME_SHAPE_TOL = {
     torch.float64: 1e-7,
     torch.float32: 1e-4,
-    torch.float16: 2e-3,
-    torch.bfloat16: 1e-2,
+    torch.float16: 1e-2,
+    torch.bfloat16: 4e-2,
 }
 # Different batch sizes pick different kernels (GEMM tiling, split-K, TF32 convolutions in
 # fp32), so the real rows of a padded batch match eager on the real rows only to rounding.
@@ -23,7 +26,7 @@ CROSS_SHAPE_TOL = {
     torch.float64: 1e-6,
     torch.float32: 5e-3,
     torch.float16: 2e-2,
-    torch.bfloat16: 5e-2,
+    torch.bfloat16: 8e-2,
 }
 
 

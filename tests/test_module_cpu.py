@@ -175,7 +175,7 @@ def test_pipeline_without_cuda_matches_eager():
 
 
 def test_logger_is_named_graphwrap():
-    assert logging.getLogger("graphwrap") is graphwrap.module.logger
+    assert logging.getLogger("graphwrap") is graphwrap.engine.logger
 
 
 def test_bucket_policies_on_the_module():
@@ -224,7 +224,7 @@ def test_compile_on_cpu_runs_eagerly_with_the_same_results():
 def test_keys_of_every_input_kind_are_described():
     import collections
 
-    from graphwrap.module import _describe_key
+    from graphwrap.engine import describe_key
     from graphwrap.tree import flatten_inputs, tensor_meta
 
     Pair = collections.namedtuple("Pair", "a b")
@@ -236,7 +236,7 @@ def test_keys_of_every_input_kind_are_described():
     args = (t, 1.5, (t, "s"), [t], {"k": t}, collections.OrderedDict(o=t), collections.defaultdict(list, d=t),
             Pair(t, None), Items([t]))
     leaves, spec = flatten_inputs(args, {"kw": t})
-    text = _describe_key(spec, tensor_meta(leaves, 0), None)
+    text = describe_key(spec, tensor_meta(leaves, 0), None)
     for part in ("Tensor[B, 3] float32 cpu", "1.5", "'s'", "{'k': Tensor", "OrderedDict({'o': Tensor",
                  "defaultdict({'d': Tensor", "Pair(Tensor", "None)", "Items(Tensor", "kw=Tensor"):
         assert part in text, (part, text)
