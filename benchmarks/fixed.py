@@ -57,6 +57,7 @@ def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 1280)):
         model = SeedMLP().to(device).eval()
         cpu_data = [torch.randn(bs, 1024).pin_memory() for _ in range(num_batches)]
         case = Case(results, "fixed", f"bs {bs}")
+        # max_batch_size=bs: one bucket holds the whole batch (the default rows below do not)
         gm = GraphedModule(model, max_batch_size=max(bs, 256))
         gm_host = GraphedModule(model, max_batch_size=max(bs, 256))
         gm_view = GraphedModule(model, max_batch_size=max(bs, 256), outputs="view")
@@ -67,11 +68,20 @@ def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 1280)):
             case.add(PEER, lambda: _compiled(model, cpu_data, device))
             case.add("graphwrap gm(x) loop", lambda: (lambda: [gm(x) for x in cpu_data] and None))
             case.add("graphwrap pipeline", lambda: (lambda: [None for _ in gm.pipeline(cpu_data)] and None))
+            case.add("graphwrap pipeline coalesce=True",
+                     lambda: (lambda: [None for _ in gm.pipeline(cpu_data, coalesce=True)] and None))
             case.add("graphwrap pipeline outputs=view",
                      lambda: (lambda: [None for _ in gm_view.pipeline(cpu_data)] and None))
             case.add("graphwrap pipeline to_host", lambda: (lambda: [None for _ in gm_host.pipeline(cpu_data, to_host=True)] and None))
             case.add("graphwrap pipeline to_host, every D2H on the third stream",
                      lambda: _pipeline_with(gm_host, cpu_data, to_host=True, D2H_INLINE_BYTES=-1))
+            if bs > 256:
+                # A user's first run: the default largest bucket (256), so these batches are chunked.
+                gm_default = GraphedModule(model)
+                case.add("graphwrap gm(x) loop, default settings", lambda: (lambda: [gm_default(x) for x in cpu_data]
+                                                                             and None))
+                case.add("graphwrap pipeline, default settings",
+                         lambda: (lambda: [None for _ in gm_default.pipeline(cpu_data)] and None))
 
             case.add(BASELINE, lambda: sync_loop(model, cpu_data, device))
             case.add("seed stream loop", lambda: stream_loop(model, cpu_data, device))

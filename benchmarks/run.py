@@ -19,11 +19,13 @@ import torch  # noqa: E402
 import harness  # noqa: E402
 from harness import Case, Results  # noqa: E402
 
-SUITES = ["overhead", "host", "fixed", "mixed", "models", "capture"]
+SUITES = ["overhead", "host", "fixed", "large", "serving", "mixed", "models", "capture"]
 BASELINES = {
     "fixed": ("seed synchronous loop", "torch.compile reduce-overhead"),
     "overhead": ("eager", "torch.compile reduce-overhead"),
     "mixed": ("eager", "torch.compile reduce-overhead dynamic=None"),
+    "serving": (None, None),
+    "large": ("eager loop m(x.to(cuda))", "floor: one graph of that size, replays alone"),
     "models": ("eager", "torch.compile reduce-overhead"),
     "capture": (None, None),
     "host": (None, None),
@@ -52,6 +54,8 @@ def main(argv=None):
     ap.add_argument("--out", default="bench-out", help="folder for results.json, results.csv and charts")
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds per strategy (default 5, quick 3)")
     ap.add_argument("--batch-sizes", default="1,16,1280", help="batch sizes of the fixed scenario")
+    ap.add_argument("--serving-models", default="mlp,bert", help="models of the serving scenario: mlp, bert or both")
+    ap.add_argument("--large-sizes", default="300,512,1280", help="batch sizes of the large scenario")
     ap.add_argument("--mixed-models", default="mlp,bert", help="models of the mixed scenario: mlp, bert or both")
     ap.add_argument("--mixed-static-exact", action="store_true",
                     help="mixed MLP: also exact buckets with kernels compiled for each size (64 compiles a width)")
@@ -80,6 +84,10 @@ def main(argv=None):
             extra = {}
             if name == "fixed":
                 extra = {"batch_sizes": [int(b) for b in a.batch_sizes.split(",")]}
+            elif name == "serving":
+                extra = {"models": tuple(a.serving_models.split(","))}
+            elif name == "large":
+                extra = {"batch_sizes": [int(b) for b in a.large_sizes.split(",")]}
             elif name == "mixed":
                 extra = {"models": tuple(a.mixed_models.split(",")), "static_exact": a.mixed_static_exact}
             mod.run(results, torch.device("cuda"), a.quick, repeats, **extra)
@@ -88,7 +96,7 @@ def main(argv=None):
         base, peer = BASELINES[name]
         print()
         print(results.table(name, base, peer))
-    results.write(suites, charts=["overhead", "fixed", "mixed", "models", "cpu"])
+    results.write(suites, charts=["overhead", "fixed", "large", "mixed", "models", "cpu"])
     if a.out:
         print(f"\nresults in {os.path.abspath(a.out)}")
     return 0

@@ -6,12 +6,13 @@ Imports on machines without CUDA; there every call runs the module eagerly.
 
 __version__ = "0.1.0"
 
+from .batcher import Batcher
 from .buckets import Adaptive, BucketTable, default_buckets, exact_buckets, fit_buckets, padded_rows
 from .errors import GraphwrapError
 from .module import GraphedModule
 from .pipeline import Inputs
 
 __all__ = [
-    "GraphedModule", "GraphwrapError", "Inputs", "Adaptive", "BucketTable",
+    "GraphedModule", "Batcher", "GraphwrapError", "Inputs", "Adaptive", "BucketTable",
     "default_buckets", "exact_buckets", "fit_buckets", "padded_rows", "__version__",
 ]
