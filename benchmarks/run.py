@@ -19,12 +19,14 @@ import torch  # noqa: E402
 import harness  # noqa: E402
 from harness import Case, Results  # noqa: E402
 
-SUITES = ["overhead", "host", "fixed", "large", "serving", "mixed", "models", "capture"]
+SUITES = ["overhead", "host", "fixed", "large", "serving", "replicas", "compile", "mixed", "models", "capture"]
 BASELINES = {
     "fixed": ("seed synchronous loop", "torch.compile reduce-overhead"),
     "overhead": ("eager", "torch.compile reduce-overhead"),
     "mixed": ("eager", "torch.compile reduce-overhead dynamic=None"),
     "serving": (None, None),
+    "compile": (None, None),
+    "replicas": (None, None),
     "large": ("eager loop m(x.to(cuda))", "floor: one graph of that size, replays alone"),
     "models": ("eager", "torch.compile reduce-overhead"),
     "capture": (None, None),
@@ -80,11 +82,11 @@ def main(argv=None):
         for name in suites:
             t0 = time.perf_counter()
             print(f"-- {name}", flush=True)
-            mod = importlib.import_module("capture_time" if name == "capture" else name)
+            mod = importlib.import_module({"capture": "capture_time", "compile": "compile_start"}.get(name, name))
             extra = {}
             if name == "fixed":
                 extra = {"batch_sizes": [int(b) for b in a.batch_sizes.split(",")]}
-            elif name == "serving":
+            elif name in ("serving", "replicas"):
                 extra = {"models": tuple(a.serving_models.split(","))}
             elif name == "large":
                 extra = {"batch_sizes": [int(b) for b in a.large_sizes.split(",")]}

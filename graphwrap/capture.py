@@ -4,6 +4,7 @@ Everything that decides (keys, buckets, output kinds, comparisons) lives in plai
 modules; this file only runs the module, captures it and checks the capture.
 """
 
+import contextlib
 import statistics
 import threading
 import time
@@ -257,6 +258,7 @@ def capture_bucket(
     out_spec: Optional[OutputSpec],
     compiled=None,
     budget_left: Optional[int] = None,
+    replay_lock=None,
 ):
     """Capture one graph of ``module`` at ``size`` rows, with ``sample`` (on ``device``) as inputs.
 
@@ -267,16 +269,26 @@ def capture_bucket(
     With ``compiled`` (a CompiledForward), warm-up and capture run the compiled forward and the
     eager module is the reference it is verified against. With ``budget_left`` (bytes), the
     pool growth is estimated from a warm-up's peak memory first, and a bucket that would not
-    fit raises CaptureFailed with scope "budget".
+    fit raises CaptureFailed with scope "budget". With ``replay_lock``, the verification replays
+    run under it: graphs of one pool share memory, so no two may replay at once.
+
+    A capture that fails because an earlier call invalidated it (seen with cuBLASLt, which then
+    falls back to another kernel) is tried once more before it counts as failed.
     """
     with CAPTURE_LOCK:
-        return _capture_bucket(module, device, pool, side_stream(device), in_spec, sample,
-                               size, batch_dim, warmup_iters, autocast_dtype, verify, kinds, out_spec,
-                               compiled, budget_left)
+        args = (module, device, pool, side_stream(device), in_spec, sample, size, batch_dim, warmup_iters,
+                autocast_dtype, verify, kinds, out_spec, compiled, budget_left, replay_lock)
+        try:
+            return _capture_bucket(*args)
+        except CaptureFailed as e:
+            if "previous error during capture" not in e.reason:
+                raise
+            torch.cuda.synchronize(device)
+            return _capture_bucket(*args)
 
 
 def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_dim,
-                    warmup_iters, autocast_dtype, verify, kinds, out_spec, compiled, budget_left):
+                    warmup_iters, autocast_dtype, verify, kinds, out_spec, compiled, budget_left, replay_lock):
     m = sample[0].shape[batch_dim]
     info = {"capture_s": 0.0, "verify_s": 0.0, "pool_bytes": 0, "compile_s": 0.0, "compiled_graphs": 0,
             "pool_estimate": 0}
@@ -285,6 +297,8 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
     cur = torch.cuda.current_stream(device)
     with torch.inference_mode(False), torch.no_grad(), autocast_without_cache(autocast_dtype):
         static_in = [tile_rows(x, m, size, batch_dim) for x in sample]
+        if compiled is not None:
+            compiled.mark(static_in, batch_dim)
         stream.wait_stream(cur)
         with torch.cuda.stream(stream):
             # The real rows alone, as eager runs them: the module's own errors surface here.
@@ -357,7 +371,8 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
             info["capture_s"] = time.perf_counter() - t0
             if verify:
                 t1 = time.perf_counter()
-                _verify(replica, ref_b, ref_m, m, spec_b)
+                with replay_lock if replay_lock is not None else contextlib.nullcontext():
+                    _verify(replica, ref_b, ref_m, m, spec_b)
                 info["verify_s"] = time.perf_counter() - t1
         cur.wait_stream(stream)
     info["capture_s"] = time.perf_counter() - t0 - info["verify_s"]

@@ -1,12 +1,22 @@
 """The module's forward compiled by Inductor without Inductor's own CUDA graphs.
 
 graphwrap warms up and captures this compiled forward into its bucket graphs, so each
-replay runs fused kernels with no launch gaps. Every compilation passes through
-:class:`CompiledForward`'s backend, which counts it: a bucket whose warm-up compiled
-nothing for a new shape did not run compiled code, and is reported so.
+replay runs fused kernels with no launch gaps. By default (``dynamic="batch"``) the batch
+dimension of every input is marked dynamic, so one compile serves every bucket of two rows or
+more. Every compilation passes through :class:`CompiledForward`'s backend, which counts it: a
+bucket whose warm-up compiled nothing for a new shape did not run compiled code, and is
+reported so.
+
+The compile cache: ``compile={"cache": path}`` loads the artifacts saved there (Inductor's and
+AOTAutograd's caches, through ``torch.compiler.load_cache_artifacts``) before the first
+compile and saves them again after :meth:`GraphedModule.capture`; :func:`save_cache` and
+:func:`load_cache` do the same by hand. A new process on another machine with the same model,
+torch and GPU then skips Inductor's code generation and Triton's compilation.
 """
 
 import itertools
+import logging
+import os
 import types
 from typing import Optional
 
@@ -14,7 +24,8 @@ import torch
 
 from .errors import GraphwrapError
 
-OPTIONS = ("mode", "options", "dynamic", "fullgraph")
+OPTIONS = ("mode", "options", "dynamic", "fullgraph", "cache")
+logger = logging.getLogger("graphwrap")
 _GRAPH_MODES = ("reduce-overhead", "max-autotune")
 _LIMIT = 1 << 16
 _IDS = itertools.count()
@@ -48,9 +59,62 @@ def compile_options(compile) -> Optional[dict]:
         options["triton.cudagraphs"] = False
     opts["options"] = options or None
     opts["mode"] = mode
-    opts.setdefault("dynamic", False)  # kernels specialised to each bucket's shape
+    dynamic = opts.setdefault("dynamic", "batch")
+    if dynamic not in (True, False, "batch"):
+        raise GraphwrapError(
+            f'compile dynamic= must be "batch" (one compile for every bucket), False (kernels for each bucket\'s '
+            f"shape) or True (every dimension dynamic), got {dynamic!r}"
+        )
     opts.setdefault("fullgraph", False)
+    cache = opts.setdefault("cache", None)
+    if cache is not None and not isinstance(cache, (str, os.PathLike)):
+        raise GraphwrapError(f"compile cache= is a file path, got {cache!r}")
+    if cache is not None:
+        reason = cache_unavailable_reason()
+        if reason is not None:
+            raise GraphwrapError(f"compile cache= needs {reason}; leave it out to compile afresh")
     return opts
+
+
+def cache_unavailable_reason() -> Optional[str]:
+    """Why this torch cannot save and load compile artifacts, or None."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is None or not hasattr(compiler, "save_cache_artifacts") or not hasattr(compiler, "load_cache_artifacts"):
+        return (f"torch.compiler.save_cache_artifacts and load_cache_artifacts, which torch {torch.__version__} "
+                "does not have (they came with torch 2.7)")
+    return None
+
+
+def save_cache(path) -> int:
+    """Write what compiling produced in this process (Inductor's and AOTAutograd's cache
+    artifacts) to ``path``; the bytes written (0 if nothing was compiled)."""
+    reason = cache_unavailable_reason()
+    if reason is not None:
+        raise GraphwrapError(f"saving the compile cache needs {reason}")
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return 0
+    data = saved[0]
+    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    logger.info("graphwrap: saved %d bytes of compile artifacts to %s", len(data), path)
+    return len(data)
+
+
+def load_cache(path) -> bool:
+    """Load compile artifacts saved by :func:`save_cache`; False if ``path`` does not exist."""
+    reason = cache_unavailable_reason()
+    if reason is not None:
+        raise GraphwrapError(f"loading the compile cache needs {reason}")
+    if not os.path.exists(path):
+        return False
+    with open(path, "rb") as f:
+        data = f.read()
+    torch.compiler.load_cache_artifacts(data)
+    logger.info("graphwrap: loaded %d bytes of compile artifacts from %s", len(data), path)
+    return True
 
 
 def unavailable_reason() -> Optional[str]:
@@ -107,14 +171,25 @@ class CompiledForward:
         self.opts = opts
         self.graphs = 0  # FX graphs compiled so far
         self.shapes = set()  # (key, bucket) that ran compiled code, kept by GraphedModule
-        inductor = torch._TorchCompileInductorWrapper(opts["mode"], opts["options"], opts["dynamic"])
+        self.batch = opts["dynamic"] == "batch"
+        dynamic = None if self.batch else opts["dynamic"]  # "batch": dims marked dynamic, the rest static
+        inductor = torch._TorchCompileInductorWrapper(opts["mode"], opts["options"], dynamic)
 
         def backend(gm, example_inputs):
             self.graphs += 1
             return inductor(gm, example_inputs)
 
-        self.fn = torch.compile(_own_entry(module), backend=backend, dynamic=opts["dynamic"],
-                                fullgraph=opts["fullgraph"])
+        self.fn = torch.compile(_own_entry(module), backend=backend, dynamic=dynamic, fullgraph=opts["fullgraph"])
+
+    def mark(self, leaves, batch_dim: int):
+        """With ``dynamic="batch"``: mark the batch dimension of each input dynamic, so this
+        compile serves every batch size of two rows or more. A dimension of size 1 is left
+        alone: dynamo specializes sizes 0 and 1, and would raise for a dimension marked dynamic."""
+        if not self.batch:
+            return
+        for t in leaves:
+            if t.dim() > batch_dim and t.shape[batch_dim] >= 2:
+                torch._dynamo.mark_dynamic(t, batch_dim)
 
     def __call__(self, *args, **kwargs):
         with _limits():

@@ -20,7 +20,7 @@ import torch
 from . import _compat
 from .buckets import BucketTable, padded_rows
 from .capture import CaptureFailed, Replica, capture_bucket, copy_graph, race
-from .compiled import CompiledForward, unavailable_reason
+from .compiled import CompiledForward, load_cache, save_cache, unavailable_reason
 from .errors import GraphwrapError
 from .outputs import ring_for
 from .tree import (
@@ -104,7 +104,7 @@ class Key:
 
     __slots__ = ("label", "in_spec", "device", "autocast", "kinds", "out_spec", "buckets", "failed",
                  "eager_calls", "seen_as", "plans", "single", "join", "join_refused", "large", "large_eager",
-                 "large_rows", "staging")
+                 "large_rows", "staging", "warming", "warming_calls")
 
     def __init__(self, label, in_spec, device, autocast, seen_as, single):
         self.label = label
@@ -131,6 +131,8 @@ class Key:
         self.large: Dict[int, str] = {}
         self.large_eager = self.large_rows = 0
         self.staging = None  # the direct call's device buffers for large host batches (graphwrap.calls)
+        self.warming = False  # a background capture runs: calls of uncaptured buckets run eagerly
+        self.warming_calls = 0
 
 
 class Plan:
@@ -144,7 +146,7 @@ class Plan:
                  "clone", "single_out", "rebuild", "eager", "reason", "calls", "device", "device_index",
                  "input", "output", "dtype", "dev", "epoch", "ring")
 
-    def __init__(self, engine, key: Key, n: int, bucket: Bucket, reason: Optional[str] = None):
+    def __init__(self, engine, key: Key, n: int, bucket: Bucket, reason: Optional[str] = None, eager: bool = False):
         self.engine = engine
         self.epoch = engine.epoch
         self.key = key
@@ -158,7 +160,7 @@ class Plan:
         self.clone = engine.clone
         self.rebuild = key.out_spec.rebuild if key.out_spec is not None else None
         self.reason = reason
-        self.eager = reason is not None or bucket.serves == "eager"
+        self.eager = eager or reason is not None or bucket.serves == "eager"
         if self.eager:
             self.replay = self.inputs = self.outputs = self.is_tensor = self.input = self.output = None
             self.single_out = False
@@ -327,6 +329,9 @@ class Engine:
         self.fast: Dict[torch.Size, Plan] = {}  # full input shape -> plan, for gm(x) with one tensor
         self.eager_keys: Dict[Any, Key] = {}  # keys that run eagerly for want of CUDA (the batcher's)
         self._copy_streams: Dict[torch.device, torch.cuda.Stream] = {}
+        self.background: Optional[threading.Thread] = None  # capture(..., background=True)
+        self.background_state: Optional[str] = None
+        self.background_error: Optional[str] = None
 
     # ------------------------------------------------------------------ per-call checks
 
@@ -490,7 +495,7 @@ class Engine:
                 ks.eager_calls += 1
                 return ks.failed
             plan = ks.plans.get(n) or self._make_plan(ks, n, leaves, n)
-            if ks.single is not None and type(plan) is Plan:
+            if ks.single is not None and type(plan) is Plan and ks.plans.get(n) is plan:  # kept plans only
                 self.fast[leaves[0].shape] = plan
             return plan
 
@@ -511,6 +516,10 @@ class Engine:
         size = self.table.size_for(rows)
         b = ks.buckets.get(size)
         if b is None or (not b.replicas and not b.failed):
+            if ks.warming and size <= self.table.max:
+                # The background thread captures this bucket: eager now, not kept.
+                ks.warming_calls += 1
+                return Plan(self, ks, rows, b or Bucket(size), reason=None, eager=True)
             b = self._capture(ks, size, leaves, n)
             if ks.failed is not None:
                 return ks.failed
@@ -570,9 +579,23 @@ class Engine:
                     self._capture(ks, size, leaves, n)
             logger.info("graphwrap: captured %d buckets of %s in %.2f s", len(ks.buckets), ks.label,
                         time.perf_counter() - t0)
+            if self.compile_opts is not None and self.compile_opts.get("cache") and self.compiled is not None:
+                save_cache(self.compile_opts["cache"])
             return self.key_stats(ks)
 
-    def _capture(self, ks: Key, size: int, leaves, n: int) -> Bucket:
+    def _capture(self, ks: Key, size: int, leaves, n: int, plain: bool = False) -> Bucket:
+        """Capture bucket ``size`` of ``ks`` (the caller holds the lock); the bucket, failed or not."""
+        b, args = self._capture_args(ks, size, leaves, n, plain)
+        with torch.cuda.device(ks.device):
+            try:
+                rep, info = capture_bucket(**args)
+            except CaptureFailed as e:
+                return self._capture_error(ks, b, e, lambda: self._capture(ks, size, leaves, n))
+            self._install(ks, b, rep, info, args["compiled"])
+        return b
+
+    def _capture_args(self, ks: Key, size: int, leaves, n: int, plain: bool = False, sample=None):
+        """The bucket (made if new) and capture_bucket's arguments; the caller holds the lock."""
         b = ks.buckets.get(size)
         if b is None:
             b = ks.buckets[size] = Bucket(size)
@@ -584,32 +607,36 @@ class Engine:
                 store.pool = torch.cuda.graph_pool_handle()
             if self.ptrs is None:
                 self._record_ptrs()
-            m = min(n, size)
-            sample = [t.narrow(bd, 0, m).to(device) for t in leaves]
-            compiled = self._compiled_forward()
+            if sample is None:
+                m = min(n, size)
+                sample = [t.narrow(bd, 0, m).to(device) for t in leaves]
             budget = self._budget_left()
             if size > self.table.max:
                 budget = self._large_budget(device, budget)
-            try:
-                rep, info = capture_bucket(
-                    module=self.module, device=device, pool=store.pool,
-                    in_spec=ks.in_spec, sample=sample, size=size, batch_dim=bd,
-                    warmup_iters=self.warmup_iters, autocast_dtype=ks.autocast,
-                    verify=self.verify, kinds=ks.kinds, out_spec=ks.out_spec,
-                    compiled=compiled, budget_left=budget,
-                )
-            except CaptureFailed as e:
-                if e.scope == "compile":
-                    if e.pool_lost:
-                        store.pool = None
-                    self._give_up_compile(e.reason)
-                    return self._capture(ks, size, leaves, n)  # the plain forward
-                self._capture_failed(ks, b, e)
-                return b
-            ks.kinds, ks.out_spec = info["kinds"], info["out_spec"]
-            self._add_replica(ks, b, rep, info, compiled)
-            race_note = ""
-            if self.eager_if_faster:
+        compiled = None if plain else self._compiled_forward()
+        return b, dict(module=self.module, device=device, pool=store.pool, in_spec=ks.in_spec, sample=sample,
+                       size=size, batch_dim=bd, warmup_iters=self.warmup_iters, autocast_dtype=ks.autocast,
+                       verify=self.verify, kinds=ks.kinds, out_spec=ks.out_spec, compiled=compiled,
+                       budget_left=budget)
+
+    def _capture_error(self, ks: Key, b: Bucket, e: CaptureFailed, plain_again) -> Bucket:
+        """A failed capture: a failed compile captures the plain forward (``plain_again()``),
+        anything else is recorded. The caller holds the lock."""
+        if e.scope == "compile":
+            if e.pool_lost:
+                self.store.pool = None
+            self._give_up_compile(e.reason)
+            return plain_again()
+        self._capture_failed(ks, b, e)
+        return b
+
+    def _install(self, ks: Key, b: Bucket, rep: Replica, info: dict, compiled):
+        """A captured graph joins its bucket (timed against eager first); the caller holds the lock."""
+        ks.kinds, ks.out_spec = info["kinds"], info["out_spec"]
+        self._add_replica(ks, b, rep, info, compiled)
+        race_note = ""
+        if self.eager_if_faster:
+            with torch.cuda.device(ks.device):
                 race_note = self._race(ks, b, rep)
         if compiled is not None:
             how = (f"compiled, {info['compiled_graphs']} graphs in {info['compile_s']:.2f} s" if b.compiled
@@ -618,9 +645,121 @@ class Engine:
         else:
             how, level = "plain forward", logging.INFO
         logger.log(level, "graphwrap: captured bucket %d of %s in %.1f ms (%s; verify %.1f ms), graph pool +%.1f MiB%s",
-                   size, ks.label, 1e3 * info["capture_s"], how, 1e3 * info["verify_s"], info["pool_bytes"] / 2**20,
-                   race_note)
-        return b
+                   b.size, ks.label, 1e3 * info["capture_s"], how, 1e3 * info["verify_s"],
+                   info["pool_bytes"] / 2**20, race_note)
+
+    # ------------------------------------------------------------------ capture in the background
+
+    def capture_background(self, prep):
+        """Capture (and compile) every bucket of this call's key on a thread of its own."""
+        key, (leaves, n, spec, meta, autocast, device) = prep
+        with self.lock:
+            if self.background is not None and self.background.is_alive():
+                raise GraphwrapError("a background capture is already running; call wait() first")
+            ks = self.key_for(key, spec, meta, autocast, device, leaves)
+            if ks is None:
+                raise GraphwrapError(f"cannot capture: this GraphedModule already holds max_keys={self.max_keys} "
+                                     "input signatures; pass a larger max_keys= or call reset()")
+            ks.warming = True
+            sample = [t.to(device) for t in leaves]
+            self.background_state = "capturing the plain forward"
+            self.background = threading.Thread(target=self._background, args=(ks, sample, n),
+                                               name="graphwrap-capture", daemon=True)
+            self.background.start()
+
+    def wait_background(self, timeout: Optional[float] = None) -> bool:
+        t = self.background
+        if t is None:
+            return True
+        t.join(timeout)
+        return not t.is_alive()
+
+    def _background(self, ks: Key, sample, n: int):
+        t0 = time.perf_counter()
+        sizes = sorted(self.table.buckets, reverse=True)
+        stream = torch.cuda.Stream(ks.device)
+        try:
+            with torch.cuda.device(ks.device), torch.cuda.stream(stream):
+                for size in sizes:  # plain graphs first: calls are served by replays from now on
+                    self._capture_unlocked(ks, size, sample, n, plain=True)
+                ks.warming = False
+                if self.compile_opts is None or self.compile_off is not None:
+                    return
+                self.background_state = "compiling"
+                with self.lock:
+                    cf = self._compiled_forward()
+                if cf is None:
+                    return
+                self.background_state = "replacing plain graphs by compiled ones"
+                for size in sizes:
+                    b = ks.buckets.get(size)
+                    if b is not None and b.replicas and not b.compiled and ks.failed is None:
+                        self._recapture_compiled(ks, b, n)
+                if self.compile_opts.get("cache"):
+                    save_cache(self.compile_opts["cache"])
+            logger.info("graphwrap: background capture of %s done in %.1f s", ks.label, time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - reported; calls go on with what was captured
+            logger.warning("graphwrap: background capture of %s stopped: %s: %s", ks.label, type(e).__name__, e)
+            self.background_error = f"{type(e).__name__}: {e}"
+        finally:
+            ks.warming = False
+            self.background_state = "done"
+            stream.synchronize()
+
+    def _capture_unlocked(self, ks: Key, size: int, sample, n: int, plain: bool, into: Optional[Bucket] = None):
+        """Capture outside the engine's lock (calls go on meanwhile), install under it. Returns
+        the bucket the graph went into, or None."""
+        with self.lock:
+            if ks.failed is not None or self.store.keys.get(self._key_tuple(ks)) is not ks:
+                return None  # failed or reset meanwhile
+            b = ks.buckets.get(size)
+            if into is None and b is not None and (b.replicas or b.failed):
+                return None
+            b, args = self._capture_args(ks, size, None, n, plain, sample=[
+                t.narrow(self.batch_dim, 0, min(n, size)) for t in sample])
+            args["replay_lock"] = self.lock  # its verification replays wait for the other replays
+            epoch = self.epoch
+        try:
+            rep, info = capture_bucket(**args)
+        except CaptureFailed as e:
+            with self.lock:
+                if self.epoch == epoch and into is None:
+                    self._capture_error(ks, b, e, lambda: self._capture(ks, size, sample, n, plain=True))
+                elif e.scope == "compile":
+                    self._give_up_compile(e.reason)
+            return None
+        with self.lock:
+            if self.epoch != epoch:
+                return None
+            target = b if into is None else into
+            self._install(ks, target, rep, info, args["compiled"])
+            return target
+
+    def _recapture_compiled(self, ks: Key, old: Bucket, n: int):
+        """Replace a bucket's plain graph by one of the compiled kernels; its plans are rebuilt
+        on the next call (loops holding the old graphs go on replaying them)."""
+        new = Bucket(old.size)
+        sample = [t.clone() for t in old.replicas[0].static_inputs]
+        got = self._capture_unlocked(ks, old.size, sample, old.size, plain=False, into=new)
+        if got is None:
+            return
+        with self.lock:
+            counts = self.key_stats(ks)["buckets"][old.size]
+            new.replays, new.rows = counts["replays"], counts["rows"]
+            new.padded_rows, new.eager_calls = counts["padded_rows"], counts["eager_calls"]
+            for m, plan in list(ks.plans.items()):
+                if plan.bucket is old:
+                    del ks.plans[m]
+            for shape, plan in list(self.fast.items()):
+                if plan.bucket is old:
+                    del self.fast[shape]
+            ks.buckets[old.size] = new
+
+    def _key_tuple(self, ks: Key):
+        for k, v in self.store.keys.items():
+            if v is ks:
+                return k
+        return None
 
     def _race(self, ks: Key, b: Bucket, rep: Replica) -> str:
         """Time this bucket's graph against eager; serve it eagerly if eager is faster."""
@@ -675,6 +814,8 @@ class Engine:
             if reason is not None:
                 self._give_up_compile(reason)
                 return None
+            if opts.get("cache"):
+                load_cache(opts["cache"])
             cf = self.compiled = CompiledForward(self.module, opts)
         return cf
 
@@ -963,6 +1104,9 @@ class Engine:
                     "off": self.compile_off,
                     "graphs": cf.graphs if cf is not None else 0,
                     "compile_s": sum(b["compile_s"] for k in keys for b in k["buckets"].values()),
+                    "buckets_compiled": sum(bool(b["compiled"]) for k in keys for b in k["buckets"].values()),
+                    "background": self.background_state,
+                    "background_error": self.background_error,
                 },
                 "eager_calls": dict(self.eager_counts),
                 "eager_by_choice": by_choice,
@@ -1018,6 +1162,7 @@ class Engine:
             "large_batches": {f"{k} chunks": how for k, how in sorted(ks.large.items())},
             "large_eager_calls": ks.large_eager,
             "large_eager_rows": ks.large_rows,
+            "eager_while_warming": ks.warming_calls,
             "buckets": buckets,
             "pool_bytes": sum(b["pool_bytes"] for b in buckets.values()),
             "static_input_bytes": sum(r.nbytes() for b in ks.buckets.values() for r in b.replicas),

@@ -48,10 +48,15 @@ class GraphedModule(nn.Module):
             joined; their host inputs are copied on a copy stream of graphwrap's own, so a host
             tensor filled by a ``non_blocking`` copy must be complete before it is passed.
         compile: ``True`` or a dict of ``torch.compile`` options (``mode``, ``options``,
-            ``dynamic``, ``fullgraph``). The forward is compiled by Inductor without its CUDA
-            graphs, and each bucket's graph captures the kernels compiled for its shape
-            (``dynamic=False`` unless given). If compiling fails, or Inductor cannot run here,
-            the plain forward is captured instead, with a warning and the reason in ``stats()``.
+            ``dynamic``, ``fullgraph``) and ``cache``. The forward is compiled by Inductor
+            without its CUDA graphs, and each bucket's graph captures the compiled kernels.
+            ``dynamic="batch"`` (default): the batch dimension is dynamic, so one compile
+            serves every bucket (the default and exact policies then start at bucket 2, and a
+            batch of one row runs in it); ``False``: kernels compiled for each bucket's shape;
+            ``True``: every dimension dynamic. ``cache``: a file that the compile artifacts are
+            loaded from before compiling and saved to after :meth:`capture`, so a new process
+            compiles in seconds. If compiling fails, or Inductor cannot run here, the plain
+            forward is captured instead, with a warning and the reason in ``stats()``.
         max_pool_bytes: memory budget of the graph pool. A bucket is captured only if the
             pool's growth, estimated from the peak memory of a warm-up run, fits in what is left;
             batches of a bucket left out go to the next larger captured bucket (or run eagerly
@@ -123,6 +128,11 @@ class GraphedModule(nn.Module):
                 raise GraphwrapError("an Adaptive policy picks the largest bucket itself; leave max_batch_size unset")
             buckets = adaptive.buckets  # None until the warm-up calls are counted
         table = BucketTable(buckets, max_batch_size)
+        if (compile_opts is not None and compile_opts["dynamic"] == "batch" and adaptive is None
+                and (buckets is None or buckets in ("default", "exact")) and table.max > 1):
+            # One compile for every bucket: batches of one row run in the bucket of two, since a
+            # size-1 batch dimension would make dynamo compile a static graph of its own.
+            table = BucketTable([b for b in table.buckets if b > 1])
         super().__init__()
         object.__setattr__(self, "_gw_module", module)
         # Share the module's tables, so parameters(), state_dict keys and nesting inside a
@@ -229,17 +239,31 @@ class GraphedModule(nn.Module):
         """Drop every graph and static buffer; the next calls capture again."""
         self.engine.reset()
 
-    def capture(self, *args, **kwargs):
+    def capture(self, *args, background: bool = False, **kwargs):
         """Capture every bucket for the signature of these inputs now, largest first.
 
         The inputs serve as samples: buckets smaller than their batch take its first rows,
         larger ones repeat its rows. Progress (bucket, time, pool memory) is logged at INFO on
         the ``graphwrap`` logger. Returns ``stats()`` of this signature.
+
+        With ``background=True`` it returns at once and a thread of its own does the work:
+        it captures the plain forward of every bucket, then (with ``compile=``) compiles the
+        forward and replaces each bucket's graph with one of the compiled kernels, bucket by
+        bucket. Calls are served all the while: eagerly until their bucket's first graph is
+        captured, then by it. :meth:`wait` waits for the thread; ``stats()["compile"]`` says
+        where it is. ``background`` is graphwrap's own argument: the module never sees it.
         """
         prep = self.engine.prepare(args, kwargs)
         if isinstance(prep, str):
             raise GraphwrapError(f"cannot capture: {prep}")
+        if background:
+            self.engine.capture_background(prep)
+            return self.engine.stats()
         return self.engine.capture_all(prep)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait for a ``capture(..., background=True)`` to finish; whether it has (True if none ran)."""
+        return self.engine.wait_background(timeout)
 
     def stats(self) -> dict:
         """Per signature and bucket: captured, what serves it (graph or eager, with the times

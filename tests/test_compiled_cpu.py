@@ -14,7 +14,7 @@ def test_every_shape_compiles_past_the_recompile_limit():
     torch._dynamo.reset()
     model = MLP(d_in=8, hidden=16, d_out=4).eval()
     with dynamo_config.patch({LIMIT: 1}):
-        cf = CompiledForward(model, compile_options(True))
+        cf = CompiledForward(model, compile_options({"dynamic": False}))
         with torch.no_grad():
             for n in (1, 2, 3):
                 x = torch.randn(n, 8)
@@ -44,3 +44,39 @@ def test_every_shape_compiles_past_the_recompile_limit():
                 peer(torch.randn(2, 8))
         assert len(compiled) == 1 and len(ran) == 2
     torch._dynamo.reset()
+
+
+def test_batch_dynamic_compiles_once_for_every_size_of_two_rows_or_more():
+    torch._dynamo.reset()
+    model = MLP(d_in=8, hidden=16, d_out=4).eval()
+    cf = CompiledForward(model, compile_options(True))
+    with torch.no_grad():
+        for n in (2, 3, 7, 16):
+            x = torch.randn(n, 8)
+            cf.mark([x], 0)
+            torch.testing.assert_close(cf(x), model(x), rtol=1e-5, atol=1e-5)
+        assert cf.graphs == 1
+        x = torch.randn(1, 8)
+        cf.mark([x], 0)  # left alone: size 1 is specialized, a graph of its own
+        torch.testing.assert_close(cf(x), model(x), rtol=1e-5, atol=1e-5)
+    assert cf.graphs == 2
+    torch._dynamo.reset()
+
+
+def test_compile_options_dynamic_and_cache_are_checked(tmp_path, monkeypatch):
+    import graphwrap.compiled as compiled
+    from graphwrap import GraphwrapError
+
+    assert compile_options(True)["dynamic"] == "batch" and compile_options(True)["cache"] is None
+    for dyn in (False, True, "batch"):
+        assert compile_options({"dynamic": dyn})["dynamic"] == dyn
+    with pytest.raises(GraphwrapError, match="dynamic="):
+        compile_options({"dynamic": "rows"})
+    with pytest.raises(GraphwrapError, match="file path"):
+        compile_options({"cache": 3})
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", None, raising=False)
+    monkeypatch.delattr(torch.compiler, "save_cache_artifacts")
+    with pytest.raises(GraphwrapError, match="save_cache_artifacts"):
+        compile_options({"cache": str(tmp_path / "c.bin")})
+    with pytest.raises(GraphwrapError, match="torch 2.7"):
+        compiled.save_cache(tmp_path / "c.bin")

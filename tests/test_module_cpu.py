@@ -207,7 +207,7 @@ def test_compile_options_completed():
 
     assert compile_options(None) is None and compile_options(False) is None
     opts = compile_options(True)
-    assert opts["dynamic"] is False and opts["options"] == {"triton.cudagraphs": False} and opts["mode"] is None
+    assert opts["dynamic"] == "batch" and opts["options"] == {"triton.cudagraphs": False} and opts["mode"] is None
     opts = compile_options({"mode": "max-autotune-no-cudagraphs", "dynamic": True})
     assert opts["options"] is None and opts["dynamic"] is True
 
@@ -218,7 +218,8 @@ def test_compile_on_cpu_runs_eagerly_with_the_same_results():
     x = torch.randn(3, 32)
     assert_same(gm(x), model(x), tol=0)
     s = gm.stats()
-    assert s["compile"]["graphs"] == 0 and s["compile"]["options"]["dynamic"] is False
+    assert s["compile"]["graphs"] == 0 and s["compile"]["options"]["dynamic"] == "batch"
+    assert gm.buckets[0] == 2, "one compile for every bucket: batches of one row run in bucket 2"
 
 
 def test_keys_of_every_input_kind_are_described():
