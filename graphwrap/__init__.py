@@ -8,11 +8,14 @@ __version__ = "0.1.0"
 
 from .batcher import Batcher
 from .buckets import Adaptive, BucketTable, default_buckets, exact_buckets, fit_buckets, padded_rows
+from .compiled import load_cache as load_compile_cache
+from .compiled import save_cache as save_compile_cache
 from .errors import GraphwrapError
 from .module import GraphedModule
 from .pipeline import Inputs
+from .replicas import Replicas
 
 __all__ = [
-    "GraphedModule", "Batcher", "GraphwrapError", "Inputs", "Adaptive", "BucketTable",
-    "default_buckets", "exact_buckets", "fit_buckets", "padded_rows", "__version__",
+    "GraphedModule", "Batcher", "Replicas", "GraphwrapError", "Inputs", "save_compile_cache", "load_compile_cache",
+    "Adaptive", "BucketTable", "default_buckets", "exact_buckets", "fit_buckets", "padded_rows", "__version__",
 ]
