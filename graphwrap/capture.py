@@ -270,25 +270,41 @@ def capture_bucket(
     eager module is the reference it is verified against. With ``budget_left`` (bytes), the
     pool growth is estimated from a warm-up's peak memory first, and a bucket that would not
     fit raises CaptureFailed with scope "budget". With ``replay_lock``, the verification replays
-    run under it: graphs of one pool share memory, so no two may replay at once.
+    run under it: graphs of one pool share memory, so no two may replay at once. Verification
+    runs after the process-wide capture lock is released, so the two locks are never held in
+    the order opposite to a call's (its lock, then a capture).
 
     A capture that fails because an earlier call invalidated it (seen with cuBLASLt, which then
     falls back to another kernel) is tried once more before it counts as failed.
     """
+    stream = side_stream(device)
+    args = (module, device, pool, stream, in_spec, sample, size, batch_dim, warmup_iters,
+            autocast_dtype, verify, kinds, out_spec, compiled, budget_left)
     with CAPTURE_LOCK:
-        args = (module, device, pool, side_stream(device), in_spec, sample, size, batch_dim, warmup_iters,
-                autocast_dtype, verify, kinds, out_spec, compiled, budget_left, replay_lock)
         try:
-            return _capture_bucket(*args)
+            replica, info, check = _capture_bucket(*args)
         except CaptureFailed as e:
             if "previous error during capture" not in e.reason:
                 raise
             torch.cuda.synchronize(device)
-            return _capture_bucket(*args)
+            replica, info, check = _capture_bucket(*args)
+    if check is not None:
+        t1 = time.perf_counter()
+        cur = torch.cuda.current_stream(device)
+        with replay_lock if replay_lock is not None else contextlib.nullcontext():
+            stream.wait_stream(cur)
+            with torch.cuda.stream(stream), torch.inference_mode(False), torch.no_grad(), \
+                    autocast_without_cache(autocast_dtype):
+                check()
+            cur.wait_stream(stream)
+        info["verify_s"] = time.perf_counter() - t1
+    return replica, info
 
 
 def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_dim,
-                    warmup_iters, autocast_dtype, verify, kinds, out_spec, compiled, budget_left, replay_lock):
+                    warmup_iters, autocast_dtype, verify, kinds, out_spec, compiled, budget_left):
+    """The capture proper; returns ``(replica, info, check)``, ``check`` the verification to run
+    (None without ``verify``)."""
     m = sample[0].shape[batch_dim]
     info = {"capture_s": 0.0, "verify_s": 0.0, "pool_bytes": 0, "compile_s": 0.0, "compiled_graphs": 0,
             "pool_estimate": 0}
@@ -369,16 +385,11 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
                 raise CaptureFailed("the structure of the output differs between warm-up and capture")
             replica = Replica(graph, size, batch_dim, static_in, static_out, kinds)
             info["capture_s"] = time.perf_counter() - t0
-            if verify:
-                t1 = time.perf_counter()
-                with replay_lock if replay_lock is not None else contextlib.nullcontext():
-                    _verify(replica, ref_b, ref_m, m, spec_b)
-                info["verify_s"] = time.perf_counter() - t1
         cur.wait_stream(stream)
-    info["capture_s"] = time.perf_counter() - t0 - info["verify_s"]
+    check = (lambda: _verify(replica, ref_b, ref_m, m, spec_b)) if verify else None
     info["kinds"] = kinds
     info["out_spec"] = spec_b
-    return replica, info
+    return replica, info, check
 
 
 def _check_rebuild(spec: OutputSpec, leaves) -> None:
