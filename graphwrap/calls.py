@@ -36,6 +36,11 @@ def call(engine: Engine, args, kwargs):
                 out = plan.call1(x)
                 if out is not STALE:
                     return out
+    return call_general(engine, args, kwargs)
+
+
+def call_general(engine: Engine, args, kwargs):
+    """``gm(*args, **kwargs)`` once the one-tensor path has not served it."""
     prep = engine.prepare(args, kwargs)
     if type(prep) is str:
         return engine.eager(args, kwargs, prep)

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 
 from .buckets import Adaptive, BucketTable
-from .calls import call
+from .calls import call, call_general
 from .compiled import compile_options
 from .engine import STALE, Engine, Tensor, release_store
 from .errors import GraphwrapError
@@ -172,7 +172,7 @@ class GraphedModule(nn.Module):
                     out = plan.call1(x)
                     if out is not STALE:
                         return out
-        return call(engine, args, kwargs)
+        return call_general(engine, args, kwargs)
 
     def forward(self, *args, **kwargs):
         return call(self.__dict__["_gw_engine"], args, kwargs)
