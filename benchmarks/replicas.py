@@ -27,13 +27,22 @@ def run(results, device, quick: bool, repeats: int, models=("mlp", "bert"), clie
                 _threads(reps, make_input, 16, 0.3)  # warm up (the probe, joined buckets)
                 _coroutines(reps, make_input, 64, 0.3)
                 for mode, fn in (("threads", _threads), ("asyncio", _coroutines)):
+                    before = _counts(reps)
                     rps, lat = fn(reps, make_input, clients, seconds)
+                    requests, calls = (a - b for a, b in zip(_counts(reps), before))
                     per[(k, mode)] = rps
                     results.note("replicas", f"{name}, {clients} clients, {mode}", f"{k} GPU(s)", rps, "req/s")
-                    print(f"  [replicas] {name} {mode:8s} {k} GPU(s): {rps:10.0f} req/s", flush=True)
+                    print(f"  [replicas] {name} {mode:8s} {k} GPU(s): {rps:10.0f} req/s, "
+                          f"{requests / max(calls, 1):.1f} requests per module call", flush=True)
             reps.close()
             del reps
             torch.cuda.empty_cache()
         for mode in ("threads", "asyncio"):
             ratio = per[(n_gpus, mode)] / per[(1, mode)]
             print(f"  [replicas] {name} {mode}: {n_gpus} GPUs / 1 GPU = {ratio:.2f}x", flush=True)
+
+
+def _counts(reps):
+    """Requests and module calls so far, summed over the replicas."""
+    per = [d["batcher"] for d in reps.stats().values()]
+    return sum(b["requests"] for b in per), sum(b["module_calls"] for b in per)

@@ -66,6 +66,26 @@ def capture_begin(graph, pool):
         graph.capture_begin(pool=pool)
 
 
+_END_ALLOCATE = (getattr(torch._C, "_cuda_endAllocateToPool", None)  # torch >= 2.5
+                 or getattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", None))
+
+
+def end_allocate_to_pool(device: torch.device, pool) -> None:
+    """Stop routing allocations into ``pool`` after a capture whose end failed.
+
+    When ending a capture fails, PyTorch raises before it tells the allocator that the capture
+    is over: the capture stream's allocations (warm-ups included) would go on landing in that
+    pool, and a new capture into it is refused as "already recording". Harmless, and silent,
+    when the allocator had already let go of the pool.
+    """
+    if _END_ALLOCATE is None:
+        return
+    try:
+        _END_ALLOCATE(device.index if device.index is not None else torch.cuda.current_device(), pool)
+    except RuntimeError:
+        pass
+
+
 def registration_hooks():
     """Global hooks that fire when any module gets a new parameter, buffer or submodule."""
     import torch.nn.modules.module as m

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from .capture import device_sync
 from .engine import STALE, Engine
 from .tree import BATCHED, CONST, Tensor, flatten_outputs, unflatten_inputs
 
@@ -123,13 +124,13 @@ def _decide(engine, ks, on_device, n, chunks, plans, copied, compute) -> str:
         times = {"graph": [], "eager": []}
         for _ in range(2):
             for name in times:
-                torch.cuda.synchronize()
+                device_sync()
                 t0 = time.perf_counter()
                 if name == "graph":
                     _replay_chunks(engine, ks, on_device, n, chunks, plans, None, compute)
                 else:
                     _eager_whole(engine, ks, on_device)
-                torch.cuda.synchronize()
+                device_sync()
                 times[name].append(time.perf_counter() - t0)
         for p, c in zip(plans, counts):
             p.calls = c

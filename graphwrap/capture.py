@@ -5,6 +5,8 @@ modules; this file only runs the module, captures it and checks the capture.
 """
 
 import contextlib
+import gc
+import logging
 import statistics
 import threading
 import time
@@ -12,11 +14,12 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from ._compat import autocast_without_cache, capture_begin
+from ._compat import autocast_without_cache, capture_begin, end_allocate_to_pool
 from .tree import BATCHED, CONST, WHOLE, OutputSpec, classify_outputs, flatten_outputs, unflatten_inputs
 from .verify import CROSS_SHAPE_TOL, SAME_SHAPE_TOL, compare_leaves
 
 Tensor = torch.Tensor
+logger = logging.getLogger("graphwrap")
 
 
 # One capture at a time in the process: a capture is process-wide state for PyTorch's
@@ -50,19 +53,58 @@ def _own_cublas_workspace():
         _clear_cublas_workspaces()
 
 
+@contextlib.contextmanager
+def no_gc_during_capture():
+    """Hold Python's cyclic garbage collector off while this thread captures.
+
+    A collection that runs inside a capture frees whatever dead cycles it finds, here and now:
+    a dropped module's CUDA graphs, events, pinned buffers. Destroying a graph is not allowed
+    while the thread captures; the call fails, and it invalidates the capture, so the next
+    kernel (typically a cuBLAS GEMM) fails with "operation failed due to a previous error
+    during capture". Without the collector, nothing but the forward's own objects is freed in
+    the capture. Captures are short and taken one at a time (CAPTURE_LOCK).
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _reset_rng_capture_state(device):
     """Close the RNG's capture phase after a failed capture.
 
     When ending a capture fails, PyTorch raises before the CUDA generator leaves its capture
     phase, and every later random op or graph replay on the device then fails. A small capture
     that succeeds runs the generator's prologue and epilogue, which puts it back. It uses a
-    pool of its own: the failed capture's pool is left marked as recording, and is dropped.
+    pool of its own.
     """
     t = torch.zeros(1, device=device)
     g = torch.cuda.CUDAGraph()
-    capture_begin(g, None)
-    t.add_(1)
-    g.capture_end()
+    with no_gc_during_capture():
+        capture_begin(g, None)
+        t.add_(1)
+        g.capture_end()
+
+
+def _after_failed_capture(device, pool):
+    """Undo what a capture that raised left behind: the allocator still routing the capture
+    stream into ``pool``, and the generator still in its capture phase."""
+    end_allocate_to_pool(device, pool)
+    try:
+        _reset_rng_capture_state(device)
+    except Exception as e:  # noqa: BLE001 - the original failure is the one to report
+        logger.warning("graphwrap: could not close the RNG's capture phase after a failed capture: %s: %s",
+                       type(e).__name__, _first_line(e))
+
+
+def _is_invalidated(e: BaseException) -> bool:
+    """A capture that failed through no fault of the forward: invalidated from outside (an
+    illegal call elsewhere in the thread), or a pool left recording by an earlier failure."""
+    text = str(e)
+    return "previous error during capture" in text or "already recording" in text
 
 
 def copy_graph(device: torch.device, pool, dsts, srcs):
@@ -70,19 +112,27 @@ def copy_graph(device: torch.device, pool, dsts, srcs):
 
     One launch, whatever the number of outputs: the host cost of owned outputs (see
     :mod:`graphwrap.outputs`). It allocates nothing, so it shares the bucket graphs' pool.
+    Raises CaptureFailed when the capture fails (the allocator and the generator are left as
+    they were before it).
     """
     graph = torch.cuda.CUDAGraph()
     with CAPTURE_LOCK:
         stream = side_stream(device)
         cur = torch.cuda.current_stream(device)
         stream.wait_stream(cur)
-        with torch.cuda.stream(stream):
-            capture_begin(graph, pool)
+        with torch.cuda.stream(stream), no_gc_during_capture():
+            began = False
             try:
+                capture_begin(graph, pool)
+                began = True
                 for d, s in zip(dsts, srcs):
                     d.copy_(s)
-            finally:
                 graph.capture_end()
+            except Exception as e:
+                if began:
+                    _after_failed_capture(device, pool)
+                raise CaptureFailed(f"the output copy could not be captured: {type(e).__name__}: "
+                                    f"{_first_line(e)}", e, pool_lost=began and _is_invalidated(e)) from e
         cur.wait_stream(stream)
     return graph.replay
 
@@ -160,11 +210,22 @@ class Replica:
         return sum(t.numel() * t.element_size() for t in self.static_inputs)
 
 
+def device_sync(device=None) -> None:
+    """``torch.cuda.synchronize`` that never runs while this process captures.
+
+    A device-wide synchronization from another thread can invalidate a capture on the same
+    GPU, whatever the capture mode; graphwrap's own waits for the whole device take the
+    capture lock, so they never meet a capture of graphwrap's.
+    """
+    with CAPTURE_LOCK:
+        torch.cuda.synchronize(device)
+
+
 def _timed(fn, k: int) -> float:
-    torch.cuda.synchronize()
+    device_sync()
     t0 = time.perf_counter()
     fn(k)
-    torch.cuda.synchronize()
+    device_sync()
     return (time.perf_counter() - t0) / k
 
 
@@ -274,8 +335,10 @@ def capture_bucket(
     runs after the process-wide capture lock is released, so the two locks are never held in
     the order opposite to a call's (its lock, then a capture).
 
-    A capture that fails because an earlier call invalidated it (seen with cuBLASLt, which then
-    falls back to another kernel) is tried once more before it counts as failed.
+    A capture that something outside the forward invalidated ("operation failed due to a
+    previous error during capture") is tried once more, in a new pool (the failed capture
+    leaves its pool marked as recording), before it counts as failed; ``info["pool"]`` is then
+    the pool the graph went into, which the caller's later captures must use.
     """
     stream = side_stream(device)
     args = (module, device, pool, stream, in_spec, sample, size, batch_dim, warmup_iters,
@@ -284,10 +347,15 @@ def capture_bucket(
         try:
             replica, info, check = _capture_bucket(*args)
         except CaptureFailed as e:
-            if "previous error during capture" not in e.reason:
+            if not _is_invalidated(e):
                 raise
+            logger.warning("graphwrap: capture of bucket %d invalidated (%s); capturing it again in a new pool",
+                           size, e.reason)
             torch.cuda.synchronize(device)
+            pool = torch.cuda.graph_pool_handle()
+            args = args[:2] + (pool,) + args[3:]
             replica, info, check = _capture_bucket(*args)
+            info["pool"] = pool
     if check is not None:
         t1 = time.perf_counter()
         cur = torch.cuda.current_stream(device)
@@ -358,19 +426,24 @@ def _capture_bucket(module, device, pool, stream, in_spec, sample, size, batch_d
             graph = torch.cuda.CUDAGraph()
             err = None
             _own_cublas_workspace()
-            capture_begin(graph, pool)
-            try:
-                out = run_module(forward, in_spec, static_in)
-            except BaseException as e:  # noqa: BLE001 - the capture must be ended whatever happened
-                err = e
-            try:
-                graph.capture_end()
-            except BaseException as e:  # noqa: BLE001
-                err = err or e
+            with no_gc_during_capture():
+                try:
+                    capture_begin(graph, pool)
+                except RuntimeError as e:  # the pool is still recording an earlier, failed capture
+                    raise CaptureFailed(f"the capture could not begin: {_first_line(e)}", e,
+                                        pool_lost=True) from e
+                try:
+                    out = run_module(forward, in_spec, static_in)
+                except BaseException as e:  # noqa: BLE001 - the capture must be ended whatever happened
+                    err = e
+                try:
+                    graph.capture_end()
+                except BaseException as e:  # noqa: BLE001
+                    err = err or e
             _own_cublas_workspace()
             if err is not None:
                 del graph
-                _reset_rng_capture_state(device)
+                _after_failed_capture(device, pool)
                 if isinstance(err, torch.cuda.OutOfMemoryError):
                     raise CaptureFailed(f"out of memory in capture at batch {size}", err, scope="bucket",
                                         pool_lost=True) from err

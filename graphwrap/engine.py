@@ -19,7 +19,7 @@ import torch
 
 from . import _compat
 from .buckets import BucketTable, padded_rows
-from .capture import CaptureFailed, Replica, capture_bucket, copy_graph, race
+from .capture import CaptureFailed, Replica, capture_bucket, copy_graph, device_sync, race
 from .compiled import CompiledForward, load_cache, save_cache, unavailable_reason
 from .errors import GraphwrapError
 from .outputs import ring_for
@@ -245,7 +245,7 @@ class _Store:
     def release(self):
         if self.keys and self.device is not None and torch.cuda.is_initialized():
             # A replay may still be running: its memory must not be handed out before it ends.
-            torch.cuda.synchronize(self.device)
+            device_sync(self.device)
         self.keys.clear()
         self.pool = None
         self.epoch += 1
@@ -777,11 +777,25 @@ class Engine:
             return f"; serves eagerly (eager {b.eager_us:.1f} us, graph {b.graph_us:.1f} us a call)"
         return f"; graph {b.graph_us:.1f} us, eager {b.eager_us:.1f} us a call"
 
+    def _copy_graph(self, ks: Key, b: Bucket, device, dsts, srcs):
+        """An output ring's fill (see :func:`copy_graph`); the caller holds the lock. A failure
+        is logged, and the ring clones from then on."""
+        try:
+            return copy_graph(device, self.store.pool, dsts, srcs)
+        except CaptureFailed as e:
+            if e.pool_lost:
+                self.store.pool = torch.cuda.graph_pool_handle()
+            self.log_once(("ring", ks.label, b.size), logging.WARNING,
+                          f"graphwrap: outputs of bucket {b.size} of {ks.label} are cloned from now on: {e.reason}")
+            raise
+
     def _add_replica(self, ks: Key, b: Bucket, rep: Replica, info: dict, compiled):
+        if info.get("pool") is not None:
+            self.store.pool = info["pool"]  # captured again in a new pool (see capture_bucket)
         if self.clone:
             device = ks.device
             rep.ring = ring_for(rep.static_outputs, rep.kinds, self.batch_dim,
-                                lambda dsts, srcs: copy_graph(device, self.store.pool, dsts, srcs))
+                                lambda dsts, srcs: self._copy_graph(ks, b, device, dsts, srcs))
         b.replicas.append(rep)
         b.capture_s += info["capture_s"]
         b.verify_s += info["verify_s"]

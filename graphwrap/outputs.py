@@ -29,6 +29,9 @@ MAX_SLOTS = 4
 # Outputs larger than this (all of one graph's, in bytes) are cloned: the copy then costs far
 # more device time than its launch costs host time, and the ring would hold MAX_SLOTS copies.
 MAX_SLOT_BYTES = 16 << 20
+# A fill that could not be made (its capture failed) is tried again on later calls, this many
+# times in all; the calls meanwhile clone.
+MAX_FAILURES = 3
 
 
 def storage_ref(t: torch.Tensor) -> int:
@@ -115,7 +118,7 @@ class OutputRing:
     """The slots of one captured graph. ``make_fill(dsts, srcs)`` returns a callable that copies
     ``srcs`` into ``dsts`` on the current stream (a captured graph's replay on a GPU)."""
 
-    __slots__ = ("static", "kinds", "batch_dim", "make_fill", "slots", "max_slots", "broken")
+    __slots__ = ("static", "kinds", "batch_dim", "make_fill", "slots", "max_slots", "failures")
 
     def __init__(self, static: Sequence[Any], kinds: Sequence[str], batch_dim: int,
                  make_fill: Callable[[List[torch.Tensor], List[torch.Tensor]], Callable[[], None]],
@@ -126,7 +129,7 @@ class OutputRing:
         self.make_fill = make_fill
         self.slots: List[Slot] = []
         self.max_slots = max_slots
-        self.broken = False  # a fill could not be made: the ring hands out nothing
+        self.failures = 0  # fills that could not be made; at MAX_FAILURES the ring hands out nothing
 
     def take(self, sid) -> Optional[Slot]:
         """A slot free to be filled on stream ``sid``, made if there are fewer than ``max_slots``;
@@ -134,14 +137,14 @@ class OutputRing:
         for s in self.slots:
             if s.sid == sid and s.free():
                 return s
-        if len(self.slots) >= self.max_slots or self.broken:
+        if len(self.slots) >= self.max_slots or self.failures >= MAX_FAILURES:
             return None
         srcs = [o for o, k in zip(self.static, self.kinds) if k != CONST]
         bases = [torch.empty_like(o) for o in srcs]
         try:
             fill = self.make_fill(bases, srcs)
-        except Exception:  # noqa: BLE001 - no ring is no error: outputs are cloned instead
-            self.broken = True
+        except Exception:  # noqa: BLE001 - no slot is no error: this call's outputs are cloned
+            self.failures += 1
             return None
         s = Slot(bases, fill, sid, self.kinds, self.batch_dim, self.static)
         self.slots.append(s)

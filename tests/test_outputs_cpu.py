@@ -81,8 +81,31 @@ def test_no_ring_for_large_or_tensorless_outputs():
 
 
 def test_a_fill_that_cannot_be_made_leaves_clones():
+    tries = []
+
     def broken(dsts, srcs):
+        tries.append(1)
         raise RuntimeError("no capture here")
 
     ring = outputs.OutputRing([torch.randn(2, 2)], [BATCHED], 0, broken)
-    assert ring.take(0) is None and ring.broken and ring.take(0) is None
+    for _ in range(outputs.MAX_FAILURES + 2):
+        assert ring.take(0) is None
+    assert len(tries) == outputs.MAX_FAILURES and not ring.slots
+
+
+def test_a_fill_that_failed_once_is_made_on_a_later_call():
+    tries = []
+
+    def flaky(dsts, srcs):
+        tries.append(1)
+        if len(tries) == 1:
+            raise RuntimeError("capture invalidated")
+        return _copier(dsts, srcs)
+
+    src = torch.randn(2, 2)
+    ring = outputs.OutputRing([src], [BATCHED], 0, flaky)
+    assert ring.take(0) is None
+    slot = ring.take(0)
+    assert slot is not None and len(tries) == 2
+    slot.fill()
+    assert torch.equal(slot.views(2)[0], src)
