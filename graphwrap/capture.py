@@ -23,17 +23,75 @@ logger = logging.getLogger("graphwrap")
 
 
 # One capture at a time in the process: a capture is process-wide state for PyTorch's
-# allocator and RNG. Warm-up runs on one side stream per device, shared by every
+# allocator and RNG. Warm-up and capture run on one side stream per device, shared by every
 # GraphedModule (each stream that runs a GEMM keeps a cuBLAS workspace for the process).
 CAPTURE_LOCK = threading.RLock()
 _SIDE_STREAMS = {}
+_CHECK_STREAMS = {}
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream graphwrap warms up and captures on: one per device, graphwrap's alone."""
     s = _SIDE_STREAMS.get(device)
     if s is None:
-        s = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        s = _SIDE_STREAMS[device] = private_stream(device)
     return s
+
+
+def check_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream verification replays run on: they run outside the capture lock, so never on
+    the capture stream."""
+    s = _CHECK_STREAMS.get(device)
+    if s is None:
+        s = _CHECK_STREAMS[device] = torch.cuda.Stream(device)
+    return s
+
+
+def private_stream(device: torch.device) -> torch.cuda.Stream:
+    """A non-blocking stream that no other code in the process is handed.
+
+    ``torch.cuda.Stream()`` hands out the streams of a small pool in turn (32 per device and
+    priority), so after enough of them another thread's stream is the same CUDA stream as one
+    of ours. Work issued there while graphwrap captures on it would land in the graph, or
+    invalidate the capture ("capturing stream has unjoined work", a generator "not in capture
+    mode", a failed cuBLAS call). This stream is created through the driver instead, so it is
+    nobody else's; where that is not possible, a stream of the high-priority pool is taken
+    (rarer in other code, but not exclusive), and the log says so.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):
+        torch.cuda.current_stream()  # the device's primary context exists from here on
+        try:
+            handle = _driver_stream(index)
+            return torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
+        except Exception as e:  # noqa: BLE001 - any failure of the driver route has the same answer
+            logger.info("graphwrap: no stream of graphwrap's own on cuda:%d (%s: %s); capturing on a "
+                        "high-priority stream of PyTorch's pool", index, type(e).__name__, _first_line(e))
+            return torch.cuda.Stream(index, priority=-1)
+
+
+def _driver_stream(index: int) -> int:
+    """``cuStreamCreate(CU_STREAM_NON_BLOCKING)`` in the device's primary context; the handle."""
+    import ctypes
+    import sys
+
+    lib = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+
+    def check(what, status):
+        if status != 0:
+            raise RuntimeError(f"{what} returned CUDA driver error {status}")
+
+    dev, ctx, stream = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+    check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(index)))
+    check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+    check("cuCtxPushCurrent", lib.cuCtxPushCurrent_v2(ctx))
+    try:
+        check("cuStreamCreate", lib.cuStreamCreate(ctypes.byref(stream), ctypes.c_uint(1)))
+    finally:
+        lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    if not stream.value:
+        raise RuntimeError("cuStreamCreate gave no stream")
+    return stream.value
 
 
 _clear_cublas_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
@@ -100,11 +158,16 @@ def _after_failed_capture(device, pool):
                        type(e).__name__, _first_line(e))
 
 
+# Tries of a capture that something outside the forward invalidated.
+CAPTURE_TRIES = 3
+
+
 def _is_invalidated(e: BaseException) -> bool:
-    """A capture that failed through no fault of the forward: invalidated from outside (an
-    illegal call elsewhere in the thread), or a pool left recording by an earlier failure."""
+    """A capture that failed through no fault of the forward, as far as can be told: invalidated
+    from outside (an illegal call elsewhere in the thread, a synchronization of the whole
+    device from another thread), or a pool left recording by an earlier failure."""
     text = str(e)
-    return "previous error during capture" in text or "already recording" in text
+    return any(s in text for s in ("previous error during capture", "already recording", "unjoined"))
 
 
 def copy_graph(device: torch.device, pool, dsts, srcs):
@@ -336,35 +399,39 @@ def capture_bucket(
     the order opposite to a call's (its lock, then a capture).
 
     A capture that something outside the forward invalidated ("operation failed due to a
-    previous error during capture") is tried once more, in a new pool (the failed capture
-    leaves its pool marked as recording), before it counts as failed; ``info["pool"]`` is then
-    the pool the graph went into, which the caller's later captures must use.
+    previous error during capture") is tried again, up to CAPTURE_TRIES times in all, each time
+    in a new pool, before it counts as failed; ``info["pool"]`` is then the pool the graph went
+    into, which the caller's later captures must use.
     """
     stream = side_stream(device)
     args = (module, device, pool, stream, in_spec, sample, size, batch_dim, warmup_iters,
             autocast_dtype, verify, kinds, out_spec, compiled, budget_left)
     with CAPTURE_LOCK:
-        try:
-            replica, info, check = _capture_bucket(*args)
-        except CaptureFailed as e:
-            if not _is_invalidated(e):
-                raise
-            logger.warning("graphwrap: capture of bucket %d invalidated (%s); capturing it again in a new pool",
-                           size, e.reason)
-            torch.cuda.synchronize(device)
-            pool = torch.cuda.graph_pool_handle()
-            args = args[:2] + (pool,) + args[3:]
-            replica, info, check = _capture_bucket(*args)
-            info["pool"] = pool
+        new_pool = None
+        for attempt in range(1, CAPTURE_TRIES + 1):
+            try:
+                replica, info, check = _capture_bucket(*args)
+                break
+            except CaptureFailed as e:
+                if not _is_invalidated(e) or attempt == CAPTURE_TRIES:
+                    raise
+                logger.warning("graphwrap: capture of bucket %d invalidated (%s); capturing it again in a new pool",
+                               size, e.reason)
+                torch.cuda.synchronize(device)
+                new_pool = torch.cuda.graph_pool_handle()
+                args = args[:2] + (new_pool,) + args[3:]
+        if new_pool is not None:
+            info["pool"] = new_pool
     if check is not None:
         t1 = time.perf_counter()
         cur = torch.cuda.current_stream(device)
+        vs = check_stream(device)
         with replay_lock if replay_lock is not None else contextlib.nullcontext():
-            stream.wait_stream(cur)
-            with torch.cuda.stream(stream), torch.inference_mode(False), torch.no_grad(), \
+            vs.wait_stream(cur)
+            with torch.cuda.stream(vs), torch.inference_mode(False), torch.no_grad(), \
                     autocast_without_cache(autocast_dtype):
                 check()
-            cur.wait_stream(stream)
+            cur.wait_stream(vs)
         info["verify_s"] = time.perf_counter() - t1
     return replica, info
 

@@ -205,3 +205,50 @@ def test_a_capture_invalidated_from_outside_is_taken_again(gw_log):
     with torch.cuda.graph(g2):
         t.add_(1)
     g2.replay()
+
+
+def test_the_capture_stream_is_no_other_streams():
+    # PyTorch hands out pooled streams in turn: with a pooled capture stream, some thread's
+    # torch.cuda.Stream() would be the very stream graphwrap captures on.
+    from graphwrap.capture import side_stream
+
+    s = side_stream(torch.device(DEV, torch.cuda.current_device()))
+    others = {torch.cuda.Stream().cuda_stream for _ in range(100)}
+    others |= {torch.cuda.Stream(priority=-1).cuda_stream for _ in range(100)}
+    assert s.cuda_stream not in others and s.cuda_stream != torch.cuda.default_stream().cuda_stream
+
+
+def test_threads_on_pooled_streams_while_captures_run():
+    # Eight threads cycle through PyTorch's stream pool doing random eager work while the
+    # main thread captures bucket after bucket: no capture may fail or take in their work.
+    import threading
+
+    model = MLP().to(DEV).eval()
+    gm = GraphedModule(model, buckets=list(range(1, 65)), eager_if_faster=False)
+    stop, errors = threading.Event(), []
+
+    def noise(i):
+        g = torch.Generator(device=DEV).manual_seed(i)
+        try:
+            while not stop.is_set():
+                with torch.cuda.stream(torch.cuda.Stream()):
+                    a = torch.randn(64, 64, device=DEV, generator=g)
+                    (a @ a).relu_().sum().item()
+        except Exception as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=noise, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        for n in range(1, 65):
+            x = torch.randn(n, 32, device=DEV)
+            assert_same(gm(x), _eager(model, x))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]
+    key = gm.stats()["keys"][0]
+    assert key["status"] == "graphed", key["reason"]
+    assert all(b["captured"] and b["failed"] is None for b in key["buckets"].values())
