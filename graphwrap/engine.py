@@ -777,7 +777,7 @@ class Engine:
             return f"; serves eagerly (eager {b.eager_us:.1f} us, graph {b.graph_us:.1f} us a call)"
         return f"; graph {b.graph_us:.1f} us, eager {b.eager_us:.1f} us a call"
 
-    def _copy_graph(self, ks: Key, b: Bucket, device, dsts, srcs):
+    def _copy_graph(self, label: str, size: int, device, dsts, srcs):
         """An output ring's fill (see :func:`copy_graph`); the caller holds the lock. A failure
         is logged, and the ring clones from then on."""
         try:
@@ -785,8 +785,8 @@ class Engine:
         except CaptureFailed as e:
             if e.pool_lost:
                 self.store.pool = torch.cuda.graph_pool_handle()
-            self.log_once(("ring", ks.label, b.size), logging.WARNING,
-                          f"graphwrap: outputs of bucket {b.size} of {ks.label} are cloned from now on: {e.reason}")
+            self.log_once(("ring", label, size), logging.WARNING,
+                          f"graphwrap: outputs of bucket {size} of {label} are cloned from now on: {e.reason}")
             raise
 
     def _add_replica(self, ks: Key, b: Bucket, rep: Replica, info: dict, compiled):
@@ -794,8 +794,12 @@ class Engine:
             self.store.pool = info["pool"]  # captured again in a new pool (see capture_bucket)
         if self.clone:
             device = ks.device
+            # The fill names its bucket by label and size only: holding the Key or the Bucket
+            # would make a cycle (bucket -> graph -> ring -> fill -> bucket) that keeps the
+            # graphs and their memory after the module is deleted, until a garbage collection.
+            label, size = ks.label, b.size
             rep.ring = ring_for(rep.static_outputs, rep.kinds, self.batch_dim,
-                                lambda dsts, srcs: self._copy_graph(ks, b, device, dsts, srcs))
+                                lambda dsts, srcs: self._copy_graph(label, size, device, dsts, srcs))
         b.replicas.append(rep)
         b.capture_s += info["capture_s"]
         b.verify_s += info["verify_s"]
