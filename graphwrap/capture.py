@@ -284,7 +284,8 @@ def device_sync(device=None) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, k: int) -> float:
+def timed_calls(fn, k: int) -> float:
+    """Seconds per call of ``fn(k)``, which makes ``k`` calls; the device synchronized around it."""
     device_sync()
     t0 = time.perf_counter()
     fn(k)
@@ -319,12 +320,12 @@ def race(replica: Replica, eager_call, clone: bool, rounds: int = 3, round_s: fl
             eager_call(src)
 
     with torch.inference_mode(False), torch.no_grad():
-        once = max(_timed(graph_calls, 1), _timed(eager_calls, 1))
+        once = max(timed_calls(graph_calls, 1), timed_calls(eager_calls, 1))
         k = max(1, min(64, int(round_s / max(once, 1e-6))))
         gs, es = [], []
         for r in range(rounds):
-            gs.append(_timed(graph_calls, k))
-            es.append(_timed(eager_calls, k))
+            gs.append(timed_calls(graph_calls, k))
+            es.append(timed_calls(eager_calls, k))
             if r == 0 and 2 * gs[0] <= es[0]:
                 break
     return statistics.median(gs), statistics.median(es)

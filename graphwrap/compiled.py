@@ -7,6 +7,12 @@ more. Every compilation passes through :class:`CompiledForward`'s backend, which
 bucket whose warm-up compiled nothing for a new shape did not run compiled code, and is
 reported so.
 
+Per-size kernels: shape-generic kernels can be slower than kernels compiled for one shape
+(Inductor turns off, for instance, its channels-last layout for convolutions whose batch is
+dynamic: 1.5x slower on resnet50). With ``static="auto"`` (default, with ``dynamic="batch"``)
+a thread of the engine compiles kernels for the shape of each bucket that serves calls, hot
+buckets first, captures them, times both graphs and keeps the faster (see ``tuning``).
+
 The compile cache: ``compile={"cache": path}`` loads the artifacts saved there (Inductor's and
 AOTAutograd's caches, through ``torch.compiler.load_cache_artifacts``) before the first
 compile and saves them again after :meth:`GraphedModule.capture`; :func:`save_cache` and
@@ -17,6 +23,7 @@ torch and GPU then skips Inductor's code generation and Triton's compilation.
 import itertools
 import logging
 import os
+import threading
 import types
 from typing import Optional
 
@@ -24,11 +31,14 @@ import torch
 
 from .errors import GraphwrapError
 
-OPTIONS = ("mode", "options", "dynamic", "fullgraph", "cache")
+OPTIONS = ("mode", "options", "dynamic", "fullgraph", "cache", "static")
 logger = logging.getLogger("graphwrap")
 _GRAPH_MODES = ("reduce-overhead", "max-autotune")
 _LIMIT = 1 << 16
 _IDS = itertools.count()
+# Dynamo's config patch (_limits) is process-wide: two threads inside compiled forwards at once
+# (a capture and the tuner's compile) would restore each other's limits. One at a time.
+_RUN_LOCK = threading.RLock()
 
 
 def compile_options(compile) -> Optional[dict]:
@@ -65,6 +75,15 @@ def compile_options(compile) -> Optional[dict]:
             f'compile dynamic= must be "batch" (one compile for every bucket), False (kernels for each bucket\'s '
             f"shape) or True (every dimension dynamic), got {dynamic!r}"
         )
+    static = opts.setdefault("static", "auto" if dynamic == "batch" else False)
+    if static not in ("auto", False):
+        raise GraphwrapError(
+            f'compile static= must be "auto" (kernels compiled for a hot bucket\'s own shape in the background, '
+            f"kept where faster) or False (the shared kernels only), got {static!r}"
+        )
+    if static and dynamic != "batch":
+        raise GraphwrapError(f'compile static="auto" tunes the shared kernels of dynamic="batch"; with dynamic={dynamic!r} '
+                             "leave it out")
     opts.setdefault("fullgraph", False)
     cache = opts.setdefault("cache", None)
     if cache is not None and not isinstance(cache, (str, os.PathLike)):
@@ -172,6 +191,7 @@ class CompiledForward:
         self.graphs = 0  # FX graphs compiled so far
         self.shapes = set()  # (key, bucket) that ran compiled code, kept by GraphedModule
         self.batch = opts["dynamic"] == "batch"
+        self.dynamic = opts["dynamic"] is not False  # one compile may serve several shapes
         dynamic = None if self.batch else opts["dynamic"]  # "batch": dims marked dynamic, the rest static
         inductor = torch._TorchCompileInductorWrapper(opts["mode"], opts["options"], dynamic)
 
@@ -192,5 +212,10 @@ class CompiledForward:
                 torch._dynamo.mark_dynamic(t, batch_dim)
 
     def __call__(self, *args, **kwargs):
-        with _limits():
+        with _RUN_LOCK, _limits():
             return self.fn(*args, **kwargs)
+
+
+def static_options(opts: dict) -> dict:
+    """The options of the per-size compile that tunes a ``dynamic="batch"`` one."""
+    return dict(opts, dynamic=False, static=False)

@@ -19,8 +19,8 @@ import torch
 
 from . import _compat
 from .buckets import BucketTable, padded_rows
-from .capture import CaptureFailed, Replica, capture_bucket, copy_graph, device_sync, race
-from .compiled import CompiledForward, load_cache, save_cache, unavailable_reason
+from .capture import CaptureFailed, Replica, capture_bucket, copy_graph, device_sync, race, timed_calls
+from .compiled import CompiledForward, load_cache, save_cache, static_options, unavailable_reason
 from .errors import GraphwrapError
 from .outputs import ring_for
 from .tree import (
@@ -32,6 +32,7 @@ from .tree import (
     tensor_meta,
     unflatten_inputs,
 )
+from .tuning import Tuner, hottest, keep_new, time_replays
 
 logger = logging.getLogger("graphwrap")
 
@@ -74,7 +75,8 @@ class Bucket:
 
     __slots__ = ("size", "replicas", "leased", "failed", "over_budget", "replays", "rows", "padded_rows",
                  "eager_calls", "capture_s", "verify_s", "pool_bytes", "pool_estimate", "compiled", "compile_s",
-                 "compiled_graphs", "serves", "graph_us", "eager_us")
+                 "compiled_graphs", "serves", "graph_us", "eager_us", "forward", "kernels", "tuned", "shared_us",
+                 "per_size_us")
 
     def __init__(self, size):
         self.size = size
@@ -91,6 +93,10 @@ class Bucket:
         self.compiled_graphs = 0
         self.serves = "graph"  # or "eager", when eager measured faster at capture
         self.graph_us = self.eager_us = None
+        self.forward = None  # the CompiledForward its graphs captured, or None
+        self.kernels: Optional[str] = None  # "shared" (one compile for every bucket) or "per-size"
+        self.tuned = False  # the tuner has had it (see graphwrap.tuning)
+        self.shared_us = self.per_size_us = None  # replay times the tuner measured
 
     def count(self, n: int):
         """One replay of ``n`` real rows by a loop that holds a leased graph."""
@@ -332,6 +338,8 @@ class Engine:
         self.background: Optional[threading.Thread] = None  # capture(..., background=True)
         self.background_state: Optional[str] = None
         self.background_error: Optional[str] = None
+        self.static_forward: Optional[CompiledForward] = None  # the tuner's per-size compile
+        self.tuner = Tuner(self)
 
     # ------------------------------------------------------------------ per-call checks
 
@@ -594,7 +602,7 @@ class Engine:
             self._install(ks, b, rep, info, args["compiled"])
         return b
 
-    def _capture_args(self, ks: Key, size: int, leaves, n: int, plain: bool = False, sample=None):
+    def _capture_args(self, ks: Key, size: int, leaves, n: int, plain: bool = False, sample=None, forward=None):
         """The bucket (made if new) and capture_bucket's arguments; the caller holds the lock."""
         b = ks.buckets.get(size)
         if b is None:
@@ -613,7 +621,7 @@ class Engine:
             budget = self._budget_left()
             if size > self.table.max:
                 budget = self._large_budget(device, budget)
-        compiled = None if plain else self._compiled_forward()
+        compiled = forward if forward is not None else None if plain else self._compiled_forward()
         return b, dict(module=self.module, device=device, pool=store.pool, in_spec=ks.in_spec, sample=sample,
                        size=size, batch_dim=bd, warmup_iters=self.warmup_iters, autocast_dtype=ks.autocast,
                        verify=self.verify, kinds=ks.kinds, out_spec=ks.out_spec, compiled=compiled,
@@ -634,6 +642,8 @@ class Engine:
         """A captured graph joins its bucket (timed against eager first); the caller holds the lock."""
         ks.kinds, ks.out_spec = info["kinds"], info["out_spec"]
         self._add_replica(ks, b, rep, info, compiled)
+        if b.compiled and b.kernels == "shared" and self.compile_opts.get("static") == "auto":
+            self.tuner.start()
         race_note = ""
         if self.eager_if_faster:
             with torch.cuda.device(ks.device):
@@ -668,11 +678,15 @@ class Engine:
             self.background.start()
 
     def wait_background(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the background capture, then for the per-size kernels of the hot buckets."""
+        end = None if timeout is None else time.monotonic() + timeout
         t = self.background
-        if t is None:
-            return True
-        t.join(timeout)
-        return not t.is_alive()
+        if t is not None:
+            t.join(timeout)
+            if t.is_alive():
+                return False
+        left = None if end is None else max(0.0, end - time.monotonic())
+        return self.tuner.wait(self.tune_pending, left)
 
     def _background(self, ks: Key, sample, n: int):
         t0 = time.perf_counter()
@@ -706,9 +720,11 @@ class Engine:
             self.background_state = "done"
             stream.synchronize()
 
-    def _capture_unlocked(self, ks: Key, size: int, sample, n: int, plain: bool, into: Optional[Bucket] = None):
+    def _capture_unlocked(self, ks: Key, size: int, sample, n: int, plain: bool, into: Optional[Bucket] = None,
+                          forward=None):
         """Capture outside the engine's lock (calls go on meanwhile), install under it. Returns
-        the bucket the graph went into, or None."""
+        the bucket the graph went into, or None. ``forward``: the tuner's per-size compile,
+        whose failure is logged and leaves the bucket as it is."""
         with self.lock:
             if ks.failed is not None or self.store.keys.get(self._key_tuple(ks)) is not ks:
                 return None  # failed or reset meanwhile
@@ -716,14 +732,19 @@ class Engine:
             if into is None and b is not None and (b.replicas or b.failed):
                 return None
             b, args = self._capture_args(ks, size, None, n, plain, sample=[
-                t.narrow(self.batch_dim, 0, min(n, size)) for t in sample])
+                t.narrow(self.batch_dim, 0, min(n, size)) for t in sample], forward=forward)
             args["replay_lock"] = self.lock  # its verification replays wait for the other replays
             epoch = self.epoch
         try:
             rep, info = capture_bucket(**args)
         except CaptureFailed as e:
             with self.lock:
-                if self.epoch == epoch and into is None:
+                if forward is not None:
+                    if e.pool_lost:
+                        self.store.pool = None
+                    logger.warning("graphwrap: per-size kernels for bucket %d of %s not captured (%s); it keeps the "
+                                   "shared kernels", size, ks.label, e.reason)
+                elif self.epoch == epoch and into is None:
                     self._capture_error(ks, b, e, lambda: self._capture(ks, size, sample, n, plain=True))
                 elif e.scope == "compile":
                     self._give_up_compile(e.reason)
@@ -744,16 +765,107 @@ class Engine:
         if got is None:
             return
         with self.lock:
-            counts = self.key_stats(ks)["buckets"][old.size]
-            new.replays, new.rows = counts["replays"], counts["rows"]
-            new.padded_rows, new.eager_calls = counts["padded_rows"], counts["eager_calls"]
-            for m, plan in list(ks.plans.items()):
-                if plan.bucket is old:
-                    del ks.plans[m]
-            for shape, plan in list(self.fast.items()):
-                if plan.bucket is old:
-                    del self.fast[shape]
-            ks.buckets[old.size] = new
+            self._swap_bucket(ks, old, new)
+
+    def _swap_bucket(self, ks: Key, old: Bucket, new: Bucket):
+        """``new`` serves ``old``'s batches from the next call, with its counts; plans are rebuilt
+        (loops holding the old graphs go on replaying them). The caller holds the lock."""
+        counts = self.key_stats(ks)["buckets"][old.size]
+        # The old graphs' memory stays in the pool (for later captures): still counted here.
+        new.pool_bytes += old.pool_bytes
+        new.capture_s += old.capture_s
+        new.compile_s += old.compile_s
+        new.replays, new.rows = counts["replays"], counts["rows"]
+        new.padded_rows, new.eager_calls = counts["padded_rows"], counts["eager_calls"]
+        for m, plan in list(ks.plans.items()):
+            if plan.bucket is old:
+                del ks.plans[m]
+        for shape, plan in list(self.fast.items()):
+            if plan.bucket is old:
+                del self.fast[shape]
+        ks.buckets[old.size] = new
+
+    # ------------------------------------------------------------------ per-size kernels (tuning)
+
+    def _tune_candidates(self):
+        """``(rows, calls, (key, bucket))`` of each bucket that runs shared compiled kernels and
+        was not tuned yet; the caller holds the lock."""
+        out = []
+        for ks in self.store.keys.values():
+            if ks.failed is not None:
+                continue
+            counts = None
+            for b in ks.buckets.values():
+                if (b.replicas and b.compiled and b.kernels == "shared" and not b.tuned and b.failed is None
+                        and b.serves == "graph"):
+                    counts = counts or self.key_stats(ks)["buckets"]
+                    c = counts[b.size]
+                    out.append((c["rows"], c["replays"], (ks, b)))
+        return out
+
+    def tune_pending(self) -> bool:
+        """Whether a hot bucket waits for its per-size kernels."""
+        with self.lock:
+            return (self.compile_off is None and self.compile_opts is not None
+                    and hottest(self._tune_candidates()) is not None)
+
+    def tune_next(self) -> str:
+        """Tune the hottest untuned bucket (the tuner thread's step): "tuned", "waiting" (buckets
+        left, none hot yet) or "done"."""
+        with self.lock:
+            if self.compile_opts is None or self.compile_off is not None:
+                return "done"
+            candidates = self._tune_candidates()
+            if not candidates:
+                return "done"
+            job = hottest(candidates)
+            if job is None:
+                return "waiting"
+            ks, old = job
+            old.tuned = True  # once, whatever comes of it
+            if self.static_forward is None:
+                self.static_forward = CompiledForward(self.module, static_options(self.compile_opts))
+            forward, epoch, device = self.static_forward, self.epoch, ks.device
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            self._tune(ks, old, forward, epoch)
+        stream.synchronize()
+        return "tuned"
+
+    def _tune(self, ks: Key, old: Bucket, forward: CompiledForward, epoch: int):
+        t0 = time.perf_counter()
+        with self.lock:
+            self.order_stream(ks.device)  # the sample is read after the last call's work
+            sample = [t.clone() for t in old.replicas[0].static_inputs]
+        new = Bucket(old.size)
+        new.tuned = True
+        if self._capture_unlocked(ks, old.size, sample, old.size, plain=False, into=new, forward=forward) is None:
+            return
+        with self.lock:
+            if self.epoch != epoch or ks.buckets.get(old.size) is not old or ks.failed is not None:
+                return
+            if not new.compiled:
+                logger.warning("graphwrap: per-size kernels for bucket %d of %s: torch.compile compiled nothing; "
+                               "it keeps the shared kernels", old.size, ks.label)
+                return
+            # The shared kernels timed on a graph of their own: replica 0 serves gm(...), and
+            # replaying it here would overwrite outputs a caller may hold (outputs="view").
+            if not self._capture_replica(ks, old):
+                return
+            extra = old.replicas.pop()  # never leased: the lock is held until it is dropped
+            self.order_stream(ks.device)
+            shared_s, per_size_s = time_replays(extra.graph.replay, new.replicas[0].graph.replay, timed_calls)
+            del extra
+            for b in (old, new):
+                b.shared_us, b.per_size_us = 1e6 * shared_s, 1e6 * per_size_s
+            kept = keep_new(shared_s, per_size_s)
+            if kept:
+                self._swap_bucket(ks, old, new)
+            logger.info("graphwrap: bucket %d of %s: per-size kernels replay in %.1f us, the shared ones in %.1f us; "
+                        "keeps the %s (tuned in %.1f s)", old.size, ks.label, 1e6 * per_size_s, 1e6 * shared_s,
+                        "per-size kernels" if kept else "shared kernels", time.perf_counter() - t0)
+        if kept and self.compile_opts.get("cache"):
+            save_cache(self.compile_opts["cache"])
 
     def _key_tuple(self, ks: Key):
         for k, v in self.store.keys.items():
@@ -807,16 +919,17 @@ class Engine:
         b.pool_estimate = max(b.pool_estimate, info["pool_estimate"])
         b.compile_s += info["compile_s"]
         b.compiled_graphs += info["compiled_graphs"]
+        b.forward = compiled
         if compiled is None:
             b.compiled = False if self.compile_opts is not None else None
             return
+        b.kernels = "shared" if compiled.dynamic else "per-size"
         # Compiled kernels ran if this warm-up compiled a graph, or this shape (any shape, with
         # dynamic shapes) was compiled before, by this key or one whose static inputs look the
         # same (dynamo's cache outlives reset()): otherwise dynamo ran the forward uncompiled.
         seen = compiled.shapes
-        dynamic = self.compile_opts["dynamic"] is not False
         ran = (info["compiled_graphs"] > 0 or (ks.seen_as, b.size) in seen
-               or (dynamic and any(label == ks.seen_as for label, _ in seen)))
+               or (compiled.dynamic and any(label == ks.seen_as for label, _ in seen)))
         if ran:
             seen.add((ks.seen_as, b.size))
         b.compiled = ran if b.compiled is None else (b.compiled and ran)
@@ -924,7 +1037,7 @@ class Engine:
         """One more graph of a captured bucket, with the first graph's static inputs as sample."""
         store = self.store
         first = b.replicas[0]
-        compiled = self.compiled if b.compiled else None
+        compiled = b.forward if b.compiled else None
         with torch.cuda.device(ks.device):
             if store.pool is None:
                 store.pool = torch.cuda.graph_pool_handle()
@@ -1125,6 +1238,10 @@ class Engine:
                     "buckets_compiled": sum(bool(b["compiled"]) for k in keys for b in k["buckets"].values()),
                     "background": self.background_state,
                     "background_error": self.background_error,
+                    "per_size_graphs": self.static_forward.graphs if self.static_forward is not None else 0,
+                    "buckets_per_size": sum(b["kernels"] == "per-size" for k in keys for b in k["buckets"].values()),
+                    "tuning": "running" if self.tuner.busy else "idle",
+                    "tuning_error": self.tuner.error,
                 },
                 "eager_calls": dict(self.eager_counts),
                 "eager_by_choice": by_choice,
@@ -1159,6 +1276,9 @@ class Engine:
                 "over_budget": b.over_budget,
                 "compiled": b.compiled,
                 "compiled_graphs": b.compiled_graphs,
+                "kernels": b.kernels,
+                "shared_us": b.shared_us,
+                "per_size_us": b.per_size_us,
                 "compile_s": b.compile_s,
                 "serves": b.serves if b.replicas else "eager",
                 "graph_us": b.graph_us,

@@ -53,7 +53,10 @@ class GraphedModule(nn.Module):
             ``dynamic="batch"`` (default): the batch dimension is dynamic, so one compile
             serves every bucket (the default and exact policies then start at bucket 2, and a
             batch of one row runs in it); ``False``: kernels compiled for each bucket's shape;
-            ``True``: every dimension dynamic. ``cache``: a file that the compile artifacts are
+            ``True``: every dimension dynamic. ``static="auto"`` (default with ``dynamic="batch"``):
+            once a bucket has served a few calls, a thread compiles kernels for its own shape,
+            captures them and keeps them if they replay faster than the shared ones (hot buckets
+            first, each once; ``False``: never). ``cache``: a file that the compile artifacts are
             loaded from before compiling and saved to after :meth:`capture`, so a new process
             compiles in seconds. If compiling fails, or Inductor cannot run here, the plain
             forward is captured instead, with a warning and the reason in ``stats()``.
@@ -262,7 +265,9 @@ class GraphedModule(nn.Module):
         return self.engine.capture_all(prep)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Wait for a ``capture(..., background=True)`` to finish; whether it has (True if none ran)."""
+        """Wait for a ``capture(..., background=True)`` to finish, and for the per-size kernels
+        of the buckets that have served calls (``compile=``'s ``static="auto"``); whether both
+        are done within ``timeout`` (True if nothing ran)."""
         return self.engine.wait_background(timeout)
 
     def stats(self) -> dict:

@@ -1,12 +1,13 @@
 """compile=True and the bucket policies on a GPU, every output compared with eager."""
 
 import logging
+import threading
 
 import pytest
 import torch
 
 import graphwrap
-from graphwrap import GraphedModule, GraphwrapError
+from graphwrap import GraphedModule, GraphwrapError, tuning
 from helpers import MLP, assert_same, check_bert, num_graphs, small_bert
 
 pytestmark = pytest.mark.cuda
@@ -23,7 +24,10 @@ def _buckets(gm, key=0):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
+def _fresh_dynamo(monkeypatch):
+    # No per-size tuning unless a test asks for it: a tuner compiling in the background would
+    # meet the dynamo reset below and the next test.
+    monkeypatch.setattr(tuning, "HOT_CALLS", 10**9)
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -295,3 +299,95 @@ def test_saved_compile_cache_loads_in_a_fresh_process(tmp_path):
           f"cache and a fresh Inductor cache dir {t2:.1f} s ({hits2:.0f} cache hits)")
     assert (tmp_path / "mlp.bin").stat().st_size > 0
     assert hits1 == 0 and hits2 >= 1 and graphs2 == graphs1 == 1 and compiled2 == compiled1
+
+
+class _ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.BatchNorm2d(32), torch.nn.ReLU(),
+            torch.nn.Conv2d(32, 64, 3, stride=2, padding=1), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_a_hot_bucket_gets_per_size_kernels_kept_only_where_faster(monkeypatch, gw_log):
+    monkeypatch.setattr(tuning, "HOT_CALLS", 8)
+    torch.manual_seed(0)
+    model = _ConvNet().to(DEV).eval()
+    gm = GraphedModule(model, compile=True, max_batch_size=8)
+    x = torch.randn(4, 3, 32, 32, device=DEV)
+    ref = _eager(model, x)
+    errors, stop = [], threading.Event()
+
+    def caller():  # calls all through the per-size compile, capture, timing and swap
+        try:
+            while not stop.is_set():
+                assert_same(gm(x), ref, tol=1e-3)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    for _ in range(10):
+        assert_same(gm(x), ref, tol=1e-3)
+    th = threading.Thread(target=caller)
+    th.start()
+    try:
+        assert gm.wait(timeout=600)
+    finally:
+        stop.set()
+        th.join(60)
+    assert not errors, errors[:1]
+    s = gm.stats()
+    assert s["compile"]["tuning_error"] is None
+    assert s["compile"]["per_size_graphs"] == 1  # one compile, for the shape of bucket 4
+    b = _buckets(gm)[4]
+    assert b["shared_us"] > 0 and b["per_size_us"] > 0
+    assert b["kernels"] == ("per-size" if tuning.keep_new(b["shared_us"], b["per_size_us"]) else "shared")
+    assert b["compiled"] is True
+    for n in (4, 3, 7, 1):
+        xn = torch.randn(n, 3, 32, 32, device=DEV)
+        assert_same(gm(xn), _eager(model, xn), tol=1e-3)
+    others = {size: o for size, o in _buckets(gm).items() if size != 4}
+    assert others and all(o["shared_us"] is None and o["kernels"] == "shared" for o in others.values())
+    assert any("per-size kernels replay in" in r.message for r in gw_log.records)
+    print(f"\nper-size tuning, bucket 4: shared {b['shared_us']:.1f} us, per-size {b['per_size_us']:.1f} us, "
+          f"kept {b['kernels']}")
+
+
+def test_tuning_never_touches_outputs_a_caller_holds_and_the_swap_serves(monkeypatch):
+    monkeypatch.setattr(tuning, "HOT_CALLS", 4)
+    monkeypatch.setattr(tuning, "GAIN", 100.0)  # keep the per-size graph whatever its speed
+    torch.manual_seed(0)
+    model = _ConvNet().to(DEV).eval()
+    gm = GraphedModule(model, compile=True, max_batch_size=8, outputs="view")
+    xs = [torch.randn(6, 3, 32, 32, device=DEV) for _ in range(5)]
+    for xi in xs[:-1]:
+        gm(xi)
+    held = gm(xs[-1])  # a view of bucket 8's static outputs: valid until the next call
+    ref = _eager(model, xs[-1])
+    assert gm.wait(timeout=600)
+    torch.cuda.synchronize()
+    assert_same(held, ref, tol=1e-3)  # the tuner replayed graphs of its own, never this one
+    b = _buckets(gm)[8]
+    assert b["kernels"] == "per-size" and b["compiled"] is True and b["replays"] == 5
+    for n in (6, 8, 5):
+        xn = torch.randn(n, 3, 32, 32, device=DEV)
+        assert_same(gm(xn).clone(), _eager(model, xn), tol=1e-3)
+    assert _buckets(gm)[8]["replays"] == 8
+    # Pipelines lease more graphs of the bucket: they capture the per-size kernels too.
+    outs = list(gm.pipeline([torch.randn(8, 3, 32, 32, device=DEV) for _ in range(3)]))
+    assert len(outs) == 3 and gm.stats()["compile"]["per_size_graphs"] == 1
+
+
+def test_static_false_keeps_the_shared_kernels(monkeypatch):
+    monkeypatch.setattr(tuning, "HOT_CALLS", 2)
+    model = _ConvNet().to(DEV).eval()
+    gm = GraphedModule(model, compile={"static": False}, max_batch_size=8)
+    x = torch.randn(4, 3, 32, 32, device=DEV)
+    for _ in range(6):
+        assert_same(gm(x), _eager(model, x), tol=1e-3)
+    assert gm.wait(timeout=60)
+    s = gm.stats()
+    assert s["compile"]["per_size_graphs"] == 0 and _buckets(gm)[4]["kernels"] == "shared"

@@ -1,0 +1,141 @@
+"""The tuner's choices on the CPU: which bucket next, when a per-size graph is kept, how the
+two graphs are timed, the thread's life, and the ``static=`` option."""
+
+import gc
+import threading
+import time
+
+import pytest
+
+from graphwrap import GraphwrapError
+from graphwrap import tuning
+from graphwrap.compiled import compile_options, static_options
+
+
+def test_the_hottest_bucket_is_the_one_with_most_rows_among_the_hot():
+    cands = [(500, 10, "a"), (300, 40, "b"), (900, 15, "c"), (200, 16, "d")]
+    assert tuning.hottest(cands, hot_calls=16) == "b"  # "c" has more rows but too few calls
+    assert tuning.hottest(cands, hot_calls=10) == "c"
+    assert tuning.hottest(cands, hot_calls=41) is None
+    assert tuning.hottest([], hot_calls=1) is None
+
+
+def test_a_per_size_graph_is_kept_only_when_clearly_faster():
+    assert tuning.keep_new(100.0, 96.0, gain=0.97)
+    assert tuning.keep_new(100.0, 97.0, gain=0.97)
+    assert not tuning.keep_new(100.0, 98.0, gain=0.97)
+    assert not tuning.keep_new(100.0, 120.0, gain=0.97)
+
+
+def test_replays_are_timed_interleaved_and_reported_as_medians():
+    order, old_calls, new_calls = [], [], []
+    cost = {"old": [5.0, 1.0, 1.0, 1.0, 9.0, 1.0, 1.0, 1.0], "new": [4.0, 2.0, 2.0, 7.0, 2.0, 2.0, 2.0, 2.0]}
+
+    def timed(run, k):
+        before = len(old_calls)
+        run(k)
+        name = "old" if len(old_calls) > before else "new"
+        order.append(name)
+        return cost[name].pop(0)
+
+    o, n = tuning.time_replays(lambda: old_calls.append(1), lambda: new_calls.append(1), timed,
+                               rounds=7, round_s=1e-9)
+    # A probe of each, then seven rounds that alternate: old, new, old, new...
+    assert order == ["old", "new"] * 8
+    assert o == 1.0 and n == 2.0  # medians of the seven rounds; the probes and outliers left out
+    assert len(old_calls) == len(new_calls) == 8
+
+
+class _FakeEngine:
+    def __init__(self, steps):
+        self.steps = list(steps)
+        self.calls = 0
+        self.pending = True
+
+    def tune_next(self):
+        self.calls += 1
+        step = self.steps.pop(0) if self.steps else "done"
+        if step == "tuned":
+            self.pending = False
+        if step == "boom":
+            raise RuntimeError("capture refused")
+        return step
+
+
+def test_the_tuner_runs_until_done_and_wait_returns(monkeypatch):
+    monkeypatch.setattr(tuning, "POLL_S", 0.01)
+    eng = _FakeEngine(["waiting", "waiting", "tuned", "done"])
+    t = tuning.Tuner(eng)
+    t.start()
+    assert t.wait(lambda: eng.pending, timeout=5.0)
+    t._thread.join(5.0)
+    assert not t._thread.is_alive() and eng.calls == 4 and t.error is None
+
+
+def test_a_tuning_error_is_kept_and_ends_the_thread(monkeypatch):
+    monkeypatch.setattr(tuning, "POLL_S", 0.01)
+    eng = _FakeEngine(["boom"])
+    t = tuning.Tuner(eng)
+    t.start()
+    t._thread.join(5.0)
+    assert not t._thread.is_alive()
+    assert t.error == "RuntimeError: capture refused"
+    assert t.wait(lambda: True, timeout=1.0)  # a dead thread has nothing left to wait for
+
+
+def test_wait_times_out_while_a_hot_bucket_waits(monkeypatch):
+    monkeypatch.setattr(tuning, "POLL_S", 0.01)
+    eng = _FakeEngine(["waiting"] * 1000)
+    t = tuning.Tuner(eng)
+    t.start()
+    t0 = time.monotonic()
+    assert not t.wait(lambda: True, timeout=0.2)
+    assert 0.15 < time.monotonic() - t0 < 3.0
+    eng.steps = ["done"]
+    t._thread.join(5.0)
+
+
+def test_the_tuner_holds_its_engine_weakly(monkeypatch):
+    monkeypatch.setattr(tuning, "POLL_S", 0.01)
+    eng = _FakeEngine(["waiting"] * 100000)
+    t = tuning.Tuner(eng)
+    t.start()
+    time.sleep(0.05)
+    del eng
+    gc.collect()
+    t._thread.join(5.0)
+    assert not t._thread.is_alive()
+
+
+def test_start_is_idempotent_while_running(monkeypatch):
+    monkeypatch.setattr(tuning, "POLL_S", 0.01)
+    gate = threading.Event()
+
+    class Slow(_FakeEngine):
+        def tune_next(self):
+            gate.wait(5.0)
+            return super().tune_next()
+
+    eng = Slow(["done"])
+    t = tuning.Tuner(eng)
+    t.start()
+    first = t._thread
+    t.start()
+    assert t._thread is first
+    gate.set()
+    first.join(5.0)
+    assert eng.calls == 1
+
+
+def test_static_option_defaults_and_errors():
+    assert compile_options(True)["static"] == "auto"
+    assert compile_options({"static": False})["static"] is False
+    assert compile_options({"dynamic": False})["static"] is False
+    assert compile_options({"dynamic": True})["static"] is False
+    with pytest.raises(GraphwrapError, match='static= must be "auto"'):
+        compile_options({"static": "always"})
+    with pytest.raises(GraphwrapError, match="tunes the shared kernels"):
+        compile_options({"dynamic": False, "static": "auto"})
+    per_size = static_options(compile_options({"mode": "max-autotune-no-cudagraphs"}))
+    assert per_size["dynamic"] is False and per_size["static"] is False
+    assert per_size["mode"] == "max-autotune-no-cudagraphs"
