@@ -1,3 +1,5 @@
+"""Capture time of BERT-base with and without the per-size tuner, rows alternating, one process
+each with an empty Inductor cache (compile_start's row): does the tuner slow capture?"""
 import os, sys, tempfile
 sys.path.insert(0, "benchmarks")
 import compile_start as c
