@@ -320,15 +320,22 @@ def race(replica: Replica, eager_call, clone: bool, rounds: int = 3, round_s: fl
             eager_call(src)
 
     with torch.inference_mode(False), torch.no_grad():
-        once = max(timed_calls(graph_calls, 1), timed_calls(eager_calls, 1))
-        k = max(1, min(64, int(round_s / max(once, 1e-6))))
-        gs, es = [], []
-        for r in range(rounds):
-            gs.append(timed_calls(graph_calls, k))
-            es.append(timed_calls(eager_calls, k))
-            if r == 0 and 2 * gs[0] <= es[0]:
-                break
-    return statistics.median(gs), statistics.median(es)
+        return time_pair(graph_calls, eager_calls, rounds, round_s, stop_early=lambda g, e: 2 * g <= e)
+
+
+def time_pair(a_calls, b_calls, rounds: int, round_s: float, stop_early=None, timed=timed_calls):
+    """Seconds per call of ``a_calls(k)`` and ``b_calls(k)`` (each makes ``k`` calls), timed in
+    turns round by round with ``timed``; medians over the rounds. ``k`` makes a round last about
+    ``round_s``; ``stop_early(a_s, b_s)``, if given, may end the timing after the first round."""
+    once = max(timed(a_calls, 1), timed(b_calls, 1))
+    k = max(1, min(64, int(round_s / max(once, 1e-6))))
+    xs, ys = [], []
+    for r in range(rounds):
+        xs.append(timed(a_calls, k))
+        ys.append(timed(b_calls, k))
+        if r == 0 and stop_early is not None and stop_early(xs[0], ys[0]):
+            break
+    return statistics.median(xs), statistics.median(ys)
 
 
 def tile_rows(x: Tensor, rows: int, size: int, batch_dim: int) -> Tensor:

@@ -19,7 +19,7 @@ import torch
 
 from . import _compat
 from .buckets import BucketTable, padded_rows
-from .capture import CaptureFailed, Replica, capture_bucket, copy_graph, device_sync, race, timed_calls
+from .capture import CaptureFailed, Replica, capture_bucket, copy_graph, device_sync, race
 from .compiled import CompiledForward, load_cache, save_cache, static_options, unavailable_reason
 from .errors import GraphwrapError
 from .outputs import ring_for
@@ -854,7 +854,7 @@ class Engine:
                 return
             extra = old.replicas.pop()  # never leased: the lock is held until it is dropped
             self.order_stream(ks.device)
-            shared_s, per_size_s = time_replays(extra.graph.replay, new.replicas[0].graph.replay, timed_calls)
+            shared_s, per_size_s = time_replays(extra.graph.replay, new.replicas[0].graph.replay)
             del extra
             for b in (old, new):
                 b.shared_us, b.per_size_us = 1e6 * shared_s, 1e6 * per_size_s

@@ -14,11 +14,12 @@ The engine supplies the work (:meth:`Engine.tune_next`); this module holds the c
 next bucket, the decision, the timing and the thread.
 """
 
-import statistics
 import threading
 import time
 import weakref
 from typing import Callable, Iterable, Optional, Tuple
+
+from .capture import time_pair, timed_calls
 
 HOT_CALLS = 16  # calls a bucket serves before its own kernels are worth a compile
 GAIN = 0.97  # the per-size graph is kept if it replays in at most this share of the time
@@ -41,24 +42,17 @@ def keep_new(old_s: float, new_s: float, gain: Optional[float] = None) -> bool:
     return new_s <= (GAIN if gain is None else gain) * old_s
 
 
-def time_replays(old: Callable[[], None], new: Callable[[], None], timed, rounds: int = 7,
+def time_replays(old: Callable[[], None], new: Callable[[], None], timed=None, rounds: int = 7,
                  round_s: float = 2e-3) -> Tuple[float, float]:
-    """Seconds per replay of ``old`` and ``new``, interleaved round by round; medians.
-    ``timed(fn, k)`` times ``k`` calls of ``fn`` with the device synchronized around them."""
+    """Seconds per replay of ``old`` and ``new``, in turns round by round; medians. ``timed(fn,
+    k)`` times ``fn(k)`` (k calls); by default with the device synchronized around them."""
     def loop(fn):
         def run(k):
             for _ in range(k):
                 fn()
         return run
 
-    lo, ln = loop(old), loop(new)
-    once = max(timed(lo, 1), timed(ln, 1))
-    k = max(1, min(64, int(round_s / max(once, 1e-6))))
-    olds, news = [], []
-    for _ in range(rounds):
-        olds.append(timed(lo, k))
-        news.append(timed(ln, k))
-    return statistics.median(olds), statistics.median(news)
+    return time_pair(loop(old), loop(new), rounds, round_s, timed=timed or timed_calls)
 
 
 class Tuner:
