@@ -139,3 +139,57 @@ def test_static_option_defaults_and_errors():
     per_size = static_options(compile_options({"mode": "max-autotune-no-cudagraphs"}))
     assert per_size["dynamic"] is False and per_size["static"] is False
     assert per_size["mode"] == "max-autotune-no-cudagraphs"
+
+
+def _engine_with_buckets():
+    """A compile=True engine on the CPU holding one key with made-up buckets and call counts."""
+    import torch
+    from types import SimpleNamespace
+
+    from graphwrap import GraphedModule
+    from graphwrap.engine import Bucket, Key
+
+    eng = GraphedModule(torch.nn.Linear(4, 4), compile=True).engine
+    ks = Key("k", None, torch.device("cpu"), None, "k", None)
+    eng.store.keys[("k",)] = ks
+
+    def bucket(size, calls, rows, **attrs):
+        b = Bucket(size)
+        b.replicas, b.compiled, b.kernels = [SimpleNamespace(nbytes=lambda: 0)], True, "shared"
+        for name, value in attrs.items():
+            setattr(b, name, value)
+        ks.buckets[size] = b
+        ks.plans[rows] = SimpleNamespace(size=size, eager=False, reason=None, calls=calls, n=rows)
+        return b
+
+    buckets = {
+        "cold": bucket(2, 3, 2),
+        "hot": bucket(8, 40, 7),
+        "tuned": bucket(16, 100, 16, tuned=True),
+        "per-size": bucket(32, 100, 32, kernels="per-size"),
+        "eager": bucket(64, 100, 64, serves="eager"),
+        "failed": bucket(128, 100, 128, failed="out of memory"),
+    }
+    return eng, ks, buckets
+
+
+def test_the_engine_offers_only_untuned_shared_graph_buckets_hottest_first(monkeypatch):
+    monkeypatch.setattr(tuning, "HOT_CALLS", 16)
+    eng, ks, b = _engine_with_buckets()
+    cands = eng._tune_candidates()
+    assert sorted(bk.size for _, _, (_, bk) in cands) == [2, 8]
+    assert {bk.size: (rows, calls) for rows, calls, (_, bk) in cands} == {2: (6, 3), 8: (280, 40)}
+    assert tuning.hottest(cands)[1] is b["hot"] and eng.tune_pending()
+    monkeypatch.setattr(tuning, "HOT_CALLS", 41)
+    assert not eng.tune_pending()
+    assert eng.tune_next() == "waiting" and not b["hot"].tuned  # nothing compiled while none is hot
+
+
+def test_the_engine_has_nothing_to_tune_once_compile_is_off_or_the_key_failed(monkeypatch):
+    monkeypatch.setattr(tuning, "HOT_CALLS", 1)
+    eng, ks, b = _engine_with_buckets()
+    ks.failed = "the forward cannot be captured"
+    assert eng._tune_candidates() == [] and eng.tune_next() == "done"
+    ks.failed = None
+    eng.compile_off = "Triton is not installed"
+    assert not eng.tune_pending() and eng.tune_next() == "done"
