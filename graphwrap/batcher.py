@@ -126,7 +126,15 @@ class Batcher:
     # ------------------------------------------------------------------ callers
 
     def __call__(self, *args, **kwargs):
-        if self._take_idle():
+        idle = False
+        if not self.max_delay:  # _take_idle, inlined: this is every lone request's path
+            with self._lock:
+                if self._closed:
+                    self._check_open()
+                if not self._busy:
+                    self._busy = idle = True
+                    self._requests += 1
+        if idle:
             value, error = self._run_idle(args, kwargs)
             if error is not None:
                 raise error
@@ -268,7 +276,8 @@ class Batcher:
                 self._hand_over()
             else:
                 self._busy = False
-                self._cond.notify_all()
+                if self._closed:  # close() waits for the serving role to be free; nobody else does
+                    self._cond.notify_all()
         return value, error
 
     def _request(self, args, kwargs) -> _Request:
