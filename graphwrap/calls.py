@@ -18,7 +18,8 @@ import time
 import torch
 
 from .capture import device_sync
-from .engine import STALE, Engine
+from .engine import Engine
+from .plans import STALE
 from .tree import BATCHED, CONST, Tensor, flatten_outputs, unflatten_inputs
 
 logger = logging.getLogger("graphwrap")

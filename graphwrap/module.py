@@ -14,7 +14,8 @@ from torch.nn.modules import module as _nn_module
 from .buckets import Adaptive, BucketTable
 from .calls import call, call_general
 from .compiled import compile_options
-from .engine import STALE, Engine, Tensor, release_store
+from .engine import Engine, Tensor, release_store
+from .plans import STALE
 from .errors import GraphwrapError
 
 # Module-level hook tables of torch.nn (mutated in place, never rebound): a call with any of

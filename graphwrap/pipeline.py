@@ -25,7 +25,8 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from .calls import call
-from .engine import Engine, current_stream_id
+from .engine import Engine
+from .plans import current_stream_id
 from .errors import GraphwrapError
 from .tree import Tensor, map_tensors
 

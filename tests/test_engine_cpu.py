@@ -6,7 +6,8 @@ from torch import nn
 
 from graphwrap import GraphedModule
 from graphwrap.capture import Replica, tile_rows
-from graphwrap.engine import Bucket, Key, Plan, describe_key
+from graphwrap.engine import describe_key
+from graphwrap.plans import Bucket, Key, Plan
 from graphwrap.tree import BATCHED, CONST, WHOLE, flatten_inputs, flatten_outputs, tensor_meta
 from helpers import MLP
 from test_verify_capture_cpu import RecomputeGraph

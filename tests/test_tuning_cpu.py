@@ -147,7 +147,7 @@ def _engine_with_buckets():
     from types import SimpleNamespace
 
     from graphwrap import GraphedModule
-    from graphwrap.engine import Bucket, Key
+    from graphwrap.plans import Bucket, Key
 
     eng = GraphedModule(torch.nn.Linear(4, 4), compile=True).engine
     ks = Key("k", None, torch.device("cpu"), None, "k", None)
