@@ -68,9 +68,17 @@ print("ROW", json.dumps(out))
 '''
 
 
-def _row(kind, kw, cache_dir):
+def row_code(kind, kw, ready_only: bool = False) -> str:
+    """The source of one row's process; ``ready_only``: no per-call timing (nor tuning) after ready."""
     code = ROW.replace("ROOT", repr(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     code = code.replace("KIND", repr(kind)).replace("KW", repr(kw))
+    if ready_only:
+        code = code.replace('out["ms_per_call_bs8"] = per_call(gm, ids)', "pass")
+    return code
+
+
+def _row(kind, kw, cache_dir):
+    code = row_code(kind, kw)
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:

@@ -5,9 +5,8 @@ sys.path.insert(0, "benchmarks")
 import compile_start as cs
 tmp = tempfile.mkdtemp(); cache = os.path.join(tmp, "bert.bin")
 for name, d in (("save", "i1"), ("load", "i2")):
-    code = cs.ROW.replace("ROOT", repr(os.getcwd())).replace("KIND", repr("graphwrap")).replace(
-        "KW", repr({"compile": {"cache": cache, "static": False}, "max_batch_size": 32}))
-    code = code.replace('out["ms_per_call_bs8"] = per_call(gm, ids)', 'pass')
+    code = cs.row_code("graphwrap", {"compile": {"cache": cache, "static": False}, "max_batch_size": 32},
+                       ready_only=True)
     code = code.replace("t0 = time.perf_counter()\nwith torch.no_grad():", "import logging; logging.basicConfig(level=logging.INFO, format='%(relativeCreated)d %(name)s %(message)s'); logging.getLogger('torch').setLevel(logging.WARNING)\nimport torch._dynamo, torch._inductor.compile_fx\nlogging.getLogger('graphwrap').info('t0'); t0 = time.perf_counter()\nwith torch.no_grad():")
     code += "\nprint(torch._dynamo.utils.compile_times(repr='str', aggregate=True))\n"
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, d))

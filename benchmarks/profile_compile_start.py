@@ -17,9 +17,7 @@ st.sort_stats("tottime").print_stats(25)
 
 
 def profile(name, kind, kw, cache_dir, out_dir):
-    code = cs.ROW.replace("ROOT", repr(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    code = code.replace("KIND", repr(kind)).replace("KW", repr(kw))
-    code = code.replace('out["ms_per_call_bs8"] = per_call(gm, ids)', 'pass')
+    code = cs.row_code(kind, kw, ready_only=True)
     src = os.path.join(out_dir, f"{name}.py")
     prof = os.path.join(out_dir, f"{name}.prof")
     with open(src, "w") as f:
