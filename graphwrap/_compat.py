@@ -8,6 +8,11 @@ from packaging.version import Version
 
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
 
+# Random numbers drawn while another thread captures: before torch 2.13, PyTorch puts the
+# default CUDA generator into capture mode for each capture, and a draw from another thread
+# then fails; from 2.13 each capture keeps its own generator state.
+PER_CAPTURE_RNG = TORCH_VERSION >= Version("2.13")
+
 # torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype arrived in 2.4.
 _AUTOCAST_BY_DEVICE = hasattr(torch, "get_autocast_dtype")
 

@@ -1,15 +1,13 @@
 """The direct call, ``gm(...)``: one call's inputs through the engine's plan, or eagerly.
 
 The common call, one tensor whose shape was seen before, is the plan's ``call1``: a copy, a
-replay and the output. A batch above the largest bucket gets a graph of its own size class
-(the bucket grid continued, see ``BucketTable.size_for``) when the memory it needs is free:
-one large matrix product beats several smaller ones, and eager launches can cost as much host
-time as the kernels take. Without that memory, its host inputs are copied to the device once,
-chunk by chunk on the engine's copy stream (overlapping the last call's work and each other
-chunk's compute), and it runs either as chunks, each replaying its bucket's graph with its
-outputs copied into the joined outputs in stream order, or eagerly in one forward; the first
-batch of each chunk count times both and keeps the faster. The host waits only for the
-copies that read its pinned memory.
+replay and the output. A batch above the largest bucket of its length gets a graph of its own
+size class (the bucket grid continued, see ``BucketTable.size_for``) when the memory it needs
+is free; without that memory (and always for inputs with a sequence dimension, whose largest
+bucket is set by the token budget), it is served in chunks of at most the largest bucket, each a
+replay, or eagerly in one forward, whichever was faster the first time a batch of that many
+chunks came. Its host inputs are copied once, chunk by chunk on the engine's copy stream, so
+the copies overlap the replays; the host waits only for the copies that read its pinned memory.
 """
 
 import logging
@@ -17,18 +15,14 @@ import time
 
 import torch
 
-from .capture import device_sync
-from .engine import Engine
 from .plans import STALE
-from .tree import BATCHED, CONST, Tensor, flatten_outputs, unflatten_inputs
+from .staging import Stager
+from .tree import BATCHED, CONST, Tensor, unflatten_inputs
 
 logger = logging.getLogger("graphwrap")
-_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-_event_base = getattr(torch._C, "_CudaEventBase", None)
-_wait = getattr(_event_base, "wait", None) or torch.cuda.Event.wait
 
 
-def call(engine: Engine, args, kwargs):
+def call(engine, args, kwargs):
     """``gm(*args, **kwargs)``."""
     if not kwargs and len(args) == 1:
         x = args[0]
@@ -41,97 +35,82 @@ def call(engine: Engine, args, kwargs):
     return call_general(engine, args, kwargs)
 
 
-def call_general(engine: Engine, args, kwargs):
+def call_general(engine, args, kwargs):
     """``gm(*args, **kwargs)`` once the one-tensor path has not served it."""
-    prep = engine.prepare(args, kwargs)
-    if type(prep) is str:
-        return engine.eager(args, kwargs, prep)
-    large = prep[1][1] > engine.table.max
-    with engine.lock:  # held across plan and replay: a reset() in between must not be replayed over
-        plan = engine.plan(prep)
-        if large and (type(plan) is str or plan.reason is not None):
-            # No graph of this size (memory): chunks of the largest bucket, or one eager forward.
-            return run_chunked(engine, prep, args, kwargs)
-        if type(plan) is str:
-            return engine.eager(args, kwargs, plan)
-        if plan.eager:
-            return engine.eager_plan(plan, args, kwargs)
-        leaves = prep[1][0]
-        if plan.device_index != _current_device():
-            with torch.cuda.device(plan.device):
-                engine.order_stream(plan.device)
-                outs = plan.run(leaves)
-        else:
-            engine.order_stream(plan.device)
-            outs = plan.run(leaves)
-    return plan.rebuild(outs)
+    f = engine.facts(args, kwargs)
+    if type(f) is str:
+        return engine.eager(args, kwargs, f)
+    for _ in range(3):  # a reset() between plan and replay: plan again
+        out = call_plan(engine, engine.plan(f), f.leaves, args, kwargs)
+        if out is not STALE:
+            return out
+    return engine.eager(args, kwargs, "the graphs were dropped (reset) during the call")
 
 
-def run_chunked(engine: Engine, prep, args, kwargs):
-    """A batch above the largest bucket without a graph of its own size (the memory it would
-    take is not free): replayed in chunks of at most the largest bucket, or run eagerly in one
-    forward, whichever was faster the first time this key had a batch of this many chunks
-    (timed then, both on the same inputs)."""
-    key, (leaves, n, spec, meta, autocast, device) = prep
-    with engine.lock:
-        ks = engine.key_of(prep)
-        if ks is None:
-            return engine.eager(args, kwargs, f"more than max_keys={engine.max_keys} input signatures")
-        if ks.failed is not None:
-            ks.eager_calls += 1
-            return engine.eager(args, kwargs, ks.failed)
-        chunks = engine.table.chunks(n)
-        how = ks.large.get(len(chunks))
-        plans = None
-        if how != "eager":
-            plans = [engine.plan_for_rows(ks, rows, leaves, n) for _, rows, _ in chunks]
-            if ks.failed is not None or ks.out_spec is None:
-                # The key failed while capturing a chunk's bucket, or no bucket of it was captured.
-                return engine.eager(args, kwargs, ks.failed or next(p for p in plans if type(p) is str))
-        with torch.cuda.device(device):
-            compute = engine.order_stream(device)
-            on_device, copied, wait_for, turn = _to_device(engine, ks, leaves, n, chunks, device, compute)
-            if how is None:
-                how = _decide(engine, ks, on_device, n, chunks, plans, copied, compute)
-            if how == "eager":
-                if copied is not None:
-                    _wait(copied[-1], compute)
-                ks.large_eager += 1
-                ks.large_rows += n
-                out = _eager_whole(engine, ks, on_device)
-            else:
-                out = ks.out_spec.rebuild(_replay_chunks(engine, ks, on_device, n, chunks, plans, copied, compute))
-            _done_with(ks, turn, compute)
-            if wait_for is not None:
-                # The copies read the caller's pinned memory asynchronously: over before it is handed back.
-                wait_for.synchronize()
+def call_plan(engine, plan, leaves, args, kwargs):
+    """What ``plan`` says for a call: chunks, eager, or copy in, replay and outputs out."""
+    if plan.chunked:
+        return run_chunked(engine, plan, leaves, args, kwargs)
+    if plan.eager:
+        return engine.eager_plan(plan, args, kwargs)
+    outs = engine.run(plan, leaves)
+    return outs if outs is STALE else plan.rebuild(outs)
+
+
+def run_chunked(engine, plan, leaves, args, kwargs):
+    """A batch above the largest bucket of its length, in chunks or in one eager forward."""
+    ks, n, L = plan.key, plan.n, plan.L
+    S = engine.grid.seq_for(L, exact=ks.exact is not None) if ks.has_seq else None
+    chunks = engine.grid.chunks(n, S)
+    how = ks.large.get(len(chunks))
+    plans = None
+    if how != "eager":
+        plans = [engine.plan_rows(ks, rows, L, _rows(leaves, ks.roles, start, rows)) for start, rows, _ in chunks]
+        if ks.failed is not None or ks.out_spec is None:
+            return engine.eager(args, kwargs, ks.failed or next(p.reason for p in plans if p.reason) or
+                                "no bucket of these inputs could be captured")
+    device = ks.device
+    staged = _to_device(engine, ks, leaves, n, chunks, device)
+    if how is None:
+        how = _decide(engine, ks, staged, n, chunks, plans)
+    if how == "eager":
+        with engine.lock:
+            staged.wait_all()
+            ks.large_eager += 1
+            ks.large_rows += n
+        a, k = unflatten_inputs(ks.spec, staged.leaves)
+        out = engine.eager_run(a, k)
+    else:
+        with engine.lock:
+            outs = _replay_chunks(engine, ks, staged, n, chunks, plans)
+        out = ks.out_spec.rebuild(outs)
+    staged.finish()
     return out
 
 
-def _eager_whole(engine, ks, on_device):
-    args, kwargs = unflatten_inputs(ks.in_spec, on_device)
-    with torch.no_grad():
-        return engine.eager_run(args, kwargs)
+def _rows(leaves, roles, start, rows):
+    return [t if bd is None else t.narrow(bd, start, rows) for t, (bd, _, _) in zip(leaves, roles)]
 
 
-def _decide(engine, ks, on_device, n, chunks, plans, copied, compute) -> str:
+def _decide(engine, ks, staged, n, chunks, plans) -> str:
     """Time the chunked replays and one eager forward on these inputs; remember the faster."""
-    if copied is not None:
-        _wait(copied[-1], compute)
-    if not engine.eager_if_faster or any(type(p) is str or p.eager for p in plans):
+    if not engine.eager_if_faster or any(p.eager for p in plans):
         how = "graph"
     else:
         counts = [p.calls for p in plans]  # the timing runs are not calls: stats leave them out
+        a, k = unflatten_inputs(ks.spec, staged.leaves)
         times = {"graph": [], "eager": []}
         for _ in range(2):
             for name in times:
-                device_sync()
+                engine.backend.sync()
                 t0 = time.perf_counter()
                 if name == "graph":
-                    _replay_chunks(engine, ks, on_device, n, chunks, plans, None, compute)
+                    with engine.lock:
+                        _replay_chunks(engine, ks, staged, n, chunks, plans)
                 else:
-                    _eager_whole(engine, ks, on_device)
-                device_sync()
+                    with torch.no_grad():
+                        engine.eager_run(a, k)
+                engine.backend.sync()
                 times[name].append(time.perf_counter() - t0)
         for p, c in zip(plans, counts):
             p.calls = c
@@ -144,107 +123,97 @@ def _decide(engine, ks, on_device, n, chunks, plans, copied, compute) -> str:
     return how
 
 
-def _replay_chunks(engine, ks, on_device, n, chunks, plans, copied, compute):
+def _replay_chunks(engine, ks, staged, n, chunks, plans):
+    """Each chunk replayed and its outputs copied into the joined outputs, in stream order. The
+    caller holds the lock (the static outputs are read before any other replay)."""
     bd = engine.batch_dim
+    compute = staged.order(engine)
     joined = None
     for i, ((start, rows, _), plan) in enumerate(zip(chunks, plans)):
-        if copied is not None:
-            _wait(copied[i], compute)
-        part = [t.narrow(bd, start, rows) for t in on_device]
-        if type(plan) is str or plan.eager:
-            p_args, p_kwargs = unflatten_inputs(ks.in_spec, part)
-            with torch.no_grad():
-                if type(plan) is str:
-                    out = engine.eager(p_args, p_kwargs, plan)
-                else:
-                    out = engine.eager_plan(plan, p_args, p_kwargs)
-            outs = flatten_outputs(out)[0]
+        staged.wait(i, compute)
+        part = _rows(staged.leaves, ks.roles, start, rows)
+        if plan.eager:
+            from .tree import flatten_outputs
+            a, k = unflatten_inputs(ks.spec, part)
+            outs = flatten_outputs(engine.eager_plan(plan, a, k))[0]
         else:
             outs = plan.run(part, clone=False)
         if joined is None:
-            joined = []
-            for o, kind in zip(outs, ks.kinds):
-                if kind == BATCHED:
-                    shape = list(o.shape)
-                    shape[bd] = n
-                    joined.append(o.new_empty(shape))
-                elif kind == CONST:
-                    joined.append(o)
-                else:
-                    joined.append(o.clone())
+            joined = [_joined(o, kind, bd, n) for o, kind in zip(outs, ks.kinds)]
         for j, (o, kind) in enumerate(zip(outs, ks.kinds)):
             if kind == BATCHED:
                 joined[j].narrow(bd, start, rows).copy_(o)
+    staged.read(compute)
     return joined
 
 
-class Staging:
-    """Device buffers for one key's large host batches, two sets taken in turns.
-
-    The copy into a set waits until the compute stream is done with what that set held two
-    calls ago, and the call waits for its copies before it returns: so the host runs at most
-    two calls ahead of the device, and memory stays flat however far ahead it could issue.
-    """
-
-    __slots__ = ("bufs", "done", "turn")
-
-    def __init__(self):
-        self.bufs = [None, None]  # per turn: host leaf index -> device buffer
-        self.done = [None, None]  # per turn: recorded on the compute stream after the last reads
-        self.turn = 0
+def _joined(o, kind, bd, n):
+    if kind == BATCHED:
+        shape = list(o.shape)
+        shape[bd] = n
+        return o.new_empty(shape)
+    return o if kind == CONST else o.clone()
 
 
-def _to_device(engine, ks, leaves, n, chunks, device, compute):
-    """The inputs on the device: host tensors copied chunk by chunk on the copy stream into
-    the key's staging buffers.
+class _Staged:
+    """A large batch's inputs on the device: host ones copied chunk by chunk on the copy stream
+    into the key's staging buffers (one event per chunk)."""
 
-    Returns the device tensors, one event per chunk (its copies are done; None if every input
-    was on the device already), the event to wait for before returning (None unless the
-    caller's pinned memory was read asynchronously) and the staging turn used (or None).
-    """
-    host = [i for i, t in enumerate(leaves) if not t.is_cuda]
-    if not host:
-        return leaves, None, None, None
-    bd = engine.batch_dim
+    def __init__(self, leaves, events=None, stager=None, turn=None, pinned=None):
+        self.leaves, self.events, self.stager, self.turn, self.pinned = leaves, events, stager, turn, pinned
+
+    def order(self, engine):
+        device = self.leaves[0].device
+        return engine.order_stream(device) if device.type == "cuda" else None
+
+    def wait(self, i, compute):
+        if self.events is not None:
+            compute.wait_event(self.events[i])
+
+    def wait_all(self):
+        if self.events is not None:
+            torch.cuda.current_stream(self.leaves[0].device).wait_event(self.events[-1])
+
+    def read(self, compute):
+        if self.stager is not None:
+            self.stager.done(self.turn, compute)
+
+    def finish(self):
+        if self.pinned is not None:
+            # The copies read the caller's pinned memory asynchronously: over before it is handed back.
+            self.pinned.synchronize()
+
+
+def _to_device(engine, ks, leaves, n, chunks, device) -> _Staged:
+    host = [i for i, t in enumerate(leaves) if t.device != device]
+    if not host or device.type != "cuda":
+        return _Staged(leaves)
     st = ks.staging
     if st is None:
-        st = ks.staging = Staging()
-    turn = st.turn
-    st.turn = 1 - turn
-    bufs = st.bufs[turn] or {}
+        st = ks.staging = Stager(device)
+    turn = st.take()
     copy_stream = engine.copy_stream(device)
+    out = list(leaves)
     fresh = False
     for i in host:
-        t, b = leaves[i], bufs.get(i)
-        if b is None or b.dtype != t.dtype or b.shape[bd] < n or b.shape[:bd] + b.shape[bd + 1:] != \
-                t.shape[:bd] + t.shape[bd + 1:]:
-            bufs[i] = torch.empty(t.shape, dtype=t.dtype, device=device)
-            fresh = True
-    st.bufs[turn] = bufs
-    if fresh:
-        # New memory from the compute stream's pool: whatever that stream did with it before
-        # comes first.
+        t, bd = leaves[i], ks.roles[i][0]
+        out[i], new = st.buffer(turn, i, t.shape, t.dtype, bd if bd is not None else 0)
+        fresh = fresh or new
+    compute = torch.cuda.current_stream(device)
+    if fresh:  # new memory from the compute stream's pool: whatever that stream did with it comes first
         copy_stream.wait_stream(compute)
-    elif st.done[turn] is not None:
-        _wait(st.done[turn], copy_stream)
-    out = list(leaves)
-    for i in host:
-        out[i] = bufs[i].narrow(bd, 0, n)
+    else:
+        st.wait_stream(turn, copy_stream)
     events = [torch.cuda.Event() for _ in chunks]
-    pinned = False
     with torch.cuda.stream(copy_stream):
         for (start, rows, _), ev in zip(chunks, events):
             for i in host:
-                out[i].narrow(bd, start, rows).copy_(leaves[i].narrow(bd, start, rows), non_blocking=True)
+                bd = ks.roles[i][0]
+                if bd is None:
+                    if start == 0:
+                        out[i].copy_(leaves[i], non_blocking=True)
+                else:
+                    out[i].narrow(bd, start, rows).copy_(leaves[i].narrow(bd, start, rows), non_blocking=True)
             ev.record(copy_stream)
     pinned = any(leaves[i].is_pinned() for i in host)
-    return out, events, events[-1] if pinned else None, turn
-
-
-def _done_with(ks, turn, compute):
-    """Mark the staging buffers of ``turn`` read: the compute stream has issued its last use."""
-    if turn is not None:
-        ev = ks.staging.done[turn]
-        if ev is None:
-            ev = ks.staging.done[turn] = torch.cuda.Event()
-        ev.record(compute)
+    return _Staged(out, events, st, turn, events[-1] if pinned else None)

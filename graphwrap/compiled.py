@@ -201,15 +201,17 @@ class CompiledForward:
 
         self.fn = torch.compile(_own_entry(module), backend=backend, dynamic=dynamic, fullgraph=opts["fullgraph"])
 
-    def mark(self, leaves, batch_dim: int):
-        """With ``dynamic="batch"``: mark the batch dimension of each input dynamic, so this
-        compile serves every batch size of two rows or more. A dimension of size 1 is left
-        alone: dynamo specializes sizes 0 and 1, and would raise for a dimension marked dynamic."""
+    def mark(self, leaves, roles):
+        """With ``dynamic="batch"``: mark the batch dimension (and the sequence dimension) of each
+        input dynamic, so this compile serves every bucket of two rows (and positions) or more.
+        A dimension of size 1 is left alone: dynamo specializes sizes 0 and 1, and would raise
+        for a dimension marked dynamic."""
         if not self.batch:
             return
-        for t in leaves:
-            if t.dim() > batch_dim and t.shape[batch_dim] >= 2:
-                torch._dynamo.mark_dynamic(t, batch_dim)
+        for t, (bd, sd, _) in zip(leaves, roles):
+            for d in (bd, sd):
+                if d is not None and t.dim() > d and t.shape[d] >= 2:
+                    torch._dynamo.mark_dynamic(t, d)
 
     def __call__(self, *args, **kwargs):
         with _RUN_LOCK, _limits():

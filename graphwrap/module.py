@@ -5,18 +5,20 @@ in a parent module) and hands every call to the engine (:mod:`graphwrap.engine`)
 direct-call loop (:mod:`graphwrap.calls`).
 """
 
+import logging
 import weakref
 from typing import Optional, Sequence
 
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-from .buckets import Adaptive, BucketTable
 from .calls import call, call_general
-from .compiled import compile_options
 from .engine import Engine, Tensor, release_store
-from .plans import STALE
 from .errors import GraphwrapError
+from .options import Options
+from .plans import STALE
+
+logger = logging.getLogger("graphwrap")
 
 # Module-level hook tables of torch.nn (mutated in place, never rebound): a call with any of
 # them set goes through nn.Module.__call__, which runs the hooks.
@@ -44,7 +46,7 @@ class GraphedModule(nn.Module):
             * :class:`graphwrap.Adaptive`: at most ``k`` buckets fitted to a histogram of batch
               sizes, given or counted over the first calls (which run eagerly).
             * a list of batch sizes.
-        max_batch_size: largest bucket of ``"default"`` and ``"exact"`` (256). Larger batches
+        max_batch_size: largest bucket of ``"default"`` and ``"exact"`` (256; 64 with ``seq_dim``). Larger batches
             are split into chunks of at most the largest bucket, each served by a replay, and
             joined; their host inputs are copied on a copy stream of graphwrap's own, so a host
             tensor filled by a ``non_blocking`` copy must be complete before it is passed.
@@ -66,7 +68,28 @@ class GraphedModule(nn.Module):
             batches of a bucket left out go to the next larger captured bucket (or run eagerly
             if there is none). Call :meth:`capture` first so that the largest buckets are
             captured first. Estimating resets ``torch.cuda``'s peak memory statistics.
-        batch_dim: the dimension of every tensor input and batched output that holds the batch.
+        batch_dim: the dimension of the tensor inputs and batched outputs that holds the batch
+            (0). An input without it, or with one row where the others have more, is taken as
+            not batched (broadcast over the batch; copied in whole). A dict by input name or
+            position says it per input, with None for an input that is not batched, e.g.
+            ``batch_dim={"pos": None}``; inputs left out keep 0. Calls whose inputs disagree on
+            the batch otherwise run eagerly, with the reason in ``stats()``.
+        seq_dim: the dimension of the tensor inputs that varies per call with the sequence
+            length (None: none does). An int applies to every tensor input that has that
+            dimension; a dict by input name or position names them (``{"input_ids": 1,
+            "attention_mask": 1}``). Lengths are padded up to a sequence bucket with
+            ``pad_values``, outputs that carry the sequence are cut back to the real length,
+            and each captured graph is first verified to give the real positions what eager
+            gives them at the real length; a model that does not ignore padded positions is
+            served at exact lengths instead, and says so in ``stats()`` and the log.
+        seq_buckets: the sequence lengths graphs are captured for: ``None``/``"default"``
+            (16, 32, 48, 64, 96, 128, 192, 256, 384, 512), ``"exact"`` (every length, no
+            padding) or a list. Longer inputs run eagerly, with the reason.
+        pad_values: the value padded positions hold, one number for every input or a dict by
+            input name (0: suits ``input_ids`` with pad id 0, ``attention_mask`` and
+            ``token_type_ids``).
+        max_tokens: with ``seq_dim``, the most rows times length of one graph (16384): the
+            largest batch bucket at each sequence bucket; larger batches are served in chunks.
         warmup_iters: eager runs on a side stream before each capture.
         outputs: ``"clone"`` returns tensors the caller owns. ``"view"`` returns views of the
             static output buffers, with no copy.
@@ -74,7 +97,8 @@ class GraphedModule(nn.Module):
             the reason once; ``"raise"`` raises :class:`GraphwrapError` instead.
         verify: after each capture, replay on the warm-up inputs and compare with eager, then
             replay with other padding rows to catch models that mix rows of the batch.
-        max_keys: how many input signatures get graphs; calls with further signatures run eagerly.
+        max_keys: how many input signatures get graphs; calls with further signatures run eagerly
+            (with ``seq_dim``, the lengths of one signature are buckets of one key).
         eager_if_faster: when a bucket is captured, time a few calls through its graph and
             eagerly, and serve that bucket eagerly if eager took at most 0.9x the graph's time
             (a model of one or two kernels, say). ``stats()`` shows each bucket's times and
@@ -90,8 +114,12 @@ class GraphedModule(nn.Module):
         frozen at capture: call :meth:`reset` after changing it.
 
     .. warning::
-        Outputs never require grad. A call whose inputs require grad with grad mode on, or with
-        the module in training mode, runs eagerly.
+        Outputs never require grad, on a GPU and on a CPU alike. A call whose inputs require grad
+        with grad mode on, or with the module in training mode, runs eagerly with grad.
+
+    .. warning::
+        A forward that writes into its inputs (in-place preprocessing, a cache passed in) is
+        found at capture, on graphwrap's own copy of the inputs, and runs eagerly on yours.
     """
 
     def __init__(
@@ -100,7 +128,11 @@ class GraphedModule(nn.Module):
         *,
         buckets: Optional[Sequence[int]] = None,
         max_batch_size: Optional[int] = None,
-        batch_dim: int = 0,
+        batch_dim=0,
+        seq_dim=None,
+        seq_buckets=None,
+        pad_values=0,
+        max_tokens: Optional[int] = None,
         warmup_iters: int = 3,
         outputs: str = "clone",
         fallback: str = "eager",
@@ -112,32 +144,14 @@ class GraphedModule(nn.Module):
     ):
         if not isinstance(module, nn.Module):
             raise GraphwrapError(f"GraphedModule wraps an nn.Module, got {type(module).__name__}")
-        if outputs not in ("clone", "view"):
-            raise GraphwrapError(f'outputs must be "clone" or "view", got {outputs!r}')
-        if fallback not in ("eager", "raise"):
-            raise GraphwrapError(f'fallback must be "eager" or "raise", got {fallback!r}')
-        if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
-            raise GraphwrapError(f"batch_dim must be a non-negative int, got {batch_dim!r}")
-        if not isinstance(warmup_iters, int) or warmup_iters < 1:
-            raise GraphwrapError(f"warmup_iters must be an int >= 1, got {warmup_iters!r}")
-        if not isinstance(max_keys, int) or max_keys < 1:
-            raise GraphwrapError(f"max_keys must be an int >= 1, got {max_keys!r}")
-        if max_pool_bytes is not None and (not isinstance(max_pool_bytes, int) or max_pool_bytes < 1):
-            raise GraphwrapError(f"max_pool_bytes must be a positive int (bytes), got {max_pool_bytes!r}")
-        compile_opts = compile_options(compile)
-        adaptive = None
-        if isinstance(buckets, Adaptive):
-            adaptive = buckets
-            if max_batch_size is not None:
-                raise GraphwrapError("an Adaptive policy picks the largest bucket itself; leave max_batch_size unset")
-            buckets = adaptive.buckets  # None until the warm-up calls are counted
-        table = BucketTable(buckets, max_batch_size)
-        if (compile_opts is not None and compile_opts["dynamic"] == "batch" and adaptive is None
-                and (buckets is None or buckets in ("default", "exact")) and table.max > 1):
-            # One compile for every bucket: batches of one row run in the bucket of two, since a
-            # size-1 batch dimension would make dynamo compile a static graph of its own.
-            table = BucketTable([b for b in table.buckets if b > 1])
+        if isinstance(module, GraphedModule):
+            raise GraphwrapError("this module is a GraphedModule already; wrap its .module, or use it as it is")
+        opts = Options(buckets, max_batch_size, batch_dim, seq_dim, seq_buckets, pad_values, max_tokens, warmup_iters,
+                       outputs, fallback, verify, max_keys, compile, max_pool_bytes, eager_if_faster).check()
         super().__init__()
+        self._gw_attach(module, opts)
+
+    def _gw_attach(self, module: nn.Module, opts: Options):
         object.__setattr__(self, "_gw_module", module)
         # Share the module's tables, so parameters(), state_dict keys and nesting inside a
         # parent module are exactly the module's own.
@@ -146,16 +160,41 @@ class GraphedModule(nn.Module):
         object.__setattr__(self, "_modules", module._modules)
         object.__setattr__(self, "_non_persistent_buffers_set", module._non_persistent_buffers_set)
         self.training = module.training
-        engine = Engine(
-            module, table=table, adaptive=adaptive if adaptive is not None and adaptive.buckets is None else None,
-            policy=adaptive, compile_opts=compile_opts, max_pool_bytes=max_pool_bytes, batch_dim=batch_dim,
-            warmup_iters=warmup_iters, clone=outputs == "clone", fallback=fallback, verify=bool(verify),
-            max_keys=max_keys, eager_if_faster=bool(eager_if_faster),
-        )
+        engine = Engine(module, opts)
         d = self.__dict__
         d["_gw_engine"] = engine
-        d["_gw_outputs"] = outputs
+        d["_gw_options"] = opts
+        d["_gw_outputs"] = opts.outputs
         d["_gw_finalizer"] = weakref.finalize(self, release_store, engine.store)
+
+    # ------------------------------------------------------------------ copies and pickles
+
+    def __getstate__(self):
+        # Graphs, static buffers, locks and threads stay behind: a copy or a loaded module
+        # captures its own on its first calls, as a new GraphedModule would.
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("_gw_engine", "_gw_finalizer", "_parameters", "_buffers", "_modules",
+                              "_non_persistent_buffers_set")}
+        state["_gw_options"] = self.__dict__["_gw_options"].as_kwargs()
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        module = state.pop("_gw_module")
+        opts = Options(**state.pop("_gw_options"))
+        self.__dict__.update(state)
+        self._gw_attach(module, opts)
+
+    # ------------------------------------------------------------------ containers
+
+    def __len__(self):
+        return len(self.__dict__["_gw_module"])
+
+    def __iter__(self):
+        return iter(self.__dict__["_gw_module"])
+
+    def __getitem__(self, idx):
+        return self.__dict__["_gw_module"][idx]
 
     # ------------------------------------------------------------------ the call
 
@@ -195,7 +234,7 @@ class GraphedModule(nn.Module):
 
     @property
     def buckets(self):
-        return self.engine.table.buckets
+        return self.engine.grid.batch.buckets
 
     def __getattr__(self, name):
         try:
@@ -247,29 +286,33 @@ class GraphedModule(nn.Module):
         """Capture every bucket for the signature of these inputs now, largest first.
 
         The inputs serve as samples: buckets smaller than their batch take its first rows,
-        larger ones repeat its rows. Progress (bucket, time, pool memory) is logged at INFO on
-        the ``graphwrap`` logger. Returns ``stats()`` of this signature.
+        larger ones repeat its rows; with ``seq_dim``, every sequence bucket is captured too,
+        the sample cut or padded to its length. Progress (bucket, time, pool memory) is logged at
+        INFO on the ``graphwrap`` logger. Returns ``stats()`` of this signature. Where graphs
+        cannot run (no CUDA, a module on the CPU), it captures nothing, says why in the log and
+        returns ``stats()``, so code written for a GPU runs unchanged on a CPU.
 
-        With ``background=True`` it returns at once and a thread of its own does the work:
-        it captures the plain forward of every bucket, then (with ``compile=``) compiles the
-        forward and replaces each bucket's graph with one of the compiled kernels, bucket by
+        With ``background=True`` it returns at once and the engine's worker thread does the
+        work: it captures the plain forward of every bucket, then (with ``compile=``) compiles
+        the forward and replaces each bucket's graph with one of the compiled kernels, bucket by
         bucket. Calls are served all the while: eagerly until their bucket's first graph is
-        captured, then by it. :meth:`wait` waits for the thread; ``stats()["compile"]`` says
-        where it is. ``background`` is graphwrap's own argument: the module never sees it.
+        captured, then by it. :meth:`wait` waits for it; ``stats()["compile"]`` says where it
+        is. ``background`` is graphwrap's own argument: the module never sees it.
         """
-        prep = self.engine.prepare(args, kwargs)
-        if isinstance(prep, str):
-            raise GraphwrapError(f"cannot capture: {prep}")
-        if background:
-            self.engine.capture_background(prep)
-            return self.engine.stats()
-        return self.engine.capture_all(prep)
+        engine = self.engine
+        f = engine.facts(args, kwargs)
+        if isinstance(f, str):
+            if f in ("CUDA is not available", "the module is not on a CUDA device"):
+                logger.warning("graphwrap: capture() captured nothing: %s; calls run the module eagerly", f)
+                return engine.stats()
+            raise GraphwrapError(f"cannot capture: {f}")
+        return engine.capture(f, background)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait for a ``capture(..., background=True)`` to finish, and for the per-size kernels
         of the buckets that have served calls (``compile=``'s ``static="auto"``); whether both
         are done within ``timeout`` (True if nothing ran)."""
-        return self.engine.wait_background(timeout)
+        return self.engine.wait(timeout)
 
     def stats(self) -> dict:
         """Per signature and bucket: captured, what serves it (graph or eager, with the times

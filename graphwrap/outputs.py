@@ -2,26 +2,30 @@
 
 Each captured graph can have a ring of output *slots*. A slot is memory of its own for every
 tensor output (from the ordinary allocator, outside the graph pool, so no replay of any graph
-writes it) and a small captured graph that copies the graph's static outputs into it. A call
-takes a slot that nobody holds any more, replays its copy graph right after the main graph,
-and hands out fresh views of the slot's memory.
+writes it) and what fills it: on a GPU, a further capture of the forward that writes its
+outputs into the slot, so a call replays one graph whether it hands out views or owned
+outputs. A call takes a slot that nobody holds any more, runs its fill in place of the main
+graph, and hands out the slot's tensors.
 
 The recycling rule: a slot is taken again only when nothing but the slot refers to it: the
 tensors it handed out are referenced only by the slot (Python reference counts), and its
 memory by no tensor but the slot's own (storage use counts: every view the caller made, views
-of views included, adds one). And only on the stream it was last handed out on, so work the caller
-queued on that stream before dropping the output is ordered before the slot is written again
-(the same rule the caching allocator keeps for freed memory). When every slot is held, the
-call falls back to a clone.
+of views included, adds one). And only on the stream it was last handed out on, so work the
+caller queued on that stream before dropping the output is ordered before the slot is written
+again (the same rule the caching allocator keeps for freed memory). When every slot is held,
+the call clones, and a new slot is made off the call path (its copy graph is a capture).
 """
 
+import logging
 import sys
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
-from .tree import BATCHED, CONST
+from .records import cut
+from .tree import CONST
 
+logger = logging.getLogger("graphwrap")
 # The number of strong references to a storage (torch._C, used by torch.compile's CUDA graphs).
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 _refcount = sys.getrefcount
@@ -29,18 +33,13 @@ MAX_SLOTS = 4
 # Outputs larger than this (all of one graph's, in bytes) are cloned: the copy then costs far
 # more device time than its launch costs host time, and the ring would hold MAX_SLOTS copies.
 MAX_SLOT_BYTES = 16 << 20
-# A fill that could not be made (its capture failed) is tried again on later calls, this many
-# times in all; the calls meanwhile clone.
+# A fill that could not be made (its capture failed) is tried again later, this many times in all.
 MAX_FAILURES = 3
 
 
 def storage_ref(t: torch.Tensor) -> int:
     """The address of ``t``'s storage, for :func:`use_count`."""
     return t.untyped_storage()._cdata
-
-
-def use_count(ref: int) -> int:
-    return _use_count(ref)
 
 
 def available() -> bool:
@@ -50,30 +49,34 @@ def available() -> bool:
     return _use_count is not None and (gil is None or gil())
 
 
-class Slot:
-    """One set of owned output buffers, the graph (or stand-in) that fills them, and the tensors
-    last handed out of them.
+def _refcounts(ts) -> List[int]:
+    """Python reference counts of ``ts``'s items, counted as :meth:`Slot.free` counts them."""
+    out = []
+    for t in ts:
+        out.append(_refcount(t))
+    return out
 
-    The tensors handed out for ``n`` rows are made once and handed out again whenever the
-    slot is free: a fresh view per call would cost as much host time as the clone it replaces.
-    Free means: the tensors last handed out have no references but the slot's own (their
-    Python reference counts), and the memory has no tensors on it but the slot's own (the
-    storages' use counts, which see every view the caller made of them).
+
+class Slot:
+    """One set of owned output buffers, what fills them, and the tensors last handed out.
+
+    The tensors handed out for ``(n, L)`` are made once and handed out again whenever the slot
+    is free: a fresh view per call would cost as much host time as the clone it replaces.
     """
 
-    __slots__ = ("bases", "refs", "fill", "sid", "kinds", "batch_dim", "static", "handed", "use_counts",
-                 "ref_counts", "last", "last_refs")
+    __slots__ = ("bases", "refs", "fill", "sid", "kinds", "seq_dims", "batch_dim", "static", "handed",
+                 "use_counts", "ref_counts", "last", "last_refs")
 
-    def __init__(self, bases: List[torch.Tensor], fill: Callable[[], None], sid, kinds, batch_dim, static):
+    def __init__(self, bases: List[torch.Tensor], fill: Callable[[], None], kinds, seq_dims, batch_dim, static):
         self.bases = bases
         self.refs = [storage_ref(b) for b in bases]
         self.fill = fill
-        self.sid = sid
-        self.kinds = kinds
+        self.sid = None  # the stream it was last handed out on (None: never handed out)
+        self.kinds, self.seq_dims = kinds, seq_dims
         self.batch_dim = batch_dim
         self.static = static  # the static outputs: constants are handed out as they are
-        self.handed = {}  # n -> the outputs handed out for n rows (tensors made once)
-        self.ref_counts = {}  # n -> their Python reference counts while only the slot holds them
+        self.handed = {}  # (n, L) -> the outputs handed out (tensors made once)
+        self.ref_counts = {}  # (n, L) -> their Python reference counts while only the slot holds them
         self.last = None  # the outputs handed out last, and their reference counts when free
         self.last_refs = None
         self._count_uses()
@@ -86,72 +89,109 @@ class Slot:
     def free(self) -> bool:
         last = self.last
         if last is not None:
-            for t, rc in zip(last, self.last_refs):
-                if _refcount(t) != rc:
+            refs, i = self.last_refs, 0
+            for t in last:  # the same loop as _refcounts: the same references of its own
+                if _refcount(t) != refs[i]:
                     return False
+                i += 1
         for ref, count in zip(self.refs, self.use_counts):
             if _use_count(ref) != count:
                 return False
         return True
 
-    def views(self, n: int) -> List[Any]:
-        """The outputs cut to ``n`` rows, in the order of the outputs; call on a free slot."""
-        out = self.handed.get(n)
+    def views(self, n: int, L: Optional[int] = None) -> List[Any]:
+        """The outputs cut to ``n`` rows and length ``L``; call on a free slot."""
+        key = (n, L)
+        out = self.handed.get(key)
         if out is None:
             out = []
             bases = iter(self.bases)
-            for kind, o in zip(self.kinds, self.static):
-                if kind == CONST:
-                    out.append(o)
-                    continue
-                b = next(bases)
-                out.append(b.narrow(self.batch_dim, 0, n) if kind == BATCHED and b.shape[self.batch_dim] != n else b)
-            self.handed[n] = out
-            self.ref_counts[n] = [_refcount(t) for t in out]
+            for kind, sdims, o in zip(self.kinds, self.seq_dims, self.static):
+                out.append(o if kind == CONST else cut(next(bases), kind, sdims, self.batch_dim, n, L))
+            self.handed[key] = out
+            # Views made of a tensor count as references to it (PyTorch keeps the base's Python
+            # object alive from C++): every list's resting counts change with a new one. The slot
+            # is free here (nothing of it is the caller's), so they are all taken again.
+            for k, handed in self.handed.items():
+                self.ref_counts[k] = _refcounts(handed)
             self._count_uses()
         self.last = out
-        self.last_refs = self.ref_counts[n]
-        return out
+        self.last_refs = self.ref_counts[key]
+        # A list of the caller's own: its references to the tensors keep the slot held from here
+        # on, also between the lock's release and the caller taking the tensors out of it.
+        return list(out)
 
 
 class OutputRing:
-    """The slots of one captured graph. ``make_fill(dsts, srcs)`` returns a callable that copies
-    ``srcs`` into ``dsts`` on the current stream (a captured graph's replay on a GPU)."""
+    """The slots of one captured graph. ``make_fill(bases, warm)`` returns a callable that writes
+    the graph's outputs (for the inputs in its static inputs) into ``bases`` on the current stream."""
 
-    __slots__ = ("static", "kinds", "batch_dim", "make_fill", "slots", "max_slots", "failures")
+    __slots__ = ("static", "kinds", "seq_dims", "batch_dim", "make_fill", "slots", "max_slots", "failures",
+                 "wanted", "growing", "error")
 
     def __init__(self, static: Sequence[Any], kinds: Sequence[str], batch_dim: int,
-                 make_fill: Callable[[List[torch.Tensor], List[torch.Tensor]], Callable[[], None]],
-                 max_slots: int = MAX_SLOTS):
+                 make_fill: Callable[[List[torch.Tensor], bool], Callable[[], None]],
+                 max_slots: int = MAX_SLOTS, seq_dims=None):
         self.static = list(static)
         self.kinds = list(kinds)
+        self.seq_dims = list(seq_dims) if seq_dims is not None else [()] * len(self.kinds)
         self.batch_dim = batch_dim
         self.make_fill = make_fill
         self.slots: List[Slot] = []
         self.max_slots = max_slots
-        self.failures = 0  # fills that could not be made; at MAX_FAILURES the ring hands out nothing
+        self.failures = 0  # fills that could not be made; at MAX_FAILURES the ring makes no more
+        self.wanted = False  # a call found every slot held: another slot is due
+        self.growing = False  # someone makes it
+        self.error: Optional[BaseException] = None  # why the last slot could not be made
 
     def take(self, sid) -> Optional[Slot]:
-        """A slot free to be filled on stream ``sid``, made if there are fewer than ``max_slots``;
-        None when every slot is held (the caller clones)."""
+        """A slot free to be filled on stream ``sid`` (one never handed out, or last handed out
+        on ``sid``); None when every slot is held (the caller clones)."""
         for s in self.slots:
-            if s.sid == sid and s.free():
+            if (s.sid is None or s.sid == sid) and s.free():
+                s.sid = sid
                 return s
-        if len(self.slots) >= self.max_slots or self.failures >= MAX_FAILURES:
-            return None
+        return None
+
+    def can_grow(self) -> bool:
+        return len(self.slots) < self.max_slots and self.failures < MAX_FAILURES
+
+    def want(self):
+        """A call found every slot held: another slot is due (made by whoever claims it)."""
+        if not self.wanted and self.can_grow():
+            self.wanted = True
+
+    def claim(self) -> bool:
+        """Whether the caller is the one to make the slot that is due (one at a time)."""
+        if self.wanted and not self.growing:
+            self.growing = True
+            return True
+        return False
+
+    def make(self, warm: bool = True) -> Optional[Slot]:
+        """A new slot, not yet in the ring (its fill may be a capture: call it off the call
+        path); None if it could not be made. ``warm``: run the forward once first (a thread
+        that has not run it yet)."""
         srcs = [o for o, k in zip(self.static, self.kinds) if k != CONST]
         bases = [torch.empty_like(o) for o in srcs]
         try:
-            fill = self.make_fill(bases, srcs)
-        except Exception:  # noqa: BLE001 - no slot is no error: this call's outputs are cloned
+            fill = self.make_fill(bases, warm)
+        except Exception as e:  # noqa: BLE001 - no slot is no error: calls clone
             self.failures += 1
+            self.error = e
+            if self.failures == 1:
+                logger.warning("graphwrap: an owned-output slot could not be made (%s: %s); outputs are cloned "
+                               "while none is free", type(e).__name__, str(e).strip().splitlines()[0] if str(e) else "")
             return None
-        s = Slot(bases, fill, sid, self.kinds, self.batch_dim, self.static)
-        self.slots.append(s)
-        return s
+        return Slot(bases, fill, self.kinds, self.seq_dims, self.batch_dim, self.static)
+
+    def add(self, slot: Slot):
+        if len(self.slots) < self.max_slots:
+            self.slots.append(slot)
 
 
-def ring_for(static: Sequence[Any], kinds: Sequence[str], batch_dim: int, make_fill) -> Optional[OutputRing]:
+def ring_for(static: Sequence[Any], kinds: Sequence[str], batch_dim: int, make_fill,
+             seq_dims=None) -> Optional[OutputRing]:
     """A ring for a graph's outputs, or None where outputs are better cloned (none are tensors,
     they are large, or this torch cannot count a storage's references)."""
     if not available():
@@ -161,4 +201,4 @@ def ring_for(static: Sequence[Any], kinds: Sequence[str], batch_dim: int, make_f
         return None
     if sum(t.numel() * t.element_size() for t in tensors) > MAX_SLOT_BYTES:
         return None
-    return OutputRing(static, kinds, batch_dim, make_fill)
+    return OutputRing(static, kinds, batch_dim, make_fill, seq_dims=seq_dims)

@@ -19,15 +19,16 @@ so the device does not run dry while the host waits.
 """
 
 import collections
+import collections.abc
 import functools
 from typing import Any, Iterable, Iterator
 
 import torch
 
 from .calls import call
-from .engine import Engine
-from .plans import current_stream_id
 from .errors import GraphwrapError
+from .plans import _cuda_sid as current_stream_id
+from .staging import Stager
 from .tree import Tensor, map_tensors
 
 set_stream = torch.cuda.set_stream
@@ -70,15 +71,15 @@ class Inputs:
 
 def as_call(item):
     """How a pipeline item becomes a call: a tensor is ``gm(t)``, a tuple or list ``gm(*item)``,
-    a dict ``gm(**item)``, :class:`Inputs` as given."""
+    a mapping (a dict, a tokenizer's ``BatchEncoding``) ``gm(**item)``, :class:`Inputs` as given."""
     if isinstance(item, Tensor):
         return (item,), {}
     if isinstance(item, Inputs):
         return item.args, item.kwargs
     if isinstance(item, (tuple, list)):
         return tuple(item), {}
-    if isinstance(item, dict):
-        return (), item
+    if isinstance(item, collections.abc.Mapping):
+        return (), dict(item)
     raise GraphwrapError(
         f"pipeline item of type {type(item).__name__} is not a tensor, tuple, list, dict or "
         "graphwrap.Inputs; wrap it as graphwrap.Inputs(*args, **kwargs)"
@@ -86,24 +87,23 @@ def as_call(item):
 
 
 class _Lease:
-    """The graphs one loop takes turns on for one bucket, with the loop's streams on its device
-    and pinned staging buffers for pageable inputs."""
+    """The graphs one loop takes turns on for one bucket (an engine lease), with the loop's
+    streams on its device and pinned staging buffers (one set per graph) for pageable inputs."""
 
-    __slots__ = ("key", "replicas", "turn", "staging", "bucket", "size", "device", "copy_stream", "d2h_stream",
-                 "to_copy", "compute", "to_compute")
+    __slots__ = ("lease", "key", "replicas", "turn", "staging", "bucket", "size", "device", "copy_stream",
+                 "d2h_stream", "to_copy", "compute", "to_compute")
 
-    def __init__(self, key, replicas, bucket, device, streams, compute):
-        self.key = key
-        self.replicas = replicas
+    def __init__(self, lease, device, streams, compute):
+        self.lease = lease
+        self.key, self.bucket, self.replicas = lease.key, lease.bucket, lease.graphs
         self.turn = 0
-        self.staging = {}  # replica index -> pinned buffers for pageable inputs
-        self.bucket = bucket
-        self.size = bucket.size
+        self.staging = Stager(turns=len(self.replicas))
+        self.size = self.bucket.size
         self.device = device
         self.copy_stream, self.d2h_stream = streams
         self.to_copy = _setter(self.copy_stream)
         self.compute = self.to_compute = None  # the caller's stream of the last batch, and its setter
-        for rep in replicas:
+        for rep in self.replicas:
             if rep.copy_done is None:
                 rep.copy_done, rep.replay_done = torch.cuda.Event(), torch.cuda.Event()
         # Copies into these graphs' inputs come after all the work issued so far: their captures,
@@ -128,10 +128,10 @@ class _EventPool:
         self.free.append(ev)
 
 
-def run_pipeline(engine: Engine, batches: Iterable[Any], to_host: bool = False) -> Iterator[Any]:
+def run_pipeline(engine, batches: Iterable[Any], to_host: bool = False) -> Iterator[Any]:
     it = iter(batches)
     pending = collections.deque()
-    # (Key, bucket size) -> _Lease, and (key tuple, batch size) -> the same lease. Keys are held,
+    # (key tuple, batch size) -> _Lease, and (Key, bucket size) -> the same lease. Keys are held,
     # not their ids: a key dropped by reset() must never be mistaken for a new one that Python
     # put at the same address.
     leases = {}
@@ -139,14 +139,14 @@ def run_pipeline(engine: Engine, batches: Iterable[Any], to_host: bool = False) 
     streams = {}
     epoch = engine.epoch
     lag = HOST_LAG if to_host else 0
-    prepare = engine.prepare
+    facts = engine.facts
     try:
         for item in it:
             if type(item) is Tensor:
                 args, kwargs = (item,), {}
             else:
                 args, kwargs = as_call(item)
-            prep = prepare(args, kwargs)
+            f = facts(args, kwargs)
             if engine.epoch != epoch:
                 # The graphs were dropped (weights replaced or moved, reset()): so are the leases.
                 # release() synchronized the device, so no copy into their buffers is in flight.
@@ -154,11 +154,12 @@ def run_pipeline(engine: Engine, batches: Iterable[Any], to_host: bool = False) 
                 leases.clear()
                 epoch = engine.epoch
             entry = None
-            if type(prep) is not str:
-                entry = _issue(engine, prep, leases, streams, events, to_host)
+            if type(f) is not str:
+                entry = _issue(engine, f, leases, streams, events, to_host)
             if entry is None:
-                # Eager, a failed capture, a bucket that serves eagerly, or a batch above the
-                # largest bucket: the direct call serves it, in order on the caller's stream.
+                # Eager, a failed capture, a bucket that serves eagerly, a batch above the largest
+                # bucket, inputs with a sequence dimension: the direct call serves it, in order on
+                # the caller's stream.
                 out = call(engine, args, kwargs)
                 if to_host:
                     out = map_tensors(_to_pinned_host, out)
@@ -177,10 +178,9 @@ def run_pipeline(engine: Engine, batches: Iterable[Any], to_host: bool = False) 
         for entry in pending:
             if entry[0] == "host":
                 entry[3].synchronize()
-        with engine.lock:
-            if engine.epoch == epoch:
-                for lease in leases.values():
-                    engine.give_back(lease.replicas)
+        if engine.epoch == epoch:
+            for lease in {id(v): v for v in leases.values()}.values():
+                engine.give_back(lease.lease)
 
 
 def _sync(streams):
@@ -189,167 +189,152 @@ def _sync(streams):
         d2h_stream.synchronize()
 
 
-def _issue(engine, prep, leases, streams, events, to_host):
+def _issue(engine, f, leases, streams, events, to_host):
     """Issue one batch's copies, replay and output copies; None if the direct call must serve it."""
-    key, (leaves, n, spec, meta, autocast, device) = prep
-    with engine.lock:
-        lease = leases.get((key, n))  # (key, n) -> lease: one lookup a batch once seen
-        if lease is None:
-            ks = engine.key_of(prep)
-            if ks is None:
-                return None
-            size = engine.table.size_for(n)
-            lease = leases.get((ks, size))
-            if lease is None:
-                taken = engine.lease(prep, LEASED)
-                if taken is None:
-                    return None
-                ks, bucket, reps = taken
-                s = streams.get(device)
-                if s is None:
-                    s = streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-                lease = leases[(ks, size)] = _Lease(ks, reps, bucket, device, s, engine.order_stream(device))
-            leases[(key, n)] = lease
-        if lease.key.failed is not None:
+    n, device = f.n, f.device
+    lease = leases.get((f.key, n))  # (key, n) -> lease: one lookup a batch once seen
+    if lease is None:
+        if engine.backend.kind != "cuda" or f.L is not None:
             return None
+        plan = engine.plan(f)
+        lease = leases.get((plan.key, plan.bucket.size))
+        if lease is None:
+            taken = engine.lease(plan, LEASED)
+            if taken is None:
+                return None
+            s = streams.get(device)
+            if s is None:
+                s = streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            with engine.lock:
+                compute = engine.order_stream(device)
+            lease = leases[(taken.key, taken.bucket.size)] = _Lease(taken, device, s, compute)
+        leases[(f.key, n)] = lease
+    if lease.key.failed is not None:
+        return None
+    i = lease.turn
+    rep = lease.replicas[i]
+    lease.turn = i + 1 if i + 1 < len(lease.replicas) else 0
+    srcs = _stage_pageable(lease, i, rep, f.leaves, n)  # outside the lock: host copies into the loop's buffers
+    host_out = None
+    if to_host and rep.out_bytes <= D2H_INLINE_BYTES:
+        host_out = _pinned_like(rep.outputs_for(n, None), rep.is_tensor)
+    read_pinned = any(not t.is_cuda and t.is_pinned() for t in f.leaves)
+    with engine.lock:
         if device.index != _current_device():
             with torch.cuda.device(device):
-                return _issue_on(engine, lease, leaves, n, events, to_host)
-        return _issue_on(engine, lease, leaves, n, events, to_host)
-
-
-def _issue_on(engine, lease, leaves, n, events, to_host):
-    i = lease.turn
-    reps = lease.replicas
-    rep = reps[i]
-    lease.turn = i + 1 if i + 1 < len(reps) else 0
-    compute = engine.order_stream(lease.device)
-    lease.bucket.count(n)
-    ks = lease.key
-    dsts = rep.inputs_for(n)
-    x = leaves[0]
-    if len(leaves) == 1 and not x.is_cuda and x.is_pinned():
-        # The common loop: one input in the caller's pinned memory.
-        copy_stream = lease.copy_stream
-        _wait(rep.replay_done, copy_stream)  # its inputs are free once its last replay is done
-        back = lease.back_to(compute)
-        lease.to_copy()
-        try:
-            dsts[0].copy_(x, non_blocking=True)
-            _record(rep.copy_done, copy_stream)
-        finally:
-            back()
-        _wait(rep.copy_done, compute)
-        read_pinned = True
-    else:
-        read_pinned = _copy_in(lease, i, rep, dsts, leaves, n, compute)
-    rep.graph.replay()
-    _record(rep.replay_done, compute)
+                entry = _issue_on(engine, lease, rep, srcs, n, events, to_host, host_out)
+        else:
+            entry = _issue_on(engine, lease, rep, srcs, n, events, to_host, host_out)
+    if rep.ring is not None and rep.ring.wanted and rep.ring.claim():
+        engine.grow(rep)
     if read_pinned:
         # The copy read the caller's pinned memory asynchronously. It is over before this batch's
         # output is yielded and before the iterator runs again, either of which may refill that
         # memory in place (one pinned buffer reused for every batch is a common loop).
         rep.copy_done.synchronize()
-    if not to_host and not engine.clone:
-        # outputs="view": the static outputs themselves, valid until the next batch is issued
-        # (when the caller asks for the next item), as gm(...) views are until the next call.
-        return ("gpu", ks.out_spec, rep.outputs_for(n))
-    if to_host and rep.out_bytes <= D2H_INLINE_BYTES:
+    if entry[0] == "d2h":
+        # Owned copies, made on the compute stream under the lock; to the host on a stream of
+        # their own. The copies stay referenced (in the entry) until the host has waited for `done`.
+        _, spec, outs, compute = entry
+        d2h_stream = lease.d2h_stream
+        d2h_stream.wait_stream(compute)
+        host = _pinned_like(outs, rep.is_tensor)
+        with torch.cuda.stream(d2h_stream):
+            _copy_all(host, outs, rep.is_tensor)
+            done = events.get()
+            done.record(d2h_stream)
+        entry = ("host", spec, host, done, outs)
+    return entry
+
+
+def _issue_on(engine, lease, rep, srcs, n, events, to_host, host_out):
+    """The batch's copy in, replay and copy out, in stream order; the entry for ``_finish``. The
+    caller holds the engine's lock."""
+    compute = engine.order_stream(lease.device)
+    lease.bucket.count(n, None)
+    ks = lease.key
+    _copy_in(lease, rep, rep.inputs_for(n, None)[0], srcs, compute)
+    if (not to_host and not engine.clone) or host_out is not None:
+        rep.graph.replay()
+        _record(rep.replay_done, compute)
+        if host_out is None:
+            # outputs="view": the static outputs themselves, valid until the next batch is issued
+            # (when the caller asks for the next item), as gm(...) views are until the next call.
+            return ("gpu", ks.out_spec, rep.outputs_for(n, None))
         # Small outputs: copied to the host in stream order right after the replay, before any
         # later replay can overwrite them. That adds a few microseconds of device time and saves
         # a clone and a hop to another stream, which cost more host time than the copy takes.
-        return _to_host_inline(ks, rep, n, events, compute)
-    # Copied out on the compute stream, right after the replay (into a free slot of the graph's
-    # output ring, or clones): graphs share one pool, so a static output can sit in memory that
-    # the next replay of another bucket uses for intermediates.
-    slot = rep.ring.take(current_stream_id(lease.device.index)) if rep.ring is not None else None
+        _copy_all(host_out, rep.outputs_for(n, None), rep.is_tensor)
+        done = events.get()
+        done.record(compute)
+        return ("host", ks.out_spec, host_out, done, None)
+    # Owned outputs: a free slot of the graph's output ring (its graph runs the forward into the
+    # slot), or the graph and clones made right after it: graphs share one pool, so a static
+    # output can sit in memory that the next replay of another bucket uses for intermediates.
+    sid = current_stream_id(lease.device.index)
+    slot = rep.ring.take(sid) if rep.ring is not None else None
     if slot is not None:
         slot.fill()
-        outs = slot.views(n)
+        _record(rep.replay_done, compute)
+        outs = slot.views(n, None)
     else:
-        outs = [o.clone() if t else o for o, t in zip(rep.outputs_for(n), rep.is_tensor)]
+        rep.graph.replay()
+        _record(rep.replay_done, compute)
+        if rep.ring is not None:
+            rep.ring.want()  # another slot: made by _issue once it let go of the lock
+        outs = [o.clone() if t else o for o, t in zip(rep.outputs_for(n, None), rep.is_tensor)]
     if not to_host:
         return ("gpu", ks.out_spec, outs)
-    d2h_stream = lease.d2h_stream
-    d2h_stream.wait_stream(compute)
-    set_stream(d2h_stream)
-    try:
-        host = _copies_to_pinned(outs, rep.is_tensor)
-        done = events.get()
-        done.record(d2h_stream)
-    finally:
-        set_stream(compute)
-    # The clones stay referenced (in the entry) until the host has waited for `done`.
-    return ("host", ks.out_spec, host, done, outs)
+    return ("d2h", ks.out_spec, outs, compute)
 
 
-def _copies_to_pinned(outs, is_tensor):
-    """Each tensor of ``outs`` copied into new pinned host memory on the current stream (not
-    waited for); the other outputs as they are."""
-    host = []
-    for o, t in zip(outs, is_tensor):
+def _pinned_like(outs, is_tensor):
+    """New pinned host tensors shaped as the tensor outputs (the others as they are)."""
+    return [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) if t else o for o, t in zip(outs, is_tensor)]
+
+
+def _copy_all(dsts, srcs, is_tensor):
+    for d, s, t in zip(dsts, srcs, is_tensor):
         if t:
-            h = torch.empty(o.shape, dtype=o.dtype, pin_memory=True)
-            h.copy_(o, non_blocking=True)
-            host.append(h)
-        else:
-            host.append(o)
-    return host
+            d.copy_(s, non_blocking=True)
 
 
-def _to_host_inline(ks, rep, n, events, compute):
-    host = _copies_to_pinned(rep.outputs_for(n), rep.is_tensor)
-    done = events.get()
-    done.record(compute)
-    return ("host", ks.out_spec, host, done, None)
+def _stage_pageable(lease, i, rep, leaves, n):
+    """``leaves`` with each pageable host tensor copied into graph ``i``'s pinned staging buffer
+    (owned by the loop), once the copy that read that buffer (two batches ago) is over."""
+    if all(t.is_cuda or t.is_pinned() for t in leaves):
+        return leaves
+    rep.copy_done.synchronize()
+    return [t if t.is_cuda or t.is_pinned() else _stage(lease, i, j, rep, t, n) for j, t in enumerate(leaves)]
 
 
-def _copy_in(lease, i, rep, dsts, leaves, n, compute) -> bool:
-    """Copy a batch into ``rep``'s static inputs on the copy stream, after its last replay.
-
-    Device inputs are copied on the compute stream (in order after whatever made them); host
-    inputs on the copy stream, pageable ones through this replica's pinned staging buffers.
-    Returns whether the caller's own pinned memory was read.
-    """
-    on_copy = []
-    pageable = read_pinned = False
-    for j, (dst, src) in enumerate(zip(dsts, leaves)):
-        if src.is_cuda:
-            dst.copy_(src)
-        else:
-            pinned = src.is_pinned()
-            pageable = pageable or not pinned
-            read_pinned = read_pinned or pinned
-            on_copy.append((j, dst, src, pinned))
+def _copy_in(lease, rep, dsts, srcs, compute):
+    """Copy a batch into ``rep``'s static inputs: device inputs on the compute stream (in order
+    after whatever made them), host inputs (pinned by now) on the copy stream once the graph's
+    last replay is done."""
+    on_copy = [(d, s) for d, s in zip(dsts, srcs) if not s.is_cuda]
+    for d, s in zip(dsts, srcs):
+        if s.is_cuda:
+            d.copy_(s)
     if not on_copy:
-        return False
-    if pageable:
-        # This replica's staging buffers are refilled on the host: the copy that read them
-        # (two batches ago) must be over.
-        rep.copy_done.synchronize()
+        return
     copy_stream = lease.copy_stream
     _wait(rep.replay_done, copy_stream)  # the inputs are free once the last replay is done
-    set_stream(copy_stream)
+    back = lease.back_to(compute)
+    lease.to_copy()
     try:
-        for j, dst, src, pinned in on_copy:
-            if not pinned:
-                src = _stage(lease, i, j, rep, src, n)
-            dst.copy_(src, non_blocking=True)
+        for d, s in on_copy:
+            d.copy_(s, non_blocking=True)
         _record(rep.copy_done, copy_stream)
     finally:
-        set_stream(compute)
+        back()
     _wait(rep.copy_done, compute)
-    return read_pinned
 
 
 def _stage(lease, i, j, rep, src, n):
-    """Copy a pageable input into this replica's pinned staging buffer (owned by the loop)."""
-    bufs = lease.staging.setdefault(i, {})
-    buf = bufs.get(j)
-    if buf is None:
-        full = rep.static_inputs[j]
-        buf = bufs[j] = torch.empty(full.shape, dtype=full.dtype, pin_memory=True)
-    view = buf.narrow(rep.batch_dim, 0, n)
+    """Copy a pageable input into this graph's pinned staging buffer (owned by the loop)."""
+    bd = rep.roles[j][0]
+    view, _ = lease.staging.buffer(i, j, src.shape, src.dtype, bd if bd is not None else 0)
     view.copy_(src)
     return view
 

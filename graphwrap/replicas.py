@@ -54,6 +54,10 @@ class Replicas:
             raise GraphwrapError("Replicas needs at least one device")
         if len(set(devices)) != len(devices):
             raise GraphwrapError(f"devices must differ, got {[str(d) for d in devices]}")
+        if isinstance(model, GraphedModule):
+            # A GraphedModule given: its module is copied, and its options are the default ones.
+            graphed = {**model.__dict__["_gw_options"].as_kwargs(), **graphed}
+            model = model.module
         self._replicas: List[_Replica] = []
         for d in devices:
             if isinstance(model, nn.Module):

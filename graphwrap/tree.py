@@ -7,7 +7,7 @@ import collections
 import dataclasses
 import enum
 import math
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as _pytree
@@ -133,44 +133,15 @@ def unflatten_inputs(spec: tuple, leaves: Sequence[Tensor]) -> Tuple[tuple, dict
     return args, kwargs
 
 
-def batch_size_of(leaves: Sequence[Tensor], batch_dim: int) -> int:
-    """The common size of every leaf along ``batch_dim``, or a GraphwrapError naming the culprits."""
-    n = None
-    for i, t in enumerate(leaves):
-        if t.dim() <= batch_dim:
-            raise GraphwrapError(
-                f"input tensor #{i} has shape {tuple(t.shape)}, with no batch_dim={batch_dim}; graphwrap "
-                "batches every tensor input along batch_dim. Pass a per-call scalar as a Python number, "
-                "or give the tensor a batch dimension"
-            )
-        m = t.shape[batch_dim]
-        if n is None:
-            n = m
-        elif m != n:
-            sizes = [tuple(x.shape) for x in leaves]
-            raise GraphwrapError(
-                f"batched inputs disagree on the batch size along batch_dim={batch_dim}: tensor #0 has "
-                f"{n} rows but tensor #{i} has {m} (shapes {sizes}); every tensor input must have the "
-                "same batch size"
-            )
-    return n
-
-
-def tensor_meta(leaves: Sequence[Tensor], batch_dim: int) -> tuple:
-    """Per leaf: the shape without the batch dim, dtype and device (part of the graph key)."""
-    out = []
-    for t in leaves:
-        s = t.shape
-        out.append((s[:batch_dim] + s[batch_dim + 1:], t.dtype, t.device))
-    return tuple(out)
-
-
 def _registered(t: type):
     """``(flatten_fn, unflatten_fn)`` of a type registered with ``torch.utils._pytree``, or None."""
     node = _pytree.SUPPORTED_NODES.get(t)
     if node is None:
         return None
     return node.flatten_fn, node.unflatten_fn
+
+
+_REBUILDS_SAME: Dict[type, bool] = {}  # registered type -> whether its registration rebuilds that type
 
 
 def _looked_into(obj):
@@ -180,17 +151,22 @@ def _looked_into(obj):
     Containers graphwrap knows (tuples, lists, dicts, dataclasses, namedtuples) are handled
     before this is asked; other registered types (a model's cache object, say) are looked into,
     so the tensors they hold are outputs like any other. A registration that rebuilds another
-    type (torch.Size comes back a tuple) is not used: the object stays as it is.
+    type (torch.Size comes back a tuple) is not used: the object stays as it is. Whether it
+    does is tried once per type (a trial rebuild of a large cache costs milliseconds).
     """
-    reg = _registered(type(obj))
+    t = type(obj)
+    reg = _registered(t)
     if reg is None:
         return None
     children, context = reg[0](obj)
     children = list(children)
-    try:
-        same = type(reg[1](children, context)) is type(obj)
-    except Exception:  # noqa: BLE001 - a registration that cannot rebuild it is not used
-        same = False
+    same = _REBUILDS_SAME.get(t)
+    if same is None:
+        try:
+            same = type(reg[1](children, context)) is t
+        except Exception:  # noqa: BLE001 - a registration that cannot rebuild it is not used
+            same = False
+        _REBUILDS_SAME[t] = same
     return (children, context, reg[1]) if same else None
 
 
@@ -236,6 +212,49 @@ def map_tensors(fn: Callable[[Tensor], Any], obj):
             "give it back with its tensors moved or cut"
         )
     return out
+
+
+def to_device_shallow(obj, device):
+    """``obj`` with its CPU tensors moved to ``device``, looking into tuples, lists and dicts only
+    (a model's cache object and other containers are passed as they are: the module gets them as
+    given); ``obj`` itself wherever nothing moved."""
+    if device.type == "cpu" or not _host_tensor_in(obj):
+        return obj
+    return _moved(obj, device)
+
+
+def _host_tensor_in(obj) -> bool:
+    if isinstance(obj, Tensor):
+        return obj.device.type == "cpu"
+    t = type(obj)
+    if t is tuple or t is list:
+        return any(map(_host_tensor_in, obj))
+    if t is dict:
+        return any(map(_host_tensor_in, obj.values()))
+    return False
+
+
+def _moved(obj, device):
+    if isinstance(obj, Tensor):
+        return obj.to(device) if obj.device.type == "cpu" else obj
+    t = type(obj)
+    if t is tuple or t is list:
+        return t(_moved(v, device) for v in obj)
+    if t is dict:
+        return {k: _moved(v, device) for k, v in obj.items()}
+    return obj
+
+
+def requires_grad_shallow(obj) -> bool:
+    """Whether a tensor in ``obj`` (tuples, lists and dicts looked into) requires grad."""
+    if isinstance(obj, Tensor):
+        return obj.requires_grad
+    t = type(obj)
+    if t is tuple or t is list:
+        return any(requires_grad_shallow(v) for v in obj)
+    if t is dict:
+        return any(requires_grad_shallow(v) for v in obj.values())
+    return False
 
 
 # ----------------------------------------------------------------------------------------- outputs
@@ -381,65 +400,71 @@ CONST = "const"  # a non-tensor value that does not change with the batch: retur
 
 
 def classify_outputs(
-    leaves_a: Sequence[Any], n_a: int, leaves_b: Sequence[Any], n_b: int, batch_dim: int, spec: OutputSpec
-) -> Tuple[List[str], Dict[int, str]]:
-    """Which output leaves are batched, from one output at ``n_a`` rows and one at ``n_b`` rows.
+    leaves_a: Sequence[Any], n_a: int, leaves_b: Sequence[Any], n_b: int, batch_dim: int, spec: OutputSpec,
+    L_a: Optional[int] = None, L_b: Optional[int] = None,
+) -> Tuple[List[str], List[Tuple[int, ...]], Dict[int, str]]:
+    """Which output leaves are batched and which dims carry the sequence, from one output at
+    ``n_a`` rows (length ``L_a``) and one at ``n_b`` rows (length ``L_b``).
 
-    Returns the kinds and, for leaves graphwrap cannot serve from a padded graph, the reason
-    (keyed by leaf index). A leaf is batched when its size along batch_dim is the batch size
-    in both outputs and its other dims agree; it is whole when its shape does not change.
+    Returns the kinds, the sequence dims of each leaf and, for leaves graphwrap cannot serve
+    from a padded graph, the reason (keyed by leaf index). A leaf is batched when its size
+    along batch_dim is the batch size in both outputs; a dim carries the sequence when its
+    size is the length in both; every other dim must be the same in both.
     """
     if n_a == n_b:
         raise ValueError("classify_outputs needs two different batch sizes")
     kinds: List[str] = []
+    seq_dims: List[Tuple[int, ...]] = []
     problems: Dict[int, str] = {}
     for i, (a, b) in enumerate(zip(leaves_a, leaves_b)):
         where = spec.describe(i)
         if isinstance(a, Tensor) and isinstance(b, Tensor):
-            sa, sb = tuple(a.shape), tuple(b.shape)
-            if (
-                a.dim() > batch_dim
-                and b.dim() == a.dim()
-                and sa[batch_dim] == n_a
-                and sb[batch_dim] == n_b
-                and sa[:batch_dim] + sa[batch_dim + 1:] == sb[:batch_dim] + sb[batch_dim + 1:]
-            ):
-                kinds.append(BATCHED)
-            elif sa == sb:
-                kinds.append(WHOLE)
-            else:
-                kinds.append(WHOLE)
-                problems[i] = (
-                    f"output {where} has shape {sa} at batch {n_a} but {sb} at batch {n_b}: it changes "
-                    f"with the batch size but not along batch_dim={batch_dim}, so padded rows cannot be "
-                    "cut off it"
-                )
-        elif isinstance(a, Tensor) or isinstance(b, Tensor):
-            kinds.append(CONST)
+            kind, dims, problem = _classify_tensor(tuple(a.shape), n_a, L_a, tuple(b.shape), n_b, L_b, batch_dim)
+            kinds.append(kind)
+            seq_dims.append(dims)
+            if problem:
+                problems[i] = f"output {where} {problem}"
+            continue
+        kinds.append(CONST)
+        seq_dims.append(())
+        if isinstance(a, Tensor) or isinstance(b, Tensor):
             problems[i] = f"output {where} is a tensor at one batch size and not at another"
-        else:
-            kinds.append(CONST)
-            try:
-                same = bool(a == b)
-            except Exception:  # noqa: BLE001 - any comparison failure means "can't prove it constant"
-                same = False
-            if not same:
-                problems[i] = (
-                    f"output {where} is {_short(a)} at batch {n_a} but {_short(b)} at batch {n_b}: a non-tensor "
-                    "output that depends on the batch cannot come from a graph captured at a padded size"
-                )
-                if not isinstance(a, _CONSTANT_TYPES):
-                    problems[i] += (
-                        f". graphwrap cannot look inside a {type(a).__name__}: if it holds tensors, register "
-                        "its type with torch.utils._pytree.register_pytree_node and graphwrap returns it "
-                        "rebuilt around its tensors, or leave it out of the output"
-                    )
-                    if type(a).__name__ == "DynamicCache":
-                        problems[i] += (
-                            " (for transformers' DynamicCache: call transformers.integrations.executorch."
-                            "register_dynamic_cache_export_support() once, or pass use_cache=False)"
-                        )
-    return kinds, problems
+            continue
+        try:
+            same = bool(a == b)
+        except Exception:  # noqa: BLE001 - any comparison failure means "can't prove it constant"
+            same = False
+        if not same:
+            problems[i] = _changing_constant(a, b, n_a, n_b, where)
+    return kinds, seq_dims, problems
+
+
+def _classify_tensor(sa, n_a, L_a, sb, n_b, L_b, bd):
+    """``(kind, seq dims, problem or None)`` of one tensor output seen at two shapes."""
+    if len(sa) != len(sb):
+        return WHOLE, (), f"has shape {sa} at batch {n_a} but {sb} at batch {n_b}: its rank changes"
+    batched = len(sa) > bd and sa[bd] == n_a and sb[bd] == n_b
+    dims = tuple(d for d in range(len(sa)) if not (batched and d == bd) and L_a is not None and L_a != L_b
+                 and sa[d] == L_a and sb[d] == L_b)
+    rest = [d for d in range(len(sa)) if d not in dims and not (batched and d == bd)]
+    if all(sa[d] == sb[d] for d in rest):
+        return (BATCHED if batched else WHOLE), dims, None
+    along = f"batch_dim={bd}" + (" or the sequence" if L_a is not None else "")
+    return WHOLE, (), (f"has shape {sa} at batch {n_a} but {sb} at batch {n_b}: it changes with the batch "
+                       f"size but not along {along}, so padding cannot be cut off it")
+
+
+def _changing_constant(a, b, n_a, n_b, where) -> str:
+    text = (f"output {where} is {_short(a)} at batch {n_a} but {_short(b)} at batch {n_b}: a non-tensor "
+            "output that depends on the batch cannot come from a graph captured at a padded size")
+    if not isinstance(a, _CONSTANT_TYPES):
+        text += (f". graphwrap cannot look inside a {type(a).__name__}: if it holds tensors, register "
+                 "its type with torch.utils._pytree.register_pytree_node and graphwrap returns it "
+                 "rebuilt around its tensors, or leave it out of the output")
+        if type(a).__name__ == "DynamicCache":
+            text += (" (for transformers' DynamicCache: call transformers.integrations.executorch."
+                     "register_dynamic_cache_export_support() once, or pass use_cache=False)")
+    return text
 
 
 def _short(x, limit: int = 80) -> str:

@@ -3,27 +3,26 @@
 With ``compile=True`` one compile, dynamic in the batch dimension, serves every bucket: the
 start is fast, but shape-generic kernels can be slower than kernels compiled for one shape
 (Inductor leaves convolutions in their default layout when the batch is dynamic, and some
-passes run only on static shapes). The tuner closes that gap where it matters: a thread of
-the engine takes the bucket that has served the most rows among those with at least
-``HOT_CALLS`` calls, compiles kernels for its shape, captures them, times the new graph
-against a graph of the shared kernels (replays alone, interleaved, medians), and keeps the
-new one only if it is at least ``1 - GAIN`` faster. Calls are served all the while, by the
-shared kernels until the swap. Each bucket is tuned once.
-
-The engine supplies the work (:meth:`Engine.tune_next`); this module holds the choice of the
-next bucket, the decision, the timing and the thread.
+passes run only on static shapes). The tuner closes that gap where it matters: once a bucket
+has served ``HOT_CALLS`` calls, the engine's worker takes the bucket that has served the most
+rows among the hot ones, compiles kernels for its shape, captures them, times the new graph
+against a graph of the shared kernels (replays alone, interleaved, medians), and keeps the new
+one only if it is at least ``1 - GAIN`` faster. Calls are served all the while, by the shared
+kernels until the swap. Each bucket is tuned once.
 """
 
-import threading
+import logging
 import time
-import weakref
 from typing import Callable, Iterable, Optional, Tuple
 
-from .capture import time_pair, timed_calls
+from .capturing import swap, time_pair
+from .compiled import CompiledForward, static_options
+from .records import Bucket, Serves
+from .stats import _counts
 
+logger = logging.getLogger("graphwrap")
 HOT_CALLS = 16  # calls a bucket serves before its own kernels are worth a compile
 GAIN = 0.97  # the per-size graph is kept if it replays in at most this share of the time
-POLL_S = 0.2  # how often the thread looks for a hot bucket while some are untuned
 
 
 def hottest(candidates: Iterable[Tuple[int, int, object]], hot_calls: Optional[int] = None):
@@ -42,74 +41,99 @@ def keep_new(old_s: float, new_s: float, gain: Optional[float] = None) -> bool:
     return new_s <= (GAIN if gain is None else gain) * old_s
 
 
-def time_replays(old: Callable[[], None], new: Callable[[], None], timed=None, rounds: int = 7,
+def time_replays(old: Callable[[], None], new: Callable[[], None], timed, rounds: int = 7,
                  round_s: float = 2e-3) -> Tuple[float, float]:
     """Seconds per replay of ``old`` and ``new``, in turns round by round; medians. ``timed(fn,
-    k)`` times ``fn(k)`` (k calls); by default with the device synchronized around them."""
+    k)`` times ``fn(k)`` (k calls)."""
     def loop(fn):
         def run(k):
             for _ in range(k):
                 fn()
         return run
 
-    return time_pair(loop(old), loop(new), rounds, round_s, timed=timed or timed_calls)
+    return time_pair(loop(old), loop(new), rounds, round_s, timed=timed)
 
 
-class Tuner:
-    """The engine's tuning thread: started when a bucket is captured with shared kernels, it
-    tunes hot buckets until none is left untuned, then ends. It holds the engine weakly, so
-    a deleted module's graphs are not kept alive by it."""
+def candidates(engine):
+    """``(rows, calls, (key, bucket))`` of each bucket that runs shared compiled kernels and was
+    not tuned yet. The caller holds the engine's lock."""
+    out = []
+    for ks in engine.store.keys.values():
+        if ks.failed is not None:
+            continue
+        counts = None
+        for b in ks.buckets.values():
+            if b.graphs and b.compiled and b.kernels == "shared" and not b.tuned and b.serves is Serves.GRAPH:
+                counts = counts or _counts(ks)
+                c = counts[id(b)]
+                out.append((c[1], c[0], (ks, b)))
+    return out
 
-    def __init__(self, engine):
-        self._engine = weakref.ref(engine)
-        self._thread: Optional[threading.Thread] = None
-        self._cond = threading.Condition()
-        self.busy = False  # a bucket is being tuned
-        self.error: Optional[str] = None
 
-    def start(self):
-        with self._cond:
-            if self._thread is not None and self._thread.is_alive():
-                return
-            self._thread = threading.Thread(target=self._run, name="graphwrap-tune", daemon=True)
-            self._thread.start()
+def tune_next(engine):
+    """A worker job: give the hottest untuned bucket kernels of its own shape, where faster."""
+    with engine.lock:
+        if engine.compile_opts is None or engine.compile_off is not None:
+            return
+        job = hottest(candidates(engine))
+        if job is None:
+            return
+        ks, old = job
+        old.tuned = True  # once, whatever comes of it
+        if engine.static_forward is None:
+            engine.static_forward = CompiledForward(engine.module, static_options(engine.compile_opts))
+        forward, epoch = engine.static_forward, engine.epoch
+        sample = [t.clone() for t in old.graphs[0].static_inputs]
+    try:
+        _tune(engine, ks, old, forward, epoch, sample)
+    except Exception as e:  # noqa: BLE001 - reported in stats(); calls go on with the shared kernels
+        engine.tuning_error = f"{type(e).__name__}: {e}"
+        logger.warning("graphwrap: tuning bucket %d of %s stopped: %s", old.size, ks.label, engine.tuning_error)
 
-    def _run(self):
-        while True:
-            engine = self._engine()
-            if engine is None:
-                return
-            with self._cond:
-                self.busy = True
-            try:
-                state = engine.tune_next()  # "tuned", "waiting" (untuned buckets, none hot) or "done"
-            except Exception as e:  # noqa: BLE001 - reported in stats(); calls go on with the shared kernels
-                self.error = f"{type(e).__name__}: {e}"
-                state = "done"
-            finally:
-                with self._cond:
-                    self.busy = False
-                    self._cond.notify_all()
-            del engine
-            if state == "done":
-                return
-            if state == "waiting":
-                time.sleep(POLL_S)
 
-    def wait(self, pending: Callable[[], bool], timeout: Optional[float] = None) -> bool:
-        """Wait until no tuning runs and ``pending()`` (hot buckets left untuned) is False;
-        whether that happened within ``timeout``."""
-        end = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._cond:
-                busy = self.busy
-                alive = self._thread is not None and self._thread.is_alive()
-            # pending() takes the engine's lock: never called holding _cond (the engine starts
-            # the thread holding its lock).
-            if not busy and (not alive or not pending()):
-                return True
-            left = None if end is None else end - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            with self._cond:
-                self._cond.wait(POLL_S if left is None else min(POLL_S, left))
+def _tune(engine, ks, old: Bucket, forward, epoch: int, sample):
+    t0 = time.perf_counter()
+    new = Bucket(old.size, old.seq, tuned=True)
+    if engine._capture(ks, new, sample, old.size, old.seq, forward=forward, timed=False) is None:
+        return
+    if not new.compiled:
+        logger.warning("graphwrap: per-size kernels for bucket %d of %s: torch.compile compiled nothing; it keeps "
+                       "the shared kernels", old.size, ks.label)
+        return
+    # The shared kernels timed on a graph of their own: the one serving gm(...) must not be
+    # replayed here, it would overwrite outputs a caller may hold (outputs="view").
+    shared = Bucket(old.size, old.seq)
+    if engine._capture(ks, shared, sample, old.size, old.seq, forward=old.forward, timed=False) is None:
+        return
+    device = ks.device
+
+    def replay(g):
+        def run():
+            with engine.lock:
+                if device.type == "cuda":
+                    engine.order_stream(device)
+                g.replay()
+        return run
+
+    shared_s, per_size_s = time_replays(replay(shared.graphs[0]), replay(new.graphs[0]), engine.backend.timed)
+    del shared
+    with engine.lock:
+        if engine.epoch != epoch or ks.buckets.get(old.point) is not old or ks.failed is not None:
+            return
+        for b in (old, new):
+            b.shared_us, b.per_size_us = 1e6 * shared_s, 1e6 * per_size_s
+        kept = keep_new(shared_s, per_size_s)
+        if kept:
+            swap(engine, ks, old, new)
+    logger.info("graphwrap: bucket %d of %s: per-size kernels replay in %.1f us, the shared ones in %.1f us; keeps "
+                "the %s (tuned in %.1f s)", old.size, ks.label, 1e6 * per_size_s, 1e6 * shared_s,
+                "per-size kernels" if kept else "shared kernels", time.perf_counter() - t0)
+    if kept:
+        engine.save_compile_cache()
+
+
+def pending(engine) -> bool:
+    """Whether a hot bucket waits for its per-size kernels."""
+    with engine.lock:
+        return (engine.compile_off is None and engine.compile_opts is not None
+                and hottest(candidates(engine)) is not None)

@@ -193,3 +193,127 @@ def check_bert(gm, model, cfg, sizes, device):
         assert type(got) is type(want)
         torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-3, atol=1e-3)
         torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-3, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# A CPU stand-in for CUDA graphs: the engine's whole path (keys, buckets, padding, plans, joins,
+# failures, the memory budget) runs on a CPU, with "graphs" that recompute on replay.
+
+
+class RecomputeGraph:
+    """replay() runs the recorded forward again on the static inputs and writes its outputs into
+    the static outputs in place, as a graph replay would."""
+
+    def __init__(self, run, static_out):
+        self.run, self.static_out = run, static_out
+
+    def replay(self):
+        from graphwrap.tree import flatten_outputs
+
+        with torch.no_grad():
+            outs, _ = flatten_outputs(self.run())
+        for dst, src in zip(self.static_out, outs):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+
+
+class RecomputeRecorder:
+    """The recorder of graphwrap.capture, for the CPU: nothing to lock, no streams."""
+
+    def __init__(self):
+        import contextlib
+        self.session = lambda device: contextlib.nullcontext()
+        self.records = 0
+
+    @staticmethod
+    def watch_random(fn):
+        return fn(), False
+
+    @staticmethod
+    def check_budget(device, run, size, budget_left):
+        from graphwrap.checks import CaptureFailed
+        from graphwrap.tree import flatten_outputs
+
+        need = sum(o.numel() * o.element_size() for o in flatten_outputs(run())[0] if isinstance(o, torch.Tensor))
+        if need > budget_left:
+            err = CaptureFailed(f"bucket {size} needs {need} bytes, {budget_left} are left", scope="budget")
+            err.pool_estimate = need
+            raise err
+        return need
+
+    def record(self, device, pool, run, draws, size):
+        from graphwrap.tree import flatten_outputs
+
+        self.records += 1
+        out = run()
+        leaves = flatten_outputs(out)[0]
+        grown = sum(o.numel() * o.element_size() for o in leaves if isinstance(o, torch.Tensor))
+        return RecomputeGraph(run, leaves), out, grown, None  # the "pool" grows by the outputs' bytes
+
+    @staticmethod
+    def verify(device, autocast, check):
+        import time
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            check()
+        return time.perf_counter() - t0
+
+
+def _copier(dsts, srcs):
+    def fill():
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
+    return fill
+
+
+class CpuBackend:
+    """The engine's backend for the CPU tests: graphs on the module's CPU, recomputed on replay."""
+
+    kind = "cpu-test"
+
+    def __init__(self):
+        self.recorder = RecomputeRecorder()
+
+    @staticmethod
+    def device_for(module_device, leaves):
+        return module_device if module_device is not None else torch.device("cpu")
+
+    @staticmethod
+    def new_pool(device):
+        return None
+
+    @staticmethod
+    def slot_maker(device, pool, run, draws, kinds):
+        """Slots whose fill runs the forward and writes its outputs into the slot, as on a GPU."""
+        from graphwrap.tree import CONST, flatten_outputs
+
+        def make_fill(bases, warm=True):
+            def fill():
+                with torch.no_grad():
+                    outs = flatten_outputs(run())[0]
+                for d, o in zip(bases, (o for o, k in zip(outs, kinds) if k != CONST)):
+                    d.copy_(o)
+            return fill
+        return make_fill
+
+    @staticmethod
+    def sync(device=None):
+        pass
+
+    @staticmethod
+    def timed(fn, k):
+        import time
+        t0 = time.perf_counter()
+        fn(k)
+        return (time.perf_counter() - t0) / k
+
+    @staticmethod
+    def empty_cache():
+        pass
+
+
+def on_cpu_graphs(gm):
+    """``gm`` with its engine on the CPU stand-in for CUDA graphs; returns ``gm``."""
+    gm.engine.backend = CpuBackend()
+    gm.engine.where = None
+    return gm

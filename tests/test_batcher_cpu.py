@@ -228,15 +228,47 @@ def test_join_verdict_and_split():
     sizes = [2, 1]
     joined = [torch.arange(6.0).view(3, 2), torch.ones(4), "c"]
     alone = [(torch.arange(4.0).view(2, 2), torch.ones(4), "c"), (torch.tensor([[4.0, 5.0]]), torch.ones(4), "c")]
-    kinds, spec = join_verdict(joined, alone, sizes, 0)
-    assert kinds == [BATCHED, WHOLE, CONST]
-    parts = split_outputs(joined, kinds, spec, sizes, 0)
+    kinds, seq_dims, spec = join_verdict(joined, alone, sizes, 0)
+    assert kinds == [BATCHED, WHOLE, CONST] and seq_dims == [(), (), ()]
+    parts = split_outputs(joined, kinds, seq_dims, spec, sizes, [None, None], 0)
     assert torch.equal(parts[1][0], torch.tensor([[4.0, 5.0]])) and parts[1][2] == "c"
     bad = [(torch.arange(4.0).view(2, 2) + 1, torch.ones(4), "c"), alone[1]]
     assert "mixes rows" in join_verdict(joined, bad, sizes, 0)
     changed = [alone[0], (torch.tensor([[4.0, 5.0]]), torch.zeros(4), "c")]
     assert "mixes rows" in join_verdict(joined, changed, sizes, 0)
     assert isinstance(join_verdict(flatten_outputs((torch.zeros(3, 2),))[0], alone, sizes, 0), str)
+
+
+def test_join_verdict_and_split_with_lengths():
+    # two requests of lengths 3 and 5, joined at 5: outputs [n, L, 2] cut back to each length
+    a, b = torch.randn(1, 3, 2), torch.randn(2, 5, 2)
+    joined = torch.zeros(3, 5, 2)
+    joined[:1, :3] = a
+    joined[1:] = b
+    kinds, seq_dims, spec = join_verdict([joined], [a, b], [1, 2], 0, [3, 5], 5)
+    assert kinds == [BATCHED] and seq_dims == [(1,)]
+    pa, pb = split_outputs([joined], kinds, seq_dims, spec, [1, 2], [3, 5], 0)
+    assert torch.equal(pa, a) and torch.equal(pb, b)
+    # equal lengths cannot show the sequence dims: undecided unless the key knows them
+    assert join_verdict([joined[:, :3]], [a, b[:, :3]], [1, 2], 0, [3, 3], 3) is None
+    assert join_verdict([joined[:, :3]], [a, b[:, :3]], [1, 2], 0, [3, 3], 3, seq_dims=[(1,)])[1] == [(1,)]
+    wrong = b.clone()
+    wrong[0, 4] += 1
+    assert "mixes rows" in join_verdict([joined], [a, wrong], [1, 2], 0, [3, 5], 5)
+
+
+def test_plan_groups_by_length_and_cost():
+    from graphwrap.joining import plan_groups
+
+    bucket = lambda L: 16 if L <= 16 else 64  # noqa: E731
+    max_rows = lambda S: 8  # noqa: E731
+    cheap_long = lambda rows, S: 10.0  # one call costs the same whatever its size: join everything
+    rows, lengths = [1, 2, 1, 3], [10, 60, 12, 50]
+    assert plan_groups(rows, lengths, bucket, max_rows, cheap_long) == [[0, 1, 2, 3]]
+    by_tokens = lambda rows, S: rows * S  # noqa: E731 - padding costs: one call per bucket
+    assert plan_groups(rows, lengths, bucket, max_rows, by_tokens) == [[0, 2], [1, 3]]
+    assert plan_groups(rows, lengths, bucket, lambda S: 2, cheap_long) == [[0, 2], [1], [3]]
+    assert plan_groups([2, 2, 5], [None] * 3, bucket, lambda S: 4, by_tokens) == [[0, 1], [2]]
 
 
 @pytest.mark.parametrize("to_host", [False, True])
@@ -254,3 +286,59 @@ def test_pipeline_coalesce_joins_items_at_hand_in_order(to_host):
     assert len(forwards) == 6 + 1 + 3 + 1
     for x, got in zip(xs + [xs[0], xs[1]], outs):
         assert_same(got, _eager(model, x), TOL)
+
+
+def test_submit_returns_at_once_and_queued_requests_are_joined():
+    import time
+
+    gate = _Gate().eval()
+    b = Batcher(GraphedModule(gate))
+    gate.release.set()
+    _gather(b, [((torch.randn(1, 4),), {}) for _ in range(3)])  # the probe: joined from now on
+    gate.release.clear()
+    gate.entered.clear()
+    before = b.stats()["module_calls"]
+    t = _busy(b, gate)  # the batcher is busy in the module
+    xs = [torch.randn(1, 4) for _ in range(10)]
+    t0 = time.perf_counter()
+    futs = [b.submit(x) for x in xs]
+    assert time.perf_counter() - t0 < 1.0 and not any(f.done() for f in futs)
+    gate.release.set()
+    for x, f in zip(xs, futs):
+        assert_same(f.result(10), _eager(gate, x), TOL)
+    t.join(10)
+    assert b.stats()["module_calls"] - before == 2, "the busy one, then the ten queued ones joined"
+
+
+def test_submit_on_an_idle_batcher_is_served_by_the_worker():
+    model = MLP().eval()
+    b = Batcher(GraphedModule(model))
+    x = torch.randn(2, 32)
+    fut = b.submit(x)
+    assert_same(fut.result(10), _eager(model, x), TOL)
+    b.close()
+
+
+def test_requests_of_different_lengths_are_joined_padded_and_each_gets_its_own():
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(30, 8)
+
+        def forward(self, ids, mask):
+            h = self.emb(ids)
+            m = mask.unsqueeze(-1).float()
+            return h + (h * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
+
+    model = Masked().eval()
+    b = Batcher(GraphedModule(model, seq_dim=1))
+    for _ in range(3):
+        calls = []
+        for n, L in ((1, 5), (2, 9), (1, 30), (3, 7), (1, 5)):
+            calls.append(((torch.randint(1, 30, (n, L)), torch.ones(n, L, dtype=torch.long)), {}))
+        outs = _gather(b, calls)
+        for (a, k), got in zip(calls, outs):
+            assert got.shape == a[0].shape + (8,)
+            assert_same(got, _eager(model, *a), TOL)
+    s = b.stats()
+    assert s["probes"] == 1 and s["joined_calls"] >= 2

@@ -53,11 +53,11 @@ def test_batch_dynamic_compiles_once_for_every_size_of_two_rows_or_more():
     with torch.no_grad():
         for n in (2, 3, 7, 16):
             x = torch.randn(n, 8)
-            cf.mark([x], 0)
+            cf.mark([x], ((0, None, 0),))
             torch.testing.assert_close(cf(x), model(x), rtol=1e-5, atol=1e-5)
         assert cf.graphs == 1
         x = torch.randn(1, 8)
-        cf.mark([x], 0)  # left alone: size 1 is specialized, a graph of its own
+        cf.mark([x], ((0, None, 0),))  # left alone: size 1 is specialized, a graph of its own
         torch.testing.assert_close(cf(x), model(x), rtol=1e-5, atol=1e-5)
     assert cf.graphs == 2
     torch._dynamo.reset()

@@ -1,16 +1,26 @@
-"""The engine's plans and per-call checks on the CPU, with a stand-in graph that recomputes on replay."""
+"""The engine on the CPU, with a stand-in graph that recomputes on replay: plans, owned and view
+outputs, stats, eager plans, the per-call checks, captures that never block other callers,
+sequence buckets, the memory budget and what a failed capture leaves."""
+
+import threading
 
 import pytest
 import torch
 from torch import nn
 
-from graphwrap import GraphedModule
-from graphwrap.capture import Replica, tile_rows
-from graphwrap.engine import describe_key
-from graphwrap.plans import Bucket, Key, Plan
-from graphwrap.tree import BATCHED, CONST, WHOLE, flatten_inputs, flatten_outputs, tensor_meta
-from helpers import MLP
-from test_verify_capture_cpu import RecomputeGraph
+from graphwrap import GraphedModule, GraphwrapError
+from graphwrap.records import Serves
+from helpers import MLP, RowMixer, assert_same, on_cpu_graphs
+
+
+def _gm(model, **kw):
+    kw.setdefault("eager_if_faster", False)
+    return on_cpu_graphs(GraphedModule(model, **kw))
+
+
+def _eager(model, *args, **kwargs):
+    with torch.no_grad():
+        return model(*args, **kwargs)
 
 
 class TwoOut(nn.Module):
@@ -25,98 +35,71 @@ class TwoOut(nn.Module):
         return {"y": self.lin(x), "w": self.w * 2, "tag": "t"}
 
 
-def _engine_with_bucket(module, size, sample, outputs="clone"):
-    """A GraphedModule's engine holding one key with one 'captured' bucket (a stand-in graph)."""
-    gm = GraphedModule(module, buckets=[size], outputs=outputs)
-    eng = gm.engine
-    leaves, spec = flatten_inputs((sample,), {})
-    meta = tensor_meta(leaves, 0)
-    ks = Key(describe_key(spec, meta, None), spec, torch.device("cpu"), None, "seen", (sample.dtype, -1))
-    static_in = [tile_rows(sample, sample.shape[0], size, 0)]
-    with torch.no_grad():
-        out, out_spec = flatten_outputs(module(*static_in))
-    static_out = [o.clone() if isinstance(o, torch.Tensor) else o for o in out]
-    kinds = [BATCHED if isinstance(o, torch.Tensor) and o.shape[0] == size else
-             (WHOLE if isinstance(o, torch.Tensor) else CONST) for o in out]
-    ks.kinds, ks.out_spec = kinds, out_spec
-    b = ks.buckets[size] = Bucket(size)
-    b.replicas.append(Replica(RecomputeGraph(module, static_in, static_out), size, 0, static_in, static_out, kinds))
-    return gm, eng, ks, b
-
-
 @pytest.mark.parametrize("n", [1, 3, 8])
-def test_plan_views_run_and_clone(n):
+def test_calls_replay_the_bucket_graph_with_owned_or_view_outputs(n):
     model = MLP().eval()
-    gm, eng, ks, b = _engine_with_bucket(model, 8, torch.randn(8, 32))
-    plan = Plan(eng, ks, n, b)
-    assert not plan.eager and plan.size == 8 and plan.single_out
-    assert plan.input.shape == (n, 32) and plan.input.data_ptr() == b.replicas[0].static_inputs[0].data_ptr()
-    assert plan.output.shape == (n, 16)
+    gm = _gm(model, buckets=[8])
     for _ in range(3):  # fresh inputs every call: a stale static buffer would show
         x = torch.randn(n, 32)
-        with torch.no_grad():
-            (got,) = plan.run([x])
-            want = model(x)
-        torch.testing.assert_close(got, want)
-        assert got.data_ptr() != plan.output.data_ptr(), "clone: an output the caller owns"
-    (view,) = plan.run([torch.randn(n, 32)], clone=False)
-    assert view.data_ptr() == plan.output.data_ptr(), "clone=False: the static output itself"
-    assert plan.calls == 4
+        got = gm(x)
+        assert_same(got, _eager(model, x))
+    (ks,) = gm.engine.store.keys.values()
+    g = ks.buckets[(8, None)].graphs[0]
+    assert got.data_ptr() != g.static_outputs[0].data_ptr(), "owned: not the static output"
+    gv = _gm(model, buckets=[8], outputs="view")
+    v = gv(torch.randn(n, 32))
+    (ks,) = gv.engine.store.keys.values()
+    assert v.data_ptr() == ks.buckets[(8, None)].graphs[0].static_outputs[0].data_ptr()
+    assert gm.stats()["keys"][0]["buckets"][8]["replays"] == 3
 
 
-def test_plan_of_several_outputs_keeps_whole_and_constant_outputs():
+def test_several_outputs_keep_whole_and_constant_ones():
     model = TwoOut().eval()
-    gm, eng, ks, b = _engine_with_bucket(model, 4, torch.randn(4, 8))
-    plan = Plan(eng, ks, 3, b)
-    assert not plan.single_out
+    gm = _gm(model, buckets=[4])
     x = torch.randn(3, 8)
-    with torch.no_grad():
-        got = plan.rebuild(plan.run([x]))
-        want = model(x)
-    torch.testing.assert_close(got["y"], want["y"])
-    torch.testing.assert_close(got["w"], want["w"])
-    assert got["tag"] == "t" and list(got) == ["y", "w", "tag"]
+    got = gm(x)
+    assert list(got) == ["y", "w", "tag"] and got["tag"] == "t"
+    assert_same(got, _eager(model, x))
 
 
-def test_stats_count_rows_and_padding_from_plans():
-    gm, eng, ks, b = _engine_with_bucket(MLP().eval(), 8, torch.randn(8, 32))
-    eng.store.keys["k"] = ks
+def test_stats_count_rows_and_padding():
+    gm = _gm(MLP().eval(), buckets=[8])
     for n, calls in ((3, 2), (8, 1)):
-        plan = ks.plans[n] = Plan(eng, ks, n, b)
         for _ in range(calls):
-            plan.run([torch.randn(n, 32)])
-    b.count(5)  # a pipeline's replay of a leased graph
+            gm(torch.randn(n, 32))
+    (ks,) = gm.engine.store.keys.values()
+    ks.buckets[(8, None)].count(5, None)  # a pipeline's replay of a leased graph
     s = gm.stats()
     st = s["keys"][0]["buckets"][8]
     assert st["replays"] == 4 and st["rows"] == 3 * 2 + 8 + 5 and st["padded_rows"] == 5 * 2 + 3
     assert s["padded_share"] == pytest.approx(13 / (19 + 13))
 
 
-def test_eager_plans_by_choice_and_by_reason():
+def test_eager_by_choice_and_by_reason():
     model = MLP().eval()
-    gm, eng, ks, b = _engine_with_bucket(model, 8, torch.randn(8, 32))
-    eng.store.keys["k"] = ks
-    b.serves = "eager"
-    chosen = ks.plans[2] = Plan(eng, ks, 2, b)
-    assert chosen.eager and chosen.reason is None
-    x = torch.randn(2, 32)
-    with torch.no_grad():
-        torch.testing.assert_close(eng.eager_plan(chosen, (x,), {}), model(x))
-    failed = Plan(eng, ks, 3, Bucket(4), reason="out of memory in capture at batch 4")
-    with torch.no_grad():
-        eng.eager_plan(failed, (torch.randn(3, 32),), {})
+    gm = _gm(model, buckets=[4, 8])
+    gm(torch.randn(2, 32))
+    (ks,) = gm.engine.store.keys.values()
+    with gm.engine.lock:
+        ks.buckets[(4, None)].serves = Serves.EAGER
+        ks.plans.clear()
+        gm.engine.fast.clear()
+    x = torch.randn(3, 32)
+    assert_same(gm(x), _eager(model, x))
     s = gm.stats()
-    assert s["eager_by_choice"] == 1 and s["keys"][0]["buckets"][8]["serves"] == "eager"
-    assert s["eager_calls"] == {"out of memory in capture at batch 4": 1}
+    assert s["eager_by_choice"] == 1 and s["keys"][0]["buckets"][4]["serves"] == "eager"
+    assert s["eager_calls"] == {}
+    assert not gm(x).requires_grad, "eager by choice: outputs without grad, as a graph's"
 
 
 def test_fast_path_checks_fall_back_to_the_general_path():
     model = MLP().eval()
-    gm, eng, ks, b = _engine_with_bucket(model, 8, torch.randn(8, 32))
-    eng._record_ptrs()
+    gm = _gm(model, buckets=[4])
+    eng = gm.engine
     x = torch.randn(3, 32)
-    plan = eng.fast[x.shape] = Plan(eng, ks, 3, b)
-    assert eng.fast_plan(x) is plan
+    gm(x)
+    plan = eng.fast_plan(x)
+    assert plan is not None and not plan.eager
     assert eng.fast_plan(torch.randn(3, 32, dtype=torch.float64)) is None, "another dtype"
     assert eng.fast_plan(torch.randn(4, 32)) is None, "a shape without a plan"
     with torch.enable_grad():
@@ -126,31 +109,155 @@ def test_fast_path_checks_fall_back_to_the_general_path():
     model.train()
     assert eng.fast_plan(x) is None, "training mode"
     model.eval()
-    with torch.autocast("cuda", enabled=True) if torch.cuda.is_available() else _cuda_autocast_flag():
-        assert eng.fast_plan(x) is None, "autocast"
     assert eng.fast_plan(x) is plan
     model.layers[0].weight.data = torch.randn(64, 32)
     assert eng.fast_plan(x) is None, "a weight moved"
-
-
-class _cuda_autocast_flag:
-    """CUDA autocast switched on by its flag alone, as torch.autocast("cuda") would (no CUDA here)."""
-
-    def __enter__(self):
-        torch._C.set_autocast_enabled(True) if not hasattr(torch, "get_autocast_dtype") else \
-            torch._C.set_autocast_enabled("cuda", True)
-
-    def __exit__(self, *exc):
-        torch._C.set_autocast_enabled(False) if not hasattr(torch, "get_autocast_dtype") else \
-            torch._C.set_autocast_enabled("cuda", False)
+    assert_same(gm(x), _eager(model, x))
+    assert eng.weights.ptrs is not None and len(gm.stats()["keys"]) == 1, "captured again"
 
 
 def test_a_new_parameter_counts_as_moved_weights():
     model = MLP().eval()
-    gm, eng, ks, b = _engine_with_bucket(model, 8, torch.randn(8, 32))
-    eng._record_ptrs()
-    eng.fast[torch.Size([3, 32])] = Plan(eng, ks, 3, b)
+    gm = _gm(model, buckets=[4])
+    x = torch.randn(3, 32)
+    gm(x)
+    epoch = gm.engine.epoch
     model.extra = nn.Parameter(torch.randn(2))
-    assert eng.fast_plan(torch.randn(3, 32)) is None
-    eng.prepare((torch.randn(3, 32),), {})
-    assert eng.ptrs is None and not eng.fast, "graphs dropped"
+    assert gm.engine.fast_plan(x) is None
+    assert_same(gm(x), _eager(model, x))
+    assert gm.engine.epoch > epoch, "graphs dropped and captured again"
+
+
+class _Blocks(nn.Module):
+    """Blocks on its first padded warm-up (a capture in progress) until released."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.capturing, self.release = threading.Event(), threading.Event()
+        self.block = True
+
+    def forward(self, x):
+        if self.block and x.shape[0] == 8:
+            self.block = False
+            self.capturing.set()
+            assert self.release.wait(10)
+        return self.lin(x)
+
+
+def test_other_callers_are_served_eagerly_while_a_bucket_is_captured():
+    model = _Blocks().eval()
+    gm = _gm(model, buckets=[8])
+    first = threading.Thread(target=lambda: gm(torch.randn(3, 8)))
+    first.start()
+    assert model.capturing.wait(10)
+    for n in (1, 5, 8):  # the same bucket, during its capture: answered at once, eagerly
+        x = torch.randn(n, 8)
+        assert_same(gm(x), _eager(model, x))
+    assert gm.stats()["keys"][0]["eager_while_warming"] == 3
+    model.release.set()
+    first.join(10)
+    x = torch.randn(6, 8)
+    assert_same(gm(x), _eager(model, x))
+    assert gm.stats()["keys"][0]["buckets"][8]["replays"] == 2
+
+
+def test_a_row_mixer_runs_eagerly_and_fallback_raise_raises():
+    model = RowMixer().eval()
+    gm = _gm(model, buckets=[4])
+    x = torch.randn(3, 8)
+    assert_same(gm(x), _eager(model, x))
+    k = gm.stats()["keys"][0]
+    assert k["status"] == "eager" and "mixes rows" in k["reason"]
+    strict = _gm(model, buckets=[4], fallback="raise")
+    with pytest.raises(GraphwrapError, match="mixes rows"):
+        strict(x)
+
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.div_(255.0)
+        return self.lin(x)
+
+
+def test_a_forward_that_writes_into_its_input_gets_eagers_answer_and_the_callers_tensor_as_eager_leaves_it():
+    model = InPlace().eval()
+    gm = _gm(model, buckets=[4])
+    for n in (3, 4, 2):
+        x = torch.randn(n, 4) * 255
+        x_eager = x.clone()
+        want = _eager(model, x_eager)
+        got = gm(x)
+        assert_same(got, want)
+        assert_same(x, x_eager), "the caller's tensor divided once, as eager divides it"
+    k = gm.stats()["keys"][0]
+    assert k["status"] == "eager" and "writes into its input x" in k["reason"]
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.emb(input_ids)
+        m = attention_mask.unsqueeze(-1).float()
+        ctx = (h * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
+        return {"last": self.lin(h + ctx), "pooled": ctx.squeeze(1)}
+
+
+def _text(n, L, pad_from=None):
+    ids = torch.randint(1, 50, (n, L))
+    mask = torch.ones(n, L, dtype=torch.long)
+    if pad_from is not None:
+        mask[:, pad_from:] = 0
+    return ids, mask
+
+
+def test_sequence_buckets_every_length_and_the_padded_tokens():
+    model = Masked().eval()
+    gm = _gm(model, seq_dim=1, max_batch_size=8)
+    for L in list(range(1, 70)) + [200, 3, 512]:
+        n = 1 + L % 5
+        ids, mask = _text(n, L, pad_from=max(1, L - 2) if L % 3 == 0 else None)
+        assert_same(gm(input_ids=ids, attention_mask=mask), _eager(model, input_ids=ids, attention_mask=mask))
+    s = gm.stats()
+    assert s["eager_calls"] == {} and len(s["keys"]) == 1
+    assert set(s["seq_buckets"]) >= {16, 32, 48, 64, 96, 256, 512}
+    b = s["keys"][0]["buckets"]
+    assert "2x16" in b and all(v["seq"] in s["seq_buckets"] for v in b.values())
+    assert 0 < s["padded_token_share"] < 1 and s["tokens"] == sum((1 + L % 5) * L for L in
+                                                                 list(range(1, 70)) + [200, 3, 512])
+    ids, mask = _text(1, 600)
+    assert_same(gm(input_ids=ids, attention_mask=mask), _eager(model, input_ids=ids, attention_mask=mask))
+    assert any("longer than the longest sequence bucket" in r for r in gm.stats()["eager_calls"])
+
+
+def test_batches_above_the_token_budget_are_served_in_chunks():
+    model = Masked().eval()
+    gm = _gm(model, seq_dim=1, max_tokens=64, max_batch_size=8)
+    ids, mask = _text(7, 30)  # bucket 32: at most 2 rows a graph
+    assert_same(gm(input_ids=ids, attention_mask=mask), _eager(model, input_ids=ids, attention_mask=mask))
+    b = gm.stats()["keys"][0]["buckets"]
+    assert set(b) == {"2x32", "1x32"} and b["2x32"]["replays"] == 3 and b["1x32"]["replays"] == 1
+
+
+def test_the_memory_budget_drops_the_least_used_graphs_and_captures_them_again():
+    model = MLP(d_out=64).eval()  # outputs of 256 bytes a row: the stand-in's pool estimate
+    gm = _gm(model, buckets=[1, 2, 4, 8], max_pool_bytes=256 * 8 + 256 * 4)
+    sizes = [8] * 5 + [4] * 3 + [2, 1, 2, 4, 8, 1]
+    for n in sizes:
+        x = torch.randn(n, 32)
+        assert_same(gm(x), _eager(model, x))
+    s = gm.stats()
+    assert s["eager_calls"] == {}
+    b = s["keys"][0]["buckets"]
+    live = sum(v["pool_bytes"] for v in b.values() if v["captured"])
+    assert 0 < live <= 256 * 12
+    assert any(not v["captured"] and v["replays"] for v in b.values()), "a bucket was dropped after serving"
+    assert sum(v["replays"] + v["eager_calls"] for v in b.values()) == len(sizes)

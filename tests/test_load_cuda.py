@@ -16,7 +16,9 @@ THREADS, CALLS = 8, 10_000
 
 def test_eight_threads_ten_thousand_calls_each():
     model = MLP().to(DEV).eval()
-    gm = GraphedModule(model, max_batch_size=64)
+    # Graphs for every bucket, whatever the race against eager would say under this load:
+    # the point here is every replay's answer and memory under load.
+    gm = GraphedModule(model, max_batch_size=64, eager_if_faster=False)
     worst = [None] * THREADS
     errors = []
     # Start and end memory are taken with every thread's stream made and warm (each stream
@@ -71,7 +73,10 @@ def test_eight_threads_ten_thousand_calls_each():
           f"reserved {start[1] / 2**20:.1f} -> {end[1] / 2**20:.1f} MiB")
     assert all(w is not None and w < 1e-4 for w in worst), worst
     assert s["eager_calls"] == {}
-    assert sum(b["replays"] for b in s["keys"][0]["buckets"].values()) >= THREADS * CALLS
+    # Every call replayed, but those that came while their bucket was being captured by
+    # another thread: those ran eagerly meanwhile, and are counted as such.
+    k = s["keys"][0]
+    assert sum(b["replays"] for b in k["buckets"].values()) + k["eager_while_warming"] >= THREADS * CALLS
     assert end[0] - start[0] <= 4 << 20
 
 

@@ -136,9 +136,31 @@ def test_wrapping_a_non_module_fails_clearly():
         GraphedModule(lambda x: x)
 
 
-def test_capture_without_cuda_says_why():
-    with pytest.raises(GraphwrapError, match="cannot capture"):
-        GraphedModule(MLP().eval()).capture(torch.randn(2, 32))
+def test_capture_without_cuda_is_a_logged_no_op(gw_log):
+    model = MLP().eval()
+    gm = GraphedModule(model)
+    s = gm.capture(torch.randn(2, 32))
+    assert s["keys"] == [] and s["graph_pool_bytes"] == 0
+    assert any("captured nothing" in r.getMessage() for r in gw_log.records)
+    x = torch.randn(3, 32)
+    assert_same(gm(x), model(x), tol=0)
+    with pytest.raises(GraphwrapError, match="cannot capture: the module is in training mode"):
+        GraphedModule(MLP().train()).capture(torch.randn(2, 32))
+
+
+def test_outputs_never_require_grad_on_a_cpu_either():
+    model = MLP().eval()
+    gm = GraphedModule(model)
+    x = torch.randn(3, 32)
+    out = gm(x)
+    assert not out.requires_grad and out.grad_fn is None
+    assert_same(out, model(x).detach(), tol=0)
+    # where eager runs for grad, grad it gets
+    xg = torch.randn(3, 32, requires_grad=True)
+    gm(xg).sum().backward()
+    assert xg.grad is not None
+    model.train()
+    assert gm(x).requires_grad
 
 
 def test_fallback_is_thread_safe():
@@ -225,8 +247,7 @@ def test_compile_on_cpu_runs_eagerly_with_the_same_results():
 def test_keys_of_every_input_kind_are_described():
     import collections
 
-    from graphwrap.engine import describe_key
-    from graphwrap.tree import flatten_inputs, tensor_meta
+    from graphwrap.signature import Declarations, describe_key
 
     Pair = collections.namedtuple("Pair", "a b")
 
@@ -236,8 +257,52 @@ def test_keys_of_every_input_kind_are_described():
     t = torch.zeros(2, 3)
     args = (t, 1.5, (t, "s"), [t], {"k": t}, collections.OrderedDict(o=t), collections.defaultdict(list, d=t),
             Pair(t, None), Items([t]))
-    leaves, spec = flatten_inputs(args, {"kw": t})
-    text = describe_key(spec, tensor_meta(leaves, 0), None)
+    f = Declarations(nn.Identity()).facts(args, {"kw": t}, None)
+    text = describe_key(f.spec, f.meta, None)
     for part in ("Tensor[B, 3] float32 cpu", "1.5", "'s'", "{'k': Tensor", "OrderedDict({'o': Tensor",
                  "defaultdict({'d': Tensor", "Pair(Tensor", "None)", "Items(Tensor", "kw=Tensor"):
         assert part in text, (part, text)
+
+
+def test_copies_pickles_and_saves_keep_the_options_and_start_fresh():
+    import copy
+    import io
+    import pickle
+
+    model = MLP().eval()
+    gm = GraphedModule(model, max_batch_size=16, outputs="view")
+    x = torch.randn(3, 32)
+    gm(x)
+    for twin in (copy.deepcopy(gm), pickle.loads(pickle.dumps(gm))):
+        assert isinstance(twin, GraphedModule) and twin.module is not model
+        assert twin.buckets == gm.buckets and twin._gw_outputs == "view"
+        assert twin.stats()["eager_calls"] == {}, "a fresh engine"
+        assert list(twin.state_dict()) == list(gm.state_dict())
+        assert twin._parameters is twin.module._parameters
+        assert_same(twin(x), model(x).detach(), tol=0)
+    buf = io.BytesIO()
+    torch.save(gm, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert_same(loaded(x), model(x).detach(), tol=0)
+    assert copy.copy(gm)(x).shape == (3, 16)
+
+
+def test_container_manners_are_the_modules():
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    gm = GraphedModule(seq)
+    assert len(gm) == 3 and gm[0] is seq[0] and list(gm) == list(seq)
+    assert isinstance(gm[1:], nn.Sequential)
+    with pytest.raises(TypeError):
+        len(GraphedModule(MLP()))
+    with pytest.raises(GraphwrapError, match="a GraphedModule already"):
+        GraphedModule(gm)
+
+
+def test_replicas_of_a_graphed_module_take_its_options():
+    model = MLP().eval()
+    reps = graphwrap.Replicas(GraphedModule(model, max_batch_size=8, outputs="view"), devices=["cpu"])
+    assert reps.modules[0].buckets == (1, 2, 4, 8) and reps.modules[0]._gw_outputs == "view"
+    x = torch.randn(3, 32)
+    assert_same(reps(x), model(x).detach(), tol=0)
+    reps.close()

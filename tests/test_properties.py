@@ -8,7 +8,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from graphwrap import BucketTable, default_buckets  # noqa: E402
-from graphwrap.capture import Replica, tile_rows  # noqa: E402
+from graphwrap.checks import shape_leaf, tile_rows  # noqa: E402
+from graphwrap.records import Graph  # noqa: E402
 from graphwrap.tree import BATCHED, WHOLE, flatten_inputs, flatten_outputs, unflatten_inputs  # noqa: E402
 
 bucket_lists = st.lists(st.integers(1, 300), min_size=1, max_size=12)
@@ -46,10 +47,28 @@ def test_pad_then_unpad_gives_back_the_rows(ndim_extra, bd_seed, rows, extra, da
     assert torch.equal(padded.narrow(bd, 0, rows), x)
     for i in range(size):  # every padding row is a copy of a real row
         assert torch.equal(padded.select(bd, i), x.select(bd, i % rows))
-    rep = Replica(None, size, bd, [padded], [padded, torch.ones(3)], [BATCHED, WHOLE])
-    got = rep.outputs_for(rows)
+    g = Graph(None, None, size, None, ((bd, None, 0),), bd, [padded], [padded, torch.ones(3)], [BATCHED, WHOLE],
+              [(), ()], [0])
+    got = g.outputs_for(rows, None)
     assert torch.equal(got[0], x) and got[1].shape == (3,)
-    assert rep.inputs_for(rows)[0].shape == x.shape
+    assert g.inputs_for(rows, None)[0][0].shape == x.shape
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 4), st.integers(1, 12), st.integers(0, 9), st.data())
+def test_sequence_padding_writes_only_what_a_longer_call_left(rows, extra_rows, L, extra_len, data):
+    # Calls of random lengths into one padded buffer: after each, positions past its length
+    # hold the pad value in every row, and its own positions hold its values.
+    size, S = rows + extra_rows, L + extra_len
+    static = shape_leaf(torch.randint(1, 50, (rows, L)), (0, 1, -7), size, S)
+    g = Graph(None, None, size, S, ((0, 1, -7),), 0, [static], [], [], [], [L])
+    for _ in range(4):
+        n, length = data.draw(st.integers(1, size)), data.draw(st.integers(1, S))
+        x = torch.randint(1, 50, (n, length))
+        dsts, pads = g.inputs_for(n, length)
+        g.write(dsts, pads, [x], length)
+        assert torch.equal(static[:n, :length], x)
+        assert bool((static[:, length:] == -7).all())
 
 
 leaf = st.one_of(st.integers(), st.booleans(), st.text(max_size=3), st.none(),

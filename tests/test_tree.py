@@ -7,8 +7,8 @@ import torch
 
 from graphwrap import GraphwrapError
 from graphwrap.tree import (
-    BATCHED, CONST, WHOLE, UnsupportedInput, batch_size_of, classify_outputs, flatten_inputs,
-    flatten_outputs, map_tensors, tensor_meta, unflatten_inputs,
+    BATCHED, CONST, WHOLE, UnsupportedInput, classify_outputs, flatten_inputs, flatten_outputs, map_tensors,
+    unflatten_inputs,
 )
 from helpers import HFOut, KVCache, NeedsAName, Opaque, Out, assert_same
 
@@ -55,22 +55,6 @@ def test_mutable_objects_are_not_keyed():
         flatten_inputs((torch.zeros(1), {"c": Cfg()}), {})
 
 
-def test_batch_size_and_errors():
-    assert batch_size_of([torch.zeros(3, 2), torch.zeros(3)], 0) == 3
-    assert batch_size_of([torch.zeros(2, 5), torch.zeros(1, 5)], 1) == 5
-    with pytest.raises(GraphwrapError, match="disagree on the batch size.*#1 has 4"):
-        batch_size_of([torch.zeros(3, 2), torch.zeros(4, 2)], 0)
-    with pytest.raises(GraphwrapError, match=r"shape \(\), with no batch_dim=0"):
-        batch_size_of([torch.zeros(3), torch.tensor(1.0)], 0)
-
-
-def test_meta_drops_the_batch_dim_only():
-    a, b = torch.zeros(3, 4, 5), torch.zeros(7, 4, 5)
-    assert tensor_meta([a], 0) == tensor_meta([b], 0)
-    assert tensor_meta([a], 0) != tensor_meta([b.double()], 0)
-    assert tensor_meta([a], 1) != tensor_meta([b], 1)
-
-
 def test_outputs_rebuild_with_their_types():
     t = torch.randn(2, 3)
     outs = [
@@ -106,11 +90,23 @@ def test_classify_outputs():
     a = [torch.zeros(n_a, 5), torch.ones(7), 3, torch.zeros(2, n_a)]
     b = [torch.zeros(n_b, 5), torch.ones(7), 3, torch.zeros(2, n_b)]
     _, spec = flatten_outputs(tuple(a))
-    kinds, problems = classify_outputs(a, n_a, b, n_b, 0, spec)
-    assert kinds[:3] == [BATCHED, WHOLE, CONST]
+    kinds, seq_dims, problems = classify_outputs(a, n_a, b, n_b, 0, spec)
+    assert kinds[:3] == [BATCHED, WHOLE, CONST] and seq_dims == [(), (), (), ()]
     assert list(problems) == [3] and "not along batch_dim=0" in problems[3]
-    kinds, problems = classify_outputs([n_a], n_a, [n_b], n_b, 0, flatten_outputs((1,))[1])
+    kinds, _, problems = classify_outputs([n_a], n_a, [n_b], n_b, 0, flatten_outputs((1,))[1])
     assert problems and "depends on the batch" in problems[0]
+
+
+def test_classify_outputs_finds_the_sequence_dims():
+    # at (4 rows, length 16) and (3 rows, length 10): [n, L, 8], [n, h, L, L], [n, 8], [L, 8] and [n, L + 1]
+    shapes = lambda n, L: [(n, L, 8), (n, 2, L, L), (n, 8), (L, 8), (n, L + 1)]  # noqa: E731
+    a = [torch.zeros(s) for s in shapes(4, 16)]
+    b = [torch.zeros(s) for s in shapes(3, 10)]
+    spec = flatten_outputs(tuple(a))[1]
+    kinds, seq_dims, problems = classify_outputs(a, 4, b, 3, 0, spec, 16, 10)
+    assert kinds[:4] == [BATCHED, BATCHED, BATCHED, WHOLE]
+    assert seq_dims[:4] == [(1,), (2, 3), (), (0,)]
+    assert list(problems) == [4] and "or the sequence" in problems[4]
 
 
 def test_map_tensors_keeps_structure():
@@ -137,7 +133,7 @@ def test_registered_types_are_looked_into():
     other = (torch.randn(n - 1, 5), KVCache([torch.randn(n - 1, 3)] * 2, [torch.randn(n - 1, 1)] * 2))
     leaves_b, spec_b = flatten_outputs(other)
     assert spec_b == spec and hash(spec_b) == hash(spec)
-    kinds, problems = classify_outputs(leaves, n, leaves_b, n - 1, 0, spec)
+    kinds, _, problems = classify_outputs(leaves, n, leaves_b, n - 1, 0, spec)
     assert kinds == [BATCHED] * 5 and not problems
     # A cache with another number of layers is another structure.
     assert flatten_outputs((out[0], KVCache(cache.keys[:1], cache.values[:1])))[1] != spec
@@ -146,7 +142,7 @@ def test_registered_types_are_looked_into():
 def test_unregistered_objects_get_a_short_message_with_the_way_out():
     a, b = Opaque(torch.zeros(4)), Opaque(torch.zeros(3))
     _, spec = flatten_outputs((a,))
-    kinds, problems = classify_outputs([a], 4, [b], 3, 0, spec)
+    kinds, _, problems = classify_outputs([a], 4, [b], 3, 0, spec)
     assert kinds == [CONST]
     msg = problems[0]
     assert "Opaque" in msg and "register_pytree_node" in msg and len(msg) < 500, msg
@@ -155,7 +151,7 @@ def test_unregistered_objects_get_a_short_message_with_the_way_out():
 def test_a_dynamic_cache_gets_the_transformers_way_out():
     DynamicCache = type("DynamicCache", (), {})  # stands in for transformers' class, by name
     _, spec = flatten_outputs((DynamicCache(),))
-    _, problems = classify_outputs([DynamicCache()], 4, [DynamicCache()], 3, 0, spec)
+    _, _, problems = classify_outputs([DynamicCache()], 4, [DynamicCache()], 3, 0, spec)
     assert "register_dynamic_cache_export_support()" in problems[0] and "use_cache=False" in problems[0]
 
 

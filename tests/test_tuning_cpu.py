@@ -1,9 +1,5 @@
 """The tuner's choices on the CPU: which bucket next, when a per-size graph is kept, how the
-two graphs are timed, the thread's life, and the ``static=`` option."""
-
-import gc
-import threading
-import time
+two graphs are timed, and the ``static=`` option."""
 
 import pytest
 
@@ -46,87 +42,6 @@ def test_replays_are_timed_interleaved_and_reported_as_medians():
     assert len(old_calls) == len(new_calls) == 8
 
 
-class _FakeEngine:
-    def __init__(self, steps):
-        self.steps = list(steps)
-        self.calls = 0
-        self.pending = True
-
-    def tune_next(self):
-        self.calls += 1
-        step = self.steps.pop(0) if self.steps else "done"
-        if step == "tuned":
-            self.pending = False
-        if step == "boom":
-            raise RuntimeError("capture refused")
-        return step
-
-
-def test_the_tuner_runs_until_done_and_wait_returns(monkeypatch):
-    monkeypatch.setattr(tuning, "POLL_S", 0.01)
-    eng = _FakeEngine(["waiting", "waiting", "tuned", "done"])
-    t = tuning.Tuner(eng)
-    t.start()
-    assert t.wait(lambda: eng.pending, timeout=5.0)
-    t._thread.join(5.0)
-    assert not t._thread.is_alive() and eng.calls == 4 and t.error is None
-
-
-def test_a_tuning_error_is_kept_and_ends_the_thread(monkeypatch):
-    monkeypatch.setattr(tuning, "POLL_S", 0.01)
-    eng = _FakeEngine(["boom"])
-    t = tuning.Tuner(eng)
-    t.start()
-    t._thread.join(5.0)
-    assert not t._thread.is_alive()
-    assert t.error == "RuntimeError: capture refused"
-    assert t.wait(lambda: True, timeout=1.0)  # a dead thread has nothing left to wait for
-
-
-def test_wait_times_out_while_a_hot_bucket_waits(monkeypatch):
-    monkeypatch.setattr(tuning, "POLL_S", 0.01)
-    eng = _FakeEngine(["waiting"] * 1000)
-    t = tuning.Tuner(eng)
-    t.start()
-    t0 = time.monotonic()
-    assert not t.wait(lambda: True, timeout=0.2)
-    assert 0.15 < time.monotonic() - t0 < 3.0
-    eng.steps = ["done"]
-    t._thread.join(5.0)
-
-
-def test_the_tuner_holds_its_engine_weakly(monkeypatch):
-    monkeypatch.setattr(tuning, "POLL_S", 0.01)
-    eng = _FakeEngine(["waiting"] * 100000)
-    t = tuning.Tuner(eng)
-    t.start()
-    time.sleep(0.05)
-    del eng
-    gc.collect()
-    t._thread.join(5.0)
-    assert not t._thread.is_alive()
-
-
-def test_start_is_idempotent_while_running(monkeypatch):
-    monkeypatch.setattr(tuning, "POLL_S", 0.01)
-    gate = threading.Event()
-
-    class Slow(_FakeEngine):
-        def tune_next(self):
-            gate.wait(5.0)
-            return super().tune_next()
-
-    eng = Slow(["done"])
-    t = tuning.Tuner(eng)
-    t.start()
-    first = t._thread
-    t.start()
-    assert t._thread is first
-    gate.set()
-    first.join(5.0)
-    assert eng.calls == 1
-
-
 def test_static_option_defaults_and_errors():
     assert compile_options(True)["static"] == "auto"
     assert compile_options({"static": False})["static"] is False
@@ -143,23 +58,24 @@ def test_static_option_defaults_and_errors():
 
 def _engine_with_buckets():
     """A compile=True engine on the CPU holding one key with made-up buckets and call counts."""
-    import torch
     from types import SimpleNamespace
 
+    import torch
+
     from graphwrap import GraphedModule
-    from graphwrap.plans import Bucket, Key
+    from graphwrap.records import Bucket, Key, Serves
 
     eng = GraphedModule(torch.nn.Linear(4, 4), compile=True).engine
-    ks = Key("k", None, torch.device("cpu"), None, "k", None)
+    ks = Key("k", None, ((0, None, 0),), torch.device("cpu"), None, "k")
     eng.store.keys[("k",)] = ks
 
     def bucket(size, calls, rows, **attrs):
-        b = Bucket(size)
-        b.replicas, b.compiled, b.kernels = [SimpleNamespace(nbytes=lambda: 0)], True, "shared"
+        b = Bucket(size, graphs=[SimpleNamespace(nbytes=lambda: 0)], compiled=True, kernels="shared",
+                   serves=Serves.GRAPH)
         for name, value in attrs.items():
             setattr(b, name, value)
-        ks.buckets[size] = b
-        ks.plans[rows] = SimpleNamespace(size=size, eager=False, reason=None, calls=calls, n=rows)
+        ks.buckets[(size, None)] = b
+        ks.plans[(rows, None)] = SimpleNamespace(bucket=b, eager=False, reason=None, calls=calls, n=rows, L=None)
         return b
 
     buckets = {
@@ -167,8 +83,8 @@ def _engine_with_buckets():
         "hot": bucket(8, 40, 7),
         "tuned": bucket(16, 100, 16, tuned=True),
         "per-size": bucket(32, 100, 32, kernels="per-size"),
-        "eager": bucket(64, 100, 64, serves="eager"),
-        "failed": bucket(128, 100, 128, failed="out of memory"),
+        "eager": bucket(64, 100, 64, serves=Serves.EAGER),
+        "failed": bucket(128, 100, 128, serves=Serves.FAILED, reason="out of memory"),
     }
     return eng, ks, buckets
 
@@ -176,20 +92,23 @@ def _engine_with_buckets():
 def test_the_engine_offers_only_untuned_shared_graph_buckets_hottest_first(monkeypatch):
     monkeypatch.setattr(tuning, "HOT_CALLS", 16)
     eng, ks, b = _engine_with_buckets()
-    cands = eng._tune_candidates()
+    cands = tuning.candidates(eng)
     assert sorted(bk.size for _, _, (_, bk) in cands) == [2, 8]
     assert {bk.size: (rows, calls) for rows, calls, (_, bk) in cands} == {2: (6, 3), 8: (280, 40)}
-    assert tuning.hottest(cands)[1] is b["hot"] and eng.tune_pending()
+    assert tuning.hottest(cands)[1] is b["hot"] and tuning.pending(eng)
     monkeypatch.setattr(tuning, "HOT_CALLS", 41)
-    assert not eng.tune_pending()
-    assert eng.tune_next() == "waiting" and not b["hot"].tuned  # nothing compiled while none is hot
+    assert not tuning.pending(eng)
+    tuning.tune_next(eng)
+    assert not b["hot"].tuned, "nothing compiled while none is hot"
 
 
 def test_the_engine_has_nothing_to_tune_once_compile_is_off_or_the_key_failed(monkeypatch):
     monkeypatch.setattr(tuning, "HOT_CALLS", 1)
     eng, ks, b = _engine_with_buckets()
     ks.failed = "the forward cannot be captured"
-    assert eng._tune_candidates() == [] and eng.tune_next() == "done"
+    assert tuning.candidates(eng) == []
     ks.failed = None
     eng.compile_off = "Triton is not installed"
-    assert not eng.tune_pending() and eng.tune_next() == "done"
+    assert not tuning.pending(eng)
+    tuning.tune_next(eng)
+    assert not any(bk.tuned for name, bk in b.items() if name != "tuned")

@@ -1,40 +1,25 @@
-"""The capture checks, run on the CPU with a stand-in graph that recomputes on replay."""
+"""The capture checks, run on the CPU with a stand-in graph that recomputes on replay: output
+kinds and sequence dims, verification of rows and padded positions, writes into inputs, rebuilds."""
+
+import contextlib
 
 import pytest
 import torch
 from torch import nn
 
-from graphwrap.capture import CaptureFailed, Replica, _check_rebuild, _output_kinds, _verify, tile_rows
+from graphwrap.capture import Job, capture_bucket
+from graphwrap.checks import CaptureFailed, check_rebuild, shape_leaf, tile_rows
 from graphwrap.tree import BATCHED, WHOLE, flatten_inputs, flatten_outputs
-from helpers import MLP, HFOut, KVCache, NeedsAName, RowMixer
+from helpers import MLP, HFOut, KVCache, NeedsAName, RecomputeRecorder, RowMixer
 
 
-class RecomputeGraph:
-    """replay() runs the module on the static inputs and writes the static outputs in place."""
-
-    def __init__(self, module, static_in, static_out):
-        self.module, self.static_in, self.static_out = module, static_in, static_out
-
-    def replay(self):
-        with torch.no_grad():
-            outs, _ = flatten_outputs(self.module(*self.static_in))
-        for dst, src in zip(self.static_out, outs):
-            if isinstance(dst, torch.Tensor):
-                dst.copy_(src)
-
-
-def _replica(module, sample, size, kinds=None):
-    m = sample.shape[0]
-    static_in = [tile_rows(sample, m, size, 0)]
-    with torch.no_grad():
-        ref_m, spec = flatten_outputs(module(sample))
-        ref_b, _ = flatten_outputs(module(*static_in))
-        if kinds is None:
-            spec_in = flatten_inputs((sample,), {})[1]
-            kinds = _output_kinds(module, spec_in, [sample], ref_m, ref_b, m, size, 0, spec)
-        static_out = [o.clone() for o in ref_b]
-    rep = Replica(RecomputeGraph(module, static_in, static_out), size, 0, static_in, static_out, kinds)
-    return rep, ref_b, ref_m, m, spec
+def _capture(module, leaves, size, seq=None, roles=None, pad_check=True):
+    """capture_bucket with the recompute recorder; the Captured record."""
+    spec = flatten_inputs(tuple(leaves), {})[1]
+    roles = roles or tuple((0, None, 0) for _ in leaves)
+    job = Job(module.eval(), None, torch.device("cpu"), None, spec, roles, 0, [t.clone() for t in leaves], size, seq,
+              guard=contextlib.nullcontext, pad_check=pad_check)
+    return capture_bucket(job, RecomputeRecorder())
 
 
 def test_tile_rows_repeats_real_rows():
@@ -43,40 +28,48 @@ def test_tile_rows_repeats_real_rows():
     assert tile_rows(x.t(), 2, 5, 1).flatten().tolist() == [0, 1, 0, 1, 0]
 
 
+def test_shape_leaf_tiles_rows_and_cuts_or_pads_the_sequence():
+    x = torch.arange(6).view(2, 3) + 1
+    padded = shape_leaf(x, (0, 1, -1), 3, 5)
+    assert padded.tolist() == [[1, 2, 3, -1, -1], [4, 5, 6, -1, -1], [1, 2, 3, -1, -1]]
+    assert shape_leaf(x, (0, 1, 0), 2, 2).tolist() == [[1, 2], [4, 5]]
+    same = shape_leaf(x, (0, None, 0), 2, None)
+    assert torch.equal(same, x) and same.data_ptr() != x.data_ptr(), "always a tensor of its own"
+
+
 @pytest.mark.parametrize("m,size", [(3, 8), (1, 4), (4, 4), (1, 1)])
 def test_row_independent_model_verifies(m, size):
-    rep, ref_b, ref_m, m, spec = _replica(MLP().eval(), torch.randn(m, 32), size)
-    _verify(rep, ref_b, ref_m, m, spec)
-    assert rep.kinds == [BATCHED]
+    got = _capture(MLP(), [torch.randn(m, 32)], size)
+    assert got.kinds == [BATCHED] and got.graph.static_inputs[0].shape == (size, 32)
 
 
 @pytest.mark.parametrize("m,size", [(3, 8), (4, 4), (2, 4)])
 def test_row_mixing_model_is_caught(m, size):
-    rep, ref_b, ref_m, m, spec = _replica(RowMixer().eval(), torch.randn(m, 8), size)
     with pytest.raises(CaptureFailed, match="mixes rows of the batch"):
-        _verify(rep, ref_b, ref_m, m, spec)
+        _capture(RowMixer(), [torch.randn(m, 8)], size)
 
 
 def test_verify_leaves_valid_padding_behind():
     sample = torch.randn(3, 32)
-    rep, ref_b, ref_m, m, spec = _replica(MLP().eval(), sample, 8)
-    before = rep.static_inputs[0].clone()
-    _verify(rep, ref_b, ref_m, m, spec)
-    assert torch.equal(rep.static_inputs[0], before)
+    got = _capture(MLP(), [sample], 8)
+    assert torch.equal(got.graph.static_inputs[0], tile_rows(sample, 3, 8, 0))
 
 
 def test_stale_graph_is_caught():
     class Frozen(nn.Module):
-        """A 'graph' that ignores its inputs, as a capture of host-side work would."""
+        """Ignores its inputs after the first run, as a capture of host-side work would."""
+
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(32, 16)
+            self.runs = 0
 
         def forward(self, x):
-            return torch.ones(x.shape[0], 16)
+            self.runs += 1
+            return self.lin(x) if self.runs <= 5 else torch.ones(x.shape[0], 16)
 
-    module = MLP().eval()
-    rep, ref_b, ref_m, m, spec = _replica(module, torch.randn(2, 32), 4)
-    rep.graph.module = Frozen()
     with pytest.raises(CaptureFailed, match="replay differs from eager"):
-        _verify(rep, ref_b, ref_m, m, spec)
+        _capture(Frozen(), [torch.randn(2, 32)], 4)
 
 
 def test_batch_dependent_outputs_are_refused():
@@ -89,9 +82,9 @@ def test_batch_dependent_outputs_are_refused():
             return x * 2, x.sum(0)
 
     with pytest.raises(CaptureFailed, match="depends on the batch"):
-        _replica(Sizes(), torch.randn(3, 4), 8)
+        _capture(Sizes(), [torch.randn(3, 4)], 8)
     with pytest.raises(CaptureFailed, match="changes with the batch"):
-        _replica(Pooled(), torch.randn(3, 4), 8)
+        _capture(Pooled(), [torch.randn(3, 4)], 8)
 
 
 def test_whole_outputs_are_kept_whole():
@@ -103,11 +96,80 @@ def test_whole_outputs_are_kept_whole():
         def forward(self, x):
             return x + 1, self.table * 2
 
-    rep, ref_b, ref_m, m, spec = _replica(WithTable(), torch.randn(3, 4), 8)
-    assert rep.kinds == [BATCHED, WHOLE]
-    _verify(rep, ref_b, ref_m, m, spec)
-    outs = rep.outputs_for(3)
+    got = _capture(WithTable(), [torch.randn(3, 4)], 8)
+    assert got.kinds == [BATCHED, WHOLE]
+    outs = got.graph.outputs_for(3, None)
     assert outs[0].shape == (3, 4) and outs[1].shape == (5,)
+
+
+def test_a_forward_that_writes_into_its_input_is_refused_and_the_callers_tensor_is_untouched():
+    class Scales(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            x.div_(255.0)
+            return self.lin(x)
+
+    x = torch.randn(3, 4)
+    before = x.clone()
+    with pytest.raises(CaptureFailed, match="writes into its input #0"):
+        _capture(Scales(), [x], 4)
+    assert torch.equal(x, before)
+
+
+class Masked(nn.Module):
+    """Each position sees the mean over the real positions of its row (an attention stand-in)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+
+    def forward(self, ids, mask):
+        h = self.emb(ids)
+        m = mask.unsqueeze(-1).float()
+        ctx = (h * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
+        return h + ctx, ctx.squeeze(1)
+
+
+class Unmasked(Masked):
+    def forward(self, ids, mask):
+        h = self.emb(ids)
+        return h + h.mean(1, keepdim=True), h.mean(1)
+
+
+SEQ = ((0, 1, 0), (0, 1, 0))
+
+
+@pytest.mark.parametrize("L,S", [(5, 16), (16, 16), (1, 4)])
+def test_padding_along_the_sequence_is_verified_and_cut_back(L, S):
+    ids, mask = torch.randint(1, 20, (3, L)), torch.ones(3, L, dtype=torch.long)
+    got = _capture(Masked(), [ids, mask], 4, seq=S, roles=SEQ)
+    assert got.kinds == [BATCHED, BATCHED] and got.seq_dims == [(1,), ()]
+    g = got.graph
+    assert g.static_inputs[0].shape == (4, S) and g.hi == [L, L]
+    assert bool((g.static_inputs[1][:, L:] == 0).all()), "padded positions hold the pad value"
+    assert [o.shape for o in g.outputs_for(3, L)] == [(3, L, 8), (3, 8)]
+
+
+def test_a_model_that_does_not_ignore_padded_positions_is_refused_for_padding_only():
+    ids, mask = torch.randint(1, 20, (3, 5)), torch.ones(3, 5, dtype=torch.long)
+    with pytest.raises(CaptureFailed, match="does not ignore padded positions") as e:
+        _capture(Unmasked(), [ids, mask], 4, seq=16, roles=SEQ)
+    assert e.value.scope == "seq"
+    got = _capture(Unmasked(), [ids, mask], 4, seq=5, roles=SEQ, pad_check=False)  # its exact length
+    assert got.graph.static_inputs[0].shape == (4, 5)
+
+
+def test_outputs_that_change_with_the_length_otherwise_are_refused_for_padding():
+    class Flat(nn.Module):
+        def forward(self, ids):
+            return ids.float().flatten(1)[:, :-1]  # [n, L - 1]: no dim of it is the length
+
+    with pytest.raises(CaptureFailed, match="or the sequence") as e:
+        _capture(Flat(), [torch.randint(1, 9, (2, 6))], 4, seq=8, roles=((0, 1, 0),))
+    assert e.value.scope == "seq"
 
 
 def test_outputs_that_rebuild_pass_and_others_are_caught():
@@ -116,14 +178,14 @@ def test_outputs_that_rebuild_pass_and_others_are_caught():
     t = torch.randn(3, 2)
     for out in (t, (t, [t, 1]), HFOut(last_hidden_state=t), collections.defaultdict(list, a=t),
                 (KVCache([t], [t * 2]), torch.max(t, dim=1)), {"nan": torch.full((2,), float("nan"))}):
-        _check_rebuild(*reversed(flatten_outputs(out)))
+        check_rebuild(*reversed(flatten_outputs(out)))
     # t(d) "works" for this dict subclass but gives an empty one: caught, not returned
     with pytest.raises(CaptureFailed, match="cannot be rebuilt from its parts: rebuilt, it is not"):
-        _check_rebuild(*reversed(flatten_outputs(NeedsAName("out", {"h": t}))))
+        check_rebuild(*reversed(flatten_outputs(NeedsAName("out", {"h": t}))))
 
     class Strict(dict):
         def __init__(self, **kw):  # takes no positional dict: t(d) raises
             super().__init__(**kw)
 
     with pytest.raises(CaptureFailed, match="cannot be rebuilt from its parts: TypeError"):
-        _check_rebuild(*reversed(flatten_outputs(Strict(h=t))))
+        check_rebuild(*reversed(flatten_outputs(Strict(h=t))))

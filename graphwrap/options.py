@@ -1,0 +1,78 @@
+"""GraphedModule's options, checked once: a record the engine reads and a copy or a pickle of the
+module is rebuilt from."""
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from .buckets import Adaptive, BucketTable
+from .compiled import compile_options
+from .errors import GraphwrapError
+from .grid import Grid
+from .signature import Declarations
+
+# With a sequence dimension, the default largest batch bucket: each sequence bucket multiplies
+# the graphs, and requests of text are a few rows (the Batcher joins them up to this).
+SEQ_MAX_BATCH = 64
+
+
+@dataclass(frozen=True)
+class Options:
+    """The arguments of :class:`graphwrap.GraphedModule`, as given (see its docstring)."""
+
+    buckets: Any = None
+    max_batch_size: Optional[int] = None
+    batch_dim: Any = 0
+    seq_dim: Any = None
+    seq_buckets: Any = None
+    pad_values: Any = 0
+    max_tokens: Optional[int] = None
+    warmup_iters: int = 3
+    outputs: str = "clone"
+    fallback: str = "eager"
+    verify: bool = True
+    max_keys: int = 16
+    compile: Any = None
+    max_pool_bytes: Optional[int] = None
+    eager_if_faster: bool = True
+
+    def check(self):
+        """Raise GraphwrapError for an argument that cannot work, naming it and the fix."""
+        if self.outputs not in ("clone", "view"):
+            raise GraphwrapError(f'outputs must be "clone" or "view", got {self.outputs!r}')
+        if self.fallback not in ("eager", "raise"):
+            raise GraphwrapError(f'fallback must be "eager" or "raise", got {self.fallback!r}')
+        for name in ("warmup_iters", "max_keys"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise GraphwrapError(f"{name} must be an int >= 1, got {v!r}")
+        m = self.max_pool_bytes
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise GraphwrapError(f"max_pool_bytes must be a positive int (bytes), got {m!r}")
+        if isinstance(self.buckets, Adaptive) and self.max_batch_size is not None:
+            raise GraphwrapError("an Adaptive policy picks the largest bucket itself; leave max_batch_size unset")
+        if self.seq_dim is None and (self.seq_buckets is not None or self.max_tokens is not None):
+            raise GraphwrapError("seq_buckets= and max_tokens= bucket the sequence dimension: pass seq_dim= too")
+        return self
+
+    def as_kwargs(self) -> dict:
+        return asdict(self)
+
+    def declarations(self, module) -> Declarations:
+        return Declarations(module, self.batch_dim, self.seq_dim, self.pad_values)
+
+    def compile_opts(self) -> Optional[dict]:
+        return compile_options(self.compile)
+
+    def grid(self, compile_opts, has_seq: bool) -> Grid:
+        """The bucket grid. With one compile for every bucket (``dynamic="batch"``), batches of
+        one row run in the bucket of two: a size-1 batch dimension would make dynamo compile
+        a static graph of its own."""
+        buckets = self.buckets.buckets if isinstance(self.buckets, Adaptive) else self.buckets
+        top = self.max_batch_size
+        if top is None and has_seq and buckets is None:
+            top = SEQ_MAX_BATCH  # text requests are a few rows: joined calls go up to this
+        table = BucketTable(buckets, top)
+        if (compile_opts is not None and compile_opts["dynamic"] == "batch" and not isinstance(self.buckets, Adaptive)
+                and (buckets is None or buckets in ("default", "exact")) and table.max > 1):
+            table = BucketTable([b for b in table.buckets if b > 1])
+        return Grid(table, self.seq_buckets, has_seq, self.max_tokens)
