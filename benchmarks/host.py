@@ -11,6 +11,7 @@ import time
 import torch
 
 import graphwrap.engine as engine_mod
+import graphwrap.plans as plans_mod
 import graphwrap.module as module_mod
 from graphwrap import GraphedModule
 from workloads import SeedMLP
@@ -51,9 +52,9 @@ def _direct_call(results, device, n, repeats):
     d = gm.__dict__
     hooks = module_mod._GLOBAL_HOOKS
     data_ptr = torch.Tensor.data_ptr
-    ptrs = tuple(eng.ptr_list)
-    tensors = eng.tensors
-    sid = engine_mod.current_stream_id
+    ptrs = tuple(eng.weights.ptr_list)
+    tensors = eng.weights.tensors
+    sid = plans_mod._cuda_sid
     idx = x.device.index
     lock = eng.lock
 
@@ -68,7 +69,7 @@ def _direct_call(results, device, n, repeats):
                                                          or any(hooks)),
         "engine.fast_plan(x): lookup and every per-call check": lambda: eng.fast_plan(x),
         "  of which dict lookup by x.shape": lambda: eng.fast.get(x.shape),
-        "  of which weights_unmoved()": eng.weights_unmoved,
+        "  of which weights.unmoved()": eng.weights.unmoved,
         f"  weights check as a Python tuple compare ({len(tensors)} tensors)":
             lambda: tuple(map(data_ptr, tensors)) == ptrs,
         "  of which autocast check": engine_mod.autocast_on,
@@ -78,13 +79,12 @@ def _direct_call(results, device, n, repeats):
         "CUDAGraph.replay()": plan.replay,
         "output clone()": lambda: plan.output.clone(),
         "owned output: take a free slot (storage use count)": lambda: plan.ring.take(sid(idx)),
-        "owned output: copy graph replay": lambda: plan.ring.take(sid(idx)).fill(),
+        "owned output: slot graph replay (the forward into the slot)": lambda: plan.ring.take(sid(idx)).fill(),
         "owned output: a fresh view of the slot": lambda: plan.output.narrow(0, 0, 1),
         "whole gm(x), outputs=view": lambda: gv(x),
         "whole gm(x), outputs=clone": lambda: gm(x),
         "floor: copy_ + replay() + clone()": lambda: (plan.input.copy_(x), plan.replay(), plan.output.clone()),
-        "floor: copy_ + replay() + copy graph replay": lambda: (plan.input.copy_(x), plan.replay(),
-                                                               plan.ring.take(sid(idx)).fill()),
+        "floor: copy_ + slot graph replay": lambda: (plan.input.copy_(x), plan.ring.take(sid(idx)).fill()),
         "eager model(x)": lambda: model(x),
     }
     _measure(results, "gm(x) at batch 1, per piece", ops, n, repeats)
@@ -105,7 +105,7 @@ def _pipeline_step(results, device, n, repeats):
     ev = torch.cuda.Event()
     host_out = torch.empty(static_out.shape, pin_memory=True)
     ops = {
-        "engine.prepare (flatten, key, checks)": lambda: gm.engine.prepare((x,), {}),
+        "engine.facts (flatten, key, checks)": lambda: gm.engine.facts((x,), {}),
         "Tensor.is_pinned()": lambda: x.is_pinned(),
         "set_stream there and back": lambda: (torch.cuda.set_stream(copy), torch.cuda.set_stream(compute)),
         "H2D copy_ from pinned, non_blocking": lambda: static_in.copy_(x, non_blocking=True),

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import harness  # noqa: E402
 from harness import Case, Results  # noqa: E402
 
-SUITES = ["overhead", "host", "fixed", "large", "serving", "replicas", "compile", "mixed", "models", "capture"]
+SUITES = ["overhead", "host", "fixed", "large", "serving", "replicas", "compile", "mixed", "models", "capture", "text"]
 BASELINES = {
     "fixed": ("seed synchronous loop", "torch.compile reduce-overhead"),
     "overhead": ("eager", "torch.compile reduce-overhead"),
@@ -31,6 +31,7 @@ BASELINES = {
     "models": ("eager", "torch.compile reduce-overhead"),
     "capture": (None, None),
     "host": (None, None),
+    "text": ("eager", None),
     "cpu": ("eager", None),
 }
 

@@ -1,0 +1,127 @@
+"""Per-call host cost of this graphwrap beside an earlier one, in one process.
+
+``python benchmarks/diagnostics/before_after.py PATH``: PATH holds the earlier package as
+``graphwrap_before/`` (e.g. ``git archive <commit> graphwrap | tar -x -C PATH`` and rename).
+Batch 1, input on the GPU, µs per call: eager, a bare replay, and each graphwrap with owned
+and view outputs; rounds interleaved, medians with min and max. Also an eager fallback (an
+input graphwrap cannot key on, as a model's cache object) beside the module's own call.
+"""
+
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else ".old")
+sys.path.insert(0, ".")
+import graphwrap  # noqa: E402
+import graphwrap_before  # noqa: E402
+
+DEV = "cuda"
+
+
+class Seed(nn.Module):
+    def __init__(self, d=1024):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d), nn.ReLU(),
+                                    nn.Linear(d, 512))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class Cache:
+    """An object graphwrap cannot key on, holding tensors (as a decoder's cache)."""
+
+    def __init__(self):
+        self.k = [torch.zeros(1, 64, device=DEV) for _ in range(24)]
+
+
+class TakesCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x, cache):
+        return self.lin(x) + cache.k[0]
+
+
+def _loop(fn, calls):
+    def run():
+        for _ in range(calls):
+            fn()
+    return run
+
+
+def _time(loops, rounds=31, calls=2000):
+    for f in loops.values():
+        f()
+    torch.cuda.synchronize()
+    times = {k: [] for k in loops}
+    for _ in range(rounds):
+        for k, f in loops.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            f()
+            torch.cuda.synchronize()
+            times[k].append((time.perf_counter() - t0) / calls * 1e6)
+    return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
+
+
+def _bare(model, x):
+    static = x.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            model(static)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        model(static)
+    return g.replay
+
+
+def main():
+    calls = 2000
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    for name, model, width in (("nn.Linear(64, 64)", nn.Linear(64, 64), 64), ("seed MLP", Seed(), 1024)):
+        model = model.to(DEV).eval()
+        x = torch.randn(1, width, device=DEV)
+        gms = {
+            "after, default": graphwrap.GraphedModule(model),
+            "after, view": graphwrap.GraphedModule(model, outputs="view"),
+            "before, default": graphwrap_before.GraphedModule(model),
+            "before, view": graphwrap_before.GraphedModule(model, outputs="view"),
+        }
+        with torch.no_grad():
+            for gm in gms.values():
+                gm(x)
+            replay = _bare(model, x)
+            loops = {"eager": _loop(lambda: model(x), calls), "bare replay": _loop(replay, calls)}
+            loops.update({k: _loop(lambda gm=gm: gm(x), calls) for k, gm in gms.items()})
+            res = _time(loops, calls=calls)
+        print(f"\n{name}, batch 1, µs per call (median [min, max] of 31 rounds of {calls})")
+        for k, (med, lo, hi) in res.items():
+            print(f"  {k:18s} {med:7.2f}  [{lo:.2f}, {hi:.2f}]")
+        for k in ("after, default", "after, view"):
+            if k in gms:
+                s = gms[k].stats()["keys"][0]["buckets"]
+                b = next(iter(s.values()))
+                print(f"  {k}: serves {b['serves']} (race: graph {b['graph_us']}, eager {b['eager_us']})")
+    model = TakesCache().to(DEV).eval()
+    x, cache = torch.randn(1, 64, device=DEV), Cache()
+    after, before = graphwrap.GraphedModule(model), graphwrap_before.GraphedModule(model)
+    with torch.no_grad():
+        res = _time({"module": _loop(lambda: model(x, cache), calls),
+                     "after (eager fallback)": _loop(lambda: after(x, cache), calls),
+                     "before (eager fallback)": _loop(lambda: before(x, cache), calls)}, calls=calls)
+    print("\nan input graphwrap cannot key on (a cache object), µs per call")
+    for k, (med, lo, hi) in res.items():
+        print(f"  {k:24s} {med:7.2f}  [{lo:.2f}, {hi:.2f}]")
+
+
+if __name__ == "__main__":
+    main()

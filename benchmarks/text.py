@@ -1,0 +1,189 @@
+"""Scenario "text": requests of every length, the workload people serve (BERT-base fp16).
+
+300 requests of 1 to 8 rows, lengths drawn lognormal(3.6, 0.6) and clamped to 8..256 (median
+about 35), ``attention_mask`` all ones (``masks="padded"``: each request padded by its client to
+a multiple of 16 with the mask zero there), inputs on the GPU. Seconds for the 300 requests:
+the first pass (lazy captures included, timed as the cold start) and then the median of the
+later passes. Beside eager and graphwrap's one line with and without ``seq_dim=1``, the same
+requests padded by hand to 32/64/128/256 and served by ``GraphedModule(m)``. Then the capture
+of the whole default grid, and 64 clients in a closed loop: eager behind a lock, threads
+sharing ``gm`` (seq_dim=1), and the Batcher from asyncio coroutines.
+"""
+
+import asyncio
+import math
+import random
+import threading
+import time
+
+import torch
+
+from graphwrap import Batcher, GraphedModule
+from harness import Case
+
+HAND = (32, 64, 128, 256)
+
+
+def workload(vocab: int, device, count: int = 300, seed: int = 0, masks: str = "ones"):
+    """The requests: dicts of ``input_ids`` and ``attention_mask`` of 1..8 rows each."""
+    rng = random.Random(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    out = []
+    for _ in range(count):
+        L = max(8, min(256, int(rng.lognormvariate(3.6, 0.6))))
+        n = rng.randint(1, 8)
+        real = L
+        if masks == "padded":
+            L = min(256, 16 * math.ceil(L / 16))
+        ids = torch.randint(1, vocab, (n, L), generator=g)
+        mask = torch.ones(n, L, dtype=torch.long)
+        mask[:, real:] = 0
+        out.append({"input_ids": ids.to(device), "attention_mask": mask.to(device)})
+    return out
+
+
+def padded_by_hand(requests):
+    """Each request padded to the next of 32/64/128/256, its mask zero past its length."""
+    out = []
+    for r in requests:
+        L = r["input_ids"].shape[1]
+        S = next(s for s in HAND if s >= L)
+        ids = torch.zeros(r["input_ids"].shape[0], S, dtype=torch.long, device=r["input_ids"].device)
+        mask = torch.zeros_like(ids)
+        ids[:, :L] = r["input_ids"]
+        mask[:, :L] = r["attention_mask"]
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+def _passes(results, name, model, requests, repeats):
+    hand = padded_by_hand(requests)
+    case = Case(results, "text", name)
+
+    def loop_of(fn, reqs):
+        def loop():
+            with torch.no_grad():
+                for r in reqs:
+                    fn(**r)
+        return loop
+
+    case.add("eager", lambda: loop_of(model, requests))
+    case.add("graphwrap one line, GraphedModule(m)", lambda: loop_of(GraphedModule(model), requests))
+    case.add("graphwrap GraphedModule(m, seq_dim=1)", lambda: loop_of(GraphedModule(model, seq_dim=1), requests))
+    case.add("padded by hand to 32/64/128/256, then GraphedModule(m)", lambda: loop_of(GraphedModule(model), hand))
+    case.run(repeats)
+
+
+def _grid(results, model, requests):
+    gm = GraphedModule(model, seq_dim=1)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    s = gm.capture(**requests[0])
+    torch.cuda.synchronize()
+    took = time.perf_counter() - t0
+    graphs = sum(b["graphs"] for b in s["buckets"].values())
+    pool = gm.stats()["graph_pool_bytes"]
+    results.note("text", "capture() of the default grid", "GraphedModule(m, seq_dim=1)", took, "s",
+                 graphs=graphs, pool_mib=pool / 2**20)
+    print(f"  capture() of the default grid: {graphs} graphs in {took:.1f} s, graph pool {pool / 2**20:.0f} MiB",
+          flush=True)
+
+
+def _threads(fn, requests, clients, seconds):
+    stop = time.perf_counter() + seconds
+    lat = [[] for _ in range(clients)]
+    go = threading.Barrier(clients + 1)
+
+    def client(i):
+        rng = random.Random(i)
+        mine = lat[i]
+        go.wait()
+        with torch.no_grad():
+            while time.perf_counter() < stop:
+                r = requests[rng.randrange(len(requests))]
+                t0 = time.perf_counter()
+                fn(**r)
+                mine.append(time.perf_counter() - t0)
+
+    ts = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in ts:
+        t.start()
+    go.wait()
+    t0 = time.perf_counter()
+    for t in ts:
+        t.join()
+    torch.cuda.synchronize()
+    return [v for m in lat for v in m], time.perf_counter() - t0
+
+
+def _coroutines(batcher, requests, clients, seconds):
+    lat = []
+
+    async def client(i, stop):
+        rng = random.Random(i)
+        while time.perf_counter() < stop:
+            r = requests[rng.randrange(len(requests))]
+            t0 = time.perf_counter()
+            await batcher.acall(**r)
+            lat.append(time.perf_counter() - t0)
+
+    async def main():
+        stop = time.perf_counter() + seconds
+        await asyncio.gather(*(client(i, stop) for i in range(clients)))
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        asyncio.run(main())
+    torch.cuda.synchronize()
+    return lat, time.perf_counter() - t0
+
+
+def _serving(results, model, requests, seconds, clients=64):
+    lock = threading.Lock()
+
+    def eager_locked(**r):
+        with lock:
+            return model(**r)
+
+    gm = GraphedModule(model, seq_dim=1, max_batch_size=64)
+    gm.capture(**requests[0])
+    batcher = Batcher(gm)
+    _coroutines(batcher, requests, clients, min(seconds, 2.0))  # its probe and warm buckets
+    _threads(gm, requests, clients, min(seconds, 1.0))
+    rows = {"eager behind a lock": lambda: _threads(eager_locked, requests, clients, seconds),
+            "threads sharing gm (seq_dim=1)": lambda: _threads(gm, requests, clients, seconds),
+            "Batcher, asyncio coroutines": lambda: _coroutines(batcher, requests, clients, seconds)}
+    for name, fn in rows.items():
+        before = batcher.stats()
+        lat, wall = fn()
+        after = batcher.stats()
+        calls = after["module_calls"] - before["module_calls"]
+        lat.sort()
+        p = lambda q: 1e3 * lat[min(len(lat) - 1, int(q * len(lat)))]  # noqa: E731
+        rps = len(lat) / wall
+        results.note("text", f"{clients} clients, closed loop", name, rps, "req/s", p50_ms=p(0.5), p99_ms=p(0.99),
+                     requests_per_call=(after["requests"] - before["requests"]) / calls if calls else None)
+        print(f"  {clients} clients  {name:34s} {rps:9.0f} req/s  p50 {p(0.5):8.2f} ms  p99 {p(0.99):8.2f} ms",
+              flush=True)
+    batcher.close()
+    s = gm.stats()
+    print(f"  padded share of tokens under the Batcher: {s['padded_token_share']:.1%}", flush=True)
+
+
+def run(results, device, quick: bool, repeats: int, **_):
+    import transformers
+
+    cfg = transformers.BertConfig()
+    model = transformers.BertModel(cfg).to(device).half().eval()
+    count = 100 if quick else 300
+    for masks in ("ones",) if quick else ("ones", "padded"):
+        requests = workload(cfg.vocab_size, device, count, masks=masks)
+        lengths = sorted(r["input_ids"].shape[1] for r in requests)
+        print(f"  {count} requests, masks {masks}: lengths {lengths[0]}..{lengths[-1]}, median "
+              f"{lengths[len(lengths) // 2]}, {len(set(lengths))} distinct", flush=True)
+        _passes(results, f"BERT-base fp16, {count} requests, masks {masks}", model, requests, repeats)
+        torch.cuda.empty_cache()
+    requests = workload(cfg.vocab_size, device, count)
+    _grid(results, model, requests)
+    torch.cuda.empty_cache()
+    _serving(results, model, requests, 2.0 if quick else 5.0)
