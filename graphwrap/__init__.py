@@ -7,7 +7,14 @@ Imports on machines without CUDA; there every call runs the module eagerly.
 __version__ = "0.1.0"
 
 from .batcher import Batcher
-from .buckets import Adaptive, BucketTable, default_buckets, exact_buckets, fit_buckets, padded_rows
+from .buckets import (
+    Adaptive,
+    BucketTable,
+    default_buckets,
+    exact_buckets,
+    fit_buckets,
+    padded_rows,
+)
 from .compiled import load_cache as load_compile_cache
 from .compiled import save_cache as save_compile_cache
 from .errors import GraphwrapError

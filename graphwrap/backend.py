@@ -13,8 +13,17 @@ import torch
 from . import _compat
 from .capture import CudaRecorder
 from .checks import CaptureFailed
-from .streams import (CAPTURE_LOCK, Pool, device_sync, first_line, is_invalidated, own_cublas_workspace, record,
-                      side_stream, timed_calls)
+from .streams import (
+    CAPTURE_LOCK,
+    Pool,
+    device_sync,
+    first_line,
+    is_invalidated,
+    own_cublas_workspace,
+    record,
+    side_stream,
+    timed_calls,
+)
 from .tree import CONST, flatten_outputs
 
 logger = logging.getLogger("graphwrap")

@@ -17,11 +17,28 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from ._compat import autocast_without_cache
-from .checks import (CaptureFailed, Verifier, check_rebuild, check_untouched, output_kinds, rows_and_length,
-                     run_module, shape_inputs)
+from .checks import (
+    CaptureFailed,
+    Verifier,
+    check_rebuild,
+    check_untouched,
+    output_kinds,
+    rows_and_length,
+    run_module,
+    shape_inputs,
+)
 from .records import Graph
-from .streams import (CAPTURE_LOCK, NotBegun, Pool, check_stream, first_line, is_invalidated, own_cublas_workspace,
-                      record, side_stream)
+from .streams import (
+    CAPTURE_LOCK,
+    NotBegun,
+    Pool,
+    check_stream,
+    first_line,
+    is_invalidated,
+    own_cublas_workspace,
+    record,
+    side_stream,
+)
 from .tree import flatten_outputs
 
 Tensor = torch.Tensor

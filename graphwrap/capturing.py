@@ -1,32 +1,32 @@
-"""The engine's side of a capture: the job a bucket needs, what a failure means for the key and
-the bucket, installing a captured graph, the race against eager, owned-output slots, extra
-graphs for loops, the memory budget, and capturing every bucket of a key.
+"""The engine's side of a capture: :func:`capture_into` (a bucket's graph, captured off the
+engine's lock and installed under it), the job a bucket needs, what a failure means for the key
+and the bucket, the compiled forward to capture, owned-output slots, extra graphs for loops, and
+capturing every bucket of a key. The race against eager is in ``racing``, the memory budget in
+``budget``.
 
-Functions of the engine's records, run by :meth:`Engine._capture` (under the engine's lock where
-they say so) and by the worker's jobs.
+Functions of the engine's records, run by the engine's plans (under its lock where they say so)
+and by the worker's jobs.
 """
 
 import contextlib
 import logging
-import statistics
 import time
 from typing import Optional
 
-import torch
-
-from ._compat import autocast_without_cache
-from .capture import Job
+from .budget import _large_budget, budget_left, drop_least_used, release_dropped
+from .capture import Job, capture_bucket
 from .checks import CaptureFailed
+from .compiled import CompiledForward, load_cache, save_cache, unavailable_reason
 from .errors import GraphwrapError
 from .outputs import ring_for
-from .verify import SAME_SHAPE_TOL, compare_leaves
-from .plans import Plan
+from .plans import fold, swap
+from .racing import race
 from .records import Bucket, Key, Serves
-from .tree import CONST, unflatten_inputs
+from .tree import CONST
+from .verify import SAME_SHAPE_TOL, compare_leaves
+from .worker import stopping
 
 logger = logging.getLogger("graphwrap")
-# A bucket serves its calls eagerly when eager took at most this share of the graph's time.
-EAGER_WINS = 0.9  # near a tie, graphs: they also leave the host free, which counts under load
 
 
 @contextlib.contextmanager
@@ -37,6 +37,82 @@ def _guarded(engine, device):
         if device.type == "cuda":
             engine.order_stream(device)
         yield
+
+
+def capture_into(engine, ks: Key, b: Bucket, leaves, n: int, L, forward=None, plain: bool = False,
+             timed: bool = True, evict: bool = True) -> Optional[Bucket]:
+    """Capture a graph into bucket ``b`` of ``ks`` (marked as capturing, or a new bucket
+    that the caller swaps in) outside the lock, and install it under the lock; ``b`` if it
+    serves now. ``forward``: kernels to capture (default: the compiled forward, if any);
+    ``evict``: whether less used graphs may be dropped to fit ``max_pool_bytes``."""
+    for _ in range(4):
+        if engine.store.pool is None:  # a pool's anchor is a capture: made off the lock
+            pool = engine.backend.new_pool(ks.device)
+            with engine.lock:
+                engine.store.pool = engine.store.pool or pool
+        with engine.lock:
+            if engine.store.keys.get(_key_tuple(engine, ks)) is not ks or ks.failed is not None:
+                if b.serves is Serves.CAPTURING:
+                    b.serves = Serves.NOTHING
+                return None
+            evict = evict and b.size <= engine.grid.top(b.seq)  # a batch above the grid never evicts
+            job = make_job(engine, ks, b, leaves, n, L, plain, forward)
+            epoch = engine.epoch
+        try:
+            got = capture_bucket(job, engine.backend.recorder)
+            ring = ring_of(engine, ks, got) if engine.clone else None
+        except CaptureFailed as e:
+            with engine.lock:
+                again = settle_failure(engine, ks, b, e, epoch, forward, evict)
+            release_dropped(engine, ks.device)
+            if e.scope == "bucket":
+                engine.backend.empty_cache()
+            if again is None:
+                return None
+            plain = plain or again == "plain"
+            continue
+        with engine.lock:
+            if engine.epoch != epoch:
+                return None
+            install(engine, ks, b, got, job.forward, ring)
+        if timed and engine.eager_if_faster:
+            race(engine, ks, b)
+        return b
+    return None
+
+
+def _key_tuple(engine, ks: Key):
+    for k, v in engine.store.keys.items():
+        if v is ks:
+            return k
+    return None
+
+
+def compiled_forward(engine) -> Optional[CompiledForward]:
+    """The compiled forward to capture, or None for the plain one. The caller holds the lock."""
+    opts = engine.compile_opts
+    if opts is None or engine.compile_off is not None:
+        return None
+    if engine.compiled is None:
+        reason = unavailable_reason()
+        if reason is not None:
+            give_up_compile(engine, reason)
+            return None
+        if opts.get("cache"):
+            load_cache(opts["cache"])
+        engine.compiled = CompiledForward(engine.module, opts)
+    return engine.compiled
+
+def give_up_compile(engine, reason: str):
+    engine.compile_off = reason
+    msg = f"graphwrap: compile= given up ({reason}); capturing the plain forward"
+    if engine.fallback == "raise":
+        raise GraphwrapError(f"{msg}. Pass fallback=\"eager\" to accept the plain forward")
+    engine.log_once(("compile",), logging.WARNING, msg)
+
+def save_compile_cache(engine):
+    if engine.compile_opts is not None and engine.compile_opts.get("cache") and engine.compiled is not None:
+        save_cache(engine.compile_opts["cache"])
 
 
 def make_job(engine, ks: Key, b: Bucket, leaves, n: int, L, plain: bool, forward) -> Job:
@@ -50,7 +126,7 @@ def make_job(engine, ks: Key, b: Bucket, leaves, n: int, L, plain: bool, forward
     budget = budget_left(engine)
     if b.size > engine.grid.top(b.seq) and device.type == "cuda":
         budget = _large_budget(device, budget)
-    compiled = forward if forward is not None else None if plain else engine.compiled_forward()
+    compiled = forward if forward is not None else None if plain else compiled_forward(engine)
     names = engine.decl.names(ks.spec)
     # The first capture of a signature warms up fully (cuBLAS, cuDNN and Triton set-up, autotuning);
     # later buckets of it need one run to settle their own shapes.
@@ -71,13 +147,13 @@ def settle_failure(engine, ks: Key, b: Bucket, e: CaptureFailed, epoch: int, for
         engine.store.pool = None  # graphs already in it keep their memory; new ones get a new pool
     if ks.buckets.get(b.point) is not b:  # a graph beside the served one: compiled, tuned, leased
         if e.scope == "compile" and forward is not engine.static_forward:
-            engine.give_up_compile(e.reason)
+            give_up_compile(engine, e.reason)
         else:
             logger.warning("graphwrap: a further graph of bucket %s of %s was not captured (%s); the bucket goes on "
-                           "as it was", _name(b), ks.label, e.reason)
+                           "as it was", b.name, ks.label, e.reason)
         return None
     if e.scope == "compile":
-        engine.give_up_compile(e.reason)
+        give_up_compile(engine, e.reason)
         return "plain"
     if e.scope == "seq" and ks.exact is None:
         ks.exact = e.reason
@@ -93,7 +169,7 @@ def settle_failure(engine, ks: Key, b: Bucket, e: CaptureFailed, epoch: int, for
         b.serves, b.reason, b.pool_estimate = Serves.OVER_BUDGET, e.reason, e.pool_estimate
         where = "are chunked or run eagerly" if b.size > engine.grid.top(b.seq) else "go to the next larger captured bucket"
         engine.log_once(("budget", ks.label, b.point), logging.INFO,
-                        f"graphwrap: bucket {_name(b)} of {ks.label} not captured: {e.reason}; its batches {where}")
+                        f"graphwrap: bucket {b.name} of {ks.label} not captured: {e.reason}; its batches {where}")
         return None
     b.serves, b.reason = Serves.FAILED, e.reason
     if e.scope != "bucket":
@@ -101,16 +177,12 @@ def settle_failure(engine, ks: Key, b: Bucket, e: CaptureFailed, epoch: int, for
         for shape, p in list(engine.fast.items()):
             if p.key is ks:
                 del engine.fast[shape]
-    msg = f"graphwrap: capture of bucket {_name(b)} for {ks.label} failed: {e.reason}"
+    msg = f"graphwrap: capture of bucket {b.name} for {ks.label} failed: {e.reason}"
     if engine.fallback == "raise":
         raise GraphwrapError(f"{msg}. Pass fallback=\"eager\" to run such inputs eagerly instead") from (e.cause or e)
     engine.log_once(("capture", ks.label, b.point if e.scope == "bucket" else None), logging.WARNING,
                     f"{msg}; running {'this bucket' if e.scope == 'bucket' else 'these inputs'} eagerly")
     return None
-
-
-def _name(b: Bucket) -> str:
-    return str(b.size) if b.seq is None else f"{b.size}x{b.seq}"
 
 
 def install(engine, ks: Key, b: Bucket, got, compiled, ring):
@@ -136,7 +208,7 @@ def install(engine, ks: Key, b: Bucket, got, compiled, ring):
     else:
         how, level = "plain forward", logging.INFO
     logger.log(level, "graphwrap: captured bucket %s of %s in %.1f ms (%s; verify %.1f ms), graph pool +%.1f MiB",
-               _name(b), ks.label, 1e3 * got.capture_s, how, 1e3 * got.verify_s, got.pool_bytes / 2**20)
+               b.name, ks.label, 1e3 * got.capture_s, how, 1e3 * got.verify_s, got.pool_bytes / 2**20)
 
 
 def _mark_compiled(engine, ks: Key, b: Bucket, compiled, graphs: int):
@@ -210,7 +282,7 @@ def add_graph(engine, ks: Key, b: Bucket) -> Optional[int]:
         sample = [t.clone() for t in b.graphs[0].static_inputs]
         forward, plain = (b.forward, False) if b.compiled else (None, True)
     extra = Bucket(b.size, b.seq)
-    if engine._capture(ks, extra, sample, b.size, None, forward=forward, plain=plain, timed=False) is None:
+    if capture_into(engine, ks, extra, sample, b.size, None, forward=forward, plain=plain, timed=False) is None:
         return None
     with engine.lock:
         if ks.buckets.get(b.point) is not b or b.serves is not Serves.GRAPH:
@@ -221,185 +293,6 @@ def add_graph(engine, ks: Key, b: Bucket) -> Optional[int]:
 
 
 # ---------------------------------------------------------------------------------- timing
-
-
-def time_pair(a_calls, b_calls, rounds: int, round_s: float, stop_early=None, timed=None):
-    """Seconds per call of ``a_calls(k)`` and ``b_calls(k)`` (each makes ``k`` calls), timed in
-    turns round by round with ``timed(fn, k)``; medians over the rounds. ``k`` makes a round
-    last about ``round_s``; ``stop_early(a_s, b_s)``, if given, may end after the first round."""
-    once = max(timed(a_calls, 1), timed(b_calls, 1))
-    k = max(1, min(64, int(round_s / max(once, 1e-6))))
-    xs, ys = [], []
-    for r in range(rounds):
-        xs.append(timed(a_calls, k))
-        ys.append(timed(b_calls, k))
-        if r == 0 and stop_early is not None and stop_early(xs[0], ys[0]):
-            break
-    return statistics.median(xs), statistics.median(ys)
-
-
-class _Dropped(Exception):
-    pass
-
-
-def race(engine, ks: Key, b: Bucket, rounds: int = 5, round_s: float = 2e-3):
-    """Time this bucket's calls through its graph, as ``gm(...)`` makes them (copy in, replay,
-    owned outputs), against eager on the same inputs; serve it eagerly if eager is faster.
-
-    A round of graph calls is issued under the lock, its clock started once the lock is held
-    (waiting for other callers is not the graph's cost); the waits for the device are outside
-    it. The best round of each counts: other work on the host or device only ever slows one.
-    """
-    with engine.lock:
-        if not b.graphs:
-            return
-        plan = Plan(engine, ks, b.size, b.seq, b)
-        leaves = [t.clone() for t in b.graphs[0].static_inputs]
-    device = ks.device
-    sync = engine.backend.sync
-    args, kwargs = unflatten_inputs(ks.spec, leaves)
-
-    def graph_round(k):
-        sync()
-        with engine.lock:
-            if plan.epoch != engine.epoch or not b.graphs:
-                raise _Dropped
-            t0 = time.perf_counter()
-            if device.type == "cuda":
-                engine.order_stream(device)
-            for _ in range(k):
-                plan.run(leaves)
-        sync()
-        return (time.perf_counter() - t0) / k
-
-    def eager_round(k):
-        sync()
-        t0 = time.perf_counter()
-        with torch.inference_mode(False), torch.no_grad(), autocast_without_cache(ks.autocast):
-            for _ in range(k):
-                engine.module(*args, **kwargs)
-        sync()
-        return (time.perf_counter() - t0) / k
-
-    try:
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            once = max(graph_round(1), eager_round(1))
-            k = max(1, min(64, int(round_s / max(once, 1e-6))))
-            graph_s, eager_s = graph_round(k), eager_round(k)
-            for _ in range(rounds - 1):
-                if 2 * graph_s <= eager_s:
-                    break
-                graph_s, eager_s = min(graph_s, graph_round(k)), min(eager_s, eager_round(k))
-    except _Dropped:
-        return
-    with engine.lock:
-        b.graph_us, b.eager_us = 1e6 * graph_s, 1e6 * eager_s
-        if eager_s <= EAGER_WINS * graph_s and b.serves is Serves.GRAPH:
-            b.serves = Serves.EAGER
-            fold(engine, ks, b)
-            logger.info("graphwrap: bucket %s of %s runs eagerly: eager took %.1f us a call, the graph %.1f us",
-                        _name(b), ks.label, b.eager_us, b.graph_us)
-
-
-def fold(engine, ks: Key, b: Optional[Bucket]):
-    """Drop the plans of bucket ``b`` (every plan of ``ks`` if None), their counts kept in
-    their buckets; plans are made again on the next calls. The caller holds the lock."""
-    for key, plan in list(ks.plans.items()):
-        if b is not None and plan.bucket is not b:
-            continue
-        pb = plan.bucket
-        if plan.calls and pb.size:
-            if plan.eager:
-                pb.eager_calls += plan.calls
-            else:
-                pb.replays += plan.calls
-                pb.rows += plan.calls * plan.n
-                pb.padded_rows += plan.calls * (pb.size - plan.n)
-                if plan.L is not None:
-                    pb.tokens += plan.calls * plan.n * plan.L
-                    pb.padded_tokens += plan.calls * (pb.size * pb.seq - plan.n * plan.L)
-        del ks.plans[key]
-    for shape, plan in list(engine.fast.items()):
-        if plan.key is ks and (b is None or plan.bucket is b):
-            del engine.fast[shape]
-
-
-def swap(engine, ks: Key, old: Bucket, new: Bucket):
-    """``new`` serves ``old``'s batches from the next call, with its counts; plans are rebuilt
-    (loops holding the old graphs go on replaying them). The caller holds the lock."""
-    fold(engine, ks, old)
-    # The old graphs' memory stays in the pool (for later captures): still counted here.
-    new.pool_bytes += old.pool_bytes
-    new.capture_s += old.capture_s
-    new.compile_s += old.compile_s
-    for name in ("replays", "rows", "padded_rows", "tokens", "padded_tokens", "eager_calls"):
-        setattr(new, name, getattr(new, name) + getattr(old, name))
-    ks.buckets[old.point] = new
-
-
-# ---------------------------------------------------------------------------------- memory budget
-
-
-def budget_left(engine) -> Optional[int]:
-    budget = engine.opts.max_pool_bytes
-    if budget is None:
-        return None
-    return budget - sum(_held(b) for ks in engine.store.keys.values() for b in ks.buckets.values())
-
-
-def _held(b: Bucket) -> int:
-    """What a bucket's graphs added to the pool (its growth when they were captured)."""
-    return b.pool_bytes if b.graphs else 0
-
-
-def _large_budget(device, budget: Optional[int]) -> int:
-    """Pool growth allowed for a bucket above the largest: at most half the device memory that
-    is free or cached unused, and within ``max_pool_bytes``."""
-    free = torch.cuda.mem_get_info(device)[0]
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return free // 2 if budget is None else min(budget, free // 2)
-
-
-def drop_least_used(engine, need: int, keep: Bucket) -> bool:
-    """Make room for ``need`` bytes of graph pool under ``max_pool_bytes`` by dropping the graphs
-    of the least used buckets (captured again when needed); whether it fits now. The caller
-    holds the lock; the dropped graphs are freed after the device is done with them."""
-    budget = engine.opts.max_pool_bytes
-    if budget is None or need > budget:
-        return False
-    live = []
-    for ks in engine.store.keys.values():
-        for b in ks.buckets.values():
-            if b.graphs and b is not keep and not b.leased and b.serves in (Serves.GRAPH, Serves.EAGER):
-                calls = sum(p.calls for p in ks.plans.values() if p.bucket is b) + b.replays + b.eager_calls
-                live.append((calls, b.size * (b.seq or 1), ks, b))
-    live.sort(key=lambda t: (t[0], t[1]))
-    left = budget_left(engine)
-    taken = []
-    for _, _, ks, b in live:
-        if left >= need:
-            break
-        left += _held(b)
-        taken.append((ks, b))
-    if left < need:
-        return False
-    for ks, b in taken:
-        fold(engine, ks, b)
-        engine.dropped.extend(b.graphs)
-        b.graphs = []
-        b.serves = Serves.NOTHING
-        logger.info("graphwrap: bucket %s of %s dropped for max_pool_bytes (least used); captured again when needed",
-                    _name(b), ks.label)
-    return True
-
-
-def release_dropped(engine, device):
-    """Free evicted graphs once the device is done with their last replays."""
-    with engine.lock:
-        dropped, engine.dropped = engine.dropped, []
-    if dropped:
-        engine.backend.sync(device)
-        del dropped
 
 
 # ---------------------------------------------------------------------------------- every bucket
@@ -417,7 +310,7 @@ def capture_all(engine, ks: Key, sample, n: int, L, background: bool) -> dict:
             ks.warming = False
             _compile_each(engine, ks, sample, n, L)
         logger.info("graphwrap: captured %d buckets of %s in %.2f s", done, ks.label, time.perf_counter() - t0)
-        engine.save_compile_cache()
+        save_compile_cache(engine)
     except Exception as e:  # noqa: BLE001 - in the background: reported; calls go on with what was captured
         if not background:
             raise
@@ -443,6 +336,8 @@ def _every_bucket(engine, ks: Key, sample, n, L, plain: bool) -> int:
     points = _points(engine, ks, L)
     done = 0
     for i, (size, S) in enumerate(points, 1):
+        if stopping():
+            break
         with engine.lock:
             if ks.failed is not None:
                 break
@@ -456,7 +351,7 @@ def _every_bucket(engine, ks: Key, sample, n, L, plain: bool) -> int:
                 b.serves = Serves.CAPTURING
         # capture() takes the largest buckets first: one over the budget is left out (a larger
         # one serves its batches), never captured in place of those taken before it.
-        if go and engine._capture(ks, b, sample, n, L, plain=plain, evict=False) is not None:
+        if go and capture_into(engine, ks, b, sample, n, L, plain=plain, evict=False) is not None:
             done += 1
             logger.info("graphwrap: capture %d/%d of %s done", i, len(points), ks.label)
     return done
@@ -469,18 +364,20 @@ def _compile_each(engine, ks: Key, sample, n, L):
         return
     engine.background_state = "compiling"
     with engine.lock:
-        cf = engine.compiled_forward()
+        cf = compiled_forward(engine)
     if cf is None:
         return
     engine.background_state = "replacing plain graphs by compiled ones"
     for point in sorted(list(ks.buckets), key=lambda p: (p[0] * (p[1] or 1)), reverse=True):
+        if stopping():
+            break
         with engine.lock:
             old = ks.buckets.get(point)
             if old is None or not old.graphs or old.compiled or ks.failed is not None:
                 continue
             sample_b = [t.clone() for t in old.graphs[0].static_inputs]
         new = Bucket(old.size, old.seq)
-        if engine._capture(ks, new, sample_b, old.size, old.seq, forward=cf) is not None:
+        if capture_into(engine, ks, new, sample_b, old.size, old.seq, forward=cf) is not None:
             with engine.lock:
                 if ks.buckets.get(point) is old:
                     swap(engine, ks, old, new)

@@ -11,7 +11,14 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 from .records import cut
-from .tree import BATCHED, WHOLE, OutputSpec, classify_outputs, flatten_outputs, unflatten_inputs
+from .tree import (
+    BATCHED,
+    WHOLE,
+    OutputSpec,
+    classify_outputs,
+    flatten_outputs,
+    unflatten_inputs,
+)
 from .verify import CROSS_SHAPE_TOL, SAME_SHAPE_TOL, compare_leaves
 
 Tensor = torch.Tensor

@@ -21,23 +21,28 @@ bucket, runs outside the lock and installs its graph under it.
 
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import _compat, stats as _stats
+from . import _compat
+from . import stats as _stats
 from .backend import CPU_REASONS, CudaBackend
 from .buckets import Adaptive, BucketTable, padded_rows
-from .capture import capture_bucket
-from .checks import CaptureFailed
-from .compiled import CompiledForward, load_cache, save_cache, unavailable_reason
+from .capturing import capture_into
+from .compiled import CompiledForward
 from .errors import GraphwrapError
 from .grid import Grid
 from .plans import STALE, Plan
-from .records import Bucket, Graph, Key, Serves
+from .records import Bucket, Graph, Key, Lease, Member, Serves, Store, drop
 from .signature import Facts, describe_key
-from .tree import flatten_inputs, flatten_outputs, requires_grad_shallow, to_device_shallow, unflatten_inputs
+from .tree import (
+    flatten_inputs,
+    flatten_outputs,
+    requires_grad_shallow,
+    to_device_shallow,
+    unflatten_inputs,
+)
 from .weights import Weights
 from .worker import Worker
 
@@ -50,62 +55,6 @@ GRAD_REASONS = ("the module is in training mode", "an input requires grad and gr
 EXACT_LENGTHS = 32  # graphs per exact length of a key whose padding is refused, then eager
 _NO_BUCKET = Bucket(0)
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
-
-
-@dataclass(slots=True)
-class Member:
-    """A request as joining sees it: requests of one key may go into one call."""
-
-    key: Key
-    leaves: List[Tensor]
-    n: int
-    L: Optional[int]
-
-
-@dataclass(slots=True)
-class Lease:
-    """Graphs of one bucket, for one loop's sole use."""
-
-    key: Key
-    bucket: Bucket
-    graphs: List[Graph]
-
-
-class _Store:
-    """The graphs and their buffers, apart from the engine so a finalizer can release them."""
-
-    def __init__(self, sync):
-        self.keys: Dict[Any, Key] = {}
-        self.device: Optional[torch.device] = None
-        self.pool = None
-        self.epoch = 0
-        self.sync = sync
-
-    def detach(self):
-        """Let go of every key, graph and the pool (to be freed by :func:`drop`); a new epoch."""
-        held = (self.keys, self.pool, self.device)
-        self.keys, self.pool = {}, None
-        self.epoch += 1
-        return held
-
-    def release(self):
-        drop(self.detach(), self.sync)
-
-
-def drop(held, sync):
-    """Free what a store let go of, once the device is done with its last replays (a replay may
-    still be running: its memory must not be handed out before it ends)."""
-    keys, pool, device = held
-    if keys and device is not None and device.type == "cuda" and torch.cuda.is_initialized():
-        sync(device)
-    keys.clear()
-
-
-def release_store(store: _Store):
-    try:
-        store.release()
-    except Exception:  # noqa: BLE001 - never raise from a finalizer (interpreter shutdown)
-        pass
 
 
 class Engine:
@@ -124,7 +73,7 @@ class Engine:
         self.eager_if_faster = bool(opts.eager_if_faster)
         self.backend = CudaBackend()
         self.lock = threading.RLock()
-        self.store = _Store(lambda d: self.backend.sync(d))
+        self.store = Store(lambda d: self.backend.sync(d))
         self.epoch = 0  # bumped by reset(): plans and leases of an older epoch are dropped
         self.eager_counts: Dict[str, int] = {}
         self.logged = set()
@@ -205,7 +154,7 @@ class Engine:
                 got = self._plan_for(ks, n, L)
             if type(got) is Plan:
                 return got
-            self._capture(ks, got, leaves, n, L)
+            capture_into(self, ks, got, leaves, n, L)
         return Plan(self, ks, n, L, _NO_BUCKET, eager=True)
 
     def _plan_for(self, ks: Key, n: int, L: Optional[int]):
@@ -376,49 +325,6 @@ class Engine:
 
     # ------------------------------------------------------------------ capture
 
-    def _capture(self, ks: Key, b: Bucket, leaves, n: int, L, forward=None, plain: bool = False,
-                 timed: bool = True, evict: bool = True) -> Optional[Bucket]:
-        """Capture a graph into bucket ``b`` of ``ks`` (marked as capturing, or a new bucket
-        that the caller swaps in) outside the lock, and install it under the lock; ``b`` if it
-        serves now. ``forward``: kernels to capture (default: the compiled forward, if any);
-        ``evict``: whether less used graphs may be dropped to fit ``max_pool_bytes``."""
-        from .capturing import install, make_job, race, release_dropped, ring_of, settle_failure
-
-        for _ in range(4):
-            if self.store.pool is None:  # a pool's anchor is a capture: made off the lock
-                pool = self.backend.new_pool(ks.device)
-                with self.lock:
-                    self.store.pool = self.store.pool or pool
-            with self.lock:
-                if self.store.keys.get(_key_tuple(self, ks)) is not ks or ks.failed is not None:
-                    if b.serves is Serves.CAPTURING:
-                        b.serves = Serves.NOTHING
-                    return None
-                evict = evict and b.size <= self.grid.top(b.seq)  # a batch above the grid never evicts
-                job = make_job(self, ks, b, leaves, n, L, plain, forward)
-                epoch = self.epoch
-            try:
-                got = capture_bucket(job, self.backend.recorder)
-                ring = ring_of(self, ks, got) if self.clone else None
-            except CaptureFailed as e:
-                with self.lock:
-                    again = settle_failure(self, ks, b, e, epoch, forward, evict)
-                release_dropped(self, ks.device)
-                if e.scope == "bucket":
-                    self.backend.empty_cache()
-                if again is None:
-                    return None
-                plain = plain or again == "plain"
-                continue
-            with self.lock:
-                if self.epoch != epoch:
-                    return None
-                install(self, ks, b, got, job.forward, ring)
-            if timed and self.eager_if_faster:
-                race(self, ks, b)
-            return b
-        return None
-
     def capture(self, f: Facts, background: bool = False) -> dict:
         """Capture every bucket of this call's key, largest first (``background``: on the worker)."""
         from .capturing import capture_all
@@ -449,32 +355,6 @@ class Engine:
                                  'raise max_pool_bytes, call capture() first (it takes the largest buckets first) or '
                                  'pass fallback="eager"')
         return None
-
-    def compiled_forward(self) -> Optional[CompiledForward]:
-        """The compiled forward to capture, or None for the plain one. The caller holds the lock."""
-        opts = self.compile_opts
-        if opts is None or self.compile_off is not None:
-            return None
-        if self.compiled is None:
-            reason = unavailable_reason()
-            if reason is not None:
-                self.give_up_compile(reason)
-                return None
-            if opts.get("cache"):
-                load_cache(opts["cache"])
-            self.compiled = CompiledForward(self.module, opts)
-        return self.compiled
-
-    def give_up_compile(self, reason: str):
-        self.compile_off = reason
-        msg = f"graphwrap: compile= given up ({reason}); capturing the plain forward"
-        if self.fallback == "raise":
-            raise GraphwrapError(f"{msg}. Pass fallback=\"eager\" to accept the plain forward")
-        self.log_once(("compile",), logging.WARNING, msg)
-
-    def save_compile_cache(self):
-        if self.compile_opts is not None and self.compile_opts.get("cache") and self.compiled is not None:
-            save_cache(self.compile_opts["cache"])
 
     # ------------------------------------------------------------------ told by plans
 
@@ -645,10 +525,3 @@ class Engine:
 
 class _DeviceChanged(Exception):
     """A call on another device than the graphs held: they are dropped first."""
-
-
-def _key_tuple(engine: Engine, ks: Key):
-    for k, v in engine.store.keys.items():
-        if v is ks:
-            return k
-    return None

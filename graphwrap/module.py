@@ -13,10 +13,11 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 
 from .calls import call, call_general
-from .engine import Engine, Tensor, release_store
+from .engine import Engine, Tensor
 from .errors import GraphwrapError
 from .options import Options
 from .plans import STALE
+from .records import release_store
 
 logger = logging.getLogger("graphwrap")
 

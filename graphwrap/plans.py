@@ -128,3 +128,39 @@ class Plan:
         if self.ring is not None:
             self.ring.want()
         return [o.clone() if t else o for o, t in zip(self.outputs, self.is_tensor)]
+
+
+def fold(engine, ks: Key, b: Optional[Bucket]):
+    """Drop the plans of bucket ``b`` (every plan of ``ks`` if None), their counts kept in
+    their buckets; plans are made again on the next calls. The caller holds the lock."""
+    for key, plan in list(ks.plans.items()):
+        if b is not None and plan.bucket is not b:
+            continue
+        pb = plan.bucket
+        if plan.calls and pb.size:
+            if plan.eager:
+                pb.eager_calls += plan.calls
+            else:
+                pb.replays += plan.calls
+                pb.rows += plan.calls * plan.n
+                pb.padded_rows += plan.calls * (pb.size - plan.n)
+                if plan.L is not None:
+                    pb.tokens += plan.calls * plan.n * plan.L
+                    pb.padded_tokens += plan.calls * (pb.size * pb.seq - plan.n * plan.L)
+        del ks.plans[key]
+    for shape, plan in list(engine.fast.items()):
+        if plan.key is ks and (b is None or plan.bucket is b):
+            del engine.fast[shape]
+
+
+def swap(engine, ks: Key, old: Bucket, new: Bucket):
+    """``new`` serves ``old``'s batches from the next call, with its counts; plans are rebuilt
+    (loops holding the old graphs go on replaying them). The caller holds the lock."""
+    fold(engine, ks, old)
+    # The old graphs' memory stays in the pool (for later captures): still counted here.
+    new.pool_bytes += old.pool_bytes
+    new.capture_s += old.capture_s
+    new.compile_s += old.compile_s
+    for name in ("replays", "rows", "padded_rows", "tokens", "padded_tokens", "eager_calls"):
+        setattr(new, name, getattr(new, name) + getattr(old, name))
+    ks.buckets[old.point] = new

@@ -147,6 +147,10 @@ class Bucket:
     def point(self) -> Tuple[int, Optional[int]]:
         return self.size, self.seq
 
+    @property
+    def name(self) -> str:
+        return str(self.size) if self.seq is None else f"{self.size}x{self.seq}"
+
     def count(self, n: int, L: Optional[int]):
         """One replay of ``n`` real rows (and length ``L``) by a loop that holds a leased graph."""
         self.replays += 1
@@ -193,3 +197,59 @@ class Key:
         self.join = None
         self.join_refused = reason
         self.plans.clear()
+
+
+@dataclass(slots=True)
+class Member:
+    """A request as joining sees it: requests of one key may go into one call."""
+
+    key: Key
+    leaves: List[Tensor]
+    n: int
+    L: Optional[int]
+
+
+@dataclass(slots=True)
+class Lease:
+    """Graphs of one bucket, for one loop's sole use."""
+
+    key: Key
+    bucket: Bucket
+    graphs: List[Graph]
+
+
+class Store:
+    """The graphs and their buffers, apart from the engine so a finalizer can release them."""
+
+    def __init__(self, sync):
+        self.keys: Dict[Any, Key] = {}
+        self.device: Optional[torch.device] = None
+        self.pool = None
+        self.epoch = 0
+        self.sync = sync
+
+    def detach(self):
+        """Let go of every key, graph and the pool (to be freed by :func:`drop`); a new epoch."""
+        held = (self.keys, self.pool, self.device)
+        self.keys, self.pool = {}, None
+        self.epoch += 1
+        return held
+
+    def release(self):
+        drop(self.detach(), self.sync)
+
+
+def drop(held, sync):
+    """Free what a store let go of, once the device is done with its last replays (a replay may
+    still be running: its memory must not be handed out before it ends)."""
+    keys, pool, device = held
+    if keys and device is not None and device.type == "cuda" and torch.cuda.is_initialized():
+        sync(device)
+    keys.clear()
+
+
+def release_store(store: Store):
+    try:
+        store.release()
+    except Exception:  # noqa: BLE001 - never raise from a finalizer (interpreter shutdown)
+        pass

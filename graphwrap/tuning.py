@@ -15,8 +15,10 @@ import logging
 import time
 from typing import Callable, Iterable, Optional, Tuple
 
-from .capturing import swap, time_pair
+from .capturing import capture_into
 from .compiled import CompiledForward, static_options
+from .plans import swap
+from .racing import time_pair
 from .records import Bucket, Serves
 from .stats import _counts
 
@@ -94,7 +96,7 @@ def tune_next(engine):
 def _tune(engine, ks, old: Bucket, forward, epoch: int, sample):
     t0 = time.perf_counter()
     new = Bucket(old.size, old.seq, tuned=True)
-    if engine._capture(ks, new, sample, old.size, old.seq, forward=forward, timed=False) is None:
+    if capture_into(engine, ks, new, sample, old.size, old.seq, forward=forward, timed=False) is None:
         return
     if not new.compiled:
         logger.warning("graphwrap: per-size kernels for bucket %d of %s: torch.compile compiled nothing; it keeps "
@@ -103,7 +105,7 @@ def _tune(engine, ks, old: Bucket, forward, epoch: int, sample):
     # The shared kernels timed on a graph of their own: the one serving gm(...) must not be
     # replayed here, it would overwrite outputs a caller may hold (outputs="view").
     shared = Bucket(old.size, old.seq)
-    if engine._capture(ks, shared, sample, old.size, old.seq, forward=old.forward, timed=False) is None:
+    if capture_into(engine, ks, shared, sample, old.size, old.seq, forward=old.forward, timed=False) is None:
         return
     device = ks.device
 

@@ -3,10 +3,13 @@
 Jobs are background captures, compiles and tunings, and new owned-output slots: work that must
 not run on a caller's path. The worker holds its engine weakly (a deleted module's graphs are
 not kept alive by it), its thread waits on a queue with nothing to do (no polling), and the
-jobs not started yet are cancelled when the engine goes or is reset.
+jobs not started yet are cancelled when the engine goes or is reset, or when the interpreter
+exits (a job that runs then finishes, and jobs that loop over buckets stop at the next one:
+a script that ends never waits for the captures it no longer needs).
 """
 
 import concurrent.futures
+import concurrent.futures.thread  # its exit hook first: ours, registered after, runs before it
 import logging
 import threading
 import time
@@ -14,11 +17,29 @@ import weakref
 from typing import Callable, Optional
 
 logger = logging.getLogger("graphwrap")
+_exiting = threading.Event()
+_workers: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+
+
+def stopping() -> bool:
+    """Whether the interpreter is exiting: a job that loops stops at its next step."""
+    return _exiting.is_set()
+
+
+def _at_exit():
+    """Before the executors' threads are joined at exit: cancel every job not started yet."""
+    _exiting.set()
+    for w in list(_workers):
+        w.cancel()
+
+
+# Hooks of threading run in reverse order of registration, before non-daemon threads are joined.
+getattr(threading, "_register_atexit", lambda fn: None)(_at_exit)
 
 
 def _run(ref, job, args):
     engine = ref()
-    if engine is None:
+    if engine is None or _exiting.is_set():
         return None
     try:
         return job(engine, *args)
@@ -35,6 +56,7 @@ class Worker:
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._futures = set()
         self._finalizer = None
+        _workers.add(self)
 
     def submit(self, job: Callable, *args) -> Optional[concurrent.futures.Future]:
         """The job's future; None once the engine is gone (nothing to run it for)."""

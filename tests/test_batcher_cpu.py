@@ -5,12 +5,12 @@ import threading
 
 import pytest
 import torch
+from helpers import MLP, MultiIO, Out, RowMixer, assert_same, run_threads
 from torch import nn
 
 from graphwrap import Batcher, GraphedModule, GraphwrapError
 from graphwrap.joining import join_verdict, split_outputs
 from graphwrap.tree import BATCHED, CONST, WHOLE, flatten_outputs
-from helpers import MLP, MultiIO, Out, RowMixer, assert_same, run_threads
 
 TOL = 1e-5
 

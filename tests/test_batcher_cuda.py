@@ -5,9 +5,9 @@ import random
 
 import pytest
 import torch
+from helpers import MLP, RowMixer, assert_same, run_threads
 
 from graphwrap import Batcher, GraphedModule
-from helpers import MLP, RowMixer, assert_same, run_threads
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"

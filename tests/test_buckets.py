@@ -1,7 +1,13 @@
 import pytest
 
 import graphwrap
-from graphwrap import BucketTable, GraphwrapError, default_buckets, fit_buckets, padded_rows
+from graphwrap import (
+    BucketTable,
+    GraphwrapError,
+    default_buckets,
+    fit_buckets,
+    padded_rows,
+)
 
 
 def test_default_buckets_dense_then_sparse():

@@ -5,10 +5,10 @@ import threading
 
 import pytest
 import torch
+from helpers import MLP, assert_same, check_bert, num_graphs, small_bert
 
 import graphwrap
 from graphwrap import GraphedModule, GraphwrapError, tuning
-from helpers import MLP, assert_same, check_bert, num_graphs, small_bert
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from helpers import MLP
 
 from graphwrap.compiled import CompiledForward, compile_options
-from helpers import MLP
 
 dynamo_config = pytest.importorskip("torch._dynamo.config")
 LIMIT = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"

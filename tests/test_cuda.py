@@ -2,11 +2,23 @@
 
 import pytest
 import torch
+from helpers import (
+    MLP,
+    HFOut,
+    KVCache,
+    MultiIO,
+    NeedsAName,
+    RowMixer,
+    WithCache,
+    assert_same,
+    check_bert,
+    num_graphs,
+    run_threads,
+    small_bert,
+)
 from torch import nn
 
 from graphwrap import GraphedModule, GraphwrapError, default_buckets
-from helpers import (HFOut, KVCache, MLP, MultiIO, NeedsAName, RowMixer, WithCache, assert_same, check_bert,
-                     num_graphs, run_threads, small_bert)
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -416,7 +428,9 @@ def test_gpt2_with_its_cache_once_the_cache_is_registered():
     # register that type with torch.utils._pytree; then the graphs serve the model as it is.
     tr = pytest.importorskip("transformers")
     try:
-        from transformers.integrations.executorch import register_dynamic_cache_export_support
+        from transformers.integrations.executorch import (
+            register_dynamic_cache_export_support,
+        )
     except ImportError as e:
         pytest.skip(f"this transformers ({tr.__version__}) cannot register DynamicCache with pytree: {e}")
     register_dynamic_cache_export_support()

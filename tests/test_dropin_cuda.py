@@ -10,10 +10,10 @@ import time
 
 import pytest
 import torch
+from helpers import MLP, assert_same, num_graphs, small_bert
 from torch import nn
 
 from graphwrap import Batcher, GraphedModule
-from helpers import MLP, assert_same, num_graphs, small_bert
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"

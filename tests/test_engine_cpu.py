@@ -6,11 +6,11 @@ import threading
 
 import pytest
 import torch
+from helpers import MLP, RowMixer, assert_same, on_cpu_graphs
 from torch import nn
 
 from graphwrap import GraphedModule, GraphwrapError
 from graphwrap.records import Serves
-from helpers import MLP, RowMixer, assert_same, on_cpu_graphs
 
 
 def _gm(model, **kw):

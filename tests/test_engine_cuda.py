@@ -3,11 +3,11 @@ large batches from pinned memory."""
 
 import pytest
 import torch
+from helpers import MLP, assert_same
 from torch import nn
 
 import graphwrap.capturing
 from graphwrap import GraphedModule
-from helpers import MLP, assert_same
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -69,7 +69,7 @@ def test_owned_outputs_stay_intact_across_many_later_calls():
 
 def _eager_wins(engine, ks, b):
     """The race, as if eager had taken half the graph's time."""
-    from graphwrap.capturing import fold
+    from graphwrap.plans import fold
     from graphwrap.records import Serves
 
     with engine.lock:

@@ -5,9 +5,9 @@ import threading
 
 import pytest
 import torch
+from helpers import MLP, assert_same
 
 from graphwrap import GraphedModule, GraphwrapError
-from helpers import MLP, assert_same
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"

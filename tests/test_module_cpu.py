@@ -4,11 +4,11 @@ import logging
 
 import pytest
 import torch
+from helpers import MLP, MultiIO, assert_same, run_threads
 from torch import nn
 
 import graphwrap
 from graphwrap import GraphedModule, GraphwrapError
-from helpers import MLP, MultiIO, assert_same, run_threads
 
 
 def _multi_inputs(n, d=8):

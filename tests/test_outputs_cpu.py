@@ -147,8 +147,9 @@ def test_a_slot_never_handed_out_goes_to_any_stream_and_views_cut_the_sequence()
 
 
 def test_a_call_that_finds_every_slot_held_clones_and_another_slot_is_made_off_the_lock():
-    from graphwrap import GraphedModule
     from helpers import MLP, on_cpu_graphs
+
+    from graphwrap import GraphedModule
 
     model = MLP().eval()
     gm = on_cpu_graphs(GraphedModule(model, buckets=[4], eager_if_faster=False))
@@ -165,9 +166,10 @@ def test_a_call_that_finds_every_slot_held_clones_and_another_slot_is_made_off_t
 
 
 def test_slots_asked_for_under_another_capture_are_made_by_the_worker():
+    from helpers import MLP, on_cpu_graphs
+
     from graphwrap import GraphedModule
     from graphwrap.streams import CAPTURE_LOCK
-    from helpers import MLP, on_cpu_graphs
 
     model = MLP().eval()
     gm = on_cpu_graphs(GraphedModule(model, buckets=[4], eager_if_faster=False))
@@ -204,8 +206,9 @@ def test_the_list_handed_out_holds_the_slot_until_the_caller_lets_go():
 
 
 def test_threads_calling_with_every_output_structure_each_get_their_own():
-    from graphwrap import GraphedModule
     from helpers import MultiIO, assert_same, on_cpu_graphs, run_threads
+
+    from graphwrap import GraphedModule
 
     model = MultiIO().eval()
     gm = on_cpu_graphs(GraphedModule(model, buckets=[2, 4, 8], eager_if_faster=False))

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 import torch
+from helpers import MLP, MultiIO, assert_same
 from torch import nn
 
 import graphwrap
 from graphwrap import GraphedModule
-from helpers import MLP, MultiIO, assert_same
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"

@@ -10,7 +10,13 @@ from hypothesis import strategies as st  # noqa: E402
 from graphwrap import BucketTable, default_buckets  # noqa: E402
 from graphwrap.checks import shape_leaf, tile_rows  # noqa: E402
 from graphwrap.records import Graph  # noqa: E402
-from graphwrap.tree import BATCHED, WHOLE, flatten_inputs, flatten_outputs, unflatten_inputs  # noqa: E402
+from graphwrap.tree import (  # noqa: E402
+    BATCHED,
+    WHOLE,
+    flatten_inputs,
+    flatten_outputs,
+    unflatten_inputs,
+)
 
 bucket_lists = st.lists(st.integers(1, 300), min_size=1, max_size=12)
 

@@ -4,10 +4,10 @@ import asyncio
 
 import pytest
 import torch
+from helpers import MLP, assert_same
 
 from graphwrap import GraphwrapError, Replicas
 from graphwrap.replicas import _Replica
-from helpers import MLP, assert_same
 
 
 def test_answers_equal_eager_through_every_call():

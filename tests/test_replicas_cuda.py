@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from helpers import MLP, run_threads
 
 from graphwrap import Replicas
-from helpers import MLP, run_threads
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 

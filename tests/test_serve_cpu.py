@@ -14,8 +14,9 @@ import torch
 ray = pytest.importorskip("ray", reason='needs Ray Serve: pip install "graphwrap[serve]"')
 serve = pytest.importorskip("ray.serve")
 
-import graphwrap.serve  # noqa: E402
 from serve_models import make  # noqa: E402
+
+import graphwrap.serve  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

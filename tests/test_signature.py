@@ -3,11 +3,11 @@ batch size and length of a call, what its key holds, and why a call runs eagerly
 
 import pytest
 import torch
+from helpers import MLP, assert_same
 from torch import nn
 
 from graphwrap import GraphedModule, GraphwrapError
 from graphwrap.signature import Declarations, describe_key
-from helpers import MLP, assert_same
 
 
 class Takes(nn.Module):

@@ -6,10 +6,10 @@ import random
 
 import pytest
 import torch
+from helpers import small_bert
 from torch import nn
 
 from graphwrap import Batcher, GraphedModule
-from helpers import small_bert
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"

@@ -4,13 +4,20 @@ import math
 
 import pytest
 import torch
+from helpers import HFOut, KVCache, NeedsAName, Opaque, Out, assert_same
 
 from graphwrap import GraphwrapError
 from graphwrap.tree import (
-    BATCHED, CONST, WHOLE, UnsupportedInput, classify_outputs, flatten_inputs, flatten_outputs, map_tensors,
+    BATCHED,
+    CONST,
+    WHOLE,
+    UnsupportedInput,
+    classify_outputs,
+    flatten_inputs,
+    flatten_outputs,
+    map_tensors,
     unflatten_inputs,
 )
-from helpers import HFOut, KVCache, NeedsAName, Opaque, Out, assert_same
 
 Point = collections.namedtuple("Point", "x y")
 

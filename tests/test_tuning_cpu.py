@@ -3,8 +3,7 @@ two graphs are timed, and the ``static=`` option."""
 
 import pytest
 
-from graphwrap import GraphwrapError
-from graphwrap import tuning
+from graphwrap import GraphwrapError, tuning
 from graphwrap.compiled import compile_options, static_options
 
 

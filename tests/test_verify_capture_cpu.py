@@ -5,12 +5,12 @@ import contextlib
 
 import pytest
 import torch
+from helpers import MLP, HFOut, KVCache, NeedsAName, RecomputeRecorder, RowMixer
 from torch import nn
 
 from graphwrap.capture import Job, capture_bucket
 from graphwrap.checks import CaptureFailed, check_rebuild, shape_leaf, tile_rows
 from graphwrap.tree import BATCHED, WHOLE, flatten_inputs, flatten_outputs
-from helpers import MLP, HFOut, KVCache, NeedsAName, RecomputeRecorder, RowMixer
 
 
 def _capture(module, leaves, size, seq=None, roles=None, pad_check=True):

@@ -75,3 +75,30 @@ def test_the_worker_holds_its_engine_weakly():
     w.submit(lambda e: ran.append(e))  # the engine is gone: nothing runs, nothing raises
     w.wait(10)
     assert ran == []
+
+
+def test_an_exiting_interpreter_does_not_wait_for_queued_jobs():
+    """Twenty queued jobs of half a second each: the one running finishes, the rest are dropped,
+    so the script ends in about a second, not ten."""
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import time\n"
+        "from graphwrap.worker import Worker\n"
+        "class E: pass\n"
+        "e = E()\n"
+        "w = Worker(e)\n"
+        "ran = []\n"
+        "for i in range(20):\n"
+        "    w.submit(lambda eng, i: (ran.append(i), time.sleep(0.5)), i)\n"
+        "time.sleep(0.2)\n"
+        "print('queued', flush=True)\n"
+    )
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert out.returncode == 0, out.stderr
+    assert "queued" in out.stdout
+    assert took < 5.0, f"exit waited {took:.1f} s for jobs nobody needs"
