@@ -19,7 +19,19 @@ import torch  # noqa: E402
 import harness  # noqa: E402
 from harness import Case, Results  # noqa: E402
 
-SUITES = ["overhead", "host", "fixed", "large", "serving", "replicas", "compile", "mixed", "models", "capture", "text"]
+SUITES = {
+    "overhead": "per call at batch 1, input on the GPU: eager, a bare replay, gm(x) owned and view, torch.compile",
+    "host": "the same with inputs in host memory, pageable and pinned",
+    "fixed": "the seed notebook's loops against gm(x) and pipeline, 1280 batches of one size",
+    "large": "batches above the largest bucket, default settings",
+    "serving": "closed-loop clients: threads sharing gm(x), the Batcher from threads and asyncio",
+    "replicas": "Replicas over one GPU and over every GPU of the host",
+    "compile": "compile=True until every bucket is ready, a fresh process per row",
+    "mixed": "batches of sizes drawn uniformly: eager, torch.compile, each bucket policy, compile=",
+    "models": "resnet50, BERT-base, GPT-2 at batch 1 and 16 against eager and torch.compile",
+    "capture": "time and memory to capture every bucket",
+    "text": "BERT-base with real lengths: eager, one line, seq_dim=1, padded by hand; 64 clients",
+}
 BASELINES = {
     "fixed": ("seed synchronous loop", "torch.compile reduce-overhead"),
     "overhead": ("eager", "torch.compile reduce-overhead"),
@@ -51,8 +63,10 @@ def cpu_suite(results, quick):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--suite", action="append", choices=SUITES, help="scenario to run (repeatable); default: all")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter,
+                                 epilog="suites (each needs a CUDA device):\n" + "\n".join(
+                                     f"  {k:9s} {v}" for k, v in SUITES.items()))
+    ap.add_argument("--suite", action="append", choices=list(SUITES), help="scenario to run (repeatable); default: all")
     ap.add_argument("--quick", action="store_true", help="fewer batches and repeats, a minute or two")
     ap.add_argument("--out", default="bench-out", help="folder for results.json, results.csv and charts")
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds per strategy (default 5, quick 3)")
@@ -74,10 +88,12 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("No CUDA device found: running the CPU suite (eager against graphwrap's eager fallback).\n"
               "Graph figures need a GPU.", flush=True)
+        if a.suite:
+            print(f"Left out, they need a GPU: {', '.join(a.suite)}", flush=True)
         suites = ["cpu"]
         cpu_suite(results, a.quick)
     else:
-        suites = a.suite or SUITES
+        suites = a.suite or list(SUITES)
         import importlib
 
         for name in suites:

@@ -1,4 +1,4 @@
-"""Gaps between graph replays: ``python benchmarks/replay_gaps.py [--batches N]``.
+"""Gaps between graph replays: ``python benchmarks/diagnostics/replay_gaps.py [--batches N]``.
 
 The seed MLP at two widths, one graph per batch size 1..64 (``buckets="exact"``, plain
 forward), replayed in a random order of sizes: back to back, and with a little other work
@@ -16,8 +16,9 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))  # benchmarks/
+sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))  # the repository
 
 import torch  # noqa: E402
 

@@ -6,7 +6,8 @@ import subprocess
 import sys
 import tempfile
 
-import compile_start as cs
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+import compile_start as cs  # noqa: E402
 
 SHOW = r'''
 import pstats
