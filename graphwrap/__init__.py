@@ -4,7 +4,7 @@
 Imports on machines without CUDA; there every call runs the module eagerly.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from .batcher import Batcher
 from .buckets import (
