@@ -1,6 +1,6 @@
 """Probe behind the tuner: shared dynamic-batch kernels against per-size static kernels and
 torch.compile, with and without Inductor's layout optimization (results-*/probe-static.log)."""
-import statistics, sys, time, os
+import statistics, sys, time
 import torch, torchvision, transformers as tr
 from graphwrap import GraphedModule
 
