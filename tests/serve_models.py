@@ -20,3 +20,32 @@ class NoNaN(nn.Module):
 
 def make():
     return NoNaN().eval()
+
+
+class Embedder(nn.Module):
+    """Token embeddings masked by the attention mask: a text model in miniature."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(50, 8)
+
+    def forward(self, input_ids, attention_mask):
+        return self.emb(input_ids) * attention_mask.unsqueeze(-1)
+
+
+def make_embedder():
+    return Embedder().eval()
+
+
+def tokenize(body):
+    """A stand-in for a tokenizer: characters to ids, padded with 0, and the mask."""
+    ids = [[1 + (ord(c) % 40) for c in t] for t in body["texts"]]
+    n = max(len(i) for i in ids)
+    return {"input_ids": torch.tensor([i + [0] * (n - len(i)) for i in ids]),
+            "attention_mask": torch.tensor([[1] * len(i) + [0] * (n - len(i)) for i in ids])}
+
+
+def mean_pool(out, inputs):
+    m = inputs["attention_mask"].unsqueeze(-1).to(out.dtype)
+    return (out * m).sum(1) / m.sum(1)

@@ -1,0 +1,151 @@
+"""Requests over HTTP: a JSON body read into the module's inputs, within limits, and outputs
+written back as JSON; which status a failure gets. Plain Python, tested on a CPU.
+
+A body holds one array, ``{"inputs": [[...], ...]}``, or named inputs, ``{"inputs":
+{"input_ids": [[...]], "attention_mask": [[...]]}}`` (given to the module as keyword inputs).
+Each input's dtype comes from a fixed list of names, never from the client's text unchecked:
+the server's ``dtypes`` option, else the body's ``"dtype"`` (one array) or ``"dtypes"`` (per
+name) if it is one of :data:`DTYPES`, else int64 for ids and masks (``*_ids``, ``*_mask``) and
+float32 for the rest.
+"""
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+
+from .errors import GraphwrapError
+
+DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+    "int64": torch.int64, "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+# Exceptions of a model that refuses an input it was given (a wrong width, a wrong dtype, a value
+# it checks): the client's request cannot be processed (422). Anything else is the server's (500).
+REJECTED = (GraphwrapError, ValueError, TypeError, IndexError)
+_REJECTED_WORDS = ("shape", "size", "dtype", "expected", "mat1", "dimension", "index out of range")
+
+
+class RequestError(Exception):
+    """A request answered with ``status`` and ``message`` instead of outputs."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may hold; past a limit, status 413."""
+
+    max_body_bytes: int = 4 << 20
+    max_rows: int = 64  # along the first dimension of each input
+    max_length: int = 4096  # along the second dimension of each input of two dimensions or more
+
+    def __post_init__(self):
+        for name in ("max_body_bytes", "max_rows", "max_length"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise GraphwrapError(f"{name} must be an int >= 1, got {v!r}")
+
+
+def dtype_for(name: Optional[str], asked: Optional[str], dtypes: Mapping[Optional[str], Any]) -> torch.dtype:
+    """The dtype of input ``name`` (None: the one array): the server's choice, else the
+    client's if it names one of :data:`DTYPES`, else by the input's name."""
+    if name in dtypes:
+        return dtypes[name]
+    if asked is not None:
+        if not isinstance(asked, str) or asked not in DTYPES:
+            raise RequestError(400, f"dtype {asked!r} of {_what(name)} is not one of {', '.join(DTYPES)}")
+        return DTYPES[asked]
+    if name is not None and (name.endswith("_ids") or name.endswith("_mask") or name in ("ids", "mask")):
+        return torch.int64
+    return torch.float32
+
+
+def parse_body(raw: bytes, limits: Limits) -> dict:
+    """The JSON object of a request body; 413 past ``max_body_bytes``, 400 if it is not one."""
+    if len(raw) > limits.max_body_bytes:
+        raise RequestError(413, f"the body has {len(raw)} bytes, more than max_body_bytes={limits.max_body_bytes}")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"the body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, f"the body is a JSON {type(body).__name__}, not an object with \"inputs\"")
+    return body
+
+
+def read_inputs(body: dict, dtypes: Mapping[Optional[str], Any]) -> Tuple[tuple, Dict[str, torch.Tensor]]:
+    """``(args, kwargs)`` of the module from a body's ``"inputs"``; 400 where they are not arrays
+    of numbers."""
+    if "inputs" not in body:
+        raise RequestError(400, 'the body has no "inputs": send {"inputs": [[...]]} or {"inputs": {"name": [[...]]}}')
+    inputs = body["inputs"]
+    if isinstance(inputs, dict):
+        if not inputs:
+            raise RequestError(400, '"inputs" is an empty object')
+        asked = body.get("dtypes") or {}
+        if not isinstance(asked, dict):
+            raise RequestError(400, '"dtypes" must be an object of input names to dtype names')
+        kwargs = {}
+        for name, value in inputs.items():
+            kwargs[name] = _tensor(value, name, dtype_for(name, asked.get(name), dtypes))
+        return (), kwargs
+    return (_tensor(inputs, None, dtype_for(None, body.get("dtype"), dtypes)),), {}
+
+
+def check_limits(args, kwargs, limits: Limits):
+    """413 where an input has more rows or positions than the limits allow."""
+    for name, t in [(None, a) for a in args] + list(kwargs.items()):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            continue
+        if t.shape[0] > limits.max_rows:
+            raise RequestError(413, f"{_what(name)} has {t.shape[0]} rows, more than max_rows={limits.max_rows}")
+        if t.dim() >= 2 and t.shape[1] > limits.max_length:
+            raise RequestError(413, f"{_what(name)} has length {t.shape[1]}, more than max_length={limits.max_length}")
+
+
+def status_of(e: BaseException) -> int:
+    """422 for a model that refuses the request's inputs, 500 for any other failure."""
+    if isinstance(e, REJECTED):
+        return 422
+    if isinstance(e, RuntimeError) and any(w in str(e) for w in _REJECTED_WORDS):
+        return 422
+    return 500
+
+
+def to_json(x):
+    """Outputs as JSON values: tensors as nested lists, containers and dataclasses as objects and
+    lists, other objects by their repr."""
+    import dataclasses
+
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().tolist()
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: to_json(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, dict):
+        return {str(k): to_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [to_json(v) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return repr(x)
+
+
+def _tensor(value, name: Optional[str], dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(value, (str, bytes)) or value is None or isinstance(value, dict):
+        raise RequestError(400, f"{_what(name)} is a JSON {type(value).__name__}, not an array of numbers")
+    try:
+        t = torch.tensor(value)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise RequestError(400, f"{_what(name)} is not a rectangular array of numbers: {e}") from None
+    if t.is_floating_point() and not dtype.is_floating_point and not bool((t == t.round()).all()):
+        raise RequestError(400, f"{_what(name)} holds numbers that are not integers, and its dtype is "
+                                f"{str(dtype).replace('torch.', '')}")
+    return t.to(dtype)
+
+
+def _what(name: Optional[str]) -> str:
+    return "the input" if name is None else f"input {name!r}"

@@ -1,0 +1,175 @@
+"""Requests over HTTP on a CPU, without Ray: bodies read into inputs, dtypes from a fixed list,
+limits and status codes, preprocess and postprocess, and a replica that keeps serving after a
+failing request (graphwrap.wire and graphwrap.serve.Server)."""
+
+import asyncio
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from graphwrap import GraphwrapError
+from graphwrap.wire import Limits, RequestError, check_limits, dtype_for, parse_body, read_inputs, status_of
+
+
+def _error(fn, *a):
+    with pytest.raises(RequestError) as e:
+        fn(*a)
+    return e.value.status, e.value.message
+
+
+def test_one_array_or_named_inputs_with_dtypes_by_name():
+    args, kwargs = read_inputs({"inputs": [[0.5, 1.0], [2.0, 3.0]]}, {})
+    assert kwargs == {} and args[0].dtype == torch.float32 and args[0].shape == (2, 2)
+    args, kwargs = read_inputs({"inputs": {"input_ids": [[101, 7, 0]], "attention_mask": [[1, 1, 0]],
+                                           "pixel_values": [[0.1, 0.2, 0.3]]}}, {})
+    assert args == ()
+    assert kwargs["input_ids"].dtype == kwargs["attention_mask"].dtype == torch.int64
+    assert kwargs["pixel_values"].dtype == torch.float32
+    # the client may choose among the fixed names; the server's choice wins
+    _, kwargs = read_inputs({"inputs": {"x": [[1, 2]]}, "dtypes": {"x": "float16"}}, {})
+    assert kwargs["x"].dtype == torch.float16
+    _, kwargs = read_inputs({"inputs": {"x": [[1, 2]]}, "dtypes": {"x": "float16"}}, {"x": torch.bfloat16})
+    assert kwargs["x"].dtype == torch.bfloat16
+    assert dtype_for(None, "int32", {}) == torch.int32
+
+
+def test_malformed_bodies_are_400_with_what_is_wrong():
+    limits = Limits()
+    assert _error(parse_body, b"{not json", limits)[0] == 400
+    assert "not an object" in _error(parse_body, b"[1, 2]", limits)[1]
+    assert 'no "inputs"' in _error(read_inputs, {"nope": 1}, {})[1]
+    # a dtype is never looked up on torch by the client's text
+    status, msg = _error(read_inputs, {"inputs": [[1.0]], "dtype": "Tensor"}, {})
+    assert status == 400 and "is not one of" in msg
+    status, msg = _error(read_inputs, {"inputs": [[1.0]], "dtype": "__class__"}, {})
+    assert status == 400
+    assert "rectangular" in _error(read_inputs, {"inputs": [[1.0, 2.0], [3.0]]}, {})[1]
+    assert "not an array" in _error(read_inputs, {"inputs": {"input_ids": "hello"}}, {})[1]
+    assert "not integers" in _error(read_inputs, {"inputs": {"input_ids": [[1.5, 2.0]]}}, {})[1]
+    assert _error(read_inputs, {"inputs": [[1, "a"]]}, {})[0] == 400
+
+
+def test_limits_are_413():
+    limits = Limits(max_body_bytes=100, max_rows=4, max_length=8)
+    status, msg = _error(parse_body, b"[" + b"1," * 60 + b"1]", limits)
+    assert status == 413 and "max_body_bytes=100" in msg
+    status, msg = _error(check_limits, (torch.zeros(5, 3),), {}, limits)
+    assert status == 413 and "5 rows" in msg
+    status, msg = _error(check_limits, (), {"input_ids": torch.zeros(2, 9, dtype=torch.long)}, limits)
+    assert status == 413 and "length 9" in msg and "'input_ids'" in msg
+    check_limits((torch.zeros(4, 8),), {"pos": torch.zeros(())}, limits)  # at the limits: fine
+    with pytest.raises(GraphwrapError, match="max_rows"):
+        Limits(max_rows=0)
+
+
+def test_status_of_a_failure():
+    assert status_of(ValueError("NaN in the input")) == 422
+    assert status_of(RuntimeError("mat1 and mat2 shapes cannot be multiplied (1x5 and 4x16)")) == 422
+    assert status_of(RuntimeError("CUDA error: an illegal memory access was encountered")) == 500
+    assert status_of(KeyError("x")) == 500
+
+
+# ---------------------------------------------------------------------------------- the Server
+
+
+class _Request:
+    def __init__(self, body):
+        self._body = body if isinstance(body, bytes) else json.dumps(body).encode()
+
+    async def body(self):
+        return self._body
+
+
+class NoNaN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def forward(self, x):
+        if bool(torch.isnan(x).any()):
+            raise ValueError("NaN in the input")
+        if bool((x > 1e6).any()):
+            raise KeyError("a failure of the model's own")
+        return self.net(x)
+
+
+class Embedder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(50, 8)
+
+    def forward(self, input_ids, attention_mask):
+        return self.emb(input_ids) * attention_mask.unsqueeze(-1)
+
+
+def _answer(server, body):
+    pytest.importorskip("starlette", reason='the HTTP answer needs starlette: pip install "graphwrap[serve]"')
+    r = asyncio.run(server(_Request(body)))
+    if isinstance(r, dict):
+        return 200, r
+    return r.status_code, json.loads(r.body)
+
+
+def test_the_server_answers_each_status_and_keeps_serving():
+    from graphwrap.serve import Server
+
+    server = Server(NoNaN, limits={"max_rows": 8})
+    model = NoNaN().eval()
+    x = [[0.1, 0.2, 0.3, 0.4], [1.0, 0.0, -1.0, 0.5]]
+    status, body = _answer(server, {"inputs": x})
+    assert status == 200
+    torch.testing.assert_close(torch.tensor(body["outputs"]), model(torch.tensor(x)).detach())
+    assert _answer(server, b"{oops")[0] == 400
+    status, body = _answer(server, {"inputs": [[0.0] * 4] * 9})
+    assert status == 413 and "max_rows=8" in body["error"]
+    status, body = _answer(server, {"inputs": [[float("nan")] * 4]})
+    assert status == 422 and "NaN in the input" in body["error"]
+    status, body = _answer(server, {"inputs": [[0.0] * 5]})  # a wrong width
+    assert status == 422 and "shapes cannot be multiplied" in body["error"]
+    status, body = _answer(server, {"inputs": [[1e7] * 4]})
+    assert status == 500 and "KeyError" in body["error"]
+    status, body = _answer(server, {"inputs": x})  # still serving
+    assert status == 200 and len(body["outputs"]) == 2
+    s = server.stats()
+    assert s["http_status"] == {200: 2, 400: 1, 413: 1, 422: 2, 500: 1}
+    assert s["batcher"]["requests"] == 5  # the 400 and 413 never reached the module
+
+
+def test_named_inputs_preprocess_and_postprocess():
+    from graphwrap.serve import Server
+
+    def tokenize(body):  # a stand-in for a tokenizer the user's code builds
+        texts = body["texts"]
+        ids = [[1 + (ord(c) % 40) for c in t] for t in texts]
+        n = max(len(i) for i in ids)
+        return {"input_ids": torch.tensor([i + [0] * (n - len(i)) for i in ids]),
+                "attention_mask": torch.tensor([[1] * len(i) + [0] * (n - len(i)) for i in ids])}
+
+    def mean_pool(out, inputs):
+        m = inputs["attention_mask"].unsqueeze(-1).to(out.dtype)
+        return (out * m).sum(1) / m.sum(1)
+
+    model = Embedder().eval()
+    server = Server(Embedder, graphed={"seq_dim": 1}, preprocess=tokenize, postprocess=mean_pool)
+    status, body = _answer(server, {"texts": ["hello", "graphs"]})
+    assert status == 200
+    enc = tokenize({"texts": ["hello", "graphs"]})
+    want = mean_pool(model(**enc), enc)
+    torch.testing.assert_close(torch.tensor(body["outputs"]), want.detach())
+    status, body = _answer(server, {"nothing": []})
+    assert status == 400 and body["error"].startswith("preprocess: KeyError")
+
+    plain = Server(Embedder)
+    ids = [[3, 4, 5, 0]]
+    status, body = _answer(plain, {"inputs": {"input_ids": ids, "attention_mask": [[1, 1, 1, 0]]}})
+    assert status == 200
+    want = model(torch.tensor(ids), torch.tensor([[1, 1, 1, 0]]))
+    torch.testing.assert_close(torch.tensor(body["outputs"]), want.detach())
+    # through a handle's path: tensors in, postprocess applied, tensors on the CPU out
+    out = asyncio.run(server.infer(**enc))
+    torch.testing.assert_close(out, want_pooled := mean_pool(model(**enc), enc).detach())
+    assert out.device.type == "cpu" and want_pooled.shape == (2, 8)
