@@ -15,6 +15,8 @@ class NoNaN(nn.Module):
     def forward(self, x):
         if bool(torch.isnan(x).any()):
             raise ValueError("NaN in the input")
+        if bool((x > 1e6).any()):
+            raise KeyError("a failure of the model's own")
         return self.net(x)
 
 

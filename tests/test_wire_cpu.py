@@ -7,10 +7,18 @@ import json
 
 import pytest
 import torch
-from torch import nn
+from serve_models import Embedder, NoNaN, mean_pool, tokenize
 
 from graphwrap import GraphwrapError
-from graphwrap.wire import Limits, RequestError, check_limits, dtype_for, parse_body, read_inputs, status_of
+from graphwrap.wire import (
+    Limits,
+    RequestError,
+    check_limits,
+    dtype_for,
+    parse_body,
+    read_inputs,
+    status_of,
+)
 
 
 def _error(fn, *a):
@@ -82,30 +90,6 @@ class _Request:
         return self._body
 
 
-class NoNaN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
-
-    def forward(self, x):
-        if bool(torch.isnan(x).any()):
-            raise ValueError("NaN in the input")
-        if bool((x > 1e6).any()):
-            raise KeyError("a failure of the model's own")
-        return self.net(x)
-
-
-class Embedder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(50, 8)
-
-    def forward(self, input_ids, attention_mask):
-        return self.emb(input_ids) * attention_mask.unsqueeze(-1)
-
-
 def _answer(server, body):
     pytest.importorskip("starlette", reason='the HTTP answer needs starlette: pip install "graphwrap[serve]"')
     r = asyncio.run(server(_Request(body)))
@@ -141,17 +125,6 @@ def test_the_server_answers_each_status_and_keeps_serving():
 
 def test_named_inputs_preprocess_and_postprocess():
     from graphwrap.serve import Server
-
-    def tokenize(body):  # a stand-in for a tokenizer the user's code builds
-        texts = body["texts"]
-        ids = [[1 + (ord(c) % 40) for c in t] for t in texts]
-        n = max(len(i) for i in ids)
-        return {"input_ids": torch.tensor([i + [0] * (n - len(i)) for i in ids]),
-                "attention_mask": torch.tensor([[1] * len(i) + [0] * (n - len(i)) for i in ids])}
-
-    def mean_pool(out, inputs):
-        m = inputs["attention_mask"].unsqueeze(-1).to(out.dtype)
-        return (out * m).sum(1) / m.sum(1)
 
     model = Embedder().eval()
     server = Server(Embedder, graphed={"seq_dim": 1}, preprocess=tokenize, postprocess=mean_pool)
