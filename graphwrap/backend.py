@@ -14,14 +14,13 @@ from . import _compat
 from .capture import CudaRecorder
 from .checks import CaptureFailed
 from .streams import (
-    CAPTURE_LOCK,
     Pool,
+    capture_session,
     device_sync,
     first_line,
     is_invalidated,
     own_cublas_workspace,
     record,
-    side_stream,
     timed_calls,
 )
 from .tree import CONST, flatten_outputs
@@ -87,26 +86,20 @@ def slot_graph(device: torch.device, pool: Pool, run, draws: bool, kinds, bases,
         for d, o in zip(bases, (o for o, k in zip(outs, kinds) if k != CONST)):
             d.copy_(o)
 
-    with CAPTURE_LOCK:
-        stream = side_stream(device)
-        cur = torch.cuda.current_stream(device)
-        stream.wait_stream(cur)
-        try:
-            with torch.cuda.device(device), torch.cuda.stream(stream):
-                # Once outside the capture (``warm``): this thread's cuBLAS handle is made here (a
-                # thread other than the one that captured may not have run a matrix product yet),
-                # not in it. Then, as for every capture, the workspaces are cleared around it, so
-                # the one its matrix products keep the address of is allocated in the graph's pool.
-                if warm:
-                    run()
+    try:
+        with capture_session(device):
+            # Once outside the capture (``warm``): this thread's cuBLAS handle is made here (a
+            # thread other than the one that captured may not have run a matrix product yet), not
+            # in it. Then, as for every capture, the workspaces are cleared around it, so the one
+            # its matrix products keep the address of is allocated in the graph's pool.
+            if warm:
+                run()
+            own_cublas_workspace()
+            try:
+                record(g, pool.handle, device, draws, body)
+            finally:
                 own_cublas_workspace()
-                try:
-                    record(g, pool.handle, device, draws, body)
-                finally:
-                    own_cublas_workspace()
-        except Exception as e:
-            raise CaptureFailed(f"the owned-output graph could not be captured: {type(e).__name__}: {first_line(e)}",
-                                e, pool_lost=is_invalidated(e)) from e
-        finally:
-            cur.wait_stream(stream)
+    except Exception as e:
+        raise CaptureFailed(f"the owned-output graph could not be captured: {type(e).__name__}: {first_line(e)}",
+                            e, pool_lost=is_invalidated(e)) from e
     return g.replay

@@ -103,7 +103,7 @@ class Batcher:
             if error is not None:
                 raise error
             return value
-        req = Request(args, kwargs, self.engine.member(args, kwargs))
+        req = Request(args, kwargs, self.engine.joins.member(args, kwargs))
         req.waiter = threading.Lock()
         req.waiter.acquire()
         if q.enqueue(req, block=True, timeout=None):
@@ -122,7 +122,7 @@ class Batcher:
         waiting requests this blocks (``block=False``: raises :class:`GraphwrapError`;
         ``timeout``: raises after it). ``block`` and ``timeout`` are the batcher's own: the
         module never sees them."""
-        req = Request(args, kwargs, self.engine.member(args, kwargs))
+        req = Request(args, kwargs, self.engine.joins.member(args, kwargs))
         req.future = concurrent.futures.Future()
         if self._q.enqueue(req, block=block, timeout=timeout):
             with self._q.lock:
@@ -132,7 +132,7 @@ class Batcher:
     async def acall(self, *args, **kwargs):
         """The result of the request, for asyncio code; the event loop serves the queue."""
         loop = asyncio.get_running_loop()
-        req = Request(args, kwargs, self.engine.member(args, kwargs))
+        req = Request(args, kwargs, self.engine.joins.member(args, kwargs))
         req.future = loop.create_future()
         req.loop = loop
         while True:

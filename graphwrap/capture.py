@@ -29,15 +29,14 @@ from .checks import (
 )
 from .records import Graph
 from .streams import (
-    CAPTURE_LOCK,
     NotBegun,
     Pool,
+    capture_session,
     check_stream,
     first_line,
     is_invalidated,
     own_cublas_workspace,
     record,
-    side_stream,
 )
 from .tree import flatten_outputs
 
@@ -234,17 +233,9 @@ class CudaRecorder:
     """The CUDA side of a capture: the lock and side stream, memory, the capture itself, and
     the verification replays on a stream apart."""
 
-    @contextlib.contextmanager
-    def session(self, device):
-        with CAPTURE_LOCK:
-            stream = side_stream(device)
-            cur = torch.cuda.current_stream(device)
-            stream.wait_stream(cur)
-            try:
-                with torch.cuda.device(device), torch.cuda.stream(stream):
-                    yield
-            finally:
-                cur.wait_stream(stream)
+    @staticmethod
+    def session(device):
+        return capture_session(device)
 
     @staticmethod
     def watch_random(fn):

@@ -21,7 +21,7 @@ from .errors import GraphwrapError
 from .outputs import ring_for
 from .plans import fold, swap
 from .racing import race
-from .records import Bucket, Key, Serves
+from .records import Bucket, Key, Lease, Serves
 from .tree import CONST
 from .verify import SAME_SHAPE_TOL, compare_leaves
 from .worker import stopping
@@ -290,6 +290,36 @@ def add_graph(engine, ks: Key, b: Bucket) -> Optional[int]:
         b.graphs.append(extra.graphs[0])
         b.pool_bytes += extra.pool_bytes
         return len(b.graphs) - 1
+
+
+def lease_graphs(engine, plan, count: int) -> Optional[Lease]:
+    """``count`` graphs of a plan's bucket for one loop's sole use, captured as needed; None where
+    ``gm(...)`` must serve the call (eager, chunked, sequences, not CUDA)."""
+    if engine.backend.kind != "cuda" or plan.eager or plan.chunked or plan.L is not None:
+        return None
+    ks, b = plan.key, plan.bucket
+    with engine.lock:
+        free = [i for i in range(1, len(b.graphs)) if i not in b.leased][:count]
+        b.leased.update(free)
+    while len(free) < count:
+        i = add_graph(engine, ks, b)
+        with engine.lock:
+            if i is None:
+                b.leased.difference_update(free)
+                return None
+            b.leased.add(i)
+        free.append(i)
+    with engine.lock:
+        return Lease(ks, b, [b.graphs[i] for i in free])
+
+
+def return_graphs(engine, lease: Lease):
+    """A lease's graphs back to their bucket."""
+    with engine.lock:
+        for g in lease.graphs:
+            for i, mine in enumerate(lease.bucket.graphs):
+                if mine is g:
+                    lease.bucket.leased.discard(i)
 
 
 # ---------------------------------------------------------------------------------- timing

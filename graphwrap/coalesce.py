@@ -24,15 +24,15 @@ def _groups(engine, items):
     group, rows, key, longest = [], 0, None, None
     for item in items:
         args, kwargs = ((item,), {}) if type(item) is Tensor else as_call(item)
-        m = engine.member(args, kwargs)
-        limit = engine.max_rows(m.key, m.L) if not isinstance(m, str) else 0
+        m = engine.joins.member(args, kwargs)
+        limit = engine.joins.max_rows(m.key, m.L) if not isinstance(m, str) else 0
         if isinstance(m, str) or m.n > limit:
             if group:
                 yield group
             yield [(args, kwargs, None)]
             group, rows, key = [], 0, None
             continue
-        if group and (m.key is not key or rows + m.n > min(limit, engine.max_rows(key, longest))):
+        if group and (m.key is not key or rows + m.n > min(limit, engine.joins.max_rows(key, longest))):
             yield group
             group, rows = [], 0
         if not group:
@@ -64,7 +64,7 @@ def _probe(engine, group) -> None:
         probe(engine, ks, [m.leaves for _, _, m in group], [m.n for _, _, m in group],
               [m.L for _, _, m in group], alone)
     except Exception as e:  # noqa: BLE001 - joined or alone, the module raised: do not join
-        engine.set_join(ks, f"a probe of joined items made the module raise: {type(e).__name__}: {e}")
+        engine.joins.set_join(ks, f"a probe of joined items made the module raise: {type(e).__name__}: {e}")
 
 
 def run_coalesced(engine, batches: Iterable[Any], to_host: bool = False) -> Iterator[Any]:

@@ -9,8 +9,8 @@ these names and nothing else:
   captured first if need be, outside the serving lock (others run that bucket eagerly meanwhile).
 - ``run(plan, leaves)``: copy in, replay, outputs out, under the serving lock.
 - ``eager(args, kwargs, reason)`` and ``eager_plan(plan, args, kwargs)``: the module itself, counted.
-- ``member(args, kwargs)``, ``run_joined(key, leaves, n, L)``, ``set_join(key, verdict)``,
-  ``cost(key, rows, L)``, ``max_rows(key, L)``: what joining requests needs.
+- ``joins``: what joining requests needs (:class:`~graphwrap.joins.Joins`: ``member``,
+  ``run_joined``, ``set_join``, ``cost``, ``max_rows``).
 - ``lease(plan, count)`` and ``give_back(lease)``: graphs for one loop's sole use (pipeline).
 - ``capture(facts, background)``, ``wait()``, ``reset()``, ``stats()``, ``copy_stream(device)``,
   ``order_stream(device)``; the attributes ``lock``, ``epoch``, ``grid``, ``clone``, ``batch_dim``.
@@ -27,21 +27,20 @@ import torch
 
 from . import _compat
 from . import stats as _stats
-from .backend import CPU_REASONS, CudaBackend
+from .backend import CudaBackend
 from .buckets import Adaptive, BucketTable, padded_rows
-from .capturing import capture_into
+from .capturing import capture_into, lease_graphs, return_graphs
 from .compiled import CompiledForward
 from .errors import GraphwrapError
 from .grid import Grid
+from .joins import Joins
 from .plans import STALE, Plan
-from .records import Bucket, Graph, Key, Lease, Member, Serves, Store, drop
+from .records import Bucket, Graph, Key, Lease, Serves, Store, drop
 from .signature import Facts, describe_key
 from .tree import (
     flatten_inputs,
-    flatten_outputs,
     requires_grad_shallow,
     to_device_shallow,
-    unflatten_inputs,
 )
 from .weights import Weights
 from .worker import Worker
@@ -81,9 +80,9 @@ class Engine:
         self.weights = Weights(module)
         self.where: Any = None  # the device graphs run on, or why none; None: not known yet
         self.fast: Dict[torch.Size, Plan] = {}  # full input shape -> plan, for gm(x) with one tensor
-        self.eager_keys: Dict[Any, Key] = {}  # keys that run eagerly for want of CUDA (joining)
         self._copy_streams: Dict[torch.device, Any] = {}
         self.worker = Worker(self)
+        self.joins = Joins(self)
         self.compiled: Optional[CompiledForward] = None
         self.compile_off: Optional[str] = None
         self.static_forward: Optional[CompiledForward] = None  # the tuner's per-size compile
@@ -136,11 +135,11 @@ class Engine:
         """The plan of a call: kept per key and size, made (and its bucket captured) on first use."""
         try:
             with self.lock:
-                ks = self.store.keys.get(f.key) or self._key_for(f)
+                ks = self.store.keys.get(f.key) or self.key_for(f)
         except _DeviceChanged:
             self.reset()
             with self.lock:
-                ks = self.store.keys.get(f.key) or self._key_for(f)
+                ks = self.store.keys.get(f.key) or self.key_for(f)
         if type(ks) is str:
             return Plan.eager_only(self, ks)
         plan = self.plan_rows(ks, f.n, f.L, f.leaves)
@@ -265,7 +264,7 @@ class Engine:
 
     # ------------------------------------------------------------------ keys
 
-    def _key_for(self, f: Facts):
+    def key_for(self, f: Facts):
         """The key of a call (made on first use), or why it runs eagerly. The caller holds the lock."""
         store = self.store
         if len(store.keys) >= self.max_keys:
@@ -330,7 +329,7 @@ class Engine:
         from .capturing import capture_all
 
         with self.lock:
-            ks = self.store.keys.get(f.key) or self._key_for(f)
+            ks = self.store.keys.get(f.key) or self.key_for(f)
             if type(ks) is str:
                 raise GraphwrapError(f"cannot capture: {ks}; pass a larger max_keys= or call reset()")
             if background:
@@ -407,114 +406,16 @@ class Engine:
             s = self._copy_streams[device] = torch.cuda.Stream(device)
         return s
 
-    # ------------------------------------------------------------------ joining requests
-
-    def member(self, args, kwargs):
-        """How a request may be joined with others (:class:`Member`: requests of one key may go
-        into one call), or a string saying why it runs alone. A signature that runs eagerly for
-        want of CUDA gets a key of its own here, so joining works the same on a CPU."""
-        if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
-            plan = self.fast_plan(args[0])
-            if plan is not None and plan.key.failed is None and plan.key.join_refused is None:
-                return Member(plan.key, [args[0]], plan.n, plan.L)
-        f = self.facts(args, kwargs)
-        if type(f) is str:
-            return self._eager_member(args, kwargs) if f in CPU_REASONS else f
-        with self.lock:
-            ks = self.store.keys.get(f.key) or self._key_for(f)
-        if type(ks) is str:
-            return ks
-        if ks.join_refused is None and any(r[0] is None for r in ks.roles):
-            ks.join_refused = "requests with inputs that are not batched are not joined"
-        return ks.failed or ks.join_refused or Member(ks, f.leaves, f.n, f.L)
-
-    def _eager_member(self, args, kwargs):
-        f = self.decl.facts(args, kwargs, _compat.autocast_state("cpu"))
-        if type(f) is str:
-            return f
-        if grad_on() and any(t.requires_grad for t in f.leaves):
-            return GRAD_REASONS[1]
-        with self.lock:
-            ks = self.eager_keys.get(f.key)
-            if ks is None:
-                ks = self.eager_keys[f.key] = Key(describe_key(f.spec, f.meta, f.autocast), f.spec, f.roles,
-                                                  f.leaves[0].device, f.autocast, None, has_seq=f.L is not None)
-        if any(r[0] is None for r in ks.roles):
-            return "requests with inputs that are not batched are not joined"
-        return ks.join_refused or Member(ks, f.leaves, f.n, f.L)
-
-    def set_join(self, ks: Key, verdict):
-        """Record what a join probe showed: ``(kinds, seq_dims, out_spec)``, or why not to join."""
-        if isinstance(verdict, str):
-            ks.join_refused = verdict
-            logger.warning("graphwrap: requests of %s are not joined: %s", ks.label, verdict)
-        else:
-            ks.join = verdict
-            logger.info("graphwrap: requests of %s are joined along the batch", ks.label)
-
-    def run_joined(self, ks: Key, leaves, n: int, L: Optional[int]):
-        """A joined batch: its flat outputs, owned by the caller; None if the key failed (then
-        every request must run alone)."""
-        args, kwargs = unflatten_inputs(ks.spec, leaves)
-        if ks.seen_as is None:  # a key that runs eagerly for want of CUDA
-            reason = CPU_REASONS[1] if _compat.cuda_available() else CPU_REASONS[0]
-            return flatten_outputs(self.eager(args, kwargs, reason))[0]
-        for _ in range(3):
-            plan = self.plan_rows(ks, n, L, leaves)
-            if ks.failed is not None:
-                return None
-            if plan.eager or plan.chunked:
-                from .calls import call_plan
-                return flatten_outputs(call_plan(self, plan, leaves, args, kwargs))[0]
-            outs = self.run(plan, leaves)
-            if outs is not STALE:
-                return outs if self.clone else [o.clone() if t else o for o, t in zip(outs, plan.is_tensor)]
-        return None
-
-    def max_rows(self, ks: Key, L: Optional[int]) -> int:
-        """The most rows one joined call of ``ks`` at length ``L`` takes."""
-        if not ks.has_seq or L is None:
-            return self.grid.top(None)
-        S = self.grid.seq_for(L, exact=ks.exact is not None)
-        return self.grid.top(S) if S is not None else 1
-
-    def cost(self, ks: Key, rows: int, L: Optional[int]) -> float:
-        """What a call of ``rows`` rows at length ``L`` costs, in µs: its bucket's measured time,
-        or an estimate from the key's other buckets (tokens at the rate of the slowest one)."""
-        return _stats.cost(self, ks, rows, L)
-
     # ------------------------------------------------------------------ leases (pipeline)
 
     def lease(self, plan: Plan, count: int) -> Optional[Lease]:
         """``count`` graphs of the bucket of a plan (``plan(facts)``), for one loop's sole use,
         captured as needed; None where ``gm(...)`` must serve the call (eager, chunked,
         sequences, not CUDA)."""
-        from .capturing import add_graph
-
-        if self.backend.kind != "cuda" or plan.eager or plan.chunked or plan.L is not None:
-            return None
-        with self.lock:
-            ks, b = plan.key, plan.bucket
-            free = [i for i in range(1, len(b.graphs)) if i not in b.leased][:count]
-            b.leased.update(free)
-        while len(free) < count:
-            i = add_graph(self, ks, b)
-            if i is None:
-                with self.lock:
-                    b.leased.difference_update(free)
-                return None
-            with self.lock:
-                b.leased.add(i)
-            free.append(i)
-        with self.lock:
-            return Lease(ks, b, [b.graphs[i] for i in free])
+        return lease_graphs(self, plan, count)
 
     def give_back(self, lease: Lease):
-        with self.lock:
-            for g in lease.graphs:
-                for i, mine in enumerate(lease.bucket.graphs):
-                    if mine is g:
-                        lease.bucket.leased.discard(i)
+        return_graphs(self, lease)
 
     # ------------------------------------------------------------------ stats
 

@@ -170,13 +170,13 @@ def probe(engine, ks, leaves_list, sizes: Sequence[int], lengths: Sequence[Optio
     if not rows_differ(joined, ks.roles):
         return False  # identical rows show nothing: probe again with other requests
     try:
-        outs = engine.run_joined(ks, joined, sum(sizes), L)
+        outs = engine.joins.run_joined(ks, joined, sum(sizes), L)
     except Exception as e:  # noqa: BLE001 - the module cannot take them joined
-        engine.set_join(ks, f"joined requests make the module raise: {type(e).__name__}: {e}")
+        engine.joins.set_join(ks, f"joined requests make the module raise: {type(e).__name__}: {e}")
         return False
     if outs is None:
         return False
     verdict = join_verdict(outs, alone, sizes, engine.batch_dim, lengths, L, ks.seq_dims)
     if verdict is not None:
-        engine.set_join(ks, verdict)
+        engine.joins.set_join(ks, verdict)
     return True

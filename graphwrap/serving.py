@@ -150,7 +150,7 @@ class RequestQueue:
         ks, eng = batch[0].member.key, self.engine
         groups = plan_groups([r.n for r in batch], [r.L for r in batch],
                              lambda L: eng.grid.seq_for(L, exact=ks.exact is not None) or L,
-                             lambda S: min(self.max_rows, eng.max_rows(ks, S)), lambda rows, S: eng.cost(ks, rows, S))
+                             lambda S: min(self.max_rows, eng.joins.max_rows(ks, S)), lambda rows, S: eng.joins.cost(ks, rows, S))
         return [[batch[i] for i in g] for g in groups]
 
     def wake_space_waiters(self):
@@ -304,7 +304,7 @@ class RequestQueue:
         sizes, lengths = [r.n for r in batch], [r.L for r in batch]
         L = max(lengths) if ks.has_seq else None
         try:
-            outs = self.engine.run_joined(ks, self.join(batch, L), sum(sizes), L)
+            outs = self.engine.joins.run_joined(ks, self.join(batch, L), sum(sizes), L)
         except Exception:  # noqa: BLE001 - some request made the module raise: each runs alone
             outs = None
         if outs is None or ks.failed is not None:

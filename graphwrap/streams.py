@@ -39,6 +39,21 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return s
 
 
+@contextlib.contextmanager
+def capture_session(device: torch.device):
+    """Hold the process-wide capture lock and issue work on the device's side stream, ordered
+    after the caller's current stream; the caller's stream waits for it at the end."""
+    with CAPTURE_LOCK:
+        stream = side_stream(device)
+        cur = torch.cuda.current_stream(device)
+        stream.wait_stream(cur)
+        try:
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                yield
+        finally:
+            cur.wait_stream(stream)
+
+
 def check_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream verification replays run on: they run outside the capture lock, so never on
     the capture stream."""
