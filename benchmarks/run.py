@@ -30,7 +30,7 @@ SUITES = {
     "mixed": "batches of sizes drawn uniformly: eager, torch.compile, each bucket policy, compile=",
     "models": "resnet50, BERT-base, GPT-2 at batch 1 and 16 against eager and torch.compile",
     "capture": "time and memory to capture every bucket",
-    "text": "BERT-base with real lengths: eager, one line, seq_dim=1, padded by hand; 64 clients",
+    "text": "BERT-base with real lengths: eager, one line, seq_dim=1, padded by hand; compile=True; 64 clients",
 }
 BASELINES = {
     "fixed": ("seed synchronous loop", "torch.compile reduce-overhead"),
@@ -43,7 +43,7 @@ BASELINES = {
     "models": ("eager", "torch.compile reduce-overhead"),
     "capture": (None, None),
     "host": (None, None),
-    "text": ("eager", None),
+    "text": ("eager", "torch.compile reduce-overhead"),
     "cpu": ("eager", None),
 }
 

@@ -7,7 +7,9 @@ the first pass (lazy captures included, timed as the cold start) and then the me
 later passes. Beside eager and graphwrap's one line with and without ``seq_dim=1``, the same
 requests padded by hand to 32/64/128/256 and served by ``GraphedModule(m)``. Then the capture
 of the whole default grid, and 64 clients in a closed loop: eager behind a lock, threads
-sharing ``gm`` (seq_dim=1), and the Batcher from asyncio coroutines.
+sharing ``gm`` (seq_dim=1), and the Batcher from asyncio coroutines (each thread's first call
+is made before the clock starts). With ``compiled``: the grid captured from one compile
+(``compile=True``), and per call at one fixed shape against ``torch.compile(mode="reduce-overhead")``.
 """
 
 import asyncio
@@ -89,6 +91,46 @@ def _grid(results, model, requests):
           flush=True)
 
 
+def _compiled(results, model, device, repeats, n=8, L=128, calls=50):
+    """compile=True with seq_dim=1: the whole default grid from one compile, then per call at one
+    fixed shape beside torch.compile(mode="reduce-overhead") compiled for that shape."""
+    from models import _calls, _hand_graph, _tuned
+
+    vocab = model.config.vocab_size
+    ids = torch.randint(1, vocab, (n, L), device=device)
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    torch._dynamo.reset()
+    gmc = GraphedModule(model, seq_dim=1, compile=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    s = gmc.capture(**kwargs)
+    torch.cuda.synchronize()
+    took = time.perf_counter() - t0
+    graphs = sum(b["graphs"] for b in s["buckets"].values())
+    compiles = gmc.stats()["compile"]["graphs"]
+    results.note("text", "capture() of the default grid", "GraphedModule(m, seq_dim=1, compile=True)", took, "s",
+                 graphs=graphs, compiles=compiles, pool_mib=gmc.stats()["graph_pool_bytes"] / 2**20)
+    print(f"  compile=True, capture() of the default grid: {graphs} graphs from {compiles} compile(s) in {took:.1f} s",
+          flush=True)
+    case = Case(results, "text", f"BERT-base fp16, fixed shape {n}x{L}, per call", unit="ms", per=calls)
+    with torch.no_grad():
+        case.add("torch.compile reduce-overhead", lambda: _calls(torch.compile(model, mode="reduce-overhead"),
+                                                                 (), kwargs, calls))
+        case.add("graphwrap GraphedModule(m, seq_dim=1, compile=True), the grid above",
+                 lambda: _tuned(gmc, (), kwargs, calls))
+        case.add("graphwrap GraphedModule(m, seq_dim=1)", lambda: _calls(GraphedModule(model, seq_dim=1), (), kwargs,
+                                                                        calls))
+        case.add("eager", lambda: _calls(model, (), kwargs, calls))
+        case.add("bare replay: hand-captured graph of eager", lambda: _hand_graph(model, (), kwargs, calls))
+        case.run(repeats)
+    b = gmc.stats()["keys"][0]["buckets"]
+    hot = [v for v in b.values() if v.get("per_size_us") is not None]
+    for v in hot:
+        results.note("text", f"BERT-base fp16, fixed shape {n}x{L}, per call", "graphwrap compile=True: hot bucket",
+                     v["shared_us"], "us", per_size_us=v["per_size_us"], kept=v["kernels"])
+    torch._dynamo.reset()
+
+
 def _threads(fn, requests, clients, seconds):
     stop = time.perf_counter() + seconds
     lat = [[] for _ in range(clients)]
@@ -97,6 +139,8 @@ def _threads(fn, requests, clients, seconds):
     def client(i):
         rng = random.Random(i)
         mine = lat[i]
+        with torch.no_grad():  # warm-up: each new thread's first call makes its cuBLAS handle
+            fn(**requests[rng.randrange(len(requests))])
         go.wait()
         with torch.no_grad():
             while time.perf_counter() < stop:
@@ -170,7 +214,7 @@ def _serving(results, model, requests, seconds, clients=64):
     print(f"  padded share of tokens under the Batcher: {s['padded_token_share']:.1%}", flush=True)
 
 
-def run(results, device, quick: bool, repeats: int, **_):
+def run(results, device, quick: bool, repeats: int, compiled: bool = True, **_):
     import transformers
 
     cfg = transformers.BertConfig()
@@ -185,5 +229,8 @@ def run(results, device, quick: bool, repeats: int, **_):
         torch.cuda.empty_cache()
     requests = workload(cfg.vocab_size, device, count)
     _grid(results, model, requests)
+    torch.cuda.empty_cache()
+    if compiled:
+        _compiled(results, model, device, repeats)
     torch.cuda.empty_cache()
     _serving(results, model, requests, 2.0 if quick else 5.0)

@@ -19,6 +19,7 @@ Through a deployment handle, ``handle.infer.remote(*args, **kwargs)`` takes tens
 the outputs with their tensors on the CPU; ``handle.stats.remote()`` returns the replica's stats.
 """
 
+import dataclasses
 import time
 from typing import Any, Callable, Dict, Optional
 
@@ -30,7 +31,6 @@ from .errors import GraphwrapError
 from .module import GraphedModule
 from .tree import map_tensors
 from .wire import Limits, RequestError, check_limits, parse_body, read_inputs, status_of, to_json
-
 
 
 class Server:
@@ -47,7 +47,8 @@ class Server:
         postprocess: ``postprocess(outputs, inputs) -> answer``, run in the replica on each
             request's outputs (HTTP and handles), e.g. masked mean pooling; ``inputs`` is what
             the module was given, as a dict of keyword inputs or a tuple of positional ones.
-        limits: :class:`graphwrap.wire.Limits` (body bytes, rows, length), or a dict of them.
+        limits: :class:`graphwrap.wire.Limits` (body bytes, rows, length, id bounds), or a dict of
+            them; they apply to handle calls too.
         dtypes: input name (None for one array) -> torch dtype, fixed by the server.
     """
 
@@ -61,6 +62,7 @@ class Server:
         model = factory()
         if not isinstance(model, nn.Module):
             raise GraphwrapError(f"the factory returned {type(model).__name__}, not an nn.Module")
+        self.limits = with_config_bounds(self.limits, model)
         self.gm = GraphedModule(model.to(self.device).eval(), **(graphed or {}))
         if sample is not None and self.device.type == "cuda":
             args, kwargs = _as_call(sample)
@@ -96,10 +98,10 @@ class Server:
                 raise RequestError(400, f"preprocess: {type(e).__name__}: {e}") from None
         else:
             args, kwargs = read_inputs(body, self.dtypes)
-        check_limits(args, kwargs, self.limits)
         return await self.infer(*args, **kwargs)
 
     async def infer(self, *args, **kwargs) -> Any:
+        check_limits(args, kwargs, self.limits)
         out = await self.batcher.acall(*args, **kwargs)  # host tensors are copied in by graphwrap
         if self.postprocess is not None:
             inputs = map_tensors(lambda t: t.to(self.device), kwargs if kwargs else args)
@@ -110,6 +112,18 @@ class Server:
         return {"device": str(self.device), "batcher": self.batcher.stats(), "graphs": self.gm.stats(),
                 "http_status": dict(self.answered),
                 "metrics": self.metrics.names() if self.metrics is not None else []}
+
+
+def with_config_bounds(limits: Limits, model: nn.Module) -> Limits:
+    """``limits`` with the id bounds of a Hugging Face model's config (``vocab_size`` for
+    ``input_ids``, ``type_vocab_size`` for ``token_type_ids``) where ``id_bounds`` names none."""
+    if limits.id_bounds is not None:
+        return limits
+    cfg = getattr(model, "config", None)
+    bounds = {name: getattr(cfg, attr) for name, attr in (("input_ids", "vocab_size"),
+                                                          ("token_type_ids", "type_vocab_size"))
+              if isinstance(getattr(cfg, attr, None), int) and getattr(cfg, attr) > 0}
+    return dataclasses.replace(limits, id_bounds=bounds) if bounds else limits
 
 
 def _as_call(inputs):

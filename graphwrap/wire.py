@@ -42,12 +42,20 @@ class Limits:
     max_body_bytes: int = 4 << 20
     max_rows: int = 64  # along the first dimension of each input
     max_length: int = 4096  # along the second dimension of each input of two dimensions or more
+    # input name -> the number of ids its embedding holds: its values must lie in [0, bound) (422
+    # otherwise). On a GPU an id out of range is a device-side assert that leaves the replica's
+    # CUDA context unusable, so it is checked on the host first. The server fills in
+    # ``input_ids`` and ``token_type_ids`` from a Hugging Face model's config where not given.
+    id_bounds: Optional[Mapping[str, int]] = None
 
     def __post_init__(self):
         for name in ("max_body_bytes", "max_rows", "max_length"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise GraphwrapError(f"{name} must be an int >= 1, got {v!r}")
+        for name, v in (self.id_bounds or {}).items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise GraphwrapError(f"id_bounds[{name!r}] must be an int >= 1, got {v!r}")
 
 
 def dtype_for(name: Optional[str], asked: Optional[str], dtypes: Mapping[Optional[str], Any]) -> torch.dtype:
@@ -97,7 +105,14 @@ def read_inputs(body: dict, dtypes: Mapping[Optional[str], Any]) -> Tuple[tuple,
 
 
 def check_limits(args, kwargs, limits: Limits):
-    """413 where an input has more rows or positions than the limits allow."""
+    """413 where an input has more rows or positions than the limits allow; 422 where ids lie
+    outside ``id_bounds``."""
+    for name, bound in (limits.id_bounds or {}).items():
+        t = kwargs.get(name)
+        if isinstance(t, torch.Tensor) and t.numel() and not t.is_floating_point():
+            lo, hi = int(t.min()), int(t.max())
+            if lo < 0 or hi >= bound:
+                raise RequestError(422, f"input {name!r} holds ids from {lo} to {hi}, outside [0, {bound})")
     for name, t in [(None, a) for a in args] + list(kwargs.items()):
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             continue

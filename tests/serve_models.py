@@ -51,3 +51,18 @@ def tokenize(body):
 def mean_pool(out, inputs):
     m = inputs["attention_mask"].unsqueeze(-1).to(out.dtype)
     return (out * m).sum(1) / m.sum(1)
+
+
+def make_small_bert():
+    """A two-layer BertModel with fixed random weights (the same in every process)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=256)
+    return transformers.BertModel(cfg).eval()
+
+
+def bert_mean_pool(out, inputs):
+    """Masked mean of a BertModel's last hidden state: one embedding per row."""
+    return mean_pool(out.last_hidden_state, inputs)

@@ -391,3 +391,30 @@ def test_static_false_keeps_the_shared_kernels(monkeypatch):
     assert gm.wait(timeout=60)
     s = gm.stats()
     assert s["compile"]["per_size_graphs"] == 0 and _buckets(gm)[4]["kernels"] == "shared"
+
+
+def test_compiled_sequence_buckets_one_compile_for_the_grid_every_length_eagers_answer():
+    tr = pytest.importorskip("transformers")
+    model, cfg = small_bert(tr, DEV)
+    gm = GraphedModule(model, seq_dim=1, max_batch_size=8, seq_buckets=[16, 32, 64, 128], compile=True)
+    ids = torch.randint(1, cfg.vocab_size, (3, 40), device=DEV)
+    s = gm.capture(input_ids=ids, attention_mask=torch.ones_like(ids))
+    points = [b for b in s["buckets"].values() if b["captured"]]
+    assert len(points) >= 12, s["buckets"].keys()
+    assert all(b["compiled"] is True for b in points), s["buckets"]
+    assert gm.stats()["compile"]["graphs"] == 1, "one compile with batch and length dynamic serves the grid"
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for L in range(1, 129):
+        n = 1 + L % 8
+        ids = torch.randint(1, cfg.vocab_size, (n, L), device=DEV, generator=g)
+        mask = torch.ones_like(ids)
+        if L % 3 == 0:
+            mask[:, L - L // 5:] = 0
+        got = gm(input_ids=ids, attention_mask=mask)
+        want = _eager(model, input_ids=ids, attention_mask=mask)
+        assert got.last_hidden_state.shape == (n, L, cfg.hidden_size)
+        torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=2e-3, atol=2e-3)
+    s = gm.stats()
+    assert s["eager_calls"] == {} and s["compile"]["graphs"] == 1
+    assert s["keys"][0]["lengths"] == "padded"

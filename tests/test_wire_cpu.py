@@ -72,6 +72,36 @@ def test_limits_are_413():
         Limits(max_rows=0)
 
 
+def test_ids_outside_their_bounds_are_422_before_the_module_sees_them():
+    limits = Limits(id_bounds={"input_ids": 50, "token_type_ids": 2})
+    ok = {"input_ids": torch.tensor([[0, 49]]), "token_type_ids": torch.tensor([[0, 1]])}
+    check_limits((), ok, limits)
+    status, msg = _error(check_limits, (), dict(ok, input_ids=torch.tensor([[3, 50]])), limits)
+    assert status == 422 and "'input_ids' holds ids from 3 to 50, outside [0, 50)" in msg
+    status, msg = _error(check_limits, (), dict(ok, token_type_ids=torch.tensor([[-1, 0]])), limits)
+    assert status == 422 and "'token_type_ids'" in msg
+    with pytest.raises(GraphwrapError, match="id_bounds"):
+        Limits(id_bounds={"input_ids": 0})
+
+
+def test_a_hugging_face_config_bounds_the_ids():
+    from graphwrap.serve import Server, with_config_bounds
+
+    class Configured(Embedder):
+        class config:  # what a transformers model carries
+            vocab_size, type_vocab_size = 50, 2
+
+    assert with_config_bounds(Limits(), Configured()).id_bounds == {"input_ids": 50, "token_type_ids": 2}
+    assert with_config_bounds(Limits(id_bounds={}), Configured()).id_bounds == {}  # the user's choice
+    assert with_config_bounds(Limits(), Embedder()).id_bounds is None
+    server = Server(Configured)
+    status, body = _answer(server, {"inputs": {"input_ids": [[1, 50]], "attention_mask": [[1, 1]]}})
+    assert status == 422 and "outside [0, 50)" in body["error"]
+    assert server.batcher.stats()["requests"] == 0
+    status, body = _answer(server, {"inputs": {"input_ids": [[1, 49]], "attention_mask": [[1, 1]]}})
+    assert status == 200
+
+
 def test_status_of_a_failure():
     assert status_of(ValueError("NaN in the input")) == 422
     assert status_of(RuntimeError("mat1 and mat2 shapes cannot be multiplied (1x5 and 4x16)")) == 422
