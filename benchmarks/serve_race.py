@@ -72,7 +72,10 @@ def plain_app(factory, max_batch_size: int, wait_s: float, gpus: float):
     longest request, the eager model on the GPU."""
     from ray import serve
 
-    @serve.deployment(name="plain", ray_actor_options={"num_gpus": gpus})
+    # max_ongoing_requests: Ray's default (5) would cap every batch at 5 requests; Ray's guide
+    # asks for at least max_batch_size.
+    @serve.deployment(name="plain", ray_actor_options={"num_gpus": gpus},
+                      max_ongoing_requests=max(2 * max_batch_size, CLIENTS))
     class Plain:
         def __init__(self):
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -33,6 +33,9 @@ from .tree import map_tensors
 from .wire import Limits, RequestError, check_limits, parse_body, read_inputs, status_of, to_json
 
 
+MAX_ONGOING_REQUESTS = 256  # requests one replica holds at a time (Ray Serve's default is 5)
+
+
 class Server:
     """What runs in each Ray Serve replica (also usable without Ray, e.g. to try it out).
 
@@ -227,7 +230,9 @@ def deployment(factory: Callable[[], nn.Module], *, sample=None, name: str = "gr
         graphed: keyword arguments of each replica's :class:`GraphedModule`.
         batcher: keyword arguments of each replica's :class:`Batcher`.
         preprocess, postprocess, limits, dtypes: as :class:`Server` takes them.
-        **deployment_options: further options of ``ray.serve.deployment``.
+        **deployment_options: further options of ``ray.serve.deployment``; ``max_ongoing_requests``
+            defaults to :data:`MAX_ONGOING_REQUESTS` (256) rather than Ray's 5, so that the
+            replica's Batcher sees enough requests to join.
     """
     try:
         from ray import serve
@@ -237,6 +242,9 @@ def deployment(factory: Callable[[], nn.Module], *, sample=None, name: str = "gr
         num_gpus = 1 if torch.cuda.is_available() else 0
     actor = dict(deployment_options.pop("ray_actor_options", None) or {})
     actor.setdefault("num_gpus", num_gpus)
+    # Ray Serve sends a replica at most 5 requests at a time by default; the Batcher can only join
+    # what it is sent, so let it have many (its own queue holds them).
+    deployment_options.setdefault("max_ongoing_requests", MAX_ONGOING_REQUESTS)
     cls = serve.deployment(name=name, num_replicas=num_replicas, ray_actor_options=actor,
                            **deployment_options)(Server)
     return cls.bind(factory, sample, graphed, batcher, preprocess, postprocess, limits, dtypes)
