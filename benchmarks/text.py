@@ -6,14 +6,15 @@ a multiple of 16 with the mask zero there), inputs on the GPU. Seconds for the 3
 the first pass (lazy captures included, timed as the cold start) and then the median of the
 later passes. Beside eager and graphwrap's one line with and without ``seq_dim=1``, the same
 requests padded by hand to 32/64/128/256 and served by ``GraphedModule(m)``. Then the capture
-of the whole default grid, and 64 clients in a closed loop: eager behind a lock, threads
-sharing ``gm`` (seq_dim=1), and the Batcher from asyncio coroutines (each thread's first call
-is made before the clock starts). With ``compiled``: the grid captured from one compile
+of the whole default grid, and 64 clients in a closed loop: eager on one serving thread (the
+main one, which ran every request before), threads sharing ``gm`` (seq_dim=1), and the Batcher
+from asyncio coroutines (each thread's first call is made before the clock starts). With ``compiled``: the grid captured from one compile
 (``compile=True``), and per call at one fixed shape against ``torch.compile(mode="reduce-overhead")``.
 """
 
 import asyncio
 import math
+import queue
 import random
 import threading
 import time
@@ -163,6 +164,44 @@ def _threads(fn, requests, clients, seconds):
     return [v for m in lat for v in m], time.perf_counter() - t0
 
 
+def _eager_one_thread(model, requests, clients, seconds):
+    """Client threads hand their requests to the main thread, which runs the model on each in turn
+    (it ran every request of the workload before: eager pays a first-call cost per thread and
+    shape, which a server's long-lived thread has paid)."""
+    q = queue.SimpleQueue()
+    stop = time.perf_counter() + seconds
+    lat = [[] for _ in range(clients)]
+
+    def client(i):
+        rng = random.Random(i)
+        done = threading.Event()
+        while time.perf_counter() < stop:
+            done.clear()
+            t0 = time.perf_counter()
+            q.put((requests[rng.randrange(len(requests))], done))
+            done.wait()
+            lat[i].append(time.perf_counter() - t0)
+        q.put(None)
+
+    ts = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    left = clients
+    with torch.no_grad():
+        while left:
+            item = q.get()
+            if item is None:
+                left -= 1
+                continue
+            model(**item[0])
+            torch.cuda.current_stream().synchronize()  # the answer is ready when the client hears
+            item[1].set()
+    for t in ts:
+        t.join()
+    return [v for m in lat for v in m], time.perf_counter() - t0
+
+
 def _coroutines(batcher, requests, clients, seconds):
     lat = []
 
@@ -186,18 +225,12 @@ def _coroutines(batcher, requests, clients, seconds):
 
 
 def _serving(results, model, requests, seconds, clients=64):
-    lock = threading.Lock()
-
-    def eager_locked(**r):
-        with lock:
-            return model(**r)
-
     gm = GraphedModule(model, seq_dim=1, max_batch_size=64)
     gm.capture(**requests[0])
     batcher = Batcher(gm)
     _coroutines(batcher, requests, clients, min(seconds, 2.0))  # its probe and warm buckets
     _threads(gm, requests, clients, min(seconds, 1.0))
-    rows = {"eager behind a lock": lambda: _threads(eager_locked, requests, clients, seconds),
+    rows = {"eager, one serving thread": lambda: _eager_one_thread(model, requests, clients, seconds),
             "threads sharing gm (seq_dim=1)": lambda: _threads(gm, requests, clients, seconds),
             "Batcher, asyncio coroutines": lambda: _coroutines(batcher, requests, clients, seconds)}
     for name, fn in rows.items():
@@ -211,7 +244,7 @@ def _serving(results, model, requests, seconds, clients=64):
         results.note("text", f"{clients} clients, closed loop", name, rps, "req/s", p50_ms=p(0.5), p99_ms=p(0.99),
                      requests_per_call=(after["requests"] - before["requests"]) / calls if calls else None)
         first = ""
-        if "Batcher" not in name:
+        if name.startswith("threads"):
             first = f"  (first calls of the {clients} new threads: {_threads.first_calls_s:.2f} s, untimed)"
         print(f"  {clients} clients  {name:34s} {rps:9.0f} req/s  p50 {p(0.5):8.2f} ms  p99 {p(0.99):8.2f} ms{first}",
               flush=True)

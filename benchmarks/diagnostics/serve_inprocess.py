@@ -1,0 +1,72 @@
+"""What a graphwrap.serve replica costs without Ray: 64 asyncio clients in one process calling the
+replica's Batcher with inputs on the GPU, with host inputs, and ``Server.infer`` (host inputs,
+outputs back to the host) with and without the pooling ``postprocess``. BERT-base fp16, the
+text workload. Beside the Ray figures of ``serve_race.py``, it shows what Ray adds.
+
+``python benchmarks/diagnostics/serve_inprocess.py``
+"""
+
+import asyncio
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from serve_race import bert_base, pooled  # noqa: E402
+from text import workload  # noqa: E402
+
+from graphwrap.serve import Server  # noqa: E402
+
+
+def clients(fn, requests, k=64, seconds=5.0):
+    lat = []
+
+    async def one(i, stop):
+        rng = random.Random(i)
+        while time.perf_counter() < stop:
+            r = requests[rng.randrange(len(requests))]
+            t0 = time.perf_counter()
+            await fn(**r)
+            lat.append(time.perf_counter() - t0)
+
+    async def main():
+        stop = time.perf_counter() + seconds
+        await asyncio.gather(*(one(i, stop) for i in range(k)))
+
+    t0 = time.perf_counter()
+    asyncio.run(main())
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    lat.sort()
+    return len(lat) / wall, 1e3 * lat[len(lat) // 2], 1e3 * lat[int(0.99 * len(lat))]
+
+
+def main():
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    host = workload(30522, "cpu", 300)
+    dev = [{k: v.cuda() for k, v in r.items()} for r in host]
+    server = Server(bert_base, sample=host[0], graphed={"seq_dim": 1, "max_batch_size": 64}, postprocess=pooled)
+    b = server.batcher
+    with torch.no_grad():
+        clients(b.acall, dev, seconds=2.0)  # warm-up: the join probe, lazy buckets
+        rows = [("Batcher.acall, inputs on the GPU", lambda: clients(b.acall, dev)),
+                ("Batcher.acall, host inputs", lambda: clients(b.acall, host)),
+                ("Server.infer, host inputs, pooled, outputs to the host", lambda: clients(server.infer, host))]
+        for name, fn in rows:
+            s0 = b.stats()
+            rps, p50, p99 = fn()
+            s1 = b.stats()
+            per = (s1["requests"] - s0["requests"]) / max(1, s1["module_calls"] - s0["module_calls"])
+            print(f"  {name:58s} {rps:7.0f} req/s  p50 {p50:7.2f} ms  p99 {p99:7.2f} ms  {per:.1f} requests per call",
+                  flush=True)
+        server.postprocess = None
+        rps, p50, p99 = clients(server.infer, host)
+        print(f"  {'Server.infer, host inputs, no postprocess':58s} {rps:7.0f} req/s  p50 {p50:7.2f} ms  "
+              f"p99 {p99:7.2f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
