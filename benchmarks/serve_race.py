@@ -1,7 +1,7 @@
 """Ray Serve on GPUs, one Ray instance per run, clients in Ray actors of their own.
 
 ``python benchmarks/serve_race.py race``: BERT-base fp16 (random weights, a masked mean-pooled
-embedding per row) served by ``graphwrap.serve`` (``seq_dim=1``) against a plain Ray Serve
+embedding per row, the pooling inside the module) served by ``graphwrap.serve`` (``seq_dim=1``) against a plain Ray Serve
 deployment of the eager model whose ``@serve.batch`` method pads each batch to its longest
 request, on the same GPU (half of it each), the same clients in the same run: 64 clients in a
 closed loop sending the text workload (300 requests of 1 to 8 rows, lengths lognormal, median
@@ -38,13 +38,26 @@ BAD_BODIES = [b"{not json", b'{"nope": 1}', b'{"inputs": {"input_ids": [[1, 2], 
 
 # ------------------------------------------------------------------ models (built in each replica)
 
+class Embedder(torch.nn.Module):
+    """A BertModel and the masked mean of its last hidden state: one embedding per row. The pooling
+    is part of the module, so graphwrap captures it with the model."""
+
+    def __init__(self, bert):
+        super().__init__()
+        self.bert = bert
+        self.config = bert.config
+
+    def forward(self, input_ids, attention_mask):
+        return pooled(self.bert(input_ids=input_ids, attention_mask=attention_mask), {"attention_mask": attention_mask})
+
+
 def bert_base(small: bool = False):
     import transformers
 
     torch.manual_seed(0)
     cfg = (transformers.BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
            if small else transformers.BertConfig())
-    m = transformers.BertModel(cfg).eval()
+    m = Embedder(transformers.BertModel(cfg)).eval()
     return m if small else m.half()
 
 
@@ -87,7 +100,7 @@ def plain_app(factory, max_batch_size: int, wait_s: float, gpus: float):
             ids = torch.cat([torch.nn.functional.pad(i, (0, L - i.shape[1])) for i, _ in reqs]).to(self.device)
             mask = torch.cat([torch.nn.functional.pad(m, (0, L - m.shape[1])) for _, m in reqs]).to(self.device)
             with torch.no_grad():
-                emb = pooled(self.model(input_ids=ids, attention_mask=mask), {"attention_mask": mask}).cpu()
+                emb = self.model(input_ids=ids, attention_mask=mask).cpu()
             return list(emb.split([i.shape[0] for i, _ in reqs]))
 
         async def infer(self, input_ids, attention_mask):
@@ -217,7 +230,7 @@ def _expected(factory, requests, device):
     with torch.no_grad():
         for r in requests:
             r = {k: v.to(device) for k, v in r.items()}
-            out.append(pooled(model(**r), r).float().cpu())
+            out.append(model(**r).float().cpu())
     del model
     return out
 
@@ -242,8 +255,8 @@ def race(a, rows):
     expected = _expected(factory, requests, "cuda" if cuda else "cpu")
     sample = requests[0]
     graphed = {"seq_dim": 1, "max_batch_size": 64}
-    serve.run(graphwrap.serve.deployment(factory, name="gw", sample=sample, num_gpus=gpus, graphed=graphed,
-                                         postprocess=pooled), name="gw", route_prefix="/gw")
+    serve.run(graphwrap.serve.deployment(factory, name="gw", sample=sample, num_gpus=gpus, graphed=graphed),
+              name="gw", route_prefix="/gw")
     actors = [client_actor().remote(requests, expected) for _ in range(a.client_actors)]
     plains = [tuple(float(v) for v in c.split(":")) for c in a.plain.split(",")]
     for mb, wait in plains:
@@ -283,10 +296,10 @@ def replicas(a, rows):
     g = torch.Generator().manual_seed(0)
     mlp_reqs = [torch.randn(random.Random(i).randint(1, 8), 1024, generator=g) for i in range(300)]
     text_reqs = workload(30522, "cpu", 300 if not a.smoke else 30)
-    models = [("seed MLP", seed_mlp, mlp_reqs, {"max_batch_size": 64}, None),
+    models = [("seed MLP", seed_mlp, mlp_reqs, {"max_batch_size": 64}),
               ("BERT-base fp16" if not a.smoke else "small BERT", small_bert if a.smoke else bert_base, text_reqs,
-               {"seq_dim": 1, "max_batch_size": 64}, pooled)]
-    for label, factory, reqs, graphed, post in models:
+               {"seq_dim": 1, "max_batch_size": 64})]
+    for label, factory, reqs, graphed in models:
         actors = [client_actor().remote(reqs, None) for _ in range(a.client_actors)]
         for n in (1, 2):
             if n > max(gpus, 1):
@@ -294,7 +307,7 @@ def replicas(a, rows):
                 continue
             sample = reqs[0] if isinstance(reqs[0], dict) else (reqs[0],)
             serve.run(graphwrap.serve.deployment(factory, name="gw", sample=sample, num_replicas=n,
-                                                 num_gpus=1 if cuda else 0, graphed=graphed, postprocess=post),
+                                                 num_gpus=1 if cuda else 0, graphed=graphed),
                       name="gw", route_prefix="/gw")
             race_row(actors, "handle", "gw", min(2.0, a.seconds), check=False)
             row = race_row(actors, "handle", "gw", a.seconds, check=False)

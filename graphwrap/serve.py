@@ -68,9 +68,11 @@ class Server:
         self.limits = with_config_bounds(self.limits, model)
         self.gm = GraphedModule(model.to(self.device).eval(), **(graphed or {}))
         if sample is not None and self.device.type == "cuda":
+            # on the host, as requests arrive (over HTTP and through handles): inputs on the host
+            # and on the GPU are different signatures, each with graphs of its own
             args, kwargs = _as_call(sample)
-            to = lambda t: t.to(self.device)  # noqa: E731
-            self.gm.capture(*map_tensors(to, args), **map_tensors(to, kwargs))
+            host = lambda t: t.cpu()  # noqa: E731
+            self.gm.capture(*map_tensors(host, args), **map_tensors(host, kwargs))
         self.batcher = Batcher(self.gm, **(batcher or {}))
         self.metrics = _Metrics.make()
         self.answered: Dict[int, int] = {}

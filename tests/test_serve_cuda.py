@@ -101,5 +101,7 @@ def test_a_replica_on_a_gpu_answers_as_eager_over_http_and_handles(served):
     assert status == 200 and len(body["outputs"]) == 1
     s = handle.stats.remote().result(timeout_s=120)
     assert s["http_status"] == {200: 6, 400: 2, 413: 1, 422: 2}
+    assert len(s["graphs"]["keys"]) == 1, "requests arrive on the host: the graphs captured at start serve them"
+    assert sum(b["graphs"] for b in s["graphs"]["keys"][0]["buckets"].values()) == len(buckets)
     print(f"\nreplica: {s['batcher']['requests']} requests, {s['batcher']['module_calls']} module calls, "
           f"http {s['http_status']}, eager calls {s['graphs']['eager_calls']}")
