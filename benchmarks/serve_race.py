@@ -299,7 +299,7 @@ def replicas(a, rows):
     models = [("seed MLP", seed_mlp, mlp_reqs, {"max_batch_size": 64}),
               ("BERT-base fp16" if not a.smoke else "small BERT", small_bert if a.smoke else bert_base, text_reqs,
                {"seq_dim": 1, "max_batch_size": 64})]
-    for label, factory, reqs, graphed in models:
+    for label, factory, reqs, graphed in [m for m, k in zip(models, ("mlp", "bert")) if k in a.models.split(",")]:
         actors = [client_actor().remote(reqs, None) for _ in range(a.client_actors)]
         for n in (1, 2):
             if n > max(gpus, 1):
@@ -328,6 +328,7 @@ def main(argv=None):
     ap.add_argument("--client-actors", type=int, default=8, help="processes the 64 clients are spread over")
     ap.add_argument("--plain", default="16:0.005,64:0.01",
                     help="the plain deployment's max_batch_size:batch_wait_timeout_s settings, comma-separated")
+    ap.add_argument("--models", default="mlp,bert", help="models of the replicas mode: mlp, bert or both")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check the script")
     ap.add_argument("--out", default=None, help="folder for results.json and results.md")
     a = ap.parse_args(argv)

@@ -231,7 +231,7 @@ class Store:
     def detach(self):
         """Let go of every key, graph and the pool (to be freed by :func:`drop`); a new epoch."""
         held = (self.keys, self.pool, self.device)
-        self.keys, self.pool = {}, None
+        self.keys, self.pool, self.device = {}, None, None  # the next key may be on another device
         self.epoch += 1
         return held
 

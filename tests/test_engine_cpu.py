@@ -261,3 +261,14 @@ def test_the_memory_budget_drops_the_least_used_graphs_and_captures_them_again()
     assert 0 < live <= 256 * 12
     assert any(not v["captured"] and v["replays"] for v in b.values()), "a bucket was dropped after serving"
     assert sum(v["replays"] + v["eager_calls"] for v in b.values()) == len(sizes)
+
+
+def test_a_detached_store_holds_no_device():
+    """After reset() (the module moved to another GPU, say), the next key sets the device anew."""
+    from graphwrap.records import Store
+
+    store = Store(lambda d: None)
+    store.device, store.pool = torch.device("cuda", 0), object()
+    keys, pool, device = store.detach()
+    assert device == torch.device("cuda", 0) and pool is not None
+    assert store.device is None and store.pool is None and store.keys == {} and store.epoch == 1
