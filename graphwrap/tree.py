@@ -1,5 +1,13 @@
 """Inputs flattened into tensor leaves and a hashable key; outputs flattened and rebuilt.
 
+Containers that ``torch.utils._pytree`` knows (registered types, namedtuples, Hugging Face
+outputs on versions that register them) are taken apart through it. What stays here is what
+pytree does not do: a key that holds every non-tensor input by value, so that a graph is only
+replayed for the constants it was captured with (pytree treats them as leaves, on some torch
+versions with no hash of their value), with NaN made equal to itself and mutable objects
+refused (:class:`UnsupportedInput`); dataclasses and mappings that pytree does not register;
+and, for outputs, which leaves are tensors and which carry the batch or the length.
+
 Pure Python and torch, no CUDA: everything here runs and is tested on a CPU.
 """
 
