@@ -202,7 +202,8 @@ def _eager_one_thread(model, requests, clients, seconds):
     return [v for m in lat for v in m], time.perf_counter() - t0
 
 
-def _coroutines(batcher, requests, clients, seconds):
+def _coroutines(acall, requests, clients, seconds):
+    """``clients`` coroutines awaiting ``acall(**request)`` in a closed loop: latencies, wall."""
     lat = []
 
     async def client(i, stop):
@@ -210,7 +211,7 @@ def _coroutines(batcher, requests, clients, seconds):
         while time.perf_counter() < stop:
             r = requests[rng.randrange(len(requests))]
             t0 = time.perf_counter()
-            await batcher.acall(**r)
+            await acall(**r)
             lat.append(time.perf_counter() - t0)
 
     async def main():
@@ -228,11 +229,11 @@ def _serving(results, model, requests, seconds, clients=64):
     gm = GraphedModule(model, seq_dim=1, max_batch_size=64)
     gm.capture(**requests[0])
     batcher = Batcher(gm)
-    _coroutines(batcher, requests, clients, min(seconds, 2.0))  # its probe and warm buckets
+    _coroutines(batcher.acall, requests, clients, min(seconds, 2.0))  # its probe and warm buckets
     _threads(gm, requests, clients, min(seconds, 1.0))
     rows = {"eager, one serving thread": lambda: _eager_one_thread(model, requests, clients, seconds),
             "threads sharing gm (seq_dim=1)": lambda: _threads(gm, requests, clients, seconds),
-            "Batcher, asyncio coroutines": lambda: _coroutines(batcher, requests, clients, seconds)}
+            "Batcher, asyncio coroutines": lambda: _coroutines(batcher.acall, requests, clients, seconds)}
     for name, fn in rows.items():
         before = batcher.stats()
         lat, wall = fn()

@@ -317,3 +317,28 @@ def on_cpu_graphs(gm):
     gm.engine.backend = CpuBackend()
     gm.engine.where = None
     return gm
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post_json(port: int, body, route: str, timeout: float = 120):
+    """POST ``body`` (an object sent as JSON, or bytes as they are) to ``/route``: (status, JSON answer)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/{route}", data=data,
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

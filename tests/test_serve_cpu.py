@@ -2,11 +2,7 @@
 
 Ray is a dependency of this test only (CI installs it: pip install "graphwrap[serve]")."""
 
-import json
 import os
-import socket
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -14,6 +10,7 @@ import torch
 ray = pytest.importorskip("ray", reason='needs Ray Serve: pip install "graphwrap[serve]"')
 serve = pytest.importorskip("ray.serve")
 
+from helpers import free_port, post_json  # noqa: E402
 from serve_models import make, make_embedder, mean_pool, tokenize  # noqa: E402
 
 import graphwrap.serve  # noqa: E402
@@ -21,28 +18,15 @@ import graphwrap.serve  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(port, body, route="gw"):
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/{route}", data=data,
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(port, body, route)
 
 
 @pytest.fixture(scope="module")
 def served():
     path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     handle = serve.run(graphwrap.serve.deployment(make, sample=torch.randn(1, 4), num_gpus=0,
                                                   limits={"max_rows": 32}), name="gw", route_prefix="/gw")

@@ -2,10 +2,6 @@
 HTTP and through a handle equal eager for named text inputs of several lengths; bad requests get
 their 4xx, and the replica keeps serving. Needs Ray Serve and transformers."""
 
-import json
-import socket
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -17,6 +13,7 @@ pytest.importorskip("transformers")
 
 import os  # noqa: E402
 
+from helpers import free_port, post_json  # noqa: E402
 from serve_models import bert_mean_pool, make_small_bert  # noqa: E402
 
 import graphwrap.serve  # noqa: E402
@@ -26,14 +23,7 @@ SEQ = [16, 32, 64, 128]
 
 
 def _post(port, body):
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/bert", data=data,
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(port, body, "bert")
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +32,7 @@ def served():
         pytest.skip("needs a CUDA device")
     path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
     ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     ids = torch.randint(1, 1000, (2, 20))
     sample = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
