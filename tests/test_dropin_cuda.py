@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import MLP, assert_same, num_graphs, small_bert
+from helpers import MLP, Scales, assert_same, num_graphs, small_bert
 from torch import nn
 
 from graphwrap import Batcher, GraphedModule
@@ -22,18 +22,6 @@ DEV = "cuda"
 def _eager(model, *args, **kwargs):
     with torch.no_grad():
         return model(*args, **kwargs)
-
-
-class Scales(nn.Module):
-    """In-place preprocessing of its input."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(64, 64)
-
-    def forward(self, x):
-        x.div_(255.0)
-        return self.lin(x)
 
 
 class WritesCache(nn.Module):
@@ -49,7 +37,7 @@ class WritesCache(nn.Module):
 
 
 def test_a_forward_that_writes_into_its_input_gets_eagers_answer_and_leaves_the_tensor_as_eager_does():
-    model = Scales().to(DEV).eval()
+    model = Scales(64).to(DEV).eval()
     gm = GraphedModule(model)
     for n in (3, 3, 5, 1):
         x = torch.rand(n, 64, device=DEV) * 255

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from helpers import MLP, RowMixer, assert_same, on_cpu_graphs
+from helpers import MLP, RowMixer, Scales, assert_same, on_cpu_graphs
 from torch import nn
 
 from graphwrap import GraphedModule, GraphwrapError
@@ -174,18 +174,8 @@ def test_a_row_mixer_runs_eagerly_and_fallback_raise_raises():
         strict(x)
 
 
-class InPlace(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        x.div_(255.0)
-        return self.lin(x)
-
-
 def test_a_forward_that_writes_into_its_input_gets_eagers_answer_and_the_callers_tensor_as_eager_leaves_it():
-    model = InPlace().eval()
+    model = Scales().eval()
     gm = _gm(model, buckets=[4])
     for n in (3, 4, 2):
         x = torch.randn(n, 4) * 255

@@ -5,7 +5,7 @@ import contextlib
 
 import pytest
 import torch
-from helpers import MLP, HFOut, KVCache, NeedsAName, RecomputeRecorder, RowMixer
+from helpers import MLP, HFOut, KVCache, NeedsAName, RecomputeRecorder, RowMixer, Scales
 from torch import nn
 
 from graphwrap.capture import Job, capture_bucket
@@ -103,15 +103,6 @@ def test_whole_outputs_are_kept_whole():
 
 
 def test_a_forward_that_writes_into_its_input_is_refused_and_the_callers_tensor_is_untouched():
-    class Scales(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x):
-            x.div_(255.0)
-            return self.lin(x)
-
     x = torch.randn(3, 4)
     before = x.clone()
     with pytest.raises(CaptureFailed, match="writes into its input #0"):
