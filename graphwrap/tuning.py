@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Callable, Iterable, Optional, Tuple
 
-from .capturing import capture_into
+from .capturing import capture_into, save_compile_cache
 from .compiled import CompiledForward, static_options
 from .plans import swap
 from .racing import time_pair
@@ -131,7 +131,7 @@ def _tune(engine, ks, old: Bucket, forward, epoch: int, sample):
                 "the %s (tuned in %.1f s)", old.size, ks.label, 1e6 * per_size_s, 1e6 * shared_s,
                 "per-size kernels" if kept else "shared kernels", time.perf_counter() - t0)
     if kept:
-        engine.save_compile_cache()
+        save_compile_cache(engine)
 
 
 def pending(engine) -> bool:
