@@ -52,8 +52,8 @@ def _direct_call(results, device, n, repeats):
     d = gm.__dict__
     hooks = module_mod._GLOBAL_HOOKS
     data_ptr = torch.Tensor.data_ptr
-    ptrs = tuple(eng.weights.ptr_list)
-    tensors = eng.weights.tensors
+    ptrs = tuple(eng.watch.ptr_list)
+    tensors = eng.watch.tensors
     sid = plans_mod._cuda_sid
     idx = x.device.index
     lock = eng.lock
@@ -69,7 +69,7 @@ def _direct_call(results, device, n, repeats):
                                                          or any(hooks)),
         "engine.fast_plan(x): lookup and every per-call check": lambda: eng.fast_plan(x),
         "  of which dict lookup by x.shape": lambda: eng.fast.get(x.shape),
-        "  of which weights.unmoved()": eng.weights.unmoved,
+        "  of which watch.unmoved()": eng.watch.unmoved,
         f"  weights check as a Python tuple compare ({len(tensors)} tensors)":
             lambda: tuple(map(data_ptr, tensors)) == ptrs,
         "  of which autocast check": engine_mod.autocast_on,

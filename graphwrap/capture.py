@@ -74,6 +74,10 @@ class Job:
     guard: Callable[[], Any] = contextlib.nullcontext
     describe: Callable[[int], str] = "#{}".format  # an input's name, for messages
     pad_check: bool = True  # verify that padding along the sequence leaves real positions alone
+    # Puts back the module buffers the last run wrote (state.Saved.restore): every run of the
+    # capture starts from the state the call found.
+    restore: Callable[[], None] = lambda: None
+    state: Any = None  # the state.Saved behind ``restore``, if any
 
 
 @dataclass(slots=True)
@@ -120,6 +124,8 @@ def capture_bucket(job: Job, recorder) -> Captured:
             if job.forward is not None and e.scope == "key":
                 e.scope, e.reason = "compile", "the compiled " + e.reason[4:]
             raise
+        finally:
+            job.restore()
     static_out, spec_c = flatten_outputs(outs)
     if spec_c != p.out_spec:
         raise CaptureFailed("the structure of the output differs between warm-up and capture")
@@ -131,7 +137,7 @@ def capture_bucket(job: Job, recorder) -> Captured:
                    pool_bytes=pool_bytes, pool=pool, **info)
     if job.verify:
         check = Verifier(graph, job.module, job.spec, p.out_spec, p.ref_pad, p.ref_real, p.real, job.guard,
-                         job.pad_check)
+                         job.pad_check, job.restore)
         got.verify_s = recorder.verify(job.device, job.autocast, check)
     return got
 
@@ -159,6 +165,9 @@ def _prepare(job: Job, recorder, info: dict) -> _Prepared:
         # The real rows alone, as eager runs them: the module's own errors surface here.
         out, draws = recorder.watch_random(lambda: run_module(job.module, job.spec, real))
         ref_real, spec_real = flatten_outputs(out)
+        if job.state is not None:
+            job.state.check_params()
+        job.restore()
         check_untouched(real, versions, job.describe)
         static_in = shape_inputs(real, job.roles, job.size, job.seq)
         ref_pad, spec_pad = _warm_up(job, recorder, static_in, info)
@@ -168,8 +177,10 @@ def _prepare(job: Job, recorder, info: dict) -> _Prepared:
             raise CaptureFailed("the structure of the output differs between buckets")
         check_rebuild(spec_pad, ref_pad)
         if job.kinds is None:
+            job.restore()
             kinds, seq_dims = output_kinds(job.module, job.spec, job.roles, real, ref_real, ref_pad, job.size,
                                            job.seq, job.batch_dim, spec_pad)
+            job.restore()
         else:
             kinds, seq_dims = job.kinds, job.seq_dims
     return _Prepared(static_in, real, ref_real, ref_pad, kinds, seq_dims, spec_pad, draws)
@@ -186,6 +197,7 @@ def _warm_up(job: Job, recorder, static_in, info):
             compiled.mark(static_in, job.roles)
             graphs0 = compiled.graphs
         for _ in range(job.warmup_iters):
+            job.restore()
             ref, spec = flatten_outputs(run_module(forward, job.spec, static_in))
             if compiled is not None and "compile_s" not in info:
                 info["compile_s"] = time.perf_counter() - t0  # tracing and compiling, if any
@@ -193,6 +205,7 @@ def _warm_up(job: Job, recorder, static_in, info):
         if job.budget_left is not None:
             info["pool_estimate"] = recorder.check_budget(job.device, _runner(job, static_in), job.size,
                                                           job.budget_left)
+            job.restore()
     except CaptureFailed:
         raise
     except torch.cuda.OutOfMemoryError as e:

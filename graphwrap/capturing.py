@@ -13,6 +13,8 @@ import logging
 import time
 from typing import Optional
 
+import torch
+
 from .budget import _large_budget, budget_left, drop_least_used, release_dropped
 from .capture import Job, capture_bucket
 from .checks import CaptureFailed
@@ -22,6 +24,7 @@ from .outputs import ring_for
 from .plans import fold, swap
 from .racing import race
 from .records import Bucket, Key, Lease, Serves
+from .state import Saved
 from .tree import CONST
 from .verify import SAME_SHAPE_TOL, compare_leaves
 from .worker import stopping
@@ -40,11 +43,31 @@ def _guarded(engine, device):
 
 
 def capture_into(engine, ks: Key, b: Bucket, leaves, n: int, L, forward=None, plain: bool = False,
-             timed: bool = True, evict: bool = True) -> Optional[Bucket]:
+                 timed: bool = True, evict: bool = True) -> Optional[Bucket]:
     """Capture a graph into bucket ``b`` of ``ks`` (marked as capturing, or a new bucket
     that the caller swaps in) outside the lock, and install it under the lock; ``b`` if it
     serves now. ``forward``: kernels to capture (default: the compiled forward, if any);
-    ``evict``: whether less used graphs may be dropped to fit ``max_pool_bytes``."""
+    ``evict``: whether less used graphs may be dropped to fit ``max_pool_bytes``.
+
+    Whatever the caller's mode, graphwrap's own tensors (samples, static buffers, slots) are
+    made outside ``torch.inference_mode``: inference tensors keep no version counter (the
+    in-place checks read it) and refuse in-place writes outside that mode (every later call
+    writes the static inputs)."""
+    with torch.inference_mode(False):
+        return _capture_into(engine, ks, b, leaves, n, L, forward, plain, timed, evict)
+
+
+def _capture_into(engine, ks: Key, b: Bucket, leaves, n: int, L, forward, plain: bool, timed: bool,
+                  evict: bool) -> Optional[Bucket]:
+    saved = Saved(engine.module)  # the call's module state: every extra run of the capture is undone
+    try:
+        return _capture_loop(engine, ks, b, leaves, n, L, forward, plain, timed, evict, saved)
+    finally:
+        saved.restore()
+
+
+def _capture_loop(engine, ks: Key, b: Bucket, leaves, n: int, L, forward, plain: bool, timed: bool,
+                  evict: bool, saved: Saved) -> Optional[Bucket]:
     for _ in range(4):
         if engine.store.pool is None:  # a pool's anchor is a capture: made off the lock
             pool = engine.backend.new_pool(ks.device)
@@ -57,10 +80,13 @@ def capture_into(engine, ks: Key, b: Bucket, leaves, n: int, L, forward=None, pl
                 return None
             evict = evict and b.size <= engine.grid.top(b.seq)  # a batch above the grid never evicts
             job = make_job(engine, ks, b, leaves, n, L, plain, forward)
+            job.restore, job.state = saved.restore, saved
             epoch = engine.epoch
         try:
             got = capture_bucket(job, engine.backend.recorder)
-            ring = ring_of(engine, ks, got) if engine.clone else None
+            if _writes_state(engine, ks, b, saved, n, L):
+                return None  # captured with padding: planned again at the call's own shape
+            ring = ring_of(engine, ks, got, saved.restore) if engine.clone else None
         except CaptureFailed as e:
             with engine.lock:
                 again = settle_failure(engine, ks, b, e, epoch, forward, evict)
@@ -79,6 +105,28 @@ def capture_into(engine, ks: Key, b: Bucket, leaves, n: int, L, forward=None, pl
             race(engine, ks, b)
         return b
     return None
+
+
+def _writes_state(engine, ks: Key, b: Bucket, saved: Saved, n: int, L) -> bool:
+    """Note the module buffers the forward writes (put back by now); whether this bucket's graph
+    must go because it pads a call of a module that does."""
+    if not saved.written:
+        return False
+    with engine.lock:
+        first = engine.writes is None
+        engine.writes = tuple(sorted(set(engine.writes or ()) | saved.written))
+        if first:
+            logger.info("graphwrap: the forward writes the module's buffers %s: each call writes them once, as "
+                        "the module does (the extra runs of a capture are undone); calls are served at their "
+                        "own batch size and length, one by one, never padded, chunked or joined",
+                        ", ".join(engine.writes))
+            for k in engine.store.keys.values():
+                fold(engine, k, None)
+        padded = b.size != n or (b.seq is not None and b.seq != L)
+        if padded and ks.buckets.get(b.point) is b:
+            del ks.buckets[b.point]
+            b.serves = Serves.NOTHING
+        return padded
 
 
 def _key_tuple(engine, ks: Key):
@@ -119,8 +167,13 @@ def make_job(engine, ks: Key, b: Bucket, leaves, n: int, L, plain: bool, forward
     """The capture job of bucket ``b``, sampled from the call's real rows (copied: the caller's
     tensors are never touched). The caller holds the lock."""
     store, device = engine.store, ks.device
-    if engine.weights.ptrs is None:
-        engine.weights.record()
+    if engine.watch.ptrs is None:
+        hooked = engine.watch.record().hooked()
+        if hooked:
+            engine.log_once(("hooks",), logging.WARNING,
+                            f"graphwrap: forward hooks of {', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''} "
+                            "are captured into the graphs: they run at capture, and replays repeat what they do to "
+                            "tensors, not what they do in Python (appending to a list, logging)")
     m = min(n, b.size)
     real = [(t if bd is None else t.narrow(bd, 0, m)).to(device, copy=True) for t, (bd, _, _) in zip(leaves, ks.roles)]
     budget = budget_left(engine)
@@ -228,24 +281,26 @@ def _mark_compiled(engine, ks: Key, b: Bucket, compiled, graphs: int):
     b.compiled = ran if b.compiled is None else (b.compiled and ran)
 
 
-def ring_of(engine, ks: Key, got):
+def ring_of(engine, ks: Key, got, restore=lambda: None):
     """The owned-output ring of a captured graph, with its first slot (its fill is a capture:
-    made here, off the call path); None where outputs are better cloned."""
+    made here, off the call path); None where outputs are better cloned. ``restore`` puts the
+    module's state back between the runs that check the slot."""
     g = got.graph
     pool = got.pool if got.pool is not None else engine.store.pool
     ring = ring_for(g.static_outputs, g.kinds, engine.batch_dim,
                     engine.backend.slot_maker(ks.device, pool, g.run, g.draws, g.kinds), g.seq_dims)
     if ring is not None:
-        slot = _checked_slot(engine, ks.device, g, ring, warm=False)  # this thread just warmed up
+        slot = _checked_slot(engine, ks.device, g, ring, warm=False, restore=restore)  # this thread just warmed up
         if slot is not None:
             ring.add(slot)
     return ring
 
 
-def _checked_slot(engine, device, g, ring, warm: bool = True):
+def _checked_slot(engine, device, g, ring, warm: bool = True, restore=lambda: None):
     """A new slot of ``g``'s ring whose fill gives what the graph gives on the same inputs; None
     (counted as a failure of the ring) otherwise."""
     slot = ring.make(warm)
+    restore()
     if slot is None:
         if getattr(ring.error, "pool_lost", False):
             with engine.lock:
@@ -254,8 +309,10 @@ def _checked_slot(engine, device, g, ring, warm: bool = True):
     with _guarded(engine, device):
         g.replay()
         want = [o.clone() for o, k in zip(g.static_outputs, g.kinds) if k != CONST]
+        restore()
         slot.fill()
         got = [b.clone() for b in slot.bases]
+        restore()
     msg = compare_leaves(got, want, SAME_SHAPE_TOL)
     if msg:
         ring.failures += 1
@@ -266,7 +323,10 @@ def _checked_slot(engine, device, g, ring, warm: bool = True):
 
 def add_slot(engine, graph, epoch: int):
     """A worker job: one more owned-output slot for ``graph``, whose slots were all held."""
-    slot = _checked_slot(engine, graph.static_inputs[0].device, graph, graph.ring) if engine.epoch == epoch else None
+    slot = None
+    if engine.epoch == epoch:
+        with torch.inference_mode(False):  # the slot's tensors are written by every later fill
+            slot = _checked_slot(engine, graph.static_inputs[0].device, graph, graph.ring)
     with engine.lock:
         graph.ring.wanted = graph.ring.growing = False
         if slot is not None and engine.epoch == epoch:

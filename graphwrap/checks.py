@@ -112,7 +112,12 @@ def output_kinds(module, spec, roles, real, ref_real, ref_pad, size, seq, batch_
     else:
         n2 = m if m != size else (size - 1 if size > 1 else 2)
         L2 = None if seq is None else (Lr if Lr != seq else (seq - 1 if seq > 1 else 2))
-        other, _ = flatten_outputs(run_module(module, spec, shape_inputs(real, roles, n2, L2)))
+        try:
+            other, _ = flatten_outputs(run_module(module, spec, shape_inputs(real, roles, n2, L2)))
+        except Exception as e:  # noqa: BLE001 - it ran at the bucket's shape: this one is graphwrap's
+            raise CaptureFailed(f"the forward fails at {n2} rows{'' if L2 is None else f' and length {L2}'}, where "
+                                f"it runs at {size}: {type(e).__name__}: {str(e).strip()[:200]}; such inputs run "
+                                "eagerly", e) from e
     kinds, seq_dims, problems = classify_outputs(ref_pad, size, other, n2, batch_dim, out_spec, seq, L2)
     if problems:
         raise CaptureFailed(next(iter(problems.values())), scope="seq" if seq is not None else "key")
@@ -173,10 +178,12 @@ class Verifier:
     which wait for the device, are not.
     """
 
-    def __init__(self, graph, module, spec, out_spec: OutputSpec, ref_pad, ref_real, real, guard, pad_check=True):
+    def __init__(self, graph, module, spec, out_spec: OutputSpec, ref_pad, ref_real, real, guard, pad_check=True,
+                 restore=lambda: None):
         self.g, self.module, self.spec, self.out_spec = graph, module, spec, out_spec
         self.ref_pad, self.ref_real, self.real = ref_pad, ref_real, real
         self.guard, self.pad_check = guard, pad_check
+        self.restore_state = restore  # every run starts from the module state the capture found
         self.names = lambda i: f"output {out_spec.describe(i)}"
 
     def _replay(self, n=None, L=None, write=None):
@@ -184,6 +191,7 @@ class Verifier:
         length ``L`` (all of them if ``n`` is None)."""
         g = self.g
         with self.guard():
+            self.restore_state()
             if write is not None:
                 write()
             g.replay()
@@ -214,6 +222,7 @@ class Verifier:
         finally:
             with self.guard():
                 restore()
+                self.restore_state()
 
     def _padded_positions(self, restore):
         g = self.g
@@ -221,6 +230,7 @@ class Verifier:
         Lv = Lr if Lr < g.seq else g.seq - 1
         if Lv < 1:
             return
+        self.restore_state()
         want, _ = flatten_outputs(run_module(self.module, self.spec, shape_inputs(g.static_inputs, g.roles, g.size, Lv)))
 
         def write():

@@ -42,7 +42,7 @@ from .tree import (
     requires_grad_shallow,
     to_device_shallow,
 )
-from .weights import Weights
+from .watch import Watch
 from .worker import Worker
 
 logger = logging.getLogger("graphwrap")
@@ -51,6 +51,7 @@ SINGLE_TENSOR_SPEC = flatten_inputs((torch.empty(0),), {})[1]
 autocast_on = torch._C.is_autocast_enabled  # CUDA autocast on, in one C call (torch >= 2.1)
 grad_on = torch.is_grad_enabled
 GRAD_REASONS = ("the module is in training mode", "an input requires grad and grad mode is on")
+WRITES_LARGE = "the forward writes module buffers: a batch above the largest bucket runs eagerly, in one call"
 EXACT_LENGTHS = 32  # graphs per exact length of a key whose padding is refused, then eager
 _NO_BUCKET = Bucket(0)
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
@@ -77,7 +78,8 @@ class Engine:
         self.eager_counts: Dict[str, int] = {}
         self.logged = set()
         self.last_stream = self.last_sid = None
-        self.weights = Weights(module)
+        self.watch = Watch(module)  # what the graphs depend on besides their inputs
+        self.changes: Dict[str, int] = {}  # graphs dropped because the module changed, by what changed
         self.where: Any = None  # the device graphs run on, or why none; None: not known yet
         self.fast: Dict[torch.Size, Plan] = {}  # full input shape -> plan, for gm(x) with one tensor
         self._copy_streams: Dict[torch.device, Any] = {}
@@ -88,6 +90,7 @@ class Engine:
         self.static_forward: Optional[CompiledForward] = None  # the tuner's per-size compile
         self.background_state = self.background_error = self.tuning_error = None
         self.dropped: List[Graph] = []  # graphs evicted for the memory budget, freed after a device wait
+        self.writes: Optional[tuple] = None  # the module buffers its forward writes, once a capture saw it
 
     # ------------------------------------------------------------------ per call
 
@@ -98,7 +101,7 @@ class Engine:
         if (plan is None or plan.dtype is not x.dtype or plan.dev != x.get_device() or self.module.training
                 or (x.requires_grad and grad_on())):
             return None
-        if plan.eager or (self.weights.current() and not autocast_on()):
+        if plan.eager or (self.watch.current() and not autocast_on()):
             return plan
         return None
 
@@ -106,8 +109,11 @@ class Engine:
         """The call's :class:`~graphwrap.signature.Facts`, or a string saying why it runs eagerly."""
         if self.module.training:
             return GRAD_REASONS[0]
-        if self.weights.moved():
-            self._weights_moved()
+        why = self.watch.look()
+        if why is not None:
+            self._changed(why)
+        if self.watch.eager is not None:  # a submodule in training mode
+            return self.watch.eager
         where = self.where if self.where is not None else self._where()
         if type(where) is str:
             return where
@@ -127,7 +133,7 @@ class Engine:
         return f
 
     def _where(self):
-        device = self.weights.device()
+        device = self.watch.device()
         self.where = False if device is None else self.backend.device_for(device, ())
         return self.where
 
@@ -169,10 +175,15 @@ class Engine:
         if type(S) is str:
             return Plan(self, ks, n, L, _NO_BUCKET, reason=S)
         top = self.grid.top(S)
-        if n > top and S is not None:
+        if self.writes is not None:  # state written per row or position: never padded or chunked
+            if n > top:
+                return Plan(self, ks, n, L, _NO_BUCKET, reason=WRITES_LARGE)
+            size = n
+        elif n > top and S is not None:
             plan = ks.plans[(n, L)] = Plan(self, ks, n, L, _NO_BUCKET, chunked=True)
             return plan
-        size = self.grid.size(n, S)
+        else:
+            size = self.grid.size(n, S)
         b = ks.buckets.get((size, S))
         if b is None:
             b = ks.buckets[(size, S)] = Bucket(size, S)
@@ -202,6 +213,8 @@ class Engine:
     def _seq_bucket(self, ks: Key, L: Optional[int]):
         if not ks.has_seq:
             return None
+        if self.writes is not None and ks.exact is None:
+            ks.exact = "the forward writes module buffers"
         S = self.grid.seq_for(L, exact=ks.exact is not None)
         if S is None:
             return (f"length {L} is longer than the longest sequence bucket ({self.grid.max_len}); pass "
@@ -248,7 +261,7 @@ class Engine:
         counts[reason] = counts.get(reason, 0) + 1
         if counts[reason] == 1:
             self.log_once(("eager", reason), logging.WARNING, f"graphwrap: running eagerly: {reason}")
-        return self.eager_run(args, kwargs, grad=reason in GRAD_REASONS)
+        return self.eager_run(args, kwargs, grad=reason in GRAD_REASONS or reason is self.watch.eager)
 
     def eager_plan(self, plan: Plan, args, kwargs):
         """A call whose plan runs eagerly: by choice (eager measured faster) or for a reason."""
@@ -287,11 +300,13 @@ class Engine:
         store.keys[f.key] = ks
         return ks
 
-    def _weights_moved(self):
-        self.log_once("moved", logging.INFO, "graphwrap: the module's parameters or buffers were replaced or moved; "
-                      "dropping its graphs, they are captured again on the next calls")
+    def _changed(self, why: str):
+        """Something the graphs depend on changed: they are dropped, and captured again as calls come."""
+        self.changes[why] = self.changes.get(why, 0) + 1
+        self.log_once(("changed", why), logging.INFO,
+                      f"graphwrap: {why}; dropping the graphs, they are captured again on the next calls")
         self.reset()
-        self.weights.refresh()
+        self.watch.look()
 
     def _observe(self, n: int) -> str:
         """Count a batch size for the Adaptive policy; the call runs eagerly."""
@@ -317,7 +332,7 @@ class Engine:
             held = self.store.detach()
             self.epoch = self.store.epoch
             self.fast.clear()
-            self.weights.clear()
+            self.watch.clear()
             self.last_stream = self.last_sid = None
             self.where = None
         drop(held, self.backend.sync)
@@ -373,6 +388,9 @@ class Engine:
         from .capturing import add_slot
         from .streams import CAPTURE_LOCK
 
+        if self.writes is not None:  # a slot's checks run the forward: not beside calls that write state
+            graph.ring.wanted = graph.ring.growing = False
+            return
         if not later and CAPTURE_LOCK.acquire(blocking=False):
             try:
                 add_slot(self, graph, self.epoch)

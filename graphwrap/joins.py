@@ -16,6 +16,7 @@ from .tree import Tensor, flatten_outputs, unflatten_inputs
 
 logger = logging.getLogger("graphwrap")
 NOT_BATCHED = "requests with inputs that are not batched are not joined"
+WRITES_STATE = "the forward writes module buffers: each request is a call of its own, as eager makes it"
 
 
 class Joins:
@@ -30,6 +31,8 @@ class Joins:
         into one call), or a string saying why it runs alone. A signature that runs eagerly for
         want of CUDA gets a key of its own here, so joining works the same on a CPU."""
         eng = self.engine
+        if eng.writes is not None:
+            return WRITES_STATE
         if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
             plan = eng.fast_plan(args[0])
             if plan is not None and plan.key.failed is None and plan.key.join_refused is None:

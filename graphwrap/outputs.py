@@ -173,7 +173,8 @@ class OutputRing:
         path); None if it could not be made. ``warm``: run the forward once first (a thread
         that has not run it yet)."""
         srcs = [o for o, k in zip(self.static, self.kinds) if k != CONST]
-        bases = [torch.empty_like(o) for o in srcs]
+        with torch.inference_mode(False):  # written by every later fill, in any mode
+            bases = [torch.empty_like(o) for o in srcs]
         try:
             fill = self.make_fill(bases, warm)
         except Exception as e:  # noqa: BLE001 - no slot is no error: calls clone

@@ -39,10 +39,11 @@ class Stager:
         if (b is not None and b.dtype == dtype and b.dim() == len(shape) and b.shape[dim] >= shape[dim]
                 and b.shape[:dim] + b.shape[dim + 1:] == shape[:dim] + shape[dim + 1:]):
             return b.narrow(dim, 0, shape[dim]), False
-        if self.device is None:
-            b = torch.empty(shape, dtype=dtype, pin_memory=True)
-        else:
-            b = torch.empty(shape, dtype=dtype, device=self.device)
+        with torch.inference_mode(False):  # refilled by later calls, in any mode
+            if self.device is None:
+                b = torch.empty(shape, dtype=dtype, pin_memory=True)
+            else:
+                b = torch.empty(shape, dtype=dtype, device=self.device)
         self.sets[turn][i] = b
         return b, True
 

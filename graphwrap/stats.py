@@ -91,6 +91,8 @@ def engine_stats(engine) -> dict:
         "bucket_policy": repr(engine.policy) if engine.policy is not None else None,
         "compile": _compile_stats(engine, every),
         "eager_calls": dict(engine.eager_counts),
+        "module_changes": dict(engine.changes),
+        "writes_buffers": list(engine.writes or ()),
         "eager_by_choice": by_choice,
         "graph_pool_bytes": sum(k["pool_bytes"] for k in keys),
         "static_input_bytes": sum(k["static_input_bytes"] for k in keys),

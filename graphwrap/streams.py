@@ -157,15 +157,6 @@ def no_gc_during_capture():
             gc.enable()
 
 
-def rng_offset(device: torch.device):
-    """The default CUDA generator's offset on ``device``, or None where it cannot be read."""
-    try:
-        gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-        return gen.get_offset() if hasattr(gen, "get_offset") else bytes(gen.get_state().tolist())
-    except Exception:  # noqa: BLE001 - unreadable: treated as drawn from
-        return None
-
-
 def begin(graph, pool, device: torch.device, draws_random: bool):
     """Begin a capture with the default CUDA generator kept apart, where torch allows it.
 
@@ -214,6 +205,8 @@ def record(graph, pool, device: torch.device, draws_random: bool, body):
     if err is not None:
         after_failed_capture(device, pool, draws_random)
         raise err
+    if draws_random or not _GRAPHSAFE:  # the default generator took part in the capture
+        ensure_generator_usable(device)
     return out
 
 
@@ -234,13 +227,37 @@ def after_failed_capture(device, pool, draws_random: bool = True):
     """Undo what a capture that raised left behind: the allocator still routing the capture
     stream into ``pool``, and (where the default generator took part) its capture phase."""
     end_allocate_to_pool(device, pool)
-    if not draws_random and _GRAPHSAFE:
-        return
+    if draws_random or not _GRAPHSAFE:
+        try:
+            _reset_rng_capture_state(device)
+        except Exception as e:  # noqa: BLE001 - the original failure is the one to report
+            logger.warning("graphwrap: could not close the RNG's capture phase after a failed capture: %s: %s",
+                           type(e).__name__, first_line(e))
+    ensure_generator_usable(device)
+
+
+_STUCK = "Offset increment outside graph capture"
+
+
+def ensure_generator_usable(device) -> bool:
+    """Make sure the default CUDA generator is out of capture mode once a capture is over.
+
+    A capture that ends abnormally can leave the generator's state marked as capturing, and
+    every later random draw in the process would fail ("Offset increment outside graph
+    capture"). One draw of a single number tells (it advances the generator as any draw
+    does); where it fails so, the capture phase is closed by a small capture that succeeds.
+    Whether the generator was usable as found."""
+    probe = torch.empty(1, device=device)
     try:
-        _reset_rng_capture_state(device)
-    except Exception as e:  # noqa: BLE001 - the original failure is the one to report
-        logger.warning("graphwrap: could not close the RNG's capture phase after a failed capture: %s: %s",
-                       type(e).__name__, first_line(e))
+        probe.uniform_()
+        return True
+    except RuntimeError as e:
+        if _STUCK not in str(e):
+            raise
+    logger.warning("graphwrap: the default CUDA generator was left in capture mode on %s; closing it", device)
+    _reset_rng_capture_state(device)
+    probe.uniform_()
+    return False
 
 
 class Pool:

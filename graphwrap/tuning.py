@@ -75,8 +75,8 @@ def candidates(engine):
 def tune_next(engine):
     """A worker job: give the hottest untuned bucket kernels of its own shape, where faster."""
     with engine.lock:
-        if engine.compile_opts is None or engine.compile_off is not None:
-            return
+        if engine.compile_opts is None or engine.compile_off is not None or engine.writes is not None:
+            return  # a module that writes its buffers is not timed beside the calls that write them
         job = hottest(candidates(engine))
         if job is None:
             return

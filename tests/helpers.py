@@ -288,6 +288,11 @@ class CpuBackend:
         from graphwrap.tree import CONST, flatten_outputs
 
         def make_fill(bases, warm=True):
+            from graphwrap.streams import CAPTURE_LOCK
+
+            with CAPTURE_LOCK:  # a slot's fill is a capture on a GPU: one at a time in the process
+                pass
+
             def fill():
                 with torch.no_grad():
                     outs = flatten_outputs(run())[0]

@@ -109,11 +109,13 @@ def test_fast_path_checks_fall_back_to_the_general_path():
     model.train()
     assert eng.fast_plan(x) is None, "training mode"
     model.eval()
-    assert eng.fast_plan(x) is plan
+    assert eng.fast_plan(x) is None, "train() and eval() move the counter: the next call reads the tree"
+    assert_same(gm(x), _eager(model, x))
+    assert eng.fast_plan(x) is plan, "the flags are as captured: the same plan"
     model.layers[0].weight.data = torch.randn(64, 32)
     assert eng.fast_plan(x) is None, "a weight moved"
     assert_same(gm(x), _eager(model, x))
-    assert eng.weights.ptrs is not None and len(gm.stats()["keys"]) == 1, "captured again"
+    assert eng.watch.ptrs is not None and len(gm.stats()["keys"]) == 1, "captured again"
 
 
 def test_a_new_parameter_counts_as_moved_weights():

@@ -3,8 +3,10 @@
 ``python benchmarks/diagnostics/before_after.py PATH``: PATH holds the earlier package as
 ``graphwrap_before/`` (e.g. ``git archive <commit> graphwrap | tar -x -C PATH`` and rename).
 Batch 1, input on the GPU, µs per call: eager, a bare replay, and each graphwrap with owned
-and view outputs; rounds interleaved, medians with min and max. Also an eager fallback (an
-input graphwrap cannot key on, as a model's cache object) beside the module's own call.
+and view outputs, with each output dropped and with every output of a round kept by the caller;
+rounds interleaved, medians with min and max. Also an eager fallback (an input graphwrap cannot
+key on, as a model's cache object) beside the module's own call, and BERT-base (about 200
+submodules, keyword inputs) where the host time to issue a call is timed apart from the device's.
 """
 
 import statistics
@@ -70,6 +72,51 @@ def _time(loops, rounds=31, calls=2000):
     return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
 
 
+def _kept(fn, calls):
+    def run():
+        outs = []
+        for _ in range(calls):
+            outs.append(fn())
+    return run
+
+
+def _issue(loops, rounds=11, calls=200):
+    """Host time to issue a call (the device drained before each round, not waited for inside it)."""
+    for f in loops.values():
+        f()
+    times = {k: [] for k in loops}
+    for _ in range(rounds):
+        for k, f in loops.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            f()
+            times[k].append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+    return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
+
+
+def _bert(calls=200):
+    try:
+        import transformers
+    except ImportError:
+        print("\nBERT-base: transformers is not installed")
+        return
+    model = transformers.BertModel(transformers.BertConfig()).to(DEV).half().eval()
+    ids = torch.randint(1, 30000, (1, 128), device=DEV)
+    mask = torch.ones_like(ids)
+    kw = {"input_ids": ids, "attention_mask": mask}
+    after, before = graphwrap.GraphedModule(model), graphwrap_before.GraphedModule(model)
+    with torch.no_grad():
+        after(**kw), before(**kw)
+        res = _issue({"eager": _loop(lambda: model(**kw), calls),
+                      "after, default": _loop(lambda: after(**kw), calls),
+                      "before, default": _loop(lambda: before(**kw), calls)}, calls=calls)
+    print(f"\nBERT-base fp16, batch 1 x 128 tokens, keyword inputs, {sum(1 for _ in model.modules())} modules: "
+          f"host µs to issue a call (median [min, max] of 11 rounds of {calls})")
+    for k, (med, lo, hi) in res.items():
+        print(f"  {k:18s} {med:7.2f}  [{lo:.2f}, {hi:.2f}]")
+
+
 def _bare(model, x):
     static = x.clone()
     s = torch.cuda.Stream()
@@ -102,6 +149,9 @@ def main():
             replay = _bare(model, x)
             loops = {"eager": _loop(lambda: model(x), calls), "bare replay": _loop(replay, calls)}
             loops.update({k: _loop(lambda gm=gm: gm(x), calls) for k, gm in gms.items()})
+            loops["eager, kept"] = _kept(lambda: model(x), calls)
+            loops.update({k + ", kept": _kept(lambda gm=gm: gm(x), calls) for k, gm in gms.items()
+                          if "default" in k})
             res = _time(loops, calls=calls)
         print(f"\n{name}, batch 1, µs per call (median [min, max] of 31 rounds of {calls})")
         for k, (med, lo, hi) in res.items():
@@ -121,6 +171,7 @@ def main():
     print("\nan input graphwrap cannot key on (a cache object), µs per call")
     for k, (med, lo, hi) in res.items():
         print(f"  {k:24s} {med:7.2f}  [{lo:.2f}, {hi:.2f}]")
+    _bert()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,252 @@
+"""State besides the inputs, on the CPU stand-in for graphs: calls under inference_mode, the module
+changed after capture (submodules, hooks, training flags, the default dtype), and a forward that
+writes its own buffers. Each "replay" of the stand-in runs the forward again, as a graph replay
+runs its kernels again, so every count of writes below is what a GPU would do."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from graphwrap import Batcher, GraphedModule
+from helpers import MLP, assert_same, on_cpu_graphs
+
+
+def _gm(model, **kw):
+    kw.setdefault("eager_if_faster", False)  # the stand-in's replays are slow: keep the graphs
+    return on_cpu_graphs(GraphedModule(model, **kw))
+
+
+def _eager(model, *args, **kwargs):
+    with torch.no_grad():
+        return model(*args, **kwargs)
+
+
+def _replays(gm) -> int:
+    return sum(b["replays"] for k in gm.stats()["keys"] for b in k["buckets"].values())
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = nn.ReLU()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.act(self.fc(x))) * 2 + torch.ones(1)
+
+
+def test_calls_under_inference_mode_capture_and_replay_and_later_calls_outside_it_too():
+    model = MLP().eval()
+    gm = _gm(model)
+    with torch.inference_mode():
+        for n in (3, 5, 17, 3):
+            x = torch.randn(n, 32)
+            out = gm(x)
+            assert_same(out, model(x))
+    x = torch.randn(3, 32)
+    assert_same(gm(x), _eager(model, x)), "the static inputs made under inference_mode take writes outside it"
+    assert gm.stats()["eager_calls"] == {} and _replays(gm) == 5
+    with torch.inference_mode():
+        b = Batcher(gm)
+        try:
+            xs = [torch.randn(2, 32) for _ in range(4)]
+            for x, fut in zip(xs, [b.submit(x) for x in xs]):
+                assert_same(fut.result(), model(x))
+        finally:
+            b.close()
+
+
+def test_a_forward_that_writes_its_input_is_still_found_under_inference_mode():
+    from helpers import Scales
+
+    model = Scales().eval()
+    gm = _gm(model)
+    with torch.inference_mode():
+        x = torch.full((3, 4), 255.0)
+        out = gm(x)
+        assert torch.equal(x, torch.ones(3, 4)), "the caller's tensor as eager leaves it"
+        assert_same(out, model.lin(torch.ones(3, 4)))
+    assert any("writes into its input" in r for r in gm.stats()["eager_calls"]) or \
+        any("writes into its input" in (k["failed"] or "") for k in gm.stats()["keys"])
+
+
+@pytest.mark.parametrize("change", ["swap a submodule without weights", "add a forward hook",
+                                    "add a forward pre-hook on the top module", "remove a hook present at capture",
+                                    "a global forward hook", "a submodule put in training mode",
+                                    "a new default dtype"])
+def test_each_change_to_the_module_after_capture_is_seen_before_the_next_replay(change, gw_log):
+    model = Net().eval()
+    handle = model.fc.register_forward_hook(lambda m, i, o: o + 1) if "remove" in change else None
+    gm = _gm(model)
+    x = torch.randn(3, 8)
+    assert_same(gm(x), _eager(model, x))
+    assert _replays(gm) == 1
+    undo = lambda: None  # noqa: E731
+    if change == "swap a submodule without weights":
+        model.act = nn.Tanh().eval()
+        why = "submodule 'act' was replaced"
+    elif change == "add a forward hook":
+        model.act.register_forward_hook(lambda m, i, o: o * 3)
+        why = "a forward hook was added to or removed from submodule 'act'"
+    elif change == "add a forward pre-hook on the top module":
+        model.register_forward_pre_hook(lambda m, args: (args[0] * -1,))
+        why = "a forward hook was added to or removed from the module"
+    elif change == "remove a hook present at capture":
+        handle.remove()
+        why = "a forward hook was added to or removed from submodule 'fc'"
+    elif change == "a global forward hook":
+        h = nn.modules.module.register_module_forward_hook(
+            lambda m, i, o: o * 2 if isinstance(m, nn.ReLU) else None)
+        undo = h.remove
+        why = "a global forward hook was added or removed"
+    elif change == "a submodule put in training mode":
+        model.drop.train()
+        why = "submodule 'drop' was put in training mode"
+    else:
+        torch.set_default_dtype(torch.float64)
+        undo = lambda: torch.set_default_dtype(torch.float32)  # noqa: E731
+        why = "the default dtype changed from torch.float32 to torch.float64"
+    try:
+        torch.manual_seed(1)
+        got = gm(x)
+        torch.manual_seed(1)
+        want = _eager(model, x)
+        assert_same(got, want)
+        assert gm.stats()["module_changes"] == {why: 1}
+        assert any(why in r.getMessage() for r in gw_log.records)
+        if change == "a submodule put in training mode":
+            assert gm.stats()["eager_calls"] == {"submodule 'drop' is in training mode (call .eval() on it for graphs)": 1}
+            model.drop.eval()
+        before = _replays(gm)
+        for _ in range(3):  # captured again: served by graphs from here on
+            x = torch.randn(3, 8, dtype=torch.float32)
+            assert_same(gm(x), _eager(model, x))
+        assert _replays(gm) == before + 3
+    finally:
+        undo()
+
+
+def test_changes_undone_before_the_next_call_keep_the_graphs():
+    model = Net().eval()
+    gm = _gm(model)
+    x = torch.randn(3, 8)
+    gm(x)
+    epoch = gm.engine.epoch
+    model.drop.train()
+    model.drop.eval()
+    model.fc.register_forward_hook(lambda m, i, o: None).remove()
+    assert_same(gm(x), _eager(model, x))
+    assert gm.engine.epoch == epoch and gm.stats()["module_changes"] == {}
+
+
+def test_hooks_present_at_capture_are_captured_with_a_warning(gw_log):
+    model = Net().eval()
+    model.fc.register_forward_hook(lambda m, i, o: o * 2)
+    gm = _gm(model)
+    x = torch.randn(3, 8)
+    assert_same(gm(x), _eager(model, x))
+    assert any("forward hooks of submodule 'fc' are captured" in r.getMessage() and r.levelno == logging.WARNING
+               for r in gw_log.records)
+
+
+def test_plain_attributes_the_forward_reads_are_frozen_until_reset():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.scale_output = True
+
+        def forward(self, x):
+            y = self.fc(x)
+            return y * 10 if self.scale_output else y
+
+    model = Scaled().eval()
+    gm = _gm(model)
+    x = torch.randn(2, 4)
+    gm(x)
+    model.scale_output = False
+    gm.reset()  # the documented remedy: plain attributes are not watched
+    assert_same(gm(x), _eager(model, x))
+
+
+class Counter(nn.Module):
+    """Counts its calls in a buffer and scales by the count."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.steps += 1
+        return self.fc(x) * self.steps
+
+
+class RowCache(nn.Module):
+    """Keeps the last input of each row in a buffer and adds the previous one: state per row."""
+
+    def __init__(self, rows=8, d=4):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.register_buffer("last", torch.zeros(rows, d))
+
+    def forward(self, x):
+        n = x.shape[0]
+        prev = self.last[:n].clone()
+        self.last[:n] = x
+        return self.fc(x) + prev
+
+
+def test_a_forward_that_counts_its_calls_counts_each_call_once(gw_log):
+    model, ref = Counter().eval(), Counter().eval()
+    ref.load_state_dict(model.state_dict())
+    gm = _gm(model)
+    for i in range(6):
+        x = torch.randn(3, 4)
+        assert_same(gm(x), _eager(ref, x))
+    assert int(model.steps) == 6 == int(ref.steps)
+    stats = gm.stats()
+    assert stats["writes_buffers"] == ["steps"] and _replays(gm) >= 5
+    assert all(b["batch"] == 3 for k in stats["keys"] for b in k["buckets"].values() if b["graphs"]), \
+        "a module that writes its state is never padded"
+    assert any("writes the module's buffers steps" in r.getMessage() for r in gw_log.records)
+
+
+def test_state_kept_per_row_matches_eager_over_calls_of_several_sizes():
+    model, ref = RowCache().eval(), RowCache().eval()
+    ref.load_state_dict(model.state_dict())
+    gm = _gm(model)
+    for n in (3, 3, 5, 3, 5, 8, 2):
+        x = torch.randn(n, 4)
+        assert_same(gm(x), _eager(ref, x))
+        assert torch.equal(model.last, ref.last), f"the cache after a call of {n} rows"
+    b = Batcher(gm)
+    try:
+        xs = [torch.randn(2, 4) for _ in range(3)]
+        for x in xs:  # one by one, never joined: each a call of its own
+            assert_same(b(x), _eager(ref, x))
+        assert torch.equal(model.last, ref.last)
+    finally:
+        b.close()
+
+
+def test_a_forward_that_writes_its_parameters_runs_eagerly():
+    class Drifts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4), requires_grad=False)
+
+        def forward(self, x):
+            self.w.add_(1)
+            return x * self.w
+
+    model = Drifts().eval()
+    gm = _gm(model)
+    x = torch.randn(2, 4)
+    out = gm(x)
+    assert gm.stats()["keys"][0]["reason"].startswith("the forward writes into its parameters w")
+    assert torch.equal(out, x * 3), "the capture's first run and the eager call: two writes, no more"
+    assert torch.equal(model.w, torch.full((4,), 3.0))
