@@ -30,9 +30,11 @@ class Saved:
         self.written: Set[str] = set()
 
     def restore(self):
-        """Put back every buffer written since the capture began (on the current stream)."""
+        """Put back every buffer written since the capture began (on the current stream). An eager
+        run bumps the version counter of what it writes; a graph replay does not, so a buffer
+        once seen written is put back every time."""
         for i, (name, t, v, saved) in enumerate(self.items):
-            if t._version != v:
+            if t._version != v or name in self.written:
                 with torch.inference_mode(False), torch.no_grad():
                     t.copy_(saved)
                 self.written.add(name)

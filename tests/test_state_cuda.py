@@ -82,13 +82,14 @@ def test_each_change_to_the_module_after_capture_is_seen_before_the_next_replay(
         torch.set_default_dtype(torch.float64)
     try:
         if change == "a submodule put in training mode":
+            evaluated = 2 * torch.relu(model.fc(x)) + 1
             got = gm(x)
-            assert (got == 2.0).float().mean() > 0.3, "dropout ran: about half the outputs are the bias alone"
+            assert not torch.allclose(got, evaluated), "dropout ran as in training"
             assert gm.stats()["eager_calls"]
         else:
             got, want = gm(x), _eager(model, x)
             assert_same(got, want)
-            assert _replays(gm) >= 3, "captured again and replayed"
+            assert _replays(gm) == 1, "captured again and served by the new graph"
         assert len(gm.stats()["module_changes"]) == 1
     finally:
         torch.set_default_dtype(torch.float32)

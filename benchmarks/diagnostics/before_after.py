@@ -112,9 +112,33 @@ def _bert(calls=200):
                       "after, default": _loop(lambda: after(**kw), calls),
                       "before, default": _loop(lambda: before(**kw), calls)}, calls=calls)
     print(f"\nBERT-base fp16, batch 1 x 128 tokens, keyword inputs, {sum(1 for _ in model.modules())} modules: "
-          f"host µs to issue a call (median [min, max] of 11 rounds of {calls})")
+          f"µs to issue a call (median [min, max] of 11 rounds of {calls}; a replay's hundreds of kernels fill the "
+          "launch queue, so this is the device's time)")
     for k, (med, lo, hi) in res.items():
         print(f"  {k:18s} {med:7.2f}  [{lo:.2f}, {hi:.2f}]")
+    # The host side of the same call alone: the general path's per-call checks (facts) and the
+    # lookup of the plan, which is where the module's state is checked.
+    ea, eb = after.engine, before.engine
+    fa, fb = ea.facts((), kw), eb.facts((), kw)
+    pieces = {"after: facts() (every per-call check)": lambda: ea.facts((), kw),
+              "before: facts()": lambda: eb.facts((), kw),
+              "after: facts() + plan()": lambda: ea.plan(ea.facts((), kw)),
+              "before: facts() + plan()": lambda: eb.plan(eb.facts((), kw))}
+    res = _host(pieces)
+    print(f"  host µs per call, {type(fa).__name__} / {type(fb).__name__} (median [min, max] of 11 rounds of 20000)")
+    for k, (med, lo, hi) in res.items():
+        print(f"  {k:38s} {med:7.3f}  [{lo:.3f}, {hi:.3f}]")
+
+
+def _host(pieces, rounds=11, calls=20000):
+    times = {k: [] for k in pieces}
+    for _ in range(rounds):
+        for k, f in pieces.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                f()
+            times[k].append((time.perf_counter() - t0) / calls * 1e6)
+    return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
 
 
 def _bare(model, x):
