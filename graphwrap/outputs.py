@@ -127,7 +127,7 @@ class OutputRing:
     the graph's outputs (for the inputs in its static inputs) into ``bases`` on the current stream."""
 
     __slots__ = ("static", "kinds", "seq_dims", "batch_dim", "make_fill", "slots", "max_slots", "failures",
-                 "wanted", "growing", "error")
+                 "wanted", "growing", "error", "turn")
 
     def __init__(self, static: Sequence[Any], kinds: Sequence[str], batch_dim: int,
                  make_fill: Callable[[List[torch.Tensor], bool], Callable[[], None]],
@@ -143,14 +143,28 @@ class OutputRing:
         self.wanted = False  # a call found every slot held: another slot is due
         self.growing = False  # someone makes it
         self.error: Optional[BaseException] = None  # why the last slot could not be made
+        self.turn = 0  # the slot to look at first: the one handed out longest ago
 
     def take(self, sid) -> Optional[Slot]:
         """A slot free to be filled on stream ``sid`` (one never handed out, or last handed out
-        on ``sid``); None when every slot is held (the caller clones)."""
-        for s in self.slots:
-            if (s.sid is None or s.sid == sid) and s.free():
-                s.sid = sid
-                return s
+        on ``sid``); None when none is (the caller clones).
+
+        Slots are handed out in turn, so the first of ``sid``'s slots from the turn on is the
+        one handed out longest ago: if the caller still holds that one, it holds the later ones
+        too (a caller that keeps every output), and the look ends there, after one check rather
+        than one per slot. A slot freed out of turn is found once the turn comes round to it."""
+        slots = self.slots
+        n = len(slots)
+        start = self.turn
+        held = False  # one of sid's handed-out slots is still held: only new ones are looked at
+        for k in range(n):
+            s = slots[(start + k) % n]
+            if (s.sid is None or s.sid == sid) and (s.last is None or not held):
+                if s.free():
+                    s.sid = sid
+                    self.turn = (start + k + 1) % n
+                    return s
+                held = held or s.last is not None
         return None
 
     def can_grow(self) -> bool:

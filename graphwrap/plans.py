@@ -28,7 +28,7 @@ class Plan:
 
     __slots__ = ("engine", "key", "bucket", "graph", "n", "L", "size", "replay", "dsts", "pads", "outputs",
                  "is_tensor", "clone", "single_out", "rebuild", "eager", "chunked", "reason", "calls", "device",
-                 "device_index", "input", "output", "dtype", "dev", "epoch", "ring", "sid", "tune_at")
+                 "device_index", "input", "output", "dtype", "dev", "epoch", "ring", "sid", "tune_at", "held_eager")
 
     def __init__(self, engine, key: Optional[Key], n: int, L: Optional[int], bucket: Bucket,
                  reason: Optional[str] = None, eager: bool = False, graph: Optional[Graph] = None,
@@ -51,10 +51,14 @@ class Plan:
         if self.eager or chunked:
             self.graph = self.replay = self.dsts = self.pads = self.outputs = self.is_tensor = None
             self.input = self.output = self.ring = None
-            self.single_out = False
+            self.single_out = self.held_eager = False
             return
         g = self.graph = graph if graph is not None else bucket.graphs[0]
         self.ring = g.ring if self.clone else None
+        # Every slot held (the caller keeps its outputs): one eager forward where the race found
+        # it faster than a replay and a clone (a model of a kernel or two). The bucket's fill of
+        # the pad rows is no concern there: eager runs the call's own rows.
+        self.held_eager = bucket.eager_when_held and self.ring is not None
         self.replay = g.replay
         self.dsts, self.pads = g.inputs_for(n, L)
         self.outputs = g.outputs_for(n, L)
@@ -81,11 +85,9 @@ class Plan:
             sid = self.sid(self.device_index)
             if sid != eng.last_sid:
                 eng.order_stream(self.device)
-            self.input.copy_(x)
-            self.calls += 1
-            if self.calls == self.tune_at:
-                eng.hot(self)
             if not self.clone:
+                self.input.copy_(x)
+                self._count()
                 self.replay()
                 if self.single_out:
                     return self.output
@@ -93,15 +95,31 @@ class Plan:
             else:
                 slot = self.ring.take(sid) if self.ring is not None else None
                 if slot is not None:
+                    self.input.copy_(x)
+                    self._count()
                     slot.fill()  # the forward, writing straight into the slot
                     outs = slot.views(self.n, self.L)
+                elif self.held_eager:
+                    self.bucket.eager_held_calls += 1
+                    outs = None
+                    self.ring.want()
+                    grow = self.ring.claim()
                 else:
+                    self.input.copy_(x)
+                    self._count()
                     self.replay()
                     outs = self.copies()
                     grow = self.ring is not None and self.ring.claim()
         if grow:  # every slot was held: another is made, off the lock
             eng.grow(self.graph)
+        if outs is None:
+            return eng.eager_run((x,), {})
         return outs[0] if self.single_out else self.rebuild(outs)
+
+    def _count(self):
+        self.calls += 1
+        if self.calls == self.tune_at:
+            self.engine.hot(self)
 
     def run(self, leaves, clone: bool = True) -> List[Any]:
         """Copy ``leaves`` in and replay; the flat outputs, owned with ``outputs="clone"`` unless

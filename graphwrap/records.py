@@ -139,6 +139,11 @@ class Bucket:
     tuned: bool = False
     graph_us: Optional[float] = None
     eager_us: Optional[float] = None
+    # A call whose every output slot the caller still holds: the graph's time with a clone of the
+    # outputs, and whether one eager forward (which makes its own outputs) is faster than that.
+    held_us: Optional[float] = None
+    eager_when_held: bool = False
+    eager_held_calls: int = 0
     shared_us: Optional[float] = None
     per_size_us: Optional[float] = None
     used: int = 0  # a clock tick of its last use, for the memory budget's evictions

@@ -240,3 +240,59 @@ def test_a_slot_is_reused_after_views_of_other_sizes_were_made():
         (out,) = slot.views(n, L)
         assert out.shape == (n, L, 6) and torch.equal(out, static[:n, :L])
         del out
+
+
+def test_a_caller_that_keeps_every_output_costs_one_check_and_a_slot_freed_out_of_turn_is_found(monkeypatch):
+    static = torch.zeros(4, 2)
+    ring = _ring([static], max_slots=3)
+    held = []
+    for _ in range(3):
+        slot = _take(ring, "s")
+        slot.fill()
+        held.append(slot.views(4)[0])
+    checks = []
+    free = outputs.Slot.free
+    monkeypatch.setattr(outputs.Slot, "free", lambda self: checks.append(1) or free(self))
+    assert ring.take("s") is None and len(checks) == 1, "the oldest slot held: the look ends there"
+    del held[1]  # freed out of turn: found when the turn comes to it
+    gc.collect()
+    assert ring.take("s") is None
+    del held[0]
+    gc.collect()
+    got = [ring.take("s") for _ in range(3)]
+    assert got[:2] == ring.slots[:2] and got[2] is None, "slots 0 and 1 in turn, then 2, still held"
+
+
+def test_calls_that_find_every_slot_held_run_eagerly_where_the_race_said_so():
+    from helpers import MLP, on_cpu_graphs
+
+    from graphwrap import GraphedModule
+
+    model = MLP().eval()
+    gm = on_cpu_graphs(GraphedModule(model, buckets=[4], eager_if_faster=False))
+    x = torch.randn(3, 32)
+    gm(x)
+    eng = gm.engine
+    (ks,) = eng.store.keys.values()
+    b = ks.buckets[(4, None)]
+    with eng.lock:
+        b.eager_when_held = True
+        from graphwrap.plans import fold
+        fold(eng, ks, b)
+    kept = [gm(torch.randn(3, 32)) for _ in range(12)]
+    xs = [torch.randn(3, 32) for _ in range(12)]
+    kept = [(x, gm(x)) for x in xs]
+    with torch.no_grad():
+        for x, out in kept:
+            torch.testing.assert_close(out, model(x))
+    assert len({out.data_ptr() for _, out in kept}) == 12, "no output the caller holds is written again"
+    stats = gm.stats()["keys"][0]["buckets"][4]
+    assert stats["eager_held_calls"] >= 8 and stats["eager_when_held"]
+    del kept
+    gc.collect()
+    before = stats["replays"]
+    for _ in range(5):
+        x = torch.randn(3, 32)
+        with torch.no_grad():
+            torch.testing.assert_close(gm(x), model(x))
+    assert gm.stats()["keys"][0]["buckets"][4]["replays"] == before + 5, "outputs dropped: slots again"
