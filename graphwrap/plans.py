@@ -16,6 +16,7 @@ Tensor = torch.Tensor
 # (stream id, device index, device type) of the current stream, without building a Stream.
 _cuda_sid = getattr(torch._C, "_cuda_getCurrentStream", None)
 STALE = object()  # what Plan.call1 returns when its graphs were dropped meanwhile
+_grad_on = torch.is_grad_enabled
 _EMPTY = Bucket(0)
 
 
@@ -112,8 +113,11 @@ class Plan:
                     grow = self.ring is not None and self.ring.claim()
         if grow:  # every slot was held: another is made, off the lock
             eng.grow(self.graph)
-        if outs is None:
-            return eng.eager_run((x,), {})
+        if outs is None:  # x is on the module's device and needs no grad (fast_plan checked both)
+            if _grad_on():
+                with torch.no_grad():
+                    return eng.module(x)
+            return eng.module(x)
         return outs[0] if self.single_out else self.rebuild(outs)
 
     def _count(self):
