@@ -110,9 +110,13 @@ class GraphedModule(nn.Module):
         GraphedModule (from any thread). Clone what you keep.
 
     .. warning::
-        The forward is captured once per bucket. Python-side state it reads (flags, plain tensor
-        attributes that are not parameters or buffers, random numbers drawn on the host) is
-        frozen at capture: call :meth:`reset` after changing it.
+        The forward is captured once per bucket. Parameters and buffers replaced, submodules
+        replaced, forward hooks added or removed, ``train()``/``eval()`` on any submodule and a
+        new default dtype are seen before the next replay (the graphs are captured again).
+        Python-side state it reads (plain attributes, a ``.training`` flag assigned directly,
+        objects such as a config, random numbers drawn on the host) is frozen at capture: call
+        :meth:`reset` after changing it. A forward that writes its own buffers changes them
+        once per call, as the module does.
 
     .. warning::
         Outputs never require grad, on a GPU and on a CPU alike. A call whose inputs require grad
