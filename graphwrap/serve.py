@@ -82,6 +82,9 @@ class Server:
 
         t0 = time.perf_counter()
         try:
+            method = getattr(request, "method", "POST")
+            if method != "POST":
+                raise RequestError(405, f"{method} is not served: send a POST with a JSON body")
             answer, status = {"outputs": to_json(await self._http(request))}, 200
         except RequestError as e:
             answer, status = {"error": e.message}, e.status
@@ -106,7 +109,7 @@ class Server:
         return await self.infer(*args, **kwargs)
 
     async def infer(self, *args, **kwargs) -> Any:
-        check_limits(args, kwargs, self.limits)
+        check_limits(args, kwargs, self.limits, self.gm.engine.opts.seq_dim)
         out = await self.batcher.acall(*args, **kwargs)  # host tensors are copied in by graphwrap
         if self.postprocess is not None:
             inputs = map_tensors(lambda t: t.to(self.device), kwargs if kwargs else args)

@@ -59,15 +59,54 @@ def test_malformed_bodies_are_400_with_what_is_wrong():
     assert _error(read_inputs, {"inputs": [[1, "a"]]}, {})[0] == 400
 
 
+def test_numbers_empty_arrays_and_bodies_that_are_not_utf8_are_400_naming_the_problem():
+    status, msg = _error(read_inputs, {"inputs": 5}, {})
+    assert status == 400 and "is a JSON number, not an array" in msg
+    status, msg = _error(read_inputs, {"inputs": []}, {})
+    assert status == 400 and "empty" in msg
+    status, msg = _error(read_inputs, {"inputs": {"input_ids": [[]]}}, {})
+    assert status == 400 and "'input_ids' is empty" in msg
+    status, msg = _error(read_inputs, {"inputs": True}, {})
+    assert status == 400 and "boolean" in msg
+    status, msg = _error(parse_body, '{"inputs": [[1.0]]}'.encode("utf-16"), Limits())
+    assert status == 400 and "not UTF-8" in msg
+
+
+def test_answers_with_numbers_that_are_not_finite_are_valid_json():
+    from graphwrap.wire import to_json
+
+    out = to_json({"y": torch.tensor([[1.0, float("nan")], [float("inf"), -float("inf")]]), "s": float("nan"),
+                   "n": torch.tensor([1, 2])})
+    text = json.dumps(out, allow_nan=False)  # raises on a bare NaN
+    assert json.loads(text) == {"y": [[1.0, "NaN"], ["Infinity", "-Infinity"]], "s": "NaN", "n": [1, 2]}
+
+
+def test_status_of_errors_an_operator_raises_for_the_inputs_whatever_their_case():
+    msg = ("Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; "
+           "but got torch.cuda.FloatTensor instead (while checking arguments for embedding)")
+    assert status_of(RuntimeError(msg)) == 422
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB; max_split_size_mb ...")
+    assert status_of(oom) == 500
+    assert status_of(RuntimeError("CUDA error: device-side assert triggered (index out of range)")) == 500
+
+
 def test_limits_are_413():
     limits = Limits(max_body_bytes=100, max_rows=4, max_length=8)
     status, msg = _error(parse_body, b"[" + b"1," * 60 + b"1]", limits)
     assert status == 413 and "max_body_bytes=100" in msg
     status, msg = _error(check_limits, (torch.zeros(5, 3),), {}, limits)
     assert status == 413 and "5 rows" in msg
-    status, msg = _error(check_limits, (), {"input_ids": torch.zeros(2, 9, dtype=torch.long)}, limits)
+    status, msg = _error(check_limits, (), {"input_ids": torch.zeros(2, 9, dtype=torch.long)}, limits, 1)
     assert status == 413 and "length 9" in msg and "'input_ids'" in msg
-    check_limits((torch.zeros(4, 8),), {"pos": torch.zeros(())}, limits)  # at the limits: fine
+    check_limits((torch.zeros(4, 8),), {"pos": torch.zeros(())}, limits, 1)  # at the limits: fine
+    # max_length counts positions along the sequence dimension only: a wide row of features is no sequence
+    check_limits((torch.zeros(2, 5000),), {}, limits)
+    check_limits((), {"input_ids": torch.zeros(2, 8, dtype=torch.long), "features": torch.zeros(2, 5000)}, limits,
+                 {"input_ids": 1})
+    status, msg = _error(check_limits, (), {"input_ids": torch.zeros(2, 9, dtype=torch.long)}, limits, {"input_ids": 1})
+    assert status == 413 and "length 9" in msg
+    status, _ = _error(check_limits, (torch.zeros(2, 3, 9),), {}, limits, {0: 2})
+    assert status == 413
     with pytest.raises(GraphwrapError, match="max_rows"):
         Limits(max_rows=0)
 
@@ -151,6 +190,27 @@ def test_the_server_answers_each_status_and_keeps_serving():
     s = server.stats()
     assert s["http_status"] == {200: 2, 400: 1, 413: 1, 422: 2, 500: 1}
     assert s["batcher"]["requests"] == 5  # the 400 and 413 never reached the module
+
+
+class _Get(_Request):
+    method = "GET"
+
+
+def test_a_get_is_405_and_float_ids_to_an_embedding_are_422_not_500():
+    from graphwrap.serve import Server
+
+    pytest.importorskip("starlette", reason='the HTTP answer needs starlette: pip install "graphwrap[serve]"')
+    server = Server(Embedder)
+    r = asyncio.run(server(_Get(b"")))
+    assert r.status_code == 405 and "POST" in json.loads(r.body)["error"]
+    ids = [[1, 2, 3]]
+    status, body = _answer(server, {"inputs": {"input_ids": ids, "attention_mask": [[1, 1, 1]]},
+                                    "dtypes": {"input_ids": "float32"}})
+    assert status == 422 and "scalar type" in body["error"].lower()
+    status, body = _answer(server, {"inputs": 5})
+    assert status == 400
+    status, body = _answer(server, {"inputs": {"input_ids": ids, "attention_mask": [[1, 1, 1]]}})
+    assert status == 200
 
 
 def test_named_inputs_preprocess_and_postprocess():
