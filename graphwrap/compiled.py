@@ -55,6 +55,9 @@ def compile_options(compile) -> Optional[dict]:
     if unknown:
         raise GraphwrapError(f"compile= takes the torch.compile options {list(OPTIONS)}, got {unknown}")
     mode = opts.get("mode")
+    if mode not in (None, "default", "max-autotune-no-cudagraphs") and mode not in _GRAPH_MODES:
+        raise GraphwrapError(f'compile mode {mode!r} is not a torch.compile mode graphwrap can capture: use "default" '
+                             'or "max-autotune-no-cudagraphs"')
     if mode in _GRAPH_MODES:
         raise GraphwrapError(
             f"compile mode {mode!r} records CUDA graphs of its own; graphwrap captures the compiled "

@@ -90,6 +90,7 @@ class Engine:
         self.static_forward: Optional[CompiledForward] = None  # the tuner's per-size compile
         self.background_state = self.background_error = self.tuning_error = None
         self.dropped: List[Graph] = []  # graphs evicted for the memory budget, freed after a device wait
+        self.dims_checked = False
         self.writes: Optional[tuple] = None  # the module buffers its forward writes, once a capture saw it
 
     # ------------------------------------------------------------------ per call
@@ -116,6 +117,9 @@ class Engine:
             return self.watch.eager
         where = self.where if self.where is not None else self._where()
         if type(where) is str:
+            if not self.dims_checked:  # the options' dims are checked on a CPU too, on the first call
+                self.dims_checked = True
+                self.decl.facts(args, kwargs, None)
             return where
         single = SINGLE_TENSOR_SPEC if not kwargs and len(args) == 1 and type(args[0]) is Tensor else None
         f = self.decl.facts(args, kwargs, _compat.autocast_state("cuda"), single)

@@ -48,6 +48,13 @@ class Options:
         m = self.max_pool_bytes
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise GraphwrapError(f"max_pool_bytes must be a positive int (bytes), got {m!r}")
+        b = self.buckets
+        if not (b is None or b in ("default", "exact") or isinstance(b, Adaptive) or _sizes(b)):
+            raise GraphwrapError(f'buckets must be None, "default", "exact", graphwrap.Adaptive(...) or a list of '
+                                 f"batch sizes such as [1, 8, 32], got {b!r}")
+        m = self.max_batch_size
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise GraphwrapError(f"max_batch_size must be an int >= 1, got {m!r}")
         if isinstance(self.buckets, Adaptive) and self.max_batch_size is not None:
             raise GraphwrapError("an Adaptive policy picks the largest bucket itself; leave max_batch_size unset")
         if self.seq_dim is None and (self.seq_buckets is not None or self.max_tokens is not None):
@@ -76,3 +83,11 @@ class Options:
                 and (buckets is None or buckets in ("default", "exact")) and table.max > 1):
             table = BucketTable([b for b in table.buckets if b > 1])
         return Grid(table, self.seq_buckets, has_seq, self.max_tokens)
+
+
+def _sizes(b) -> bool:
+    """Whether ``b`` is a non-empty list (or tuple, range) of batch sizes >= 1."""
+    if isinstance(b, (str, bytes, dict)) or not hasattr(b, "__iter__"):
+        return False
+    sizes = list(b)
+    return bool(sizes) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in sizes)

@@ -72,6 +72,7 @@ class Replicas:
             self._replicas.append(_Replica(d, gm, Batcher(gm, **(batcher or {}))))
         self._lock = threading.Lock()
         self._turn = itertools.count()
+        self._closed = False
 
     @property
     def devices(self) -> List[torch.device]:
@@ -83,6 +84,8 @@ class Replicas:
 
     def _pick(self) -> _Replica:
         with self._lock:
+            if self._closed:
+                raise GraphwrapError("these Replicas are closed: make new ones to serve more requests")
             reps = self._replicas
             start = next(self._turn) % len(reps)
             best = min(range(len(reps)), key=lambda i: (reps[i].inflight, (i - start) % len(reps)))
@@ -142,6 +145,8 @@ class Replicas:
                 for r in self._replicas}
 
     def close(self):
+        with self._lock:
+            self._closed = True
         for r in self._replicas:
             r.batcher.close()
 

@@ -210,6 +210,10 @@ class Declarations:
             roles.append((bd, sd, pad))
         if n is None:
             return "no input is batched"
+        if L is None and isinstance(self.seq_dim, int):
+            raise GraphwrapError(f"seq_dim={self.seq_dim}, but no tensor input has a dimension {self.seq_dim} apart from "
+                                 f"its batch dim (shapes {[tuple(t.shape) for t in leaves]}); pass the dimension that "
+                                 "holds the sequence, e.g. seq_dim=1")
         return tuple(roles), n, L
 
 
@@ -250,6 +254,10 @@ def _infer_batch(leaves, bd: int):
         return (f"batched inputs disagree on the batch size along batch_dim={bd} (shapes {sizes}); pass "
                 "batch_dim={name: None, ...} to say which inputs are not batched")
     if not rows:
+        if bd > 0:
+            raise GraphwrapError(f"batch_dim={bd}, but no tensor input has a dimension {bd} (shapes "
+                                 f"{[tuple(t.shape) for t in leaves]}); pass the dimension that holds the batch, "
+                                 "e.g. batch_dim=0")
         return "no input has the batch dim (batch_dim=%d)" % bd
     n = many.pop() if many else 1
     roles = [(bd, None, 0) if t.dim() > bd and t.shape[bd] == n else (None, None, 0) for t in leaves]

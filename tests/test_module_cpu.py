@@ -124,6 +124,11 @@ def test_non_tensor_inputs_run_eagerly_with_a_reason():
         ({"warmup_iters": 0}, "warmup_iters must be an int >= 1"),
         ({"max_keys": 0}, "max_keys must be an int >= 1"),
         ({"buckets": [4], "max_batch_size": 8}, "does not match the largest bucket"),
+        ({"buckets": 5}, r"buckets must be None, \"default\", \"exact\""),
+        ({"buckets": "fast"}, "buckets must be None"),
+        ({"buckets": [0, 4]}, "a list of batch sizes"),
+        ({"buckets": []}, "a list of batch sizes"),
+        ({"max_batch_size": 0}, "max_batch_size must be an int >= 1"),
     ],
 )
 def test_bad_arguments_say_why(kwargs, words):
@@ -217,6 +222,7 @@ def test_bucket_policies_on_the_module():
     ({"options": {"triton.cudagraphs": True}}, "conflicts"),
     ({"backend": "eager"}, "takes the torch.compile options"),
     ({"mode": "default", "options": {"max_autotune": True}}, "not both"),
+    ({"mode": "bogus"}, "'bogus' is not a torch.compile mode"),
     ("yes", "True, False or a dict"),
 ])
 def test_compile_options_are_checked(compile, match):
@@ -306,3 +312,24 @@ def test_replicas_of_a_graphed_module_take_its_options():
     x = torch.randn(3, 32)
     assert_same(reps(x), model(x).detach(), tol=0)
     reps.close()
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"seq_dim": 5}, "seq_dim=5, but no tensor input has a dimension 5"),
+    ({"batch_dim": 7}, "batch_dim=7, but no tensor input has a dimension 7"),
+])
+def test_dims_no_input_has_are_refused_at_the_first_call(kwargs, words):
+    gm = GraphedModule(MLP().eval(), **kwargs)
+    with pytest.raises(GraphwrapError, match=words):
+        gm(torch.randn(3, 32))
+
+
+def test_replicas_after_close_say_so():
+    from graphwrap import Replicas
+
+    r = Replicas(MLP().eval())
+    x = torch.randn(2, 32)
+    assert r(x).shape == (2, 16)
+    r.close()
+    with pytest.raises(GraphwrapError, match="these Replicas are closed"):
+        r(x)
