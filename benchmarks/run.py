@@ -1,9 +1,11 @@
-"""graphwrap's benchmarks: ``python benchmarks/run.py [--suite NAME ...] [--quick] [--out DIR]``.
+"""graphwrap's benchmarks: python -m graphwrap bench [--suite NAME ...] [--quick] [--out DIR].
 
-Prints a table per scenario (speedups against the seed's synchronous loop or eager, and
-against torch.compile), and writes results.json, results.csv and a PNG chart per scenario
-(with matplotlib) under --out. Without a CUDA device it runs a short eager-against-fallback
-suite and says that graph figures need a GPU.
+Prints a table per scenario (speedups against the seed's synchronous loop or eager, and against
+torch.compile) and writes results.json, results.csv and a PNG chart per scenario (with
+matplotlib) under --out, after each suite. --quick alone runs the "quick" suite: one short table
+in about a minute. A suite that needs a package this machine lacks is left out with the reason;
+the others still run. Without a CUDA device it runs a short eager-against-fallback suite and says
+that graph figures need a GPU. (python benchmarks/run.py takes the same options.)
 """
 
 import argparse
@@ -20,6 +22,7 @@ import harness  # noqa: E402
 from harness import Case, Results  # noqa: E402
 
 SUITES = {
+    "quick": "one short table in about a minute: the seed MLP per call and over mixed batches, BERT-base",
     "overhead": "per call at batch 1, input on the GPU: eager, a bare replay, gm(x) owned and view, torch.compile",
     "host": "the same with inputs in host memory, pageable and pinned",
     "fixed": "the seed notebook's loops against gm(x) and pipeline, 1280 batches of one size",
@@ -33,6 +36,7 @@ SUITES = {
     "text": "BERT-base with real lengths: eager, one line, seq_dim=1, padded by hand; compile=True; 64 clients",
 }
 BASELINES = {
+    "quick": ("eager", None),
     "fixed": ("seed synchronous loop", "torch.compile reduce-overhead"),
     "overhead": ("eager", "torch.compile reduce-overhead"),
     "mixed": ("eager", "torch.compile reduce-overhead dynamic=None"),
@@ -63,11 +67,14 @@ def cpu_suite(results, quick):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter,
+    ap = argparse.ArgumentParser(prog="python -m graphwrap bench", description="\n".join(__doc__.splitlines()[2:]),
+                                 formatter_class=argparse.RawTextHelpFormatter,
                                  epilog="suites (each needs a CUDA device):\n" + "\n".join(
                                      f"  {k:9s} {v}" for k, v in SUITES.items()))
-    ap.add_argument("--suite", action="append", choices=list(SUITES), help="scenario to run (repeatable); default: all")
-    ap.add_argument("--quick", action="store_true", help="fewer batches and repeats, a minute or two")
+    ap.add_argument("--suite", action="append", choices=list(SUITES),
+                    help="scenario to run (repeatable); default: all but quick")
+    ap.add_argument("--quick", action="store_true",
+                    help="alone: the quick suite; with --suite: fewer batches and repeats")
     ap.add_argument("--out", default="bench-out", help="folder for results.json, results.csv and charts")
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds per strategy (default 5, quick 3)")
     ap.add_argument("--batch-sizes", default="1,16,1280", help="batch sizes of the fixed scenario")
@@ -90,35 +97,61 @@ def main(argv=None):
               "Graph figures need a GPU.", flush=True)
         if a.suite:
             print(f"Left out, they need a GPU: {', '.join(a.suite)}", flush=True)
-        suites = ["cpu"]
+        suites, failed = ["cpu"], []
         cpu_suite(results, a.quick)
     else:
-        suites = a.suite or list(SUITES)
-        import importlib
-
+        suites = a.suite or (["quick"] if a.quick else [k for k in SUITES if k != "quick"])
+        ran, failed = [], []
         for name in suites:
             t0 = time.perf_counter()
             print(f"-- {name}", flush=True)
-            mod = importlib.import_module({"capture": "capture_time", "compile": "compile_start"}.get(name, name))
-            extra = {}
-            if name == "fixed":
-                extra = {"batch_sizes": [int(b) for b in a.batch_sizes.split(",")]}
-            elif name in ("serving", "replicas"):
-                extra = {"models": tuple(a.serving_models.split(","))}
-            elif name == "large":
-                extra = {"batch_sizes": [int(b) for b in a.large_sizes.split(",")]}
-            elif name == "mixed":
-                extra = {"models": tuple(a.mixed_models.split(",")), "static_exact": a.mixed_static_exact}
-            mod.run(results, torch.device("cuda"), a.quick, repeats, **extra)
-            print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
+            try:
+                _run_suite(name, a, results, repeats)
+            except ModuleNotFoundError as e:
+                print(f"   left out: it needs {e.name} (pip install {e.name})", flush=True)
+                results.add(name, "left out", f"needs {e.name}", [], "", None, None, error=f"needs {e.name}")
+                ran.append(name)
+                continue
+            except Exception as e:  # noqa: BLE001 - the other suites still run and write their results
+                print(f"   FAILED: {type(e).__name__}: {e}", flush=True)
+                failed.append(name)
+                continue
+            finally:
+                print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
+            ran.append(name)
+            results.write(ran, charts=CHARTS)
+        suites = ran
     for name in suites:
         base, peer = BASELINES[name]
         print()
         print(results.table(name, base, peer))
-    results.write(suites, charts=["overhead", "fixed", "large", "mixed", "models", "cpu"])
+    results.write(suites, charts=CHARTS)
     if a.out:
         print(f"\nresults in {os.path.abspath(a.out)}")
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+        return 1
     return 0
+
+
+CHARTS = ["overhead", "fixed", "large", "mixed", "models", "cpu"]
+
+
+def _run_suite(name, a, results, repeats):
+    """One suite, with the options of the command line that it takes."""
+    import importlib
+
+    mod = importlib.import_module({"capture": "capture_time", "compile": "compile_start"}.get(name, name))
+    extra = {}
+    if name == "fixed":
+        extra = {"batch_sizes": [int(b) for b in a.batch_sizes.split(",")]}
+    elif name in ("serving", "replicas"):
+        extra = {"models": tuple(a.serving_models.split(","))}
+    elif name == "large":
+        extra = {"batch_sizes": [int(b) for b in a.large_sizes.split(",")]}
+    elif name == "mixed":
+        extra = {"models": tuple(a.mixed_models.split(",")), "static_exact": a.mixed_static_exact}
+    mod.run(results, torch.device("cuda"), a.quick, repeats, **extra)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Ray Serve: a deployment that serves a model through graphwrap on each replica's GPU.
 
-``pip install "graphwrap[serve]"``; Ray is imported here only, when :func:`deployment` is called.
+``pip install -e ".[serve]" in a checkout``; Ray is imported here only, when :func:`deployment` is called.
 
 Ray Serve routes requests to replicas, scales them and restarts them; each replica builds the
 model on its GPU, wraps it in a :class:`graphwrap.GraphedModule`, captures every bucket when it
@@ -242,7 +242,7 @@ def deployment(factory: Callable[[], nn.Module], *, sample=None, name: str = "gr
     try:
         from ray import serve
     except ImportError as e:
-        raise GraphwrapError('graphwrap.serve needs Ray Serve: pip install "graphwrap[serve]"') from e
+        raise GraphwrapError('graphwrap.serve needs Ray Serve: pip install -e ".[serve]" in a checkout') from e
     if num_gpus is None:
         num_gpus = 1 if torch.cuda.is_available() else 0
     actor = dict(deployment_options.pop("ray_actor_options", None) or {})

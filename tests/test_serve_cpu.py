@@ -1,13 +1,13 @@
 """graphwrap.serve on a local Ray instance (the CPU: eager calls): HTTP and handles, errors, recovery.
 
-Ray is a dependency of this test only (CI installs it: pip install "graphwrap[serve]")."""
+Ray is a dependency of this test only (CI installs it: pip install -e ".[serve]" in a checkout)."""
 
 import os
 
 import pytest
 import torch
 
-ray = pytest.importorskip("ray", reason='needs Ray Serve: pip install "graphwrap[serve]"')
+ray = pytest.importorskip("ray", reason='needs Ray Serve: pip install -e ".[serve]" in a checkout')
 serve = pytest.importorskip("ray.serve")
 
 from helpers import free_port, post_json  # noqa: E402

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.cuda
-ray = pytest.importorskip("ray", reason='needs Ray Serve: pip install "graphwrap[serve]"')
+ray = pytest.importorskip("ray", reason='needs Ray Serve: pip install -e ".[serve]" in a checkout')
 serve = pytest.importorskip("ray.serve")
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="needs transformers, which no extra installs: pip install transformers")
 
 import os  # noqa: E402
 

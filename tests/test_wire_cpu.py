@@ -160,7 +160,7 @@ class _Request:
 
 
 def _answer(server, body):
-    pytest.importorskip("starlette", reason='the HTTP answer needs starlette: pip install "graphwrap[serve]"')
+    pytest.importorskip("starlette", reason='the HTTP answer needs starlette: pip install -e ".[serve]" in a checkout')
     r = asyncio.run(server(_Request(body)))
     if isinstance(r, dict):
         return 200, r
@@ -199,7 +199,7 @@ class _Get(_Request):
 def test_a_get_is_405_and_float_ids_to_an_embedding_are_422_not_500():
     from graphwrap.serve import Server
 
-    pytest.importorskip("starlette", reason='the HTTP answer needs starlette: pip install "graphwrap[serve]"')
+    pytest.importorskip("starlette", reason='the HTTP answer needs starlette: pip install -e ".[serve]" in a checkout')
     server = Server(Embedder)
     r = asyncio.run(server(_Get(b"")))
     assert r.status_code == 405 and "POST" in json.loads(r.body)["error"]
