@@ -204,7 +204,7 @@ class Results:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            print("matplotlib is not installed: no charts (pip install -e ".[bench]" in a checkout)")
+            print('matplotlib is not installed: no charts (pip install -e ".[bench]" in a checkout)')
             return
         for sc in scenarios if charts is None else [c for c in charts if c in scenarios]:
             rows = [r for r in self.rows if r["scenario"] == sc and r["median"] is not None and not r.get("note")]
