@@ -25,3 +25,46 @@ def test_quick_suite_runs_on_cpu(tmp_path):
     assert all(row["median"] > 0 and row["min"] <= row["median"] <= row["max"] for row in data["rows"])
     header = (tmp_path / "results.csv").read_text().splitlines()[0].split(",")
     assert {"scenario", "strategy", "median", "min", "max", "cold_start_s"} <= set(header)
+
+
+def test_a_suite_that_needs_a_missing_package_is_left_out_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    """The GPU branch of run.py with two stand-in suites: one whose import of an optional
+    package fails, one that runs; results are written for the one that ran."""
+    import types
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import run
+    finally:
+        sys.path.pop(0)
+
+    def needs_pkg(results, device, quick, repeats):
+        raise ModuleNotFoundError("No module named 'somepackage'", name="somepackage")
+
+    def works(results, device, quick, repeats):
+        results.add("fake_ok", "a case", "eager", [1e-3, 2e-3], "s", 0.1, None)
+
+    def breaks(results, device, quick, repeats):
+        raise RuntimeError("a bug of the suite's own")
+
+    for name, fn in (("fake_missing", needs_pkg), ("fake_ok", works), ("fake_broken", breaks)):
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(run=fn))
+        monkeypatch.setitem(run.SUITES, name, "a stand-in")
+        monkeypatch.setitem(run.BASELINES, name, ("eager", None))
+    env = run.harness.environment()  # read on this machine, before CUDA is said to be there
+    monkeypatch.setattr(run.harness, "environment", lambda: env)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    code = run.main(["--suite", "fake_missing", "--suite", "fake_broken", "--suite", "fake_ok", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 1 and "failed: fake_broken" in out, "a failing suite is reported in the exit code"
+    assert "left out: it needs somepackage" in out
+    data = json.loads((tmp_path / "results.json").read_text())
+    rows = {(r["scenario"], r["strategy"]) for r in data["rows"]}
+    assert ("fake_ok", "eager") in rows and ("fake_missing", "needs somepackage") in rows
+
+
+def test_bench_help_names_the_command_users_type():
+    r = subprocess.run([sys.executable, "-m", "graphwrap", "bench", "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m graphwrap bench")
+    assert "``" not in r.stdout
