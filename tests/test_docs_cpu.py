@@ -1,0 +1,103 @@
+"""The docs name only what exists: every file, folder and test they cite, and their tables
+render as tables (a paragraph right under a table would be read as one of its rows)."""
+
+import ast
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ["README.md", "CHANGELOG.md", "docs/contract.md", "docs/design.md", "docs/benchmarks.md",
+        "benchmarks/results/README.md", "benchmarks/diagnostics/README.md"]
+# Where a bare name in a doc is looked for, in order.
+PLACES = ["", "graphwrap", "tests", "benchmarks", "benchmarks/results", "benchmarks/diagnostics", "docs", "examples"]
+CODE = re.compile(r"`([^`\n]+)`")
+PATH = re.compile(r"^[\w.\-/]+\.(py|md|log|json|csv|toml|txt)$|^[\w.\-]+/([\w.\-]+/)*$")
+TEST = re.compile(r"^(…|[\w\-/]+\.py)::(test\w*…?|…\w*)")
+
+
+def _docs():
+    for d in DOCS + [os.path.join("benchmarks/results", f, "README.md")
+                     for f in sorted(os.listdir(os.path.join(ROOT, "benchmarks/results")))
+                     if os.path.isfile(os.path.join(ROOT, "benchmarks/results", f, "README.md"))]:
+        if os.path.isfile(os.path.join(ROOT, d)):
+            yield d
+
+
+def _all_paths():
+    out = set()
+    for top, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        rel = os.path.relpath(top, ROOT)
+        for n in dirs + files:
+            out.add(n if rel == "." else f"{rel}/{n}")
+    return out
+
+
+PATHS = _all_paths()
+
+
+def _exists(name: str, doc: str) -> bool:
+    """A name resolves where some path of the repository ends with it (a file named in a
+    results folder's README, or beside the folder a paragraph names, resolves so)."""
+    name = name.rstrip("/")
+    return name in PATHS or any(p.endswith("/" + name) for p in PATHS)
+
+
+def _tests_in(path: str):
+    tree = ast.parse(open(os.path.join(ROOT, "tests", path)).read())
+    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+@pytest.mark.parametrize("doc", list(_docs()))
+def test_every_file_folder_and_test_a_doc_names_exists(doc):
+    missing = []
+    text = open(os.path.join(ROOT, doc)).read()
+    for line in text.splitlines():
+        last_file = None
+        for tok in CODE.findall(line):
+            tok = tok.strip()
+            m = TEST.match(tok)
+            if m:
+                path, name = m.group(1), m.group(2)
+                path = last_file if path == "…" else os.path.basename(path)
+                if path is None or not os.path.isfile(os.path.join(ROOT, "tests", path)):
+                    missing.append(tok)
+                    continue
+                last_file = path
+                names = _tests_in(path)
+                if "…" in name:
+                    stem = name.strip("…")
+                    ok = any(n.startswith(stem) or (name.startswith("…") and n.endswith(stem)) for n in names)
+                else:
+                    ok = name in names
+                if not ok:
+                    missing.append(tok)
+                continue
+            if PATH.match(tok) and "…" not in tok and "*" not in tok and not tok.startswith(("http", ".")):
+                if tok.endswith(".py") and "/" not in tok and tok.startswith("test_"):
+                    last_file = tok
+                if not _exists(tok, doc):
+                    missing.append(tok)
+    assert not missing, f"{doc} names what the repository lacks: {missing}"
+
+
+@pytest.mark.parametrize("doc", list(_docs()))
+def test_tables_render(doc):
+    lines = open(os.path.join(ROOT, doc)).read().splitlines()
+    glued, in_code = [], False
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code:
+            continue
+        if line.startswith("|") and i + 1 < len(lines):
+            nxt = lines[i + 1]
+            if nxt.strip() and not nxt.startswith("|"):
+                glued.append(f"line {i + 2}: {nxt[:60]}")
+        if line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|")):
+            sep = lines[i + 1] if i + 1 < len(lines) else ""
+            if not re.match(r"^\|( *:?-+:? *\|)+\s*$", sep):
+                glued.append(f"line {i + 1}: a table without its separator row")
+    assert not glued, f"{doc}: a paragraph right under a table (add a blank line): {glued}"
