@@ -42,7 +42,7 @@ from .tree import (
     requires_grad_shallow,
     to_device_shallow,
 )
-from .watch import Watch
+from .watch import GLOBAL_HOOKS, GLOBAL_TABLES, Watch
 from .worker import Worker
 
 logger = logging.getLogger("graphwrap")
@@ -55,6 +55,7 @@ WRITES_LARGE = "the forward writes module buffers: a batch above the largest buc
 EXACT_LENGTHS = 32  # graphs per exact length of a key whose padding is refused, then eager
 _NO_BUCKET = Bucket(0)
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
+_GLOBAL_PRE, _GLOBAL_POST = GLOBAL_TABLES  # torch.nn's global forward hook tables (mutated in place)
 
 
 class Engine:
@@ -100,7 +101,7 @@ class Engine:
         (the caller takes the general path, which says why or builds the plan)."""
         plan = self.fast.get(x.shape)
         if (plan is None or plan.dtype is not x.dtype or plan.dev != x.get_device() or self.module.training
-                or (x.requires_grad and grad_on())):
+                or (x.requires_grad and grad_on()) or _GLOBAL_PRE or _GLOBAL_POST):
             return None
         if plan.eager or (self.watch.current() and not autocast_on()):
             return plan
@@ -110,6 +111,8 @@ class Engine:
         """The call's :class:`~graphwrap.signature.Facts`, or a string saying why it runs eagerly."""
         if self.module.training:
             return GRAD_REASONS[0]
+        if _GLOBAL_PRE or _GLOBAL_POST:
+            return GLOBAL_HOOKS
         why = self.watch.look()
         if why is not None:
             self._changed(why)

@@ -37,10 +37,14 @@ GENERATION = [0]
 _INSTALLED = []
 # Whether each tensor still has the data pointer recorded for it: one C++ loop (CUDA builds).
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-# The hook tables a forward runs: per module, and for every module at once.
+# The hook tables a forward runs: per module, and for every module at once. A global forward
+# hook runs for every module a forward calls, which no replay can do: while one is registered,
+# calls run eagerly (GraphedModule.forward), and the graphs stay for when it is gone.
 HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
 GLOBAL_TABLES = tuple(getattr(_nn_module, n) for n in ("_global_forward_pre_hooks", "_global_forward_hooks")
                       if hasattr(_nn_module, n))
+GLOBAL_HOOKS = "a global forward hook is registered (nn.modules.module.register_module_forward_hook): calls run " \
+               "eagerly while it is, so it runs for every submodule"
 
 
 def _bump(*_args):
@@ -67,9 +71,9 @@ def install_hooks():
 
 class Tree:
     """The module tree as a forward sees it: its submodules, their training flags and forward
-    hooks, the global forward hooks and the default dtype."""
+    hooks, and the default dtype."""
 
-    __slots__ = ("names", "modules", "flags", "hooks", "global_hooks", "dtype")
+    __slots__ = ("names", "modules", "flags", "hooks", "dtype")
 
     def __init__(self, module: nn.Module):
         named = list(module.named_modules())
@@ -77,7 +81,6 @@ class Tree:
         self.modules = tuple(m for _, m in named)
         self.flags = tuple(m.training for m in self.modules)
         self.hooks = tuple(tuple(tuple(getattr(m, t, {})) for t in HOOK_TABLES) for m in self.modules)
-        self.global_hooks = tuple(tuple(d) for d in GLOBAL_TABLES)
         self.dtype = _default_dtype()
 
     def name(self, i: int) -> str:
@@ -97,7 +100,6 @@ class Tree:
     def sized(self) -> Optional[tuple]:
         """The hook tables that hold hooks, with their lengths: a removal shortens one."""
         tables = [getattr(m, t) for m, h in zip(self.modules, self.hooks) if any(h) for t in HOOK_TABLES]
-        tables += [d for d in GLOBAL_TABLES if d]
         return tuple((d, len(d)) for d in tables) or None
 
     def difference(self, now: "Tree") -> Optional[str]:
@@ -113,8 +115,6 @@ class Tree:
         if self.hooks != now.hooks:
             i = next(i for i, (a, b) in enumerate(zip(self.hooks, now.hooks)) if a != b)
             return f"a forward hook was added to or removed from {self.name(i)}"
-        if self.global_hooks != now.global_hooks:
-            return "a global forward hook was added or removed"
         if self.dtype != now.dtype:
             return f"the default dtype changed from {self.dtype} to {now.dtype}"
         return None
