@@ -7,6 +7,7 @@ hook seen (its module and name) and how many samples saw it.
 
 import collections
 import threading
+import time
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ def main():
         for table in ("_global_forward_pre_hooks", "_global_forward_hooks"):
             for h in list(getattr(nn_module, table).values()):
                 seen[(table, getattr(h, "__module__", "?"), getattr(h, "__qualname__", repr(h)))] += 1
+        time.sleep(1e-4)  # let the compiling thread have the GIL
     t.join()
     print(f"{samples} samples of the global hook tables while torch {torch.__version__} compiled")
     for (table, mod, name), n in seen.items():
