@@ -34,6 +34,7 @@ SUITES = {
     "models": "resnet50, BERT-base, GPT-2 at batch 1 and 16 against eager and torch.compile",
     "capture": "time and memory to capture every bucket",
     "text": "BERT-base with real lengths: eager, one line, seq_dim=1, padded by hand; compile=True; 64 clients",
+    "decode": "GPT-2 greedy decoding with a static cache: eager loop, gm.generate, a graph by hand, compiled generate",
 }
 BASELINES = {
     "quick": ("eager", None),
@@ -48,6 +49,7 @@ BASELINES = {
     "capture": (None, None),
     "host": (None, None),
     "text": ("eager", "torch.compile reduce-overhead"),
+    "decode": ("transformers eager loop, StaticCache: per token", "the step captured by hand (one graph): per token"),
     "cpu": ("eager", None),
 }
 

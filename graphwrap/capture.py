@@ -38,7 +38,7 @@ from .streams import (
     own_cublas_workspace,
     record,
 )
-from .tree import flatten_outputs
+from .tree import CONST, WHOLE, flatten_outputs
 
 Tensor = torch.Tensor
 logger = logging.getLogger("graphwrap")
@@ -78,6 +78,7 @@ class Job:
     # capture starts from the state the call found.
     restore: Callable[[], None] = lambda: None
     state: Any = None  # the state.Saved behind ``restore``, if any
+    fixed: bool = False  # a state input fixes the batch: the call's own shape, no other is run
 
 
 @dataclass(slots=True)
@@ -105,6 +106,7 @@ class _Prepared:
     seq_dims: list
     out_spec: Any
     draws: bool
+    writes: bool = False  # the forward writes state: the call's own shape, no padding to check
 
 
 def capture_bucket(job: Job, recorder) -> Captured:
@@ -137,7 +139,7 @@ def capture_bucket(job: Job, recorder) -> Captured:
                    pool_bytes=pool_bytes, pool=pool, **info)
     if job.verify:
         check = Verifier(graph, job.module, job.spec, p.out_spec, p.ref_pad, p.ref_real, p.real, job.guard,
-                         job.pad_check, job.restore)
+                         job.pad_check and not p.writes, job.restore, rows_check=not p.writes)
         got.verify_s = recorder.verify(job.device, job.autocast, check)
     return got
 
@@ -169,6 +171,13 @@ def _prepare(job: Job, recorder, info: dict) -> _Prepared:
             job.state.check_params()
         job.restore()
         check_untouched(real, versions, job.describe)
+        # A forward that writes state (found by that run) is captured at the call's own shape only:
+        # padding rows or positions would write state that the eager call does not.
+        writes = job.fixed or (job.state is not None and bool(job.state.written))
+        if writes and not job.fixed and (m != job.size or (job.seq is not None and Lr != job.seq)):
+            err = CaptureFailed("the forward writes module buffers: captured at the call's own shape", scope="state")
+            err.written = set(job.state.written)
+            raise err
         static_in = shape_inputs(real, job.roles, job.size, job.seq)
         ref_pad, spec_pad = _warm_up(job, recorder, static_in, info)
         if spec_pad != spec_real:
@@ -176,14 +185,19 @@ def _prepare(job: Job, recorder, info: dict) -> _Prepared:
         if job.out_spec is not None and spec_pad != job.out_spec:
             raise CaptureFailed("the structure of the output differs between buckets")
         check_rebuild(spec_pad, ref_pad)
-        if job.kinds is None:
+        if job.kinds is None and writes:
+            # Never padded, so nothing is cut: every output is returned whole, and no other shape
+            # is run to tell which are batched (a cache of a fixed batch refuses any other).
+            kinds = [WHOLE if isinstance(o, Tensor) else CONST for o in ref_pad]
+            seq_dims = [()] * len(ref_pad)
+        elif job.kinds is None:
             job.restore()
             kinds, seq_dims = output_kinds(job.module, job.spec, job.roles, real, ref_real, ref_pad, job.size,
                                            job.seq, job.batch_dim, spec_pad)
             job.restore()
         else:
             kinds, seq_dims = job.kinds, job.seq_dims
-    return _Prepared(static_in, real, ref_real, ref_pad, kinds, seq_dims, spec_pad, draws)
+    return _Prepared(static_in, real, ref_real, ref_pad, kinds, seq_dims, spec_pad, draws, writes)
 
 
 def _warm_up(job: Job, recorder, static_in, info):

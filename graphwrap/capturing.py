@@ -59,7 +59,7 @@ def capture_into(engine, ks: Key, b: Bucket, leaves, n: int, L, forward=None, pl
 
 def _capture_into(engine, ks: Key, b: Bucket, leaves, n: int, L, forward, plain: bool, timed: bool,
                   evict: bool) -> Optional[Bucket]:
-    saved = Saved(engine.module)  # the call's module state: every extra run of the capture is undone
+    saved = Saved(engine.module, ks.states)  # the call's state: every extra run of the capture is undone
     try:
         return _capture_loop(engine, ks, b, leaves, n, L, forward, plain, timed, evict, saved)
     finally:
@@ -80,7 +80,7 @@ def _capture_loop(engine, ks: Key, b: Bucket, leaves, n: int, L, forward, plain:
                 return None
             evict = evict and b.size <= engine.grid.top(b.seq)  # a batch above the grid never evicts
             job = make_job(engine, ks, b, leaves, n, L, plain, forward)
-            job.restore, job.state = saved.restore, saved
+            job.restore, job.state, job.fixed = saved.restore, saved, ks.fixed
             epoch = engine.epoch
         try:
             got = capture_bucket(job, engine.backend.recorder)
@@ -112,16 +112,10 @@ def _writes_state(engine, ks: Key, b: Bucket, saved: Saved, n: int, L) -> bool:
     must go because it pads a call of a module that does."""
     if not saved.written:
         return False
+    if ks.fixed:  # a state input: its writes are the point, and nothing is padded
+        return False
     with engine.lock:
-        first = engine.writes is None
-        engine.writes = tuple(sorted(set(engine.writes or ()) | saved.written))
-        if first:
-            logger.info("graphwrap: the forward writes the module's buffers %s: each call writes them once, as "
-                        "the module does (the extra runs of a capture are undone); calls are served at their "
-                        "own batch size and length, one by one, never padded, chunked or joined",
-                        ", ".join(engine.writes))
-            for k in engine.store.keys.values():
-                fold(engine, k, None)
+        _note_writes(engine, saved.written)
         padded = b.size != n or (b.seq is not None and b.seq != L)
         if padded and ks.buckets.get(b.point) is b:
             del ks.buckets[b.point]
@@ -208,6 +202,11 @@ def settle_failure(engine, ks: Key, b: Bucket, e: CaptureFailed, epoch: int, for
     if e.scope == "compile":
         give_up_compile(engine, e.reason)
         return "plain"
+    if e.scope == "state":  # planned again at the call's own shape, from now on for every call
+        _note_writes(engine, e.written)
+        ks.buckets.pop(b.point, None)
+        b.serves = Serves.NOTHING
+        return None
     if e.scope == "seq" and ks.exact is None:
         ks.exact = e.reason
         ks.buckets.pop(b.point, None)
@@ -279,6 +278,19 @@ def _mark_compiled(engine, ks: Key, b: Bucket, compiled, graphs: int):
     if ran:
         seen.add((ks.seen_as, b.point))
     b.compiled = ran if b.compiled is None else (b.compiled and ran)
+
+
+def _note_writes(engine, written):
+    """The forward writes these module buffers: calls are planned at their own shape from now
+    on. The caller holds the lock."""
+    first = engine.writes is None
+    engine.writes = tuple(sorted(set(engine.writes or ()) | set(written)))
+    if first:
+        logger.info("graphwrap: the forward writes the module's buffers %s: each call writes them once, as the "
+                    "module does (the extra runs of a capture are undone); calls are served at their own batch "
+                    "size and length, one by one, never padded, chunked or joined", ", ".join(engine.writes))
+        for k in engine.store.keys.values():
+            fold(engine, k, None)
 
 
 def ring_of(engine, ks: Key, got, restore=lambda: None):

@@ -36,7 +36,7 @@ from .grid import Grid
 from .joins import Joins
 from .plans import STALE, Plan
 from .records import Bucket, Graph, Key, Lease, Serves, Store, drop
-from .signature import Facts, describe_key
+from .signature import Facts, describe_key, state_refs
 from .tree import (
     flatten_inputs,
     requires_grad_shallow,
@@ -182,7 +182,7 @@ class Engine:
         if type(S) is str:
             return Plan(self, ks, n, L, _NO_BUCKET, reason=S)
         top = self.grid.top(S)
-        if self.writes is not None:  # state written per row or position: never padded or chunked
+        if self.writes is not None or ks.fixed:  # state written per row or position: never padded or chunked
             if n > top:
                 return Plan(self, ks, n, L, _NO_BUCKET, reason=WRITES_LARGE)
             size = n
@@ -304,6 +304,8 @@ class Engine:
         ks = Key(describe_key(f.spec, f.meta, f.autocast), f.spec, f.roles, device, f.autocast, seen, single,
                  has_seq=f.L is not None)
         ks.host = any(t.device != device for t in f.leaves)
+        if f.state:
+            ks.fixed, ks.states = True, state_refs(f.spec)
         store.keys[f.key] = ks
         return ks
 

@@ -179,7 +179,7 @@ class GraphedModule(nn.Module):
         # captures its own on its first calls, as a new GraphedModule would.
         state = {k: v for k, v in self.__dict__.items()
                  if k not in ("_gw_engine", "_gw_finalizer", "_parameters", "_buffers", "_modules",
-                              "_non_persistent_buffers_set")}
+                              "_non_persistent_buffers_set", "_gw_caches")}
         state["_gw_options"] = self.__dict__["_gw_options"].as_kwargs()
         return state
 
@@ -327,6 +327,65 @@ class GraphedModule(nn.Module):
         graph pool and static inputs hold.
         """
         return self.engine.stats()
+
+    def generate(self, *args, **kwargs):
+        """The wrapped model's ``generate`` (a Hugging Face model), with graphwrap's graphs on the
+        decode steps: ``gm.generate(**inputs, max_new_tokens=..., cache_implementation="static")``
+        gives ``model.generate``'s tokens, each step a replay.
+
+        The prompt's forward (prefill) runs as ``generate`` runs it; every later step is handed to
+        graphwrap in place of ``generate``'s own compiled call (transformers' automatic compile is
+        not used). A static cache is state the graphs write in place, keyed by the cache object,
+        and fixes the batch: nothing is padded. With a cache that grows (``DynamicCache``, the
+        default without ``cache_implementation="static"``) the steps run eagerly, and the reason
+        says to use a static cache. One ``generate`` at a time per model.
+        """
+        module = self.module
+        if not callable(getattr(module, "generate", None)):
+            raise GraphwrapError(f"{type(module).__name__} has no generate(): it is not a Hugging Face generation model")
+        engine = self.engine
+        kwargs = self._gw_static_cache(module, args, kwargs)
+        d = module.__dict__
+        before = {k: d[k] for k in ("get_compiled_call", "_valid_auto_compile_criteria") if k in d}
+
+        def step(**kw):
+            return call(engine, (), kw)
+
+        d["get_compiled_call"] = lambda *_a, **_k: step
+        d["_valid_auto_compile_criteria"] = lambda *_a, **_k: True
+        try:
+            return module.generate(*args, **kwargs)
+        finally:
+            for k in ("get_compiled_call", "_valid_auto_compile_criteria"):
+                d.pop(k, None)
+            d.update(before)
+
+    def _gw_static_cache(self, module, args, kwargs) -> dict:
+        """With ``cache_implementation="static"`` and no cache given: one static cache of this
+        GraphedModule's own per batch size, dtype and device, sized to a multiple of 64
+        positions and reset before each ``generate``, so every later ``generate`` of that batch
+        (any prompt length that fits) replays the graphs the first one captured."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if (kwargs.get("cache_implementation") != "static" or kwargs.get("past_key_values") is not None
+                or not isinstance(ids, Tensor) or ids.dim() != 2 or not isinstance(kwargs.get("max_new_tokens"), int)
+                or kwargs.get("num_beams", 1) != 1 or kwargs.get("num_return_sequences", 1) != 1):
+            return kwargs
+        try:
+            from transformers import StaticCache
+        except ImportError:
+            return kwargs
+        need = ids.shape[1] + kwargs["max_new_tokens"]
+        size = -(-need // 64) * 64
+        caches = self.__dict__.setdefault("_gw_caches", {})
+        key = (ids.shape[0], size, ids.device)
+        cache = caches.get(key)
+        if cache is None:
+            cache = caches[key] = StaticCache(config=module.config, max_cache_len=size)
+        else:
+            cache.reset()
+        kwargs = dict(kwargs, past_key_values=cache)
+        kwargs.pop("cache_implementation")
+        return kwargs
 
     def pipeline(self, batches, *, to_host: bool = False, coalesce: bool = False):
         """Run the module over an iterable of inputs, copies hidden behind replays.

@@ -195,6 +195,10 @@ class Key:
     warming: bool = False  # a background capture runs: uncaptured buckets run eagerly
     warming_calls: int = 0
     eager_calls: int = 0
+    # State inputs (a static cache, as state.StateRef): written in place by the graphs; they fix
+    # the batch, so every call is one of its own shape
+    states: tuple = ()
+    fixed: bool = False
 
     def fail(self, reason: str):
         """Every later call of this key runs eagerly, for ``reason``."""

@@ -35,6 +35,7 @@ class Facts:
     roles: Tuple[Role, ...]
     autocast: Any
     device: Any = None  # where its graphs run (set by the engine)
+    state: bool = False  # an input is state written in place (a static cache): one call, never padded
 
 
 def _check_dim(name: str, value, allow_none: bool):
@@ -92,6 +93,7 @@ class Declarations:
         # (position or name, type) of a top-level input graphwrap cannot key on -> why: such a
         # call is refused before it is flattened (a model's cache object, passed on every call)
         self._refused: Dict[tuple, str] = {}
+        self._stateful: Dict[tuple, bool] = {}  # spec -> whether it holds a state input
 
     # ------------------------------------------------------------------ per spec, once
 
@@ -153,6 +155,11 @@ class Declarations:
                 return str(e)
         if not leaves:
             return "the call has no tensor inputs to batch"
+        if single_spec is None and _has_state(spec, self._stateful):
+            # State fixes the batch: nothing is padded, every input is copied in whole.
+            roles = ((None, None, 0),) * len(leaves)
+            meta = tuple((tuple(t.shape), t.dtype, t.device) for t in leaves)
+            return Facts((spec, meta, autocast), leaves, 1, None, spec, meta, roles, autocast, state=True)
         if self.simple:
             roles = _infer_batch(leaves, self.default_bd)
             if isinstance(roles, str):
@@ -217,11 +224,42 @@ class Declarations:
         return tuple(roles), n, L
 
 
+def state_refs(spec) -> tuple:
+    """The state inputs (``state.StateRef``) of a call's spec, in order."""
+    out = []
+
+    def walk(s):
+        if isinstance(s, tuple):
+            if s[:1] == ("S",):
+                out.append(s[1])
+                return
+            for c in s:
+                if isinstance(c, tuple):
+                    walk(c)
+    walk(spec)
+    return tuple(out)
+
+
+def _has_state(spec, memo: Dict[tuple, bool]) -> bool:
+    got = memo.get(spec)
+    if got is None:
+        got = memo[spec] = _any_state(spec)
+    return got
+
+
+def _any_state(spec) -> bool:
+    if isinstance(spec, tuple):
+        if spec[:1] == ("S",):
+            return True
+        return any(_any_state(s) for s in spec if isinstance(s, tuple))
+    return False
+
+
 def _count_leaves(spec) -> int:
     tag = spec[0]
     if tag == "T":
         return 1
-    if tag == "C":
+    if tag in ("C", "S"):
         return 0
     if tag in ("tuple", "list"):
         return sum(_count_leaves(s) for s in spec[1])
@@ -284,6 +322,8 @@ def describe_key(spec, meta, autocast) -> str:
             return f"Tensor[{', '.join(str(d) for d in shape)}] {str(dtype).replace('torch.', '')} {device}"
         if tag == "C":
             return repr(s[2])
+        if tag == "S":
+            return repr(s[1])
         if tag in ("tuple", "list"):
             inner = ", ".join(one(c) for c in s[1])
             return f"({inner})" if tag == "tuple" else f"[{inner}]"

@@ -9,7 +9,7 @@ and the engine serves such a module without padding, chunking or joining request
 which would write state the eager call does not).
 """
 
-from typing import List, Set, Tuple
+from typing import List, Optional, Set, Tuple
 
 import torch
 
@@ -21,11 +21,14 @@ class Saved:
 
     __slots__ = ("items", "params", "written")
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, states=()):
+        named = list(module.named_buffers())
+        for i, ref in enumerate(states):  # state inputs: a static cache's tensors
+            named += [(f"{type(ref.obj).__name__}[{j}]", t) for j, t in enumerate(state_tensors(ref.obj))]
         with torch.inference_mode(False), torch.no_grad():
             # Inference tensors keep no version counter and cannot be written outside that mode.
             self.items: List[Tuple[str, Tensor, int, Tensor]] = [
-                (name, t, t._version, t.clone()) for name, t in module.named_buffers() if not t.is_inference()]
+                (name, t, t._version, t.clone()) for name, t in named if not t.is_inference()]
         self.params = [(name, p, p._version) for name, p in module.named_parameters() if not p.is_inference()]
         self.written: Set[str] = set()
 
@@ -49,3 +52,82 @@ class Saved:
         if written:
             raise CaptureFailed(f"the forward writes into its parameters {', '.join(written[:3])}; such a module "
                                 "runs eagerly")
+
+
+# ---------------------------------------------------------------------------------- state inputs
+
+DYNAMIC_CACHE = ("a cache that grows with every token (a DynamicCache) cannot be replayed by a graph: pass a static "
+                 "cache (generate(..., cache_implementation=\"static\"), or a transformers StaticCache) for graphs")
+NOT_ALLOCATED = ("the static cache is not allocated yet (its first call allocates it): this call runs eagerly, the "
+                 "next ones are graphed")
+
+
+def state_reason(obj) -> Optional[str]:
+    """Whether an input object is state the forward reads and writes in place: None for a cache
+    of fixed tensors (a transformers static cache: ``is_compileable``, every layer allocated),
+    a reason to run eagerly for a cache that cannot be (growing, or not allocated yet), and
+    ``NOT_STATE`` for any other object."""
+    layers = getattr(obj, "layers", None)
+    if not isinstance(layers, list) or not hasattr(type(obj), "is_compileable"):
+        return NOT_STATE
+    try:
+        compileable = bool(obj.is_compileable)
+    except Exception:  # noqa: BLE001 - a property that cannot be read says no
+        compileable = False
+    if not compileable:
+        return DYNAMIC_CACHE
+    if not all(getattr(layer, "is_initialized", True) for layer in layers):
+        return NOT_ALLOCATED
+    return None
+
+
+NOT_STATE = "not state"
+
+
+def state_tensors(obj, depth: int = 3) -> List[Tensor]:
+    """The tensors an object holds (in its attributes, and theirs, and in lists and dicts of
+    them, ``depth`` levels down), each once, in a fixed order."""
+    out, seen = [], set()
+
+    def walk(x, d):
+        if isinstance(x, Tensor):
+            if id(x) not in seen:
+                seen.add(id(x))
+                out.append(x)
+            return
+        if d == 0 or isinstance(x, (str, bytes, int, float, bool, type(None), torch.dtype, torch.device)):
+            return
+        if isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v, d - 1)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v, d - 1)
+        elif hasattr(x, "__dict__") and not isinstance(x, (torch.nn.Module, type)):
+            for v in vars(x).values():
+                walk(v, d - 1)
+
+    walk(obj, depth)
+    return out
+
+
+class StateRef:
+    """A state input in a call's spec: the object itself (given to the forward as it is), equal
+    only to the same object holding the same tensors at the same addresses, so a cache whose
+    tensors were allocated again is another key (no graph replays on memory it no longer owns)."""
+
+    __slots__ = ("obj", "ptrs", "_hash")
+
+    def __init__(self, obj):
+        self.obj = obj
+        self.ptrs = tuple(t.data_ptr() for t in state_tensors(obj))
+        self._hash = hash((id(obj), self.ptrs))
+
+    def __eq__(self, other):
+        return isinstance(other, StateRef) and other.obj is self.obj and other.ptrs == self.ptrs
+
+    def __hash__(self):
+        return self._hash
+
+    def __repr__(self):
+        return f"{type(self.obj).__name__}@{id(self.obj):#x}"

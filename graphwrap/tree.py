@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.utils._pytree as _pytree
 
+from .state import NOT_STATE, StateRef, state_reason
 from .errors import GraphwrapError
 
 Tensor = torch.Tensor
@@ -68,6 +69,11 @@ def _flatten(obj, leaves: List[Tensor], path: str):
         return ("list+", t, tuple(_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)))
     if isinstance(obj, _CONSTANT_TYPES):
         return _const_spec(obj)
+    why = state_reason(obj)
+    if why is None:  # state the forward writes in place (a static cache): used where it lives
+        return ("S", StateRef(obj))
+    if why is not NOT_STATE:
+        raise UnsupportedInput(why)
     raise UnsupportedInput(
         f"input at {path} has type {t.__name__}, which is neither a tensor nor an immutable constant "
         "(int, float, bool, str, None, torch.dtype, torch.device, an Enum)"
@@ -111,6 +117,8 @@ def _unflatten(spec, it):
         return next(it)
     if tag == "C":
         return float("nan") if spec[2] == "nan" and spec[1] is float else spec[2]
+    if tag == "S":
+        return spec[1].obj
     if tag == "tuple":
         return tuple(_unflatten(s, it) for s in spec[1])
     if tag == "list":
@@ -328,6 +336,9 @@ def _flatten_out(obj, leaves: list):
     if isinstance(obj, collections.defaultdict):  # its constructor takes the factory first
         keys = tuple(obj.keys())
         return ("defaultdict", t, keys, tuple(_flatten_out(obj[k], leaves) for k in keys), obj.default_factory)
+    if state_reason(obj) is None:  # a state input handed back (a model's cache): the object itself
+        leaves.append(obj)
+        return ("L",)
     node = None if t is dict or t is collections.OrderedDict else _looked_into(obj)
     if node is not None:
         # A registered type: a model's cache object, say

@@ -1,0 +1,95 @@
+"""Decode loops on the CPU stand-in for graphs: a static cache as state written in place, keyed
+by the cache object, never padded; gm.generate against model.generate; a growing cache eager
+with its reason. Needs transformers (skipped with the reason without it)."""
+
+import pytest
+import torch
+from torch import nn
+
+from graphwrap import GraphedModule
+from graphwrap.state import DYNAMIC_CACHE, NOT_ALLOCATED, NOT_STATE, StateRef, state_reason
+from helpers import on_cpu_graphs
+
+tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+
+
+def _gpt2():
+    cfg = tr.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100, n_positions=128, bos_token_id=1,
+                        eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    return tr.GPT2LMHeadModel(cfg).eval()
+
+
+def _replays(gm) -> int:
+    return sum(b["replays"] for k in gm.stats()["keys"] for b in k["buckets"].values())
+
+
+def test_which_objects_are_state():
+    model = _gpt2()
+    static = tr.StaticCache(config=model.config, max_cache_len=16)
+    assert state_reason(static) == NOT_ALLOCATED, "its tensors come with the first call"
+    ids = torch.randint(1, 100, (2, 4))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=static, use_cache=True)
+    assert state_reason(static) is None
+    assert state_reason(tr.DynamicCache()) == DYNAMIC_CACHE
+    assert state_reason(object()) is NOT_STATE and state_reason([1]) is NOT_STATE
+    a, b = StateRef(static), StateRef(static)
+    assert a == b and hash(a) == hash(b) and len(a.ptrs) >= 2 * model.config.n_layer
+    static.layers[0].keys = static.layers[0].keys.clone()  # allocated again: another key
+    assert StateRef(static) != a
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_generate_gives_the_models_tokens_with_every_decode_step_replayed(batch):
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    for prompt in (5, 9):  # a second generate, another prompt: the same cache and graphs
+        ids = torch.randint(1, 100, (batch, prompt))
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+        with torch.no_grad():
+            want = model.generate(**kw, cache_implementation="static")
+            got = gm.generate(**kw, cache_implementation="static")
+        assert torch.equal(got, want)
+    s = gm.stats()
+    assert len(s["keys"]) == 1 and "StaticCache" in s["keys"][0]["key"]
+    assert _replays(gm) == 2 * 7, "every step after the prompt's first token replays"
+    assert list(s["keys"][0]["buckets"]) == [1], "one call a step, never padded"
+    assert s["eager_calls"] == {}
+
+
+def test_sampling_gives_the_models_tokens_under_the_same_seed():
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    ids = torch.randint(1, 100, (2, 6))
+    kw = dict(input_ids=ids, max_new_tokens=10, do_sample=True, top_k=20, temperature=0.8,
+              cache_implementation="static")
+    with torch.no_grad():
+        torch.manual_seed(5)
+        want = model.generate(**kw)
+        torch.manual_seed(5)
+        got = gm.generate(**kw)
+    assert torch.equal(got, want)
+
+
+def test_a_growing_cache_runs_eagerly_and_says_to_use_a_static_one():
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model))
+    ids = torch.randint(1, 100, (1, 5))
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+        got = gm.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(got, want)
+    assert gm.stats()["eager_calls"] == {DYNAMIC_CACHE: 4}
+    assert 'cache_implementation="static"' in DYNAMIC_CACHE
+
+
+def test_generate_leaves_the_model_as_it_was():
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model))
+    ids = torch.randint(1, 100, (1, 5))
+    with torch.no_grad():
+        gm.generate(input_ids=ids, max_new_tokens=3, do_sample=False, cache_implementation="static")
+    assert "get_compiled_call" not in model.__dict__ and "_valid_auto_compile_criteria" not in model.__dict__
+    with pytest.raises(Exception, match="no generate"):
+        GraphedModule(nn.Linear(2, 2)).generate(torch.zeros(1, 2))

@@ -1,0 +1,88 @@
+"""Decode loops on a GPU: gm.generate against model.generate (greedy and sampled), every decode
+step a replay; a gpt-fast style cache in module buffers at a fixed batch, graphed."""
+
+import pytest
+import torch
+from torch import nn
+
+from graphwrap import GraphedModule
+from helpers import assert_same
+
+pytestmark = pytest.mark.cuda
+DEV = "cuda"
+tr = pytest.importorskip("transformers", reason="needs transformers, which no extra installs: pip install transformers")
+
+
+def _gpt2():
+    cfg = tr.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000, n_positions=256, bos_token_id=1,
+                        eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    return tr.GPT2LMHeadModel(cfg).to(DEV).eval()
+
+
+def _replays(gm) -> int:
+    return sum(b["replays"] for k in gm.stats()["keys"] for b in k["buckets"].values())
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_generate_gives_the_models_tokens_each_decode_step_a_replay(batch):
+    model = _gpt2()
+    gm = GraphedModule(model)
+    for prompt in (12, 20):
+        ids = torch.randint(2, 1000, (batch, prompt), device=DEV)
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                  cache_implementation="static")
+        with torch.no_grad():
+            want = model.generate(**kw, disable_compile=True)
+            got = gm.generate(**kw)
+        assert torch.equal(got, want)
+    s = gm.stats()
+    assert s["eager_calls"] == {} and len(s["keys"]) == 1
+    b = s["keys"][0]["buckets"][1]
+    print(f"\nbatch {batch}: {b['serves']} (graph {b['graph_us']} us, eager {b['eager_us']} us), "
+          f"{_replays(gm)} replays, {b['eager_calls']} eager")
+    assert b["serves"] == "graph" and _replays(gm) >= 2 * 15 - 4
+
+
+def test_sampled_tokens_are_the_models_under_the_same_seed():
+    model = _gpt2()
+    gm = GraphedModule(model)
+    ids = torch.randint(2, 1000, (2, 10), device=DEV)
+    kw = dict(input_ids=ids, max_new_tokens=12, do_sample=True, top_k=50, top_p=0.9, temperature=0.7,
+              cache_implementation="static")
+    with torch.no_grad():
+        gm.generate(**kw)  # captures first: the draws below are generate's alone
+        torch.manual_seed(3)
+        want = model.generate(**kw, disable_compile=True)
+        torch.manual_seed(3)
+        got = gm.generate(**kw)
+    assert torch.equal(got, want)
+
+
+class Decoder(nn.Module):
+    """A decode step with its KV cache in buffers of a fixed batch, written at ``input_pos``."""
+
+    def __init__(self, batch=2, length=32, d=64):
+        super().__init__()
+        self.q, self.kv = nn.Linear(d, d), nn.Linear(d, 2 * d)
+        self.register_buffer("k", torch.zeros(batch, length, d))
+        self.register_buffer("v", torch.zeros(batch, length, d))
+
+    def forward(self, x, input_pos):
+        k, v = self.kv(x).chunk(2, dim=-1)
+        self.k.index_copy_(1, input_pos, k)
+        self.v.index_copy_(1, input_pos, v)
+        scores = (self.q(x) @ self.k.transpose(1, 2)) / 8.0
+        mask = torch.arange(self.k.shape[1], device=x.device) <= input_pos[-1]
+        return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ self.v
+
+
+def test_a_cache_in_module_buffers_of_a_fixed_batch_is_graphed():
+    model, ref = Decoder().to(DEV).eval(), Decoder().to(DEV).eval()
+    ref.load_state_dict(model.state_dict())
+    gm = GraphedModule(model, batch_dim={"input_pos": None}, eager_if_faster=False)
+    for p in range(12):
+        x, pos = torch.randn(2, 1, 64, device=DEV), torch.tensor([p], device=DEV)
+        assert_same(gm(x, pos), ref(x, pos) if not torch.is_grad_enabled() else ref(x, pos).detach())
+        assert torch.equal(model.k, ref.k) and torch.equal(model.v, ref.v)
+    assert gm.stats()["writes_buffers"] == ["k", "v"] and _replays(gm) >= 10
