@@ -101,7 +101,9 @@ def _capture_loop(engine, ks: Key, b: Bucket, leaves, n: int, L, forward, plain:
             if engine.epoch != epoch:
                 return None
             install(engine, ks, b, got, job.forward, ring)
-        if timed and engine.eager_if_faster:
+        # No race for a forward that writes state: its timing runs would move a cache's position
+        # past its end (and a step of a decode loop is worth a graph whatever eager costs).
+        if timed and engine.eager_if_faster and not ks.fixed and engine.writes is None:
             race(engine, ks, b)
         return b
     return None

@@ -86,7 +86,14 @@ NOT_STATE = "not state"
 
 def state_tensors(obj, depth: int = 3) -> List[Tensor]:
     """The tensors an object holds (in its attributes, and theirs, and in lists and dicts of
-    them, ``depth`` levels down), each once, in a fixed order."""
+    them, ``depth`` levels down), each once, in a fixed order. A transformers cache's are read
+    straight from its layers' attributes (keys, values, the position counter): this runs on
+    every call."""
+    layers = getattr(obj, "layers", None)
+    if isinstance(layers, list) and layers:
+        fast = [v for layer in layers for v in vars(layer).values() if isinstance(v, Tensor)]
+        if fast:
+            return fast
     out, seen = [], set()
 
     def walk(x, d):
