@@ -174,7 +174,8 @@ def _prepare(job: Job, recorder, info: dict) -> _Prepared:
         # A forward that writes state (found by that run) is captured at the call's own shape only:
         # padding rows or positions would write state that the eager call does not.
         writes = job.fixed or (job.state is not None and bool(job.state.written))
-        if writes and not job.fixed and (m != job.size or (job.seq is not None and Lr != job.seq)):
+        if writes and not job.fixed and (m != job.size or (job.seq is not None and Lr != job.seq)
+                                         or job.forward is not None):
             err = CaptureFailed("the forward writes module buffers: captured at the call's own shape", scope="state")
             err.written = set(job.state.written)
             raise err

@@ -176,6 +176,13 @@ def make_job(engine, ks: Key, b: Bucket, leaves, n: int, L, plain: bool, forward
     if b.size > engine.grid.top(b.seq) and device.type == "cuda":
         budget = _large_budget(device, budget)
     compiled = forward if forward is not None else None if plain else compiled_forward(engine)
+    if compiled is not None and (ks.fixed or engine.writes is not None):
+        # Compiled kernels over state written in place (a static cache) ran past the cache's end
+        # in a GPU run (a device-side assert); until that is understood, such calls capture the
+        # plain forward.
+        engine.log_once(("state-compile",), logging.WARNING, "graphwrap: compile= is not used for a forward that "
+                        "writes state (a static cache, buffers): its graphs capture the plain forward")
+        compiled = None
     names = engine.decl.names(ks.spec)
     # The first capture of a signature warms up fully (cuBLAS, cuDNN and Triton set-up, autotuning);
     # later buckets of it need one run to settle their own shapes.

@@ -97,3 +97,18 @@ def test_a_cache_in_module_buffers_of_a_fixed_batch_is_graphed():
         assert_same(gm(x, pos), ref(x, pos) if not torch.is_grad_enabled() else ref(x, pos).detach())
         assert torch.equal(model.k, ref.k) and torch.equal(model.v, ref.v)
     assert gm.stats()["writes_buffers"] == ["k", "v"] and _replays(gm) >= 10
+
+
+def test_compile_true_decodes_with_the_plain_forward_and_says_so(gw_log):
+    model = _gpt2()
+    gm = GraphedModule(model, compile=True)
+    ids = torch.randint(2, 1000, (2, 10), device=DEV)
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+              cache_implementation="static")
+    with torch.no_grad():
+        out = model.generate(**kw, disable_compile=True, output_logits=True, return_dict_in_generate=True)
+        got = gm.generate(**kw)
+    assert _same_or_tied(got, out.sequences, out.logits, 10)
+    assert _replays(gm) >= 8
+    assert any("compile= is not used for a forward that writes state" in r.getMessage() for r in gw_log.records)
+    torch.cuda.synchronize()  # no device-side assert left behind
