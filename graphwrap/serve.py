@@ -78,8 +78,6 @@ class Server:
         self.answered: Dict[int, int] = {}
 
     async def __call__(self, request):
-        from starlette.responses import JSONResponse
-
         t0 = time.perf_counter()
         try:
             method = getattr(request, "method", "POST")
@@ -93,7 +91,11 @@ class Server:
         self.answered[status] = self.answered.get(status, 0) + 1
         if self.metrics is not None:
             self.metrics.observe(status, time.perf_counter() - t0, self.stats)
-        return answer if status == 200 else JSONResponse(answer, status_code=status)
+        if status == 200:
+            return answer
+        from starlette.responses import JSONResponse  # Ray Serve's own dependency
+
+        return JSONResponse(answer, status_code=status)
 
     async def _http(self, request):
         body = parse_body(await _body(request), self.limits)
