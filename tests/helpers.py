@@ -359,3 +359,31 @@ class Scales(nn.Module):
     def forward(self, x):
         x.div_(255.0)
         return self.lin(x)
+
+
+class Counter(nn.Module):
+    """Counts its calls in a buffer and scales its output by the count: state the forward writes."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.steps += 1
+        return self.fc(x) * self.steps
+
+
+class RowCache(nn.Module):
+    """Keeps each row's last input in a buffer and adds the previous one: state kept per row."""
+
+    def __init__(self, rows=8, d=4):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.register_buffer("last", torch.zeros(rows, d))
+
+    def forward(self, x):
+        n = x.shape[0]
+        prev = self.last[:n].clone()
+        self.last[:n] = x
+        return self.fc(x) + prev

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from graphwrap import Batcher, GraphedModule
-from helpers import MLP, assert_same, on_cpu_graphs
+from helpers import MLP, Counter, RowCache, assert_same, on_cpu_graphs
 
 
 def _gm(model, **kw):
@@ -179,34 +179,6 @@ def test_plain_attributes_the_forward_reads_are_frozen_until_reset():
     model.scale_output = False
     gm.reset()  # the documented remedy: plain attributes are not watched
     assert_same(gm(x), _eager(model, x))
-
-
-class Counter(nn.Module):
-    """Counts its calls in a buffer and scales by the count."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x):
-        self.steps += 1
-        return self.fc(x) * self.steps
-
-
-class RowCache(nn.Module):
-    """Keeps the last input of each row in a buffer and adds the previous one: state per row."""
-
-    def __init__(self, rows=8, d=4):
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-        self.register_buffer("last", torch.zeros(rows, d))
-
-    def forward(self, x):
-        n = x.shape[0]
-        prev = self.last[:n].clone()
-        self.last[:n] = x
-        return self.fc(x) + prev
 
 
 def test_a_forward_that_counts_its_calls_counts_each_call_once(gw_log):

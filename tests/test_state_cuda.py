@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from graphwrap import Batcher, GraphedModule
-from helpers import MLP, assert_same
+from helpers import MLP, Counter, RowCache, assert_same
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -95,19 +95,8 @@ def test_each_change_to_the_module_after_capture_is_seen_before_the_next_replay(
         torch.set_default_dtype(torch.float32)
 
 
-class Counter(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x):
-        self.steps += 1
-        return self.fc(x) * self.steps
-
-
 def test_a_counter_in_a_buffer_counts_each_call_once():
-    model, ref = Counter().to(DEV).eval(), Counter().to(DEV).eval()
+    model, ref = Counter(16).to(DEV).eval(), Counter(16).to(DEV).eval()
     ref.load_state_dict(model.state_dict())
     gm = GraphedModule(model)
     for _ in range(6):
@@ -117,23 +106,8 @@ def test_a_counter_in_a_buffer_counts_each_call_once():
     assert gm.stats()["writes_buffers"] == ["steps"]
 
 
-class RowCache(nn.Module):
-    """A cache of each row's last input in a buffer, read back on the next call."""
-
-    def __init__(self, rows=16, d=32):
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-        self.register_buffer("last", torch.zeros(rows, d))
-
-    def forward(self, x):
-        n = x.shape[0]
-        prev = self.last[:n].clone()
-        self.last[:n] = x
-        return self.fc(x) + prev
-
-
 def test_a_cache_in_buffers_written_in_place_by_the_graphs_matches_eager():
-    model, ref = RowCache().to(DEV).eval(), RowCache().to(DEV).eval()
+    model, ref = RowCache(rows=16, d=32).to(DEV).eval(), RowCache(rows=16, d=32).to(DEV).eval()
     ref.load_state_dict(model.state_dict())
     gm = GraphedModule(model)
     for n in (3, 3, 5, 3, 5, 16, 2, 2, 2):

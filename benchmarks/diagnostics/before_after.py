@@ -57,7 +57,10 @@ def _loop(fn, calls):
     return run
 
 
-def _time(loops, rounds=31, calls=2000):
+def _time(loops, rounds=31, calls=2000, issue_only=False):
+    """µs per call of each loop (``calls`` calls), rounds interleaved: (median, min, max). With
+    ``issue_only`` the clock stops once the calls are issued (the device drained before each
+    round, not waited for inside it): the host time to issue a call."""
     for f in loops.values():
         f()
     torch.cuda.synchronize()
@@ -67,7 +70,8 @@ def _time(loops, rounds=31, calls=2000):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             f()
-            torch.cuda.synchronize()
+            if not issue_only:
+                torch.cuda.synchronize()
             times[k].append((time.perf_counter() - t0) / calls * 1e6)
     return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
 
@@ -78,21 +82,6 @@ def _kept(fn, calls):
         for _ in range(calls):
             outs.append(fn())
     return run
-
-
-def _issue(loops, rounds=11, calls=200):
-    """Host time to issue a call (the device drained before each round, not waited for inside it)."""
-    for f in loops.values():
-        f()
-    times = {k: [] for k in loops}
-    for _ in range(rounds):
-        for k, f in loops.items():
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            f()
-            times[k].append((time.perf_counter() - t0) / calls * 1e6)
-            torch.cuda.synchronize()
-    return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
 
 
 def _bert(calls=200):
@@ -108,9 +97,9 @@ def _bert(calls=200):
     after, before = graphwrap.GraphedModule(model), graphwrap_before.GraphedModule(model)
     with torch.no_grad():
         after(**kw), before(**kw)
-        res = _issue({"eager": _loop(lambda: model(**kw), calls),
-                      "after, default": _loop(lambda: after(**kw), calls),
-                      "before, default": _loop(lambda: before(**kw), calls)}, calls=calls)
+        res = _time({"eager": _loop(lambda: model(**kw), calls),
+                     "after, default": _loop(lambda: after(**kw), calls),
+                     "before, default": _loop(lambda: before(**kw), calls)}, rounds=11, calls=calls, issue_only=True)
     print(f"\nBERT-base fp16, batch 1 x 128 tokens, keyword inputs, {sum(1 for _ in model.modules())} modules: "
           f"µs to issue a call (median [min, max] of 11 rounds of {calls}; a replay's hundreds of kernels fill the "
           "launch queue, so this is the device's time)")
