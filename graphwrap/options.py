@@ -1,6 +1,7 @@
 """GraphedModule's options, checked once: a record the engine reads and a copy or a pickle of the
 module is rebuilt from."""
 
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -49,7 +50,8 @@ class Options:
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise GraphwrapError(f"max_pool_bytes must be a positive int (bytes), got {m!r}")
         b = self.buckets
-        if not (b is None or b in ("default", "exact") or isinstance(b, Adaptive) or _sizes(b)):
+        if not (b is None or (isinstance(b, str) and b in ("default", "exact")) or isinstance(b, Adaptive)
+                or _sizes(b)):
             raise GraphwrapError(f'buckets must be None, "default", "exact", graphwrap.Adaptive(...) or a list of '
                                  f"batch sizes such as [1, 8, 32], got {b!r}")
         m = self.max_batch_size
@@ -90,4 +92,4 @@ def _sizes(b) -> bool:
     if isinstance(b, (str, bytes, dict)) or not hasattr(b, "__iter__"):
         return False
     sizes = list(b)
-    return bool(sizes) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in sizes)
+    return bool(sizes) and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1 for x in sizes)
