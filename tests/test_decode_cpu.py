@@ -93,3 +93,20 @@ def test_generate_leaves_the_model_as_it_was():
     assert "get_compiled_call" not in model.__dict__ and "_valid_auto_compile_criteria" not in model.__dict__
     with pytest.raises(Exception, match="no generate"):
         GraphedModule(nn.Linear(2, 2)).generate(torch.zeros(1, 2))
+
+
+def test_a_step_on_a_cache_of_another_batch_size_raises_the_models_own_error():
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    cache = tr.StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        model(input_ids=torch.randint(1, 100, (2, 4)), past_key_values=cache, use_cache=True)
+        step = dict(past_key_values=cache, use_cache=True, cache_position=torch.tensor([4]))
+        with pytest.raises(Exception) as eager_error:
+            model(input_ids=torch.randint(1, 100, (3, 1)), **step)
+        cache.reset()
+        model(input_ids=torch.randint(1, 100, (2, 4)), past_key_values=cache, use_cache=True)
+        with pytest.raises(type(eager_error.value)):
+            gm(input_ids=torch.randint(1, 100, (3, 1)), **step)
+        ok = gm(input_ids=torch.randint(1, 100, (2, 1)), **step)  # the cache's own batch still serves
+    assert ok.logits.shape == (2, 1, 100)
