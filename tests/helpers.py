@@ -152,6 +152,17 @@ def assert_same(a, b, tol=1e-5):
         assert a == b, (a, b)
 
 
+def eager_answer(model, *args, **kwargs):
+    """The module's own answer, as graphwrap must give it: the forward without grad."""
+    with torch.no_grad():
+        return model(*args, **kwargs)
+
+
+def replays(gm) -> int:
+    """How many calls the GraphedModule's graphs served, over all keys and buckets."""
+    return sum(b["replays"] for k in gm.stats()["keys"] for b in k["buckets"].values())
+
+
 def num_graphs(gm) -> int:
     """How many graphs the GraphedModule holds, over all keys and buckets."""
     return sum(b["graphs"] for k in gm.stats()["keys"] for b in k["buckets"].values())

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 import torch
-from helpers import MLP, MultiIO, Out, RowMixer, assert_same, run_threads
+from helpers import MLP, MultiIO, Out, RowMixer, assert_same, eager_answer, run_threads
 from torch import nn
 
 from graphwrap import Batcher, GraphedModule, GraphwrapError
@@ -13,11 +13,6 @@ from graphwrap.joining import join_verdict, split_outputs
 from graphwrap.tree import BATCHED, CONST, WHOLE, flatten_outputs
 
 TOL = 1e-5
-
-
-def _eager(model, *args, **kwargs):
-    with torch.no_grad():
-        return model(*args, **kwargs)
 
 
 def _gather(batcher, calls):
@@ -34,7 +29,7 @@ def test_asyncio_requests_are_joined_after_a_probe_and_each_gets_its_own_rows():
         xs = [torch.randn(n, 32) for n in (1, 3, 2, 1, 5)]
         outs = _gather(b, [((x,), {}) for x in xs])
         for x, got in zip(xs, outs):
-            assert_same(got, _eager(model, x), TOL)
+            assert_same(got, eager_answer(model, x), TOL)
     s = b.stats()
     assert s["probes"] == 1 and s["joined_calls"] == 2 and s["rows_per_joined_call"] == 12
     assert s["requests"] == 15 and s["queue_wait_ms"]["p50"] is not None
@@ -52,7 +47,7 @@ def test_every_input_and_output_structure_joins_and_splits():
         calls = [inputs(n) for n in (2, 1, 4)]
         outs = _gather(b, calls)
         for (a, k), got in zip(calls, outs):
-            want = _eager(model, *a, **k)
+            want = eager_answer(model, *a, **k)
             assert_same(got, want, TOL)
             assert isinstance(got[0], Out) and got[2] == 7
     assert b.stats()["joined_calls"] == 1
@@ -83,7 +78,7 @@ def test_a_model_that_mixes_rows_is_never_joined():
     for _ in range(3):
         xs = [torch.randn(n, 8) for n in (2, 3, 1)]
         for x, got in zip(xs, _gather(b, [((x,), {}) for x in xs])):
-            assert_same(got, _eager(model, x), TOL)
+            assert_same(got, eager_answer(model, x), TOL)
     s = b.stats()
     assert s["joined_calls"] == 0 and s["probes"] <= 1 and s["alone_calls"] == 9
 
@@ -105,8 +100,8 @@ def test_a_failing_request_fails_alone():
     xs = [torch.randn(2, 4), torch.full((1, 4), float("nan")), torch.randn(3, 4)]
     outs = _gather(b, [((x,), {}) for x in xs])
     assert isinstance(outs[1], ValueError)
-    assert_same(outs[0], _eager(model, xs[0]), TOL)
-    assert_same(outs[2], _eager(model, xs[2]), TOL)
+    assert_same(outs[0], eager_answer(model, xs[0]), TOL)
+    assert_same(outs[2], eager_answer(model, xs[2]), TOL)
 
 
 class _Gate(nn.Module):
@@ -185,7 +180,7 @@ def test_many_threads_every_answer_is_its_own():
                 n = int(torch.randint(1, 6, (1,), generator=g))
                 x = torch.randn(n, 32, generator=g)
                 got = b(x) if i % 2 else b.submit(x).result(10)
-                assert_same(got, _eager(model, x), TOL)
+                assert_same(got, eager_answer(model, x), TOL)
 
         assert not run_threads(work, count=12)
         s = b.stats()
@@ -206,7 +201,7 @@ def test_max_delay_waits_for_a_fuller_batch():
     for _ in range(2):  # the first round probes, the second joins
         assert not run_threads(work, count=4)
         for x, got in zip(xs, results):
-            assert_same(got, _eager(model, x), TOL)
+            assert_same(got, eager_answer(model, x), TOL)
     s = b.stats()
     assert s["joined_calls"] >= 1 and s["rows_per_joined_call"] == 8
 
@@ -216,7 +211,7 @@ def test_large_requests_are_served_alone_and_bad_arguments_refused():
     b = Batcher(GraphedModule(model, max_batch_size=4))
     xs = [torch.randn(9, 32), torch.randn(1, 32)]
     for x, got in zip(xs, _gather(b, [((x,), {}) for x in xs])):
-        assert_same(got, _eager(model, x), TOL)
+        assert_same(got, eager_answer(model, x), TOL)
     for bad in ({"max_delay_ms": -1}, {"max_batch_size": 0}, {"max_queue": 0}):
         with pytest.raises(GraphwrapError):
             Batcher(GraphedModule(model), **bad)
@@ -285,7 +280,7 @@ def test_pipeline_coalesce_joins_items_at_hand_in_order(to_host):
     # [1,2,1,3]: a probe (4 alone, 1 joined) then joined; [9] alone; [1,1,4], [4,4], [2,1] joined; {x} alone
     assert len(forwards) == 6 + 1 + 3 + 1
     for x, got in zip(xs + [xs[0], xs[1]], outs):
-        assert_same(got, _eager(model, x), TOL)
+        assert_same(got, eager_answer(model, x), TOL)
 
 
 def test_submit_returns_at_once_and_queued_requests_are_joined():
@@ -305,7 +300,7 @@ def test_submit_returns_at_once_and_queued_requests_are_joined():
     assert time.perf_counter() - t0 < 1.0 and not any(f.done() for f in futs)
     gate.release.set()
     for x, f in zip(xs, futs):
-        assert_same(f.result(10), _eager(gate, x), TOL)
+        assert_same(f.result(10), eager_answer(gate, x), TOL)
     t.join(10)
     assert b.stats()["module_calls"] - before == 2, "the busy one, then the ten queued ones joined"
 
@@ -315,7 +310,7 @@ def test_submit_on_an_idle_batcher_is_served_by_the_worker():
     b = Batcher(GraphedModule(model))
     x = torch.randn(2, 32)
     fut = b.submit(x)
-    assert_same(fut.result(10), _eager(model, x), TOL)
+    assert_same(fut.result(10), eager_answer(model, x), TOL)
     b.close()
 
 
@@ -339,6 +334,6 @@ def test_requests_of_different_lengths_are_joined_padded_and_each_gets_its_own()
         outs = _gather(b, calls)
         for (a, k), got in zip(calls, outs):
             assert got.shape == a[0].shape + (8,)
-            assert_same(got, _eager(model, *a), TOL)
+            assert_same(got, eager_answer(model, *a), TOL)
     s = b.stats()
     assert s["probes"] == 1 and s["joined_calls"] >= 2

@@ -5,18 +5,13 @@ import threading
 
 import pytest
 import torch
-from helpers import MLP, assert_same, check_bert, num_graphs, small_bert
+from helpers import MLP, assert_same, check_bert, eager_answer, num_graphs, small_bert
 
 import graphwrap
 from graphwrap import GraphedModule, GraphwrapError, tuning
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
-
-
-def _eager(model, *args, **kwargs):
-    with torch.no_grad():
-        return model(*args, **kwargs)
 
 
 def _buckets(gm, key=0):
@@ -43,7 +38,7 @@ def test_compiled_mlp_every_bucket_and_in_between():
     gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16], compile=True)
     for n in list(range(1, 18)) + [5, 1]:
         x = torch.randn(n, 32, device=DEV)
-        assert_same(gm(x), _eager(model, x), tol=1e-4)
+        assert_same(gm(x), eager_answer(model, x), tol=1e-4)
     _assert_all_compiled(gm)
     s = gm.stats()
     assert s["eager_calls"] == {} and s["compile"]["off"] is None
@@ -53,7 +48,7 @@ def test_compiled_mlp_every_bucket_and_in_between():
     # After reset() the graphs are captured again from the kernels dynamo already holds.
     gm.reset()
     x = torch.randn(3, 32, device=DEV)
-    assert_same(gm(x), _eager(model, x), tol=1e-4)
+    assert_same(gm(x), eager_answer(model, x), tol=1e-4)
     b = _buckets(gm)[4]
     assert b["compiled"] is True and b["compiled_graphs"] == 0 and gm.stats()["compile"]["graphs"] == 2
 
@@ -66,11 +61,11 @@ def test_host_inputs_reuse_the_kernels_compiled_for_device_inputs(caplog):
     gm = GraphedModule(model, buckets=[2, 4], compile=True)
     for n in (2, 3):
         x = torch.randn(n, 32, device=DEV)
-        assert_same(gm(x), _eager(model, x), tol=1e-4)
+        assert_same(gm(x), eager_answer(model, x), tol=1e-4)
     with caplog.at_level(logging.INFO, logger="graphwrap"):
         for n in (2, 3, 1):
             x = torch.randn(n, 32)
-            assert_same(gm(x), _eager(model, x.to(DEV)), tol=1e-4)
+            assert_same(gm(x), eager_answer(model, x.to(DEV)), tol=1e-4)
         outs = list(gm.pipeline([torch.randn(n, 32).pin_memory() for n in (4, 1, 3)]))
     assert len(outs) == 3 and "NOT compiled" not in caplog.text
     keys = gm.stats()["keys"]
@@ -94,7 +89,7 @@ def test_more_buckets_than_the_recompile_limit_all_compile():
     assert len(_buckets(gm)) == 10 and gm.stats()["compile"]["graphs"] == 10
     for n in range(1, 11):
         x = torch.randn(n, 32, device=DEV)
-        assert_same(gm(x), _eager(model, x), tol=1e-4)
+        assert_same(gm(x), eager_answer(model, x), tol=1e-4)
 
 
 def test_compiled_resnet18():
@@ -103,7 +98,7 @@ def test_compiled_resnet18():
     gm = GraphedModule(model, buckets=[1, 4], compile=True)
     for n in (1, 3, 4, 2):
         x = torch.randn(n, 3, 64, 64, device=DEV, dtype=torch.half)
-        assert_same(gm(x), _eager(model, x), tol=3e-2)
+        assert_same(gm(x), eager_answer(model, x), tol=3e-2)
     _assert_all_compiled(gm)
     assert gm.stats()["eager_calls"] == {}
 
@@ -131,7 +126,7 @@ def test_failed_compile_captures_the_plain_forward(gw_log):
     model = _Breaks().to(DEV).eval()
     gm = GraphedModule(model, buckets=[4], compile={"fullgraph": True})
     x = torch.randn(3, 16, device=DEV)
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     s = gm.stats()
     assert "compiled forward failed" in s["compile"]["off"]
     assert _buckets(gm)[4]["captured"] and _buckets(gm)[4]["compiled"] is False
@@ -146,7 +141,7 @@ def test_exact_policy_pads_nothing():
     gm = GraphedModule(model, buckets="exact", max_batch_size=8)
     for n in (1, 5, 8, 3, 5, 12):
         x = torch.randn(n, 32, device=DEV)
-        assert_same(gm(x), _eager(model, x))
+        assert_same(gm(x), eager_answer(model, x))
     s = gm.stats()
     # 12 rows, above the largest bucket, get a graph of the grid continued (16)
     assert sorted(_buckets(gm)) == [1, 3, 5, 8, 16] and s["eager_calls"] == {}
@@ -159,14 +154,14 @@ def test_adaptive_policy_counts_then_captures_the_fitted_buckets(gw_log):
     gm = GraphedModule(model, buckets=graphwrap.Adaptive(k=2, warmup_calls=len(sizes)))
     for n in sizes:
         x = torch.randn(n, 32, device=DEV)
-        assert_same(gm(x), _eager(model, x))
+        assert_same(gm(x), eager_answer(model, x))
     assert num_graphs(gm) == 0 and sum(gm.stats()["eager_calls"].values()) == len(sizes)
     want = graphwrap.fit_buckets({1: 5, 2: 2, 30: 1, 31: 1, 32: 1}, 2)
     assert gm.buckets == tuple(want) == (2, 32)
     assert any("adaptive buckets [2, 32]" in r.message for r in gw_log.records)
     for n in (1, 2, 17, 32, 40):
         x = torch.randn(n, 32, device=DEV)
-        assert_same(gm(x), _eager(model, x))
+        assert_same(gm(x), eager_answer(model, x))
     assert sorted(_buckets(gm)) == [2, 32, 40] and sum(gm.stats()["eager_calls"].values()) == len(sizes)
 
 
@@ -193,7 +188,7 @@ def test_pool_budget_holds_and_smaller_batches_use_larger_buckets():
     assert gm.stats()["graph_pool_bytes"] <= budget
     for n in (3, 40, 256, 300):
         xi = torch.randn(n, 1024, device=DEV)
-        assert_same(gm(xi), _eager(model, xi), tol=1e-4)
+        assert_same(gm(xi), eager_answer(model, xi), tol=1e-4)
     s = gm.stats()
     b = _buckets(gm)
     assert s["eager_calls"] == {} and b[8]["replays"] == 1
@@ -203,7 +198,7 @@ def test_pool_budget_holds_and_smaller_batches_use_larger_buckets():
     # Too small for any bucket: eager, with the reason; or an error under fallback="raise".
     tiny = GraphedModule(model, buckets=[8], max_pool_bytes=e8 // 2)
     xi = torch.randn(5, 1024, device=DEV)
-    assert_same(tiny(xi), _eager(model, xi))
+    assert_same(tiny(xi), eager_answer(model, xi))
     assert any("max_pool_bytes" in r for r in tiny.stats()["eager_calls"])
     assert tiny.stats()["graph_pool_bytes"] == 0
     strict = GraphedModule(model, buckets=[8], max_pool_bytes=e8 // 2, fallback="raise")
@@ -221,7 +216,7 @@ def test_one_compile_serves_every_default_bucket():
     _assert_all_compiled(gm)
     for n in list(range(1, 70)) + [1, 2]:
         xi = torch.randn(n, 32, device=DEV)
-        assert_same(gm(xi), _eager(model, xi), tol=1e-4)
+        assert_same(gm(xi), eager_answer(model, xi), tol=1e-4)
     s = gm.stats()
     assert s["eager_calls"] == {} and s["compile"]["graphs"] == 1
 
@@ -242,7 +237,7 @@ def test_background_start_answers_at_once_and_switches_to_compiled_graphs():
                     n = int(torch.randint(1, 40, (1,)))
                     xi = torch.randn(n, 32, device=DEV, generator=g)
                     got = gm(xi)
-                    torch.testing.assert_close(got, _eager(model, xi), rtol=1e-4, atol=1e-4)
+                    torch.testing.assert_close(got, eager_answer(model, xi), rtol=1e-4, atol=1e-4)
                     calls[0] += 1
         except Exception as e:  # noqa: BLE001 - asserted below
             errors.append(e)
@@ -319,7 +314,7 @@ def test_a_hot_bucket_gets_per_size_kernels_kept_only_where_faster(monkeypatch, 
     model = _ConvNet().to(DEV).eval()
     gm = GraphedModule(model, compile=True, max_batch_size=8)
     x = torch.randn(4, 3, 32, 32, device=DEV)
-    ref = _eager(model, x)
+    ref = eager_answer(model, x)
     errors, stop = [], threading.Event()
 
     def caller():  # calls all through the per-size compile, capture, timing and swap
@@ -348,7 +343,7 @@ def test_a_hot_bucket_gets_per_size_kernels_kept_only_where_faster(monkeypatch, 
     assert b["compiled"] is True
     for n in (4, 3, 7, 1):
         xn = torch.randn(n, 3, 32, 32, device=DEV)
-        assert_same(gm(xn), _eager(model, xn), tol=1e-3)
+        assert_same(gm(xn), eager_answer(model, xn), tol=1e-3)
     others = {size: o for size, o in _buckets(gm).items() if size != 4}
     assert others and all(o["shared_us"] is None and o["kernels"] == "shared" for o in others.values())
     assert any("per-size kernels replay in" in r.message for r in gw_log.records)
@@ -366,7 +361,7 @@ def test_tuning_never_touches_outputs_a_caller_holds_and_the_swap_serves(monkeyp
     for xi in xs[:-1]:
         gm(xi)
     held = gm(xs[-1])  # a view of bucket 8's static outputs: valid until the next call
-    ref = _eager(model, xs[-1])
+    ref = eager_answer(model, xs[-1])
     assert gm.wait(timeout=600)
     torch.cuda.synchronize()
     assert_same(held, ref, tol=1e-3)  # the tuner replayed graphs of its own, never this one
@@ -374,7 +369,7 @@ def test_tuning_never_touches_outputs_a_caller_holds_and_the_swap_serves(monkeyp
     assert b["kernels"] == "per-size" and b["compiled"] is True and b["replays"] == 5
     for n in (6, 8, 5):
         xn = torch.randn(n, 3, 32, 32, device=DEV)
-        assert_same(gm(xn).clone(), _eager(model, xn), tol=1e-3)
+        assert_same(gm(xn).clone(), eager_answer(model, xn), tol=1e-3)
     assert _buckets(gm)[8]["replays"] == 8
     # Pipelines lease more graphs of the bucket: they capture the per-size kernels too.
     outs = list(gm.pipeline([torch.randn(8, 3, 32, 32, device=DEV) for _ in range(3)]))
@@ -387,7 +382,7 @@ def test_static_false_keeps_the_shared_kernels(monkeypatch):
     gm = GraphedModule(model, compile={"static": False}, max_batch_size=8)
     x = torch.randn(4, 3, 32, 32, device=DEV)
     for _ in range(6):
-        assert_same(gm(x), _eager(model, x), tol=1e-3)
+        assert_same(gm(x), eager_answer(model, x), tol=1e-3)
     assert gm.wait(timeout=60)
     s = gm.stats()
     assert s["compile"]["per_size_graphs"] == 0 and _buckets(gm)[4]["kernels"] == "shared"
@@ -411,7 +406,7 @@ def test_compiled_sequence_buckets_one_compile_for_the_grid_every_length_eagers_
         if L % 3 == 0:
             mask[:, L - L // 5:] = 0
         got = gm(input_ids=ids, attention_mask=mask)
-        want = _eager(model, input_ids=ids, attention_mask=mask)
+        want = eager_answer(model, input_ids=ids, attention_mask=mask)
         assert got.last_hidden_state.shape == (n, L, cfg.hidden_size)
         torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=2e-3, atol=2e-3)
         torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=2e-3, atol=2e-3)

@@ -12,6 +12,7 @@ from helpers import (
     WithCache,
     assert_same,
     check_bert,
+    eager_answer,
     num_graphs,
     run_threads,
     small_bert,
@@ -28,17 +29,12 @@ def _mlp(**kw):
     return MLP(**kw).to(DEV).eval()
 
 
-def _eager(model, *args, **kwargs):
-    with torch.no_grad():
-        return model(*args, **kwargs)
-
-
 def test_every_bucket_and_past_the_largest():
     model = _mlp()
     gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16])
     for n in list(range(1, 40)) + [3, 1, 17, 16]:
         x = torch.randn(n, 32, device=DEV)
-        assert_same(gm(x), _eager(model, x))
+        assert_same(gm(x), eager_answer(model, x))
     s = gm.stats()
     assert s["eager_calls"] == {}
     # above the largest bucket, graphs of the grid continued: 24, 32, 40
@@ -51,7 +47,7 @@ def test_default_buckets_random_sizes():
     gm = GraphedModule(model)
     for n in torch.randint(1, 300, (40,)).tolist():
         x = torch.randn(n, 32, device=DEV)
-        assert_same(gm(x), _eager(model, x))
+        assert_same(gm(x), eager_answer(model, x))
     assert gm.stats()["eager_calls"] == {}
 
 
@@ -61,12 +57,12 @@ def test_clone_outputs_survive_later_calls_and_views_do_not():
     x1, x2 = torch.randn(4, 32, device=DEV), torch.randn(4, 32, device=DEV)
     y1 = gm(x1)
     gm(x2)
-    assert_same(y1, _eager(model, x1))
+    assert_same(y1, eager_answer(model, x1))
     gv = GraphedModule(model, buckets=[4], outputs="view")
     v1 = gv(x1)
     v2 = gv(x2)
     assert v1.data_ptr() == v2.data_ptr(), "view outputs are the static output buffer"
-    assert_same(v1, _eager(model, x2))
+    assert_same(v1, eager_answer(model, x2))
     v3 = gv(x1[:3])
     assert v3.shape == (3, 16) and v3.data_ptr() == v1.data_ptr()
 
@@ -79,9 +75,9 @@ def test_structured_inputs_and_outputs():
         pair = (torch.randn(n, 8, device=DEV), {"m": torch.randn(n, 8, device=DEV)})
         extra = torch.randn(n, 3, device=DEV)
         got = gm(x, pair, scale=0.5, mode="sum", extra=extra)
-        assert_same(got, _eager(model, x, pair, scale=0.5, mode="sum", extra=extra))
+        assert_same(got, eager_answer(model, x, pair, scale=0.5, mode="sum", extra=extra))
         got = gm(x, pair, scale=2.0, mode="plain")
-        assert_same(got, _eager(model, x, pair, scale=2.0, mode="plain"))
+        assert_same(got, eager_answer(model, x, pair, scale=2.0, mode="plain"))
     assert len(gm.stats()["keys"]) == 2, "constants are part of the key"
     assert gm.stats()["eager_calls"] == {}
 
@@ -103,7 +99,7 @@ def test_hf_style_output():
         mask = torch.randint(0, 2, (n, 4), device=DEV)
         got = gm(ids, attention_mask=mask)
         assert type(got) is HFOut and list(got.keys()) == ["last_hidden_state", "pooler_output"]
-        assert_same(got, _eager(model, ids, attention_mask=mask))
+        assert_same(got, eager_answer(model, ids, attention_mask=mask))
 
 
 def test_cpu_inputs_are_copied_in():
@@ -112,7 +108,7 @@ def test_cpu_inputs_are_copied_in():
     x = torch.randn(5, 32)
     y = gm(x)
     assert y.is_cuda
-    assert_same(y, _eager(model, x.to(DEV)))
+    assert_same(y, eager_answer(model, x.to(DEV)))
 
 
 class ItemSync(nn.Module):
@@ -131,7 +127,7 @@ def test_host_sync_falls_back_and_others_still_capture(gw_log):
     gm = GraphedModule(model, buckets=[4])
     for n in (2, 3, 4):
         x = torch.randn(n, 8, device=DEV)
-        assert_same(gm(x), _eager(model, x))
+        assert_same(gm(x), eager_answer(model, x))
     k = gm.stats()["keys"][0]
     assert k["status"] == "eager" and "cannot be captured" in k["reason"]
     assert sum("capture of bucket" in r.message for r in gw_log.records) == 1
@@ -139,7 +135,7 @@ def test_host_sync_falls_back_and_others_still_capture(gw_log):
     other = _mlp()
     g2 = GraphedModule(other, buckets=[4])
     x = torch.randn(3, 32, device=DEV)
-    assert_same(g2(x), _eager(other, x))
+    assert_same(g2(x), eager_answer(other, x))
     assert num_graphs(g2) == 1
 
 
@@ -155,7 +151,7 @@ def test_verification_catches_row_mixing(n):
     model = RowMixer().to(DEV).eval()
     gm = GraphedModule(model, buckets=[4])
     x = torch.randn(n, 8, device=DEV)
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     k = gm.stats()["keys"][0]
     assert k["status"] == "eager" and "mixes rows" in k["reason"]
 
@@ -166,7 +162,7 @@ def test_forward_error_on_real_rows_is_the_modules_own():
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         gm(torch.randn(2, 31, device=DEV))
     x = torch.randn(2, 32, device=DEV)
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
 
 
 def test_threads_share_one_module():
@@ -179,7 +175,7 @@ def test_threads_share_one_module():
             for _ in range(100):
                 n = int(torch.randint(1, 40, (1,), generator=g))
                 x = torch.randn(n, 32, generator=g).to(DEV)
-                assert_same(gm(x), _eager(model, x))
+                assert_same(gm(x), eager_answer(model, x))
 
     errors = run_threads(work)
     assert not errors, errors[:3]
@@ -194,7 +190,7 @@ def test_load_state_dict_after_capture_changes_outputs():
     gm.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()})
     after = gm(x)
     assert not torch.allclose(before, after)
-    assert_same(after, _eager(model, x))
+    assert_same(after, eager_answer(model, x))
     assert num_graphs(gm) == 1, "in-place loads keep the graphs"
 
 
@@ -204,15 +200,15 @@ def test_replaced_or_moved_weights_are_recaptured():
     x = torch.randn(3, 32, device=DEV)
     gm(x)
     model.layers[0].weight = nn.Parameter(torch.randn_like(model.layers[0].weight))
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     model.layers[2].weight.data = torch.randn_like(model.layers[2].weight)
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     gm.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()}, assign=True)
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     gm.half()
-    assert_same(gm(x.half()), _eager(model, x.half()), tol=1e-2)
+    assert_same(gm(x.half()), eager_answer(model, x.half()), tol=1e-2)
     model.float()  # on the raw module, behind the wrapper's back
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     assert gm.stats()["eager_calls"] == {}
 
 
@@ -221,11 +217,11 @@ def test_train_then_eval_again():
     gm = GraphedModule(model, buckets=[8])
     gm.eval()
     x = torch.randn(5, 8, device=DEV)
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     gm.train()
     gm(torch.randn(8, 8, device=DEV))  # updates running stats in place
     gm.eval()
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
 
 
 def test_autocast_is_part_of_the_key():
@@ -234,10 +230,10 @@ def test_autocast_is_part_of_the_key():
     x = torch.randn(3, 32, device=DEV)
     with torch.autocast("cuda", dtype=torch.float16):
         got = gm(x)
-        want = _eager(model, x)
+        want = eager_answer(model, x)
     assert got.dtype == torch.float16
     assert_same(got, want, tol=1e-2)
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     assert len(gm.stats()["keys"]) == 2
 
 
@@ -258,7 +254,7 @@ def test_explicit_capture_logs_progress_and_memory_is_shared(gw_log):
     assert all_pool <= 3 * max(largest, 2**21)
     for n in (1, 5, 100, 256):
         x = torch.randn(n, 256, device=DEV)
-        assert_same(gm(x), _eager(model, x))
+        assert_same(gm(x), eager_answer(model, x))
 
 
 def _settle():
@@ -318,7 +314,7 @@ def test_resnet18_from_torchvision():
     gm = GraphedModule(model, buckets=[1, 2, 4, 8])
     for n in (1, 3, 8, 2):
         x = torch.randn(n, 3, 64, 64, device=DEV)
-        assert_same(gm(x), _eager(model, x), tol=2e-2)
+        assert_same(gm(x), eager_answer(model, x), tol=2e-2)
     assert gm.stats()["eager_calls"] == {}
 
 
@@ -340,17 +336,17 @@ def test_registered_cache_objects_in_outputs():
         x = torch.randn(n, 32, device=DEV)
         got = gm(x)
         assert type(got[1]) is KVCache and got[1].keys[0].shape[0] == n
-        assert_same(got, _eager(model, x))
+        assert_same(got, eager_answer(model, x))
         kept.append((x, got))
     for x, got in kept:  # later calls did not overwrite earlier outputs
-        assert_same(got, _eager(model, x))
+        assert_same(got, eager_answer(model, x))
     assert gm.stats()["eager_calls"] == {} and num_graphs(gm) == 3
     xs = [torch.randn(n, 32).pin_memory() for n in (3, 8, 1, 6, 4)]
     for to_host in (False, True):
         for x, got in zip(xs, gm.pipeline(xs, to_host=to_host)):
             assert type(got[1]) is KVCache and got[1].values[1].is_cuda is not to_host
-            assert_same(got, _eager(model, x.to(DEV)) if not to_host else
-                        tuple(_cpu(o) for o in _eager(model, x.to(DEV))))
+            assert_same(got, eager_answer(model, x.to(DEV)) if not to_host else
+                        tuple(_cpu(o) for o in eager_answer(model, x.to(DEV))))
 
 
 def test_outputs_of_every_container_and_one_that_cannot_be_rebuilt():
@@ -373,7 +369,7 @@ def test_outputs_of_every_container_and_one_that_cannot_be_rebuilt():
     gm = GraphedModule(model, buckets=[2, 8])
     for n in (1, 2, 5, 8):
         x = torch.randn(n, 8, device=DEV)
-        got, want = gm(x), _eager(model, x)
+        got, want = gm(x), eager_answer(model, x)
         assert [type(o) for o in got] == [type(o) for o in want]
         assert_same(got[0].values, want[0].values)
         assert_same(got[0].indices, want[0].indices)
@@ -386,7 +382,7 @@ def test_outputs_of_every_container_and_one_that_cannot_be_rebuilt():
     x = torch.randn(3, 8, device=DEV)
     got = gm(x)
     assert type(got) is NeedsAName and got.name == "out"  # eager's own object
-    assert_same(got["h"], _eager(model, x)["h"])
+    assert_same(got["h"], eager_answer(model, x)["h"])
     assert any("cannot be rebuilt from its parts" in r for r in gm.stats()["eager_calls"]), gm.stats()
     assert num_graphs(gm) == 0
 
@@ -407,9 +403,9 @@ def test_dict_inputs_of_other_types():
     for n in (1, 5):
         x = torch.randn(n, 8, device=DEV)
         d = collections.defaultdict(list, x=x)
-        assert_same(gm(d), _eager(model, d))
+        assert_same(gm(d), eager_answer(model, d))
         named = NeedsAName("n", {"x": x})  # not rebuilt from its items: eager, given as is
-        assert_same(gm(named), _eager(model, named))
+        assert_same(gm(named), eager_answer(model, named))
         with pytest.raises(RuntimeError) as e:  # its CPU tensor is not moved: eager's own error
             gm(NeedsAName("n", {"x": x.cpu()}))
         assert not isinstance(e.value, GraphwrapError) and "device" in str(e.value)
@@ -439,7 +435,7 @@ def test_gpt2_with_its_cache_once_the_cache_is_registered():
     gm = GraphedModule(model, buckets=[2, 4])
     for n in (1, 4, 3):
         ids = torch.randint(0, 1000, (n, 16), device=DEV)
-        got, want = gm(ids), _eager(model, ids)
+        got, want = gm(ids), eager_answer(model, ids)
         assert type(got.past_key_values) is type(want.past_key_values)
         torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
         for a, b in zip(torch.utils._pytree.tree_leaves(got.past_key_values),
@@ -455,11 +451,11 @@ def test_bad_and_odd_inputs():
     assert gm(empty).shape == (0, 16)
     assert "the batch is empty" in gm.stats()["eager_calls"]
     wide = torch.randn(32, 10, device=DEV)
-    assert_same(gm(wide.t()[:6]), _eager(model, wide.t()[:6].contiguous()))  # strided rows
+    assert_same(gm(wide.t()[:6]), eager_answer(model, wide.t()[:6].contiguous()))  # strided rows
     x = torch.randn(5, 32, device=DEV)
     x[1] = float("nan")
     x[3, 0] = float("inf")
-    got, want = gm(x), _eager(model, x)
+    got, want = gm(x), eager_answer(model, x)
     assert torch.isnan(got[1]).all()
     assert_same(got[[0, 2, 4]], want[[0, 2, 4]])
     # Inputs that disagree on the batch: the module runs them as it would (here it raises its own
@@ -476,7 +472,7 @@ def test_view_output_passed_back_in():
     gv = GraphedModule(sq, buckets=[4], outputs="view")
     x = torch.randn(3, 16, device=DEV)
     y = gv(x)
-    want = _eager(sq, _eager(sq, x))
+    want = eager_answer(sq, eager_answer(sq, x))
     assert_same(gv(y), want)
 
 
@@ -488,7 +484,7 @@ def test_inputs_that_require_grad_run_eagerly():
     assert x.grad is not None
     assert "an input requires grad and grad mode is on" in gm.stats()["eager_calls"]
     with torch.no_grad():
-        assert_same(gm(x), _eager(model, x))
+        assert_same(gm(x), eager_answer(model, x))
     assert num_graphs(gm) == 1
 
 
@@ -510,7 +506,7 @@ def test_graphs_survive_cleared_cublas_workspaces():
     for _ in range(3):
         for x in xs:
             got = gm(x)  # held: every call needs an owned-output slot of its own
-            assert_same(got, _eager(model, x), tol=1e-4)
+            assert_same(got, eager_answer(model, x), tol=1e-4)
             held.append(got)
     torch.cuda.synchronize()
     # No graph (nor an owned-output graph) wrote into memory it does not own: a freed workspace
@@ -523,7 +519,7 @@ def test_other_dtype_width_or_rank_get_their_own_key_and_aliased_inputs_work():
     model = _mlp()
     gm = GraphedModule(model, buckets=[4, 8])
     x = torch.randn(3, 32, device=DEV)
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     # Another dtype or feature width is another key: the module runs on it (and raises its own
     # error here, as eager does); the captured graph is never replayed on mismatched shapes.
     for bad in (x.double(), torch.randn(3, 31, device=DEV)):
@@ -532,13 +528,13 @@ def test_other_dtype_width_or_rank_get_their_own_key_and_aliased_inputs_work():
         assert not isinstance(info.value, GraphwrapError)
     # Another rank the module accepts: a key of its own, captured and correct.
     x3 = torch.randn(5, 2, 32, device=DEV)
-    assert_same(gm(x3), _eager(model, x3))
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x3), eager_answer(model, x3))
+    assert_same(gm(x), eager_answer(model, x))
     assert len(gm.stats()["keys"]) == 4 and num_graphs(gm) == 2
     # One tensor passed for two inputs, and an input that is a view of another.
     mio = MultiIO().to(DEV).eval()
     gmio = GraphedModule(mio, buckets=[4])
     a = torch.randn(4, 8, device=DEV)
     for args in ((a, (a, {"m": a})), (a[:3], (a[1:], {"m": a[:3] * 1}))):
-        assert_same(gmio(*args), _eager(mio, *args))
+        assert_same(gmio(*args), eager_answer(mio, *args))
     assert gmio.stats()["eager_calls"] == {}

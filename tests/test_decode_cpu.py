@@ -4,11 +4,17 @@ with its reason. Needs transformers (skipped with the reason without it)."""
 
 import pytest
 import torch
+from helpers import on_cpu_graphs, replays
 from torch import nn
 
 from graphwrap import GraphedModule
-from graphwrap.state import DYNAMIC_CACHE, NOT_ALLOCATED, NOT_STATE, StateRef, state_reason
-from helpers import on_cpu_graphs
+from graphwrap.state import (
+    DYNAMIC_CACHE,
+    NOT_ALLOCATED,
+    NOT_STATE,
+    StateRef,
+    state_reason,
+)
 
 tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
 
@@ -18,10 +24,6 @@ def _gpt2():
                         eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     return tr.GPT2LMHeadModel(cfg).eval()
-
-
-def _replays(gm) -> int:
-    return sum(b["replays"] for k in gm.stats()["keys"] for b in k["buckets"].values())
 
 
 def test_which_objects_are_state():
@@ -53,7 +55,7 @@ def test_generate_gives_the_models_tokens_with_every_decode_step_replayed(batch)
         assert torch.equal(got, want)
     s = gm.stats()
     assert len(s["keys"]) == 1 and "StaticCache" in s["keys"][0]["key"]
-    assert _replays(gm) == 2 * 7, "every step after the prompt's first token replays"
+    assert replays(gm) == 2 * 7, "every step after the prompt's first token replays"
     assert list(s["keys"][0]["buckets"]) == [1], "one call a step, never padded"
     assert s["eager_calls"] == {}
 

@@ -3,10 +3,10 @@ step a replay; a gpt-fast style cache in module buffers at a fixed batch, graphe
 
 import pytest
 import torch
+from helpers import assert_same, replays
 from torch import nn
 
 from graphwrap import GraphedModule
-from helpers import assert_same
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -18,10 +18,6 @@ def _gpt2():
                         eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     return tr.GPT2LMHeadModel(cfg).to(DEV).eval()
-
-
-def _replays(gm) -> int:
-    return sum(b["replays"] for k in gm.stats()["keys"] for b in k["buckets"].values())
 
 
 def _same_or_tied(got, want, scores, prompt, tol=1e-3):
@@ -51,8 +47,8 @@ def test_generate_gives_the_models_tokens_each_decode_step_a_replay(batch):
     assert s["eager_calls"] == {} and len(s["keys"]) == 1
     b = s["keys"][0]["buckets"][1]
     print(f"\nbatch {batch}: {b['serves']} (graph {b['graph_us']} us, eager {b['eager_us']} us), "
-          f"{_replays(gm)} replays, {b['eager_calls']} eager")
-    assert b["serves"] == "graph" and _replays(gm) >= 2 * 15 - 4
+          f"{replays(gm)} replays, {b['eager_calls']} eager")
+    assert b["serves"] == "graph" and replays(gm) >= 2 * 15 - 4
 
 
 def test_sampled_tokens_are_the_models_under_the_same_seed():
@@ -96,7 +92,7 @@ def test_a_cache_in_module_buffers_of_a_fixed_batch_is_graphed():
         x, pos = torch.randn(2, 1, 64, device=DEV), torch.tensor([p], device=DEV)
         assert_same(gm(x, pos), ref(x, pos) if not torch.is_grad_enabled() else ref(x, pos).detach())
         assert torch.equal(model.k, ref.k) and torch.equal(model.v, ref.v)
-    assert gm.stats()["writes_buffers"] == ["k", "v"] and _replays(gm) >= 10
+    assert gm.stats()["writes_buffers"] == ["k", "v"] and replays(gm) >= 10
 
 
 def test_compile_true_decodes_with_the_plain_forward_and_says_so(gw_log):
@@ -109,6 +105,6 @@ def test_compile_true_decodes_with_the_plain_forward_and_says_so(gw_log):
         out = model.generate(**kw, disable_compile=True, output_logits=True, return_dict_in_generate=True)
         got = gm.generate(**kw)
     assert _same_or_tied(got, out.sequences, out.logits, 10)
-    assert _replays(gm) >= 8
+    assert replays(gm) >= 8
     assert any("compile= is not used for a forward that writes state" in r.getMessage() for r in gw_log.records)
     torch.cuda.synchronize()  # no device-side assert left behind

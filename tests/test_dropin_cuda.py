@@ -10,18 +10,13 @@ import time
 
 import pytest
 import torch
-from helpers import MLP, Scales, assert_same, num_graphs, small_bert
+from helpers import MLP, Scales, assert_same, eager_answer, num_graphs, small_bert
 from torch import nn
 
 from graphwrap import Batcher, GraphedModule
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
-
-
-def _eager(model, *args, **kwargs):
-    with torch.no_grad():
-        return model(*args, **kwargs)
 
 
 class WritesCache(nn.Module):
@@ -42,7 +37,7 @@ def test_a_forward_that_writes_into_its_input_gets_eagers_answer_and_leaves_the_
     for n in (3, 3, 5, 1):
         x = torch.rand(n, 64, device=DEV) * 255
         x_eager = x.clone()
-        want = _eager(model, x_eager)
+        want = eager_answer(model, x_eager)
         got = gm(x)
         assert_same(got, want)
         assert_same(x, x_eager)  # divided once, as eager divides it
@@ -57,7 +52,7 @@ def test_a_forward_that_writes_into_a_cache_it_is_passed_runs_eagerly():
     cache, cache_eager = torch.zeros(2, 5, 16, device=DEV), torch.zeros(2, 5, 16, device=DEV)
     for t in range(5):
         x = torch.randn(2, 16, device=DEV)
-        assert_same(gm(x, cache, t), _eager(model, x, cache_eager, t))
+        assert_same(gm(x, cache, t), eager_answer(model, x, cache_eager, t))
         assert_same(cache, cache_eager)
     assert all("writes into its input cache" in k["reason"] for k in gm.stats()["keys"])
 
@@ -100,7 +95,7 @@ def _capture_while_drawing(buckets):
     with _Draws() as d:
         for n in buckets:
             x = torch.randn(n, 64, device=DEV, generator=torch.Generator(device=DEV).manual_seed(n))
-            assert_same(gm(x), _eager(model, x), tol=1e-4)
+            assert_same(gm(x), eager_answer(model, x), tol=1e-4)
     assert not d.other, d.other[:2]
     assert num_graphs(gm) == len(buckets)
     return d
@@ -144,7 +139,7 @@ def test_random_numbers_in_the_main_thread_while_a_background_capture_runs():
     assert failed == 0 if PER_CAPTURE_RNG else failed * 100 <= draws
     assert num_graphs(gm) == len(gm.buckets)
     x = torch.randn(7, 64, device=DEV)
-    assert_same(gm(x), _eager(model, x), tol=1e-4)
+    assert_same(gm(x), eager_answer(model, x), tol=1e-4)
 
 
 class UsesRandom(nn.Module):
@@ -161,7 +156,7 @@ def test_a_forward_that_draws_random_numbers_still_gets_eagers_answer():
     gm = GraphedModule(model, buckets=[4])
     for n in (2, 4):
         x = torch.randn(n, 8, device=DEV)
-        assert_same(gm(x), _eager(model, x))
+        assert_same(gm(x), eager_answer(model, x))
 
 
 class AddsPosition(nn.Module):
@@ -179,14 +174,14 @@ def test_inputs_that_are_not_batched():
     gm = GraphedModule(model)
     for n in (1, 3, 8, 5):
         x, pos = torch.randn(n, 16, device=DEV), torch.randint(0, 32, (1,), device=DEV)
-        assert_same(gm(x, pos), _eager(model, x, pos))
+        assert_same(gm(x, pos), eager_answer(model, x, pos))
     s = gm.stats()
     assert s["eager_calls"] == {}, s["eager_calls"]
     assert any("Tensor[1] int64" in k["key"] for k in s["keys"])
     named = GraphedModule(model, batch_dim={"pos": None})
     for n in (2, 6):
         x, pos = torch.randn(n, 16, device=DEV), torch.randint(0, 32, (n,), device=DEV)[:1]
-        assert_same(named(x, pos=pos), _eager(model, x, pos=pos))
+        assert_same(named(x, pos=pos), eager_answer(model, x, pos=pos))
     assert named.stats()["eager_calls"] == {}
 
 
@@ -194,7 +189,7 @@ def test_copies_and_pickles_capture_their_own():
     model = MLP().to(DEV).eval()
     gm = GraphedModule(model, max_batch_size=16)
     x = torch.randn(5, 32, device=DEV)
-    want = _eager(model, x)
+    want = eager_answer(model, x)
     assert_same(gm(x), want)
     twin = copy.deepcopy(gm)
     assert twin.module is not model and num_graphs(twin) == 0
@@ -230,7 +225,7 @@ def test_submit_returns_at_once_and_requests_are_joined():
     futs = [b.submit(x) for x in xs]
     submit_s = time.perf_counter() - t0
     for x, f in zip(xs, futs):
-        assert_same(f.result(60), _eager(model, x))
+        assert_same(f.result(60), eager_answer(model, x))
     s = b.stats()
     b.close()
     print(f"\n100 submits from one thread: {submit_s * 1e3:.1f} ms to submit, {s['module_calls']} module calls, "
@@ -260,7 +255,7 @@ def test_a_module_answers_calls_that_need_new_output_slots_while_another_compile
     worst, median = max(took), sorted(took)[len(took) // 2]
     compiling.join(600)
     compile_s = time.perf_counter() - t_start
-    want = _eager(a_model, x)
+    want = eager_answer(a_model, x)
     for h in held:
         assert_same(h, want)
     print(f"\nwhile another module compiled for {compile_s:.1f} s: {len(held)} calls, median {median * 1e3:.2f} ms, "
@@ -280,7 +275,7 @@ def test_outputs_the_caller_keeps_are_its_own_whichever_path_serves_them():
         xs = [torch.randn(1, width, device=DEV) for _ in range(300)]
         kept = [gm(x) for x in xs]
         for x, out in zip(xs, kept):
-            assert_same(out, _eager(model, x))
+            assert_same(out, eager_answer(model, x))
         assert len({o.data_ptr() for o in kept}) == len(kept)
         b = gm.stats()["keys"][0]["buckets"][1]
         print(f"\n{type(model).__name__}: {b['serves']}, eager when held: {b['eager_when_held']} "

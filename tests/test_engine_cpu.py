@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from helpers import MLP, RowMixer, Scales, assert_same, on_cpu_graphs
+from helpers import MLP, RowMixer, Scales, assert_same, eager_answer, on_cpu_graphs
 from torch import nn
 
 from graphwrap import GraphedModule, GraphwrapError
@@ -16,11 +16,6 @@ from graphwrap.records import Serves
 def _gm(model, **kw):
     kw.setdefault("eager_if_faster", False)
     return on_cpu_graphs(GraphedModule(model, **kw))
-
-
-def _eager(model, *args, **kwargs):
-    with torch.no_grad():
-        return model(*args, **kwargs)
 
 
 class TwoOut(nn.Module):
@@ -42,7 +37,7 @@ def test_calls_replay_the_bucket_graph_with_owned_or_view_outputs(n):
     for _ in range(3):  # fresh inputs every call: a stale static buffer would show
         x = torch.randn(n, 32)
         got = gm(x)
-        assert_same(got, _eager(model, x))
+        assert_same(got, eager_answer(model, x))
     (ks,) = gm.engine.store.keys.values()
     g = ks.buckets[(8, None)].graphs[0]
     assert got.data_ptr() != g.static_outputs[0].data_ptr(), "owned: not the static output"
@@ -59,7 +54,7 @@ def test_several_outputs_keep_whole_and_constant_ones():
     x = torch.randn(3, 8)
     got = gm(x)
     assert list(got) == ["y", "w", "tag"] and got["tag"] == "t"
-    assert_same(got, _eager(model, x))
+    assert_same(got, eager_answer(model, x))
 
 
 def test_stats_count_rows_and_padding():
@@ -85,7 +80,7 @@ def test_eager_by_choice_and_by_reason():
         ks.plans.clear()
         gm.engine.fast.clear()
     x = torch.randn(3, 32)
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     s = gm.stats()
     assert s["eager_by_choice"] == 1 and s["keys"][0]["buckets"][4]["serves"] == "eager"
     assert s["eager_calls"] == {}
@@ -110,11 +105,11 @@ def test_fast_path_checks_fall_back_to_the_general_path():
     assert eng.fast_plan(x) is None, "training mode"
     model.eval()
     assert eng.fast_plan(x) is None, "train() and eval() move the counter: the next call reads the tree"
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     assert eng.fast_plan(x) is plan, "the flags are as captured: the same plan"
     model.layers[0].weight.data = torch.randn(64, 32)
     assert eng.fast_plan(x) is None, "a weight moved"
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     assert eng.watch.ptrs is not None and len(gm.stats()["keys"]) == 1, "captured again"
 
 
@@ -126,7 +121,7 @@ def test_a_new_parameter_counts_as_moved_weights():
     epoch = gm.engine.epoch
     model.extra = nn.Parameter(torch.randn(2))
     assert gm.engine.fast_plan(x) is None
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     assert gm.engine.epoch > epoch, "graphs dropped and captured again"
 
 
@@ -155,12 +150,12 @@ def test_other_callers_are_served_eagerly_while_a_bucket_is_captured():
     assert model.capturing.wait(10)
     for n in (1, 5, 8):  # the same bucket, during its capture: answered at once, eagerly
         x = torch.randn(n, 8)
-        assert_same(gm(x), _eager(model, x))
+        assert_same(gm(x), eager_answer(model, x))
     assert gm.stats()["keys"][0]["eager_while_warming"] == 3
     model.release.set()
     first.join(10)
     x = torch.randn(6, 8)
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     assert gm.stats()["keys"][0]["buckets"][8]["replays"] == 2
 
 
@@ -168,7 +163,7 @@ def test_a_row_mixer_runs_eagerly_and_fallback_raise_raises():
     model = RowMixer().eval()
     gm = _gm(model, buckets=[4])
     x = torch.randn(3, 8)
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     k = gm.stats()["keys"][0]
     assert k["status"] == "eager" and "mixes rows" in k["reason"]
     strict = _gm(model, buckets=[4], fallback="raise")
@@ -182,7 +177,7 @@ def test_a_forward_that_writes_into_its_input_gets_eagers_answer_and_the_callers
     for n in (3, 4, 2):
         x = torch.randn(n, 4) * 255
         x_eager = x.clone()
-        want = _eager(model, x_eager)
+        want = eager_answer(model, x_eager)
         got = gm(x)
         assert_same(got, want)
         assert_same(x, x_eager), "the caller's tensor divided once, as eager divides it"
@@ -217,7 +212,7 @@ def test_sequence_buckets_every_length_and_the_padded_tokens():
     for L in list(range(1, 70)) + [200, 3, 512]:
         n = 1 + L % 5
         ids, mask = _text(n, L, pad_from=max(1, L - 2) if L % 3 == 0 else None)
-        assert_same(gm(input_ids=ids, attention_mask=mask), _eager(model, input_ids=ids, attention_mask=mask))
+        assert_same(gm(input_ids=ids, attention_mask=mask), eager_answer(model, input_ids=ids, attention_mask=mask))
     s = gm.stats()
     assert s["eager_calls"] == {} and len(s["keys"]) == 1
     assert set(s["seq_buckets"]) >= {16, 32, 48, 64, 96, 256, 512}
@@ -226,7 +221,7 @@ def test_sequence_buckets_every_length_and_the_padded_tokens():
     assert 0 < s["padded_token_share"] < 1 and s["tokens"] == sum((1 + L % 5) * L for L in
                                                                  list(range(1, 70)) + [200, 3, 512])
     ids, mask = _text(1, 600)
-    assert_same(gm(input_ids=ids, attention_mask=mask), _eager(model, input_ids=ids, attention_mask=mask))
+    assert_same(gm(input_ids=ids, attention_mask=mask), eager_answer(model, input_ids=ids, attention_mask=mask))
     assert any("longer than the longest sequence bucket" in r for r in gm.stats()["eager_calls"])
 
 
@@ -234,7 +229,7 @@ def test_batches_above_the_token_budget_are_served_in_chunks():
     model = Masked().eval()
     gm = _gm(model, seq_dim=1, max_tokens=64, max_batch_size=8)
     ids, mask = _text(7, 30)  # bucket 32: at most 2 rows a graph
-    assert_same(gm(input_ids=ids, attention_mask=mask), _eager(model, input_ids=ids, attention_mask=mask))
+    assert_same(gm(input_ids=ids, attention_mask=mask), eager_answer(model, input_ids=ids, attention_mask=mask))
     b = gm.stats()["keys"][0]["buckets"]
     assert set(b) == {"2x32", "1x32"} and b["2x32"]["replays"] == 3 and b["1x32"]["replays"] == 1
 
@@ -245,7 +240,7 @@ def test_the_memory_budget_drops_the_least_used_graphs_and_captures_them_again()
     sizes = [8] * 5 + [4] * 3 + [2, 1, 2, 4, 8, 1]
     for n in sizes:
         x = torch.randn(n, 32)
-        assert_same(gm(x), _eager(model, x))
+        assert_same(gm(x), eager_answer(model, x))
     s = gm.stats()
     assert s["eager_calls"] == {}
     b = s["keys"][0]["buckets"]

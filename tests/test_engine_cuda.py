@@ -3,7 +3,7 @@ large batches from pinned memory."""
 
 import pytest
 import torch
-from helpers import MLP, assert_same
+from helpers import MLP, assert_same, eager_answer
 from torch import nn
 
 import graphwrap.capturing
@@ -11,11 +11,6 @@ from graphwrap import GraphedModule
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
-
-
-def _eager(model, *args):
-    with torch.no_grad():
-        return model(*args)
 
 
 @pytest.mark.parametrize("where", ["cuda", "pinned", "pageable"])
@@ -31,7 +26,7 @@ def test_defaults_every_size_and_past_the_largest(where):
             x = x.pin_memory()
         got = gm(x)
         assert got.device.type == "cuda" and got.shape == (n, 16)
-        assert_same(got, _eager(model, x.to(DEV)))
+        assert_same(got, eager_answer(model, x.to(DEV)))
     s = gm.stats()
     assert s["eager_calls"] == {}
     served = sum(b["replays"] + b["eager_calls"] for b in s["keys"][0]["buckets"].values())
@@ -47,7 +42,7 @@ def test_a_pinned_buffer_refilled_after_each_large_call():
     outs, wants = [], []
     for _ in range(20):
         buf.copy_(torch.randn(600, 32))
-        wants.append(_eager(model, buf.to(DEV)))
+        wants.append(eager_answer(model, buf.to(DEV)))
         outs.append(gm(buf))
     for got, want in zip(outs, wants):
         assert_same(got, want)
@@ -60,7 +55,7 @@ def test_owned_outputs_stay_intact_across_many_later_calls():
     for i in range(60):
         n = 1 + (i * 7) % 40  # some above the largest bucket
         x = torch.randn(n, 32, device=DEV)
-        kept.append((gm(x), _eager(model, x)))
+        kept.append((gm(x), eager_answer(model, x)))
     for _ in range(500):
         gm(torch.randn(1 + int(torch.randint(0, 40, ())), 32, device=DEV))
     for got, want in kept:
@@ -83,10 +78,10 @@ def test_a_bucket_that_eager_beats_is_served_eagerly(monkeypatch):
     gm = GraphedModule(model, buckets=[4, 8])
     for n in (1, 3, 4, 6, 20):
         x = torch.randn(n, 32, device=DEV)
-        assert_same(gm(x), _eager(model, x))
+        assert_same(gm(x), eager_answer(model, x))
     xs = [torch.randn(n, 32).pin_memory() for n in (2, 7, 3)]
     for x, got in zip(xs, gm.pipeline(xs)):
-        assert_same(got, _eager(model, x.to(DEV)))
+        assert_same(got, eager_answer(model, x.to(DEV)))
     s = gm.stats()
     for b in s["keys"][0]["buckets"].values():
         assert b["serves"] == "eager" and b["graph_us"] == pytest.approx(10) and b["eager_us"] == pytest.approx(5)
@@ -99,7 +94,7 @@ def test_the_race_is_timed_and_either_answer_is_right():
     gm = GraphedModule(model)
     for n in (1, 1, 5, 5):
         x = torch.randn(n, 64, device=DEV)
-        assert_same(gm(x), _eager(model, x))
+        assert_same(gm(x), eager_answer(model, x))
     buckets = gm.stats()["keys"][0]["buckets"]
     for size in (1, 8):
         b = buckets[size]
@@ -119,7 +114,7 @@ def test_pipeline_of_large_batches_from_pinned_memory(to_host):
     xs = [torch.randn(n, 32).pin_memory() for n in (300, 5, 512, 64, 1280, 65, 1)]
     outs = list(gm.pipeline(xs, to_host=to_host))
     for x, got in zip(xs, outs):
-        want = _eager(model, x.to(DEV))
+        want = eager_answer(model, x.to(DEV))
         assert_same(got.to(DEV) if to_host else got, want)
         assert got.is_pinned() if to_host else got.is_cuda
 
@@ -164,7 +159,7 @@ def test_garbage_collection_never_runs_inside_a_capture(gw_log):
     try:
         gm = GraphedModule(model, buckets=[4, 8], eager_if_faster=False)
         x = torch.randn(3, 32, device=DEV)
-        assert_same(gm(x), _eager(model, x))
+        assert_same(gm(x), eager_answer(model, x))
     finally:
         gc.set_threshold(*threshold)
         gc.collect()
@@ -201,7 +196,7 @@ def test_a_capture_invalidated_from_outside_is_taken_again(gw_log):
     gm = GraphedModule(model, buckets=[4, 8], eager_if_faster=False)
     for n in (3, 4, 7):
         x = torch.randn(n, 32, device=DEV)
-        assert_same(gm(x), _eager(model, x))
+        assert_same(gm(x), eager_answer(model, x))
     assert not model.graph
     key = gm.stats()["keys"][0]
     assert key["status"] == "graphed", key["reason"]
@@ -253,7 +248,7 @@ def test_threads_on_pooled_streams_while_captures_run():
     try:
         for n in range(1, 65):
             x = torch.randn(n, 32, device=DEV)
-            assert_same(gm(x), _eager(model, x))
+            assert_same(gm(x), eager_answer(model, x))
     finally:
         stop.set()
         for t in threads:

@@ -7,24 +7,23 @@ import logging
 
 import pytest
 import torch
+from helpers import (
+    MLP,
+    Counter,
+    RowCache,
+    assert_same,
+    eager_answer,
+    on_cpu_graphs,
+    replays,
+)
 from torch import nn
 
 from graphwrap import Batcher, GraphedModule
-from helpers import MLP, Counter, RowCache, assert_same, on_cpu_graphs
 
 
 def _gm(model, **kw):
     kw.setdefault("eager_if_faster", False)  # the stand-in's replays are slow: keep the graphs
     return on_cpu_graphs(GraphedModule(model, **kw))
-
-
-def _eager(model, *args, **kwargs):
-    with torch.no_grad():
-        return model(*args, **kwargs)
-
-
-def _replays(gm) -> int:
-    return sum(b["replays"] for k in gm.stats()["keys"] for b in k["buckets"].values())
 
 
 class Net(nn.Module):
@@ -47,8 +46,8 @@ def test_calls_under_inference_mode_capture_and_replay_and_later_calls_outside_i
             out = gm(x)
             assert_same(out, model(x))
     x = torch.randn(3, 32)
-    assert_same(gm(x), _eager(model, x)), "the static inputs made under inference_mode take writes outside it"
-    assert gm.stats()["eager_calls"] == {} and _replays(gm) == 5
+    assert_same(gm(x), eager_answer(model, x)), "the static inputs made under inference_mode take writes outside it"
+    assert gm.stats()["eager_calls"] == {} and replays(gm) == 5
     with torch.inference_mode():
         b = Batcher(gm)
         try:
@@ -82,8 +81,8 @@ def test_each_change_to_the_module_after_capture_is_seen_before_the_next_replay(
     handle = model.fc.register_forward_hook(lambda m, i, o: o + 1) if "remove" in change else None
     gm = _gm(model)
     x = torch.randn(3, 8)
-    assert_same(gm(x), _eager(model, x))
-    assert _replays(gm) == 1
+    assert_same(gm(x), eager_answer(model, x))
+    assert replays(gm) == 1
     undo = lambda: None  # noqa: E731
     if change == "swap a submodule without weights":
         model.act = nn.Tanh().eval()
@@ -113,7 +112,7 @@ def test_each_change_to_the_module_after_capture_is_seen_before_the_next_replay(
         torch.manual_seed(1)
         got = gm(x)
         torch.manual_seed(1)
-        want = _eager(model, x)
+        want = eager_answer(model, x)
         assert_same(got, want)
         if why is None:
             from graphwrap.watch import GLOBAL_HOOKS
@@ -121,19 +120,19 @@ def test_each_change_to_the_module_after_capture_is_seen_before_the_next_replay(
             assert gm.stats()["module_changes"] == {} and gm.stats()["eager_calls"] == {GLOBAL_HOOKS: 1}
             undo()
             undo = lambda: None  # noqa: E731
-            assert_same(gm(x), _eager(model, x))
-            assert _replays(gm) == 2, "the graphs served again once the hook was gone"
+            assert_same(gm(x), eager_answer(model, x))
+            assert replays(gm) == 2, "the graphs served again once the hook was gone"
             return
         assert gm.stats()["module_changes"] == {why: 1}
         assert any(why in r.getMessage() for r in gw_log.records)
         if change == "a submodule put in training mode":
             assert gm.stats()["eager_calls"] == {"submodule 'drop' is in training mode (call .eval() on it for graphs)": 1}
             model.drop.eval()
-        before = _replays(gm)
+        before = replays(gm)
         for _ in range(3):  # captured again: served by graphs from here on
             x = torch.randn(3, 8, dtype=torch.float32)
-            assert_same(gm(x), _eager(model, x))
-        assert _replays(gm) == before + 3
+            assert_same(gm(x), eager_answer(model, x))
+        assert replays(gm) == before + 3
     finally:
         undo()
 
@@ -147,7 +146,7 @@ def test_changes_undone_before_the_next_call_keep_the_graphs():
     model.drop.train()
     model.drop.eval()
     model.fc.register_forward_hook(lambda m, i, o: None).remove()
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     assert gm.engine.epoch == epoch and gm.stats()["module_changes"] == {}
 
 
@@ -156,7 +155,7 @@ def test_hooks_present_at_capture_are_captured_with_a_warning(gw_log):
     model.fc.register_forward_hook(lambda m, i, o: o * 2)
     gm = _gm(model)
     x = torch.randn(3, 8)
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
     assert any("forward hooks of submodule 'fc' are captured" in r.getMessage() and r.levelno == logging.WARNING
                for r in gw_log.records)
 
@@ -178,7 +177,7 @@ def test_plain_attributes_the_forward_reads_are_frozen_until_reset():
     gm(x)
     model.scale_output = False
     gm.reset()  # the documented remedy: plain attributes are not watched
-    assert_same(gm(x), _eager(model, x))
+    assert_same(gm(x), eager_answer(model, x))
 
 
 def test_a_forward_that_counts_its_calls_counts_each_call_once(gw_log):
@@ -187,10 +186,10 @@ def test_a_forward_that_counts_its_calls_counts_each_call_once(gw_log):
     gm = _gm(model)
     for i in range(6):
         x = torch.randn(3, 4)
-        assert_same(gm(x), _eager(ref, x))
+        assert_same(gm(x), eager_answer(ref, x))
     assert int(model.steps) == 6 == int(ref.steps)
     stats = gm.stats()
-    assert stats["writes_buffers"] == ["steps"] and _replays(gm) >= 5
+    assert stats["writes_buffers"] == ["steps"] and replays(gm) >= 5
     assert all(b["batch"] == 3 for k in stats["keys"] for b in k["buckets"].values() if b["graphs"]), \
         "a module that writes its state is never padded"
     assert any("writes the module's buffers steps" in r.getMessage() for r in gw_log.records)
@@ -202,13 +201,13 @@ def test_state_kept_per_row_matches_eager_over_calls_of_several_sizes():
     gm = _gm(model)
     for n in (3, 3, 5, 3, 5, 8, 2):
         x = torch.randn(n, 4)
-        assert_same(gm(x), _eager(ref, x))
+        assert_same(gm(x), eager_answer(ref, x))
         assert torch.equal(model.last, ref.last), f"the cache after a call of {n} rows"
     b = Batcher(gm)
     try:
         xs = [torch.randn(2, 4) for _ in range(3)]
         for x in xs:  # one by one, never joined: each a call of its own
-            assert_same(b(x), _eager(ref, x))
+            assert_same(b(x), eager_answer(ref, x))
         assert torch.equal(model.last, ref.last)
     finally:
         b.close()

@@ -6,22 +6,13 @@ import threading
 
 import pytest
 import torch
+from helpers import MLP, Counter, RowCache, assert_same, eager_answer, replays
 from torch import nn
 
 from graphwrap import Batcher, GraphedModule
-from helpers import MLP, Counter, RowCache, assert_same
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
-
-
-def _eager(model, *args, **kwargs):
-    with torch.no_grad():
-        return model(*args, **kwargs)
-
-
-def _replays(gm) -> int:
-    return sum(b["replays"] for k in gm.stats()["keys"] for b in k["buckets"].values())
 
 
 def test_inference_mode_for_calls_views_pipelines_and_the_batcher_then_outside_it():
@@ -44,9 +35,9 @@ def test_inference_mode_for_calls_views_pipelines_and_the_batcher_then_outside_i
             b.close()
     for n in (3, 5, 17):  # buffers made under inference_mode take writes outside it
         x = torch.randn(n, 32, device=DEV)
-        assert_same(gm(x), _eager(model, x))
-        assert_same(gv(x).clone(), _eager(model, x))
-    assert gm.stats()["eager_calls"] == {} and _replays(gm) > 0
+        assert_same(gm(x), eager_answer(model, x))
+        assert_same(gv(x).clone(), eager_answer(model, x))
+    assert gm.stats()["eager_calls"] == {} and replays(gm) > 0
 
 
 class Net(nn.Module):
@@ -69,7 +60,7 @@ def test_each_change_to_the_module_after_capture_is_seen_before_the_next_replay(
     gm = GraphedModule(model, eager_if_faster=False)
     x = torch.randn(8, 64, device=DEV)
     for _ in range(2):
-        assert_same(gm(x), _eager(model, x))
+        assert_same(gm(x), eager_answer(model, x))
     if change == "swap a submodule without weights":
         model.act = nn.Tanh().eval()
     elif change == "add a forward hook":
@@ -87,9 +78,9 @@ def test_each_change_to_the_module_after_capture_is_seen_before_the_next_replay(
             assert not torch.allclose(got, evaluated), "dropout ran as in training"
             assert gm.stats()["eager_calls"]
         else:
-            got, want = gm(x), _eager(model, x)
+            got, want = gm(x), eager_answer(model, x)
             assert_same(got, want)
-            assert _replays(gm) == 1, "captured again and served by the new graph"
+            assert replays(gm) == 1, "captured again and served by the new graph"
         assert len(gm.stats()["module_changes"]) == 1
     finally:
         torch.set_default_dtype(torch.float32)
@@ -101,20 +92,20 @@ def test_a_counter_in_a_buffer_counts_each_call_once():
     gm = GraphedModule(model)
     for _ in range(6):
         x = torch.randn(3, 16, device=DEV)
-        assert_same(gm(x), _eager(ref, x))
+        assert_same(gm(x), eager_answer(ref, x))
     assert int(model.steps) == 6 == int(ref.steps)
     assert gm.stats()["writes_buffers"] == ["steps"]
 
 
-def test_a_cache_in_buffers_written_in_place_by_the_graphs_matches_eager():
+def test_a_cache_in_buffers_written_in_place_by_the_graphs_matcheseager_answer():
     model, ref = RowCache(rows=16, d=32).to(DEV).eval(), RowCache(rows=16, d=32).to(DEV).eval()
     ref.load_state_dict(model.state_dict())
     gm = GraphedModule(model)
     for n in (3, 3, 5, 3, 5, 16, 2, 2, 2):
         x = torch.randn(n, 32, device=DEV)
-        assert_same(gm(x), _eager(ref, x))
+        assert_same(gm(x), eager_answer(ref, x))
         assert torch.equal(model.last, ref.last), f"the cache after a call of {n} rows"
-    assert _replays(gm) >= 3, "the calls replay graphs"
+    assert replays(gm) >= 3, "the calls replay graphs"
 
 
 class StepCache(nn.Module):
@@ -136,7 +127,7 @@ def test_a_fixed_batch_cache_gets_the_modules_answers_and_state():
     gm = GraphedModule(model, batch_dim={"pos": None})
     for p in range(5):
         x, pos = torch.randn(2, 1, 16, device=DEV), torch.tensor([p], device=DEV)
-        assert_same(gm(x, pos), _eager(ref, x, pos))
+        assert_same(gm(x, pos), eager_answer(ref, x, pos))
         assert torch.equal(model.k, ref.k)
 
 

@@ -6,18 +6,13 @@ import random
 
 import pytest
 import torch
-from helpers import small_bert
+from helpers import eager_answer, small_bert
 from torch import nn
 
 from graphwrap import Batcher, GraphedModule
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
-
-
-def _eager(model, **kwargs):
-    with torch.no_grad():
-        return model(**kwargs)
 
 
 def _text(n, L, vocab, pad_tail=0, g=None):
@@ -43,7 +38,7 @@ def test_small_bert_every_length_1_to_300_against_eager_at_the_real_length():
         n = rng.randint(1, 8)
         inputs = _text(n, L, cfg.vocab_size, pad_tail=L // 4 if L % 2 else 0)
         got = gm(**inputs)
-        want = _eager(model, **inputs)
+        want = eager_answer(model, **inputs)
         assert got.last_hidden_state.shape == (n, L, cfg.hidden_size)
         _close(got, want)
     s = gm.stats()
@@ -70,7 +65,7 @@ def test_a_model_that_averages_over_every_position_is_served_at_exact_lengths(gw
     gm = GraphedModule(model, seq_dim=1)
     for L in (5, 9, 5, 30, 9):
         inputs = _text(3, L, 100)
-        torch.testing.assert_close(gm(**inputs), _eager(model, **inputs), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gm(**inputs), eager_answer(model, **inputs), rtol=1e-5, atol=1e-5)
     k = gm.stats()["keys"][0]
     assert k["lengths"].startswith("exact") and "does not ignore padded positions" in k["lengths"]
     assert {b["seq"] for b in k["buckets"].values() if b["captured"]} == {5, 9, 30}
@@ -83,7 +78,7 @@ def test_lengths_past_the_largest_bucket_run_eagerly_with_the_reason():
     gm = GraphedModule(model, seq_dim=1, seq_buckets=[16, 32])
     for L in (10, 40, 32):
         inputs = _text(2, L, cfg.vocab_size)
-        _close(gm(**inputs), _eager(model, **inputs))
+        _close(gm(**inputs), eager_answer(model, **inputs))
     reasons = gm.stats()["eager_calls"]
     assert list(reasons) == ["length 40 is longer than the longest sequence bucket (32); pass seq_buckets= with "
                              "a longer one"]
@@ -102,7 +97,7 @@ def test_64_clients_of_random_lengths_through_the_batcher():
             L = max(1, min(200, int(rng.lognormvariate(3.3, 0.6))))
             inputs = _text(rng.randint(1, 4), L, cfg.vocab_size, pad_tail=rng.choice((0, 0, L // 3)), g=g)
             got = await batcher.acall(**inputs)
-            _close(got, _eager(model, **inputs))
+            _close(got, eager_answer(model, **inputs))
         return True
 
     async def main():
@@ -122,7 +117,7 @@ def test_the_memory_budget_drops_and_recaptures_and_every_answer_is_eagers():
     rng = random.Random(2)
     for _ in range(60):
         inputs = _text(rng.randint(1, 8), rng.choice((12, 40, 100, 200, 300)), cfg.vocab_size)
-        _close(gm(**inputs), _eager(model, **inputs))
+        _close(gm(**inputs), eager_answer(model, **inputs))
     s = gm.stats()
     print(f"\nbudget 96 MiB: {len(s['keys'][0]['buckets'])} buckets seen, graph pool {s['graph_pool_bytes'] / 2**20:.0f} MiB")
     assert s["eager_calls"] == {} or all("max_pool_bytes" in r for r in s["eager_calls"])
@@ -149,7 +144,7 @@ def test_other_text_models_give_eagers_answer_at_every_length(name):
     kw = {"use_cache": False} if name == "gpt2" else {}
     for L in lengths:
         inputs = _text(rng.randint(1, 5), L, 500)
-        want = _eager(model, **inputs, **kw)
+        want = eager_answer(model, **inputs, **kw)
         _close(gm(**inputs, **kw), want)
         _close(batcher(**inputs, **kw), want)
     s = gm.stats()
