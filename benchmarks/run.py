@@ -12,6 +12,8 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,37 +23,49 @@ import torch  # noqa: E402
 import harness  # noqa: E402
 from harness import Case, Results  # noqa: E402
 
+@dataclass(frozen=True)
+class Suite:
+    """A scenario: the module that runs it, what it measures, the strategies its table compares
+    each row with, and the command-line options it takes."""
+
+    module: str
+    about: str
+    baseline: Optional[str] = None
+    peer: Optional[str] = None
+    options: Callable[[argparse.Namespace], dict] = lambda a: {}
+
+
+COMPILE = "torch.compile reduce-overhead"
 SUITES = {
-    "quick": "one short table in about a minute: the seed MLP per call and over mixed batches, BERT-base",
-    "overhead": "per call at batch 1, input on the GPU: eager, a bare replay, gm(x) owned and view, torch.compile",
-    "host": "the same with inputs in host memory, pageable and pinned",
-    "fixed": "the seed notebook's loops against gm(x) and pipeline, 1280 batches of one size",
-    "large": "batches above the largest bucket, default settings",
-    "serving": "closed-loop clients: threads sharing gm(x), the Batcher from threads and asyncio",
-    "replicas": "Replicas over one GPU and over every GPU of the host",
-    "compile": "compile=True until every bucket is ready, a fresh process per row",
-    "mixed": "batches of sizes drawn uniformly: eager, torch.compile, each bucket policy, compile=",
-    "models": "resnet50, BERT-base, GPT-2 at batch 1 and 16 against eager and torch.compile",
-    "capture": "time and memory to capture every bucket",
-    "text": "BERT-base with real lengths: eager, one line, seq_dim=1, padded by hand; compile=True; 64 clients",
-    "decode": "GPT-2 greedy decoding with a static cache: eager loop, gm.generate, a graph by hand, compiled generate",
+    "quick": Suite("quick", "one short table in about a minute: the seed MLP per call and over mixed batches, "
+                   "BERT-base", "eager"),
+    "overhead": Suite("overhead", "per call at batch 1, input on the GPU: eager, a bare replay, gm(x) owned and "
+                      "view, torch.compile", "eager", COMPILE),
+    "host": Suite("host", "the same with inputs in host memory, pageable and pinned"),
+    "fixed": Suite("fixed", "the seed notebook's loops against gm(x) and pipeline, 1280 batches of one size",
+                   "seed synchronous loop", COMPILE,
+                   lambda a: {"batch_sizes": [int(b) for b in a.batch_sizes.split(",")]}),
+    "large": Suite("large", "batches above the largest bucket, default settings", "eager loop m(x.to(cuda))",
+                   "floor: one graph of that size, replays alone",
+                   lambda a: {"batch_sizes": [int(b) for b in a.large_sizes.split(",")]}),
+    "serving": Suite("serving", "closed-loop clients: threads sharing gm(x), the Batcher from threads and asyncio",
+                     options=lambda a: {"models": tuple(a.serving_models.split(","))}),
+    "replicas": Suite("replicas", "Replicas over one GPU and over every GPU of the host",
+                      options=lambda a: {"models": tuple(a.serving_models.split(","))}),
+    "compile": Suite("compile_start", "compile=True until every bucket is ready, a fresh process per row"),
+    "mixed": Suite("mixed", "batches of sizes drawn uniformly: eager, torch.compile, each bucket policy, compile=",
+                   "eager", "torch.compile reduce-overhead dynamic=None",
+                   lambda a: {"models": tuple(a.mixed_models.split(",")), "static_exact": a.mixed_static_exact}),
+    "models": Suite("models", "resnet50, BERT-base, GPT-2 at batch 1 and 16 against eager and torch.compile",
+                    "eager", COMPILE),
+    "capture": Suite("capture_time", "time and memory to capture every bucket"),
+    "text": Suite("text", "BERT-base with real lengths: eager, one line, seq_dim=1, padded by hand; compile=True; "
+                  "64 clients", "eager", COMPILE),
+    "decode": Suite("decode", "GPT-2 greedy decoding with a static cache: eager loop, gm.generate, a graph by "
+                    "hand, compiled generate", "transformers eager loop, StaticCache: per token",
+                    "the step captured by hand (one graph): per token"),
 }
-BASELINES = {
-    "quick": ("eager", None),
-    "fixed": ("seed synchronous loop", "torch.compile reduce-overhead"),
-    "overhead": ("eager", "torch.compile reduce-overhead"),
-    "mixed": ("eager", "torch.compile reduce-overhead dynamic=None"),
-    "serving": (None, None),
-    "compile": (None, None),
-    "replicas": (None, None),
-    "large": ("eager loop m(x.to(cuda))", "floor: one graph of that size, replays alone"),
-    "models": ("eager", "torch.compile reduce-overhead"),
-    "capture": (None, None),
-    "host": (None, None),
-    "text": ("eager", "torch.compile reduce-overhead"),
-    "decode": ("transformers eager loop, StaticCache: per token", "the step captured by hand (one graph): per token"),
-    "cpu": ("eager", None),
-}
+CPU_SUITE = Suite("run", "eager against graphwrap's eager fallback, on a CPU", "eager")
 
 
 def cpu_suite(results, quick):
@@ -72,7 +86,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m graphwrap bench", description="\n".join(__doc__.splitlines()[2:]),
                                  formatter_class=argparse.RawTextHelpFormatter,
                                  epilog="suites (each needs a CUDA device):\n" + "\n".join(
-                                     f"  {k:9s} {v}" for k, v in SUITES.items()))
+                                     f"  {k:9s} {v.about}" for k, v in SUITES.items()))
     ap.add_argument("--suite", action="append", choices=list(SUITES),
                     help="scenario to run (repeatable); default: all but quick")
     ap.add_argument("--quick", action="store_true",
@@ -124,9 +138,9 @@ def main(argv=None):
             results.write(ran, charts=CHARTS)
         suites = ran
     for name in suites:
-        base, peer = BASELINES[name]
+        suite = SUITES.get(name, CPU_SUITE)
         print()
-        print(results.table(name, base, peer))
+        print(results.table(name, suite.baseline, suite.peer))
     results.write(suites, charts=CHARTS)
     if a.out:
         print(f"\nresults in {os.path.abspath(a.out)}")
@@ -143,17 +157,9 @@ def _run_suite(name, a, results, repeats):
     """One suite, with the options of the command line that it takes."""
     import importlib
 
-    mod = importlib.import_module({"capture": "capture_time", "compile": "compile_start"}.get(name, name))
-    extra = {}
-    if name == "fixed":
-        extra = {"batch_sizes": [int(b) for b in a.batch_sizes.split(",")]}
-    elif name in ("serving", "replicas"):
-        extra = {"models": tuple(a.serving_models.split(","))}
-    elif name == "large":
-        extra = {"batch_sizes": [int(b) for b in a.large_sizes.split(",")]}
-    elif name == "mixed":
-        extra = {"models": tuple(a.mixed_models.split(",")), "static_exact": a.mixed_static_exact}
-    mod.run(results, torch.device("cuda"), a.quick, repeats, **extra)
+    suite = SUITES[name]
+    mod = importlib.import_module(suite.module)
+    mod.run(results, torch.device("cuda"), a.quick, repeats, **suite.options(a))
 
 
 if __name__ == "__main__":

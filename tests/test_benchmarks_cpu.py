@@ -49,8 +49,7 @@ def test_a_suite_that_needs_a_missing_package_is_left_out_and_the_others_still_r
 
     for name, fn in (("fake_missing", needs_pkg), ("fake_ok", works), ("fake_broken", breaks)):
         monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(run=fn))
-        monkeypatch.setitem(run.SUITES, name, "a stand-in")
-        monkeypatch.setitem(run.BASELINES, name, ("eager", None))
+        monkeypatch.setitem(run.SUITES, name, run.Suite(name, "a stand-in", "eager"))
     env = run.harness.environment()  # read on this machine, before CUDA is said to be there
     monkeypatch.setattr(run.harness, "environment", lambda: env)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
