@@ -1,4 +1,4 @@
-"""GraphedModule on a GPU. Every call gets fresh random inputs and is compared with eager."""
+"""Inputs and outputs of every kind on a GPU: structures, containers, registered objects, host inputs, odd and bad inputs, owned and view outputs, compared with eager."""
 
 import pytest
 import torch
@@ -8,18 +8,14 @@ from helpers import (
     KVCache,
     MultiIO,
     NeedsAName,
-    RowMixer,
     WithCache,
     assert_same,
-    check_bert,
     eager_answer,
     num_graphs,
-    run_threads,
-    small_bert,
 )
 from torch import nn
 
-from graphwrap import GraphedModule, GraphwrapError, default_buckets
+from graphwrap import GraphedModule, GraphwrapError
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -27,28 +23,6 @@ DEV = "cuda"
 
 def _mlp(**kw):
     return MLP(**kw).to(DEV).eval()
-
-
-def test_every_bucket_and_past_the_largest():
-    model = _mlp()
-    gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16])
-    for n in list(range(1, 40)) + [3, 1, 17, 16]:
-        x = torch.randn(n, 32, device=DEV)
-        assert_same(gm(x), eager_answer(model, x))
-    s = gm.stats()
-    assert s["eager_calls"] == {}
-    # above the largest bucket, graphs of the grid continued: 24, 32, 40
-    assert sorted(s["keys"][0]["buckets"]) == [1, 2, 4, 8, 16, 24, 32, 40] and num_graphs(gm) == 8
-    assert s["rows"] == sum(list(range(1, 40)) + [3, 1, 17, 16])
-
-
-def test_default_buckets_random_sizes():
-    model = _mlp()
-    gm = GraphedModule(model)
-    for n in torch.randint(1, 300, (40,)).tolist():
-        x = torch.randn(n, 32, device=DEV)
-        assert_same(gm(x), eager_answer(model, x))
-    assert gm.stats()["eager_calls"] == {}
 
 
 def test_clone_outputs_survive_later_calls_and_views_do_not():
@@ -109,221 +83,6 @@ def test_cpu_inputs_are_copied_in():
     y = gm(x)
     assert y.is_cuda
     assert_same(y, eager_answer(model, x.to(DEV)))
-
-
-class ItemSync(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        if x.sum().item() > 1e9:  # a host sync: cannot be captured
-            return x
-        return self.lin(x)
-
-
-def test_host_sync_falls_back_and_others_still_capture(gw_log):
-    model = ItemSync().to(DEV).eval()
-    gm = GraphedModule(model, buckets=[4])
-    for n in (2, 3, 4):
-        x = torch.randn(n, 8, device=DEV)
-        assert_same(gm(x), eager_answer(model, x))
-    k = gm.stats()["keys"][0]
-    assert k["status"] == "eager" and "cannot be captured" in k["reason"]
-    assert sum("capture of bucket" in r.message for r in gw_log.records) == 1
-    assert not torch.cuda.is_current_stream_capturing()
-    other = _mlp()
-    g2 = GraphedModule(other, buckets=[4])
-    x = torch.randn(3, 32, device=DEV)
-    assert_same(g2(x), eager_answer(other, x))
-    assert num_graphs(g2) == 1
-
-
-def test_host_sync_raises_under_fallback_raise():
-    gm = GraphedModule(ItemSync().to(DEV).eval(), buckets=[4], fallback="raise")
-    with pytest.raises(GraphwrapError, match=r"bucket 4 .*Tensor\[B, 8\]") as e:
-        gm(torch.randn(2, 8, device=DEV))
-    assert e.value.__cause__ is not None
-
-
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_verification_catches_row_mixing(n):
-    model = RowMixer().to(DEV).eval()
-    gm = GraphedModule(model, buckets=[4])
-    x = torch.randn(n, 8, device=DEV)
-    assert_same(gm(x), eager_answer(model, x))
-    k = gm.stats()["keys"][0]
-    assert k["status"] == "eager" and "mixes rows" in k["reason"]
-
-
-def test_forward_error_on_real_rows_is_the_modules_own():
-    model = _mlp()
-    gm = GraphedModule(model, buckets=[4])
-    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
-        gm(torch.randn(2, 31, device=DEV))
-    x = torch.randn(2, 32, device=DEV)
-    assert_same(gm(x), eager_answer(model, x))
-
-
-def test_threads_share_one_module():
-    model = _mlp()
-    gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16, 32])
-
-    def work(seed):
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        with torch.cuda.stream(torch.cuda.Stream()):
-            for _ in range(100):
-                n = int(torch.randint(1, 40, (1,), generator=g))
-                x = torch.randn(n, 32, generator=g).to(DEV)
-                assert_same(gm(x), eager_answer(model, x))
-
-    errors = run_threads(work)
-    assert not errors, errors[:3]
-    assert gm.stats()["eager_calls"] == {}
-
-
-def test_load_state_dict_after_capture_changes_outputs():
-    model = _mlp()
-    gm = GraphedModule(model, buckets=[4])
-    x = torch.randn(3, 32, device=DEV)
-    before = gm(x)
-    gm.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()})
-    after = gm(x)
-    assert not torch.allclose(before, after)
-    assert_same(after, eager_answer(model, x))
-    assert num_graphs(gm) == 1, "in-place loads keep the graphs"
-
-
-def test_replaced_or_moved_weights_are_recaptured():
-    model = _mlp()
-    gm = GraphedModule(model, buckets=[4])
-    x = torch.randn(3, 32, device=DEV)
-    gm(x)
-    model.layers[0].weight = nn.Parameter(torch.randn_like(model.layers[0].weight))
-    assert_same(gm(x), eager_answer(model, x))
-    model.layers[2].weight.data = torch.randn_like(model.layers[2].weight)
-    assert_same(gm(x), eager_answer(model, x))
-    gm.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()}, assign=True)
-    assert_same(gm(x), eager_answer(model, x))
-    gm.half()
-    assert_same(gm(x.half()), eager_answer(model, x.half()), tol=1e-2)
-    model.float()  # on the raw module, behind the wrapper's back
-    assert_same(gm(x), eager_answer(model, x))
-    assert gm.stats()["eager_calls"] == {}
-
-
-def test_train_then_eval_again():
-    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.2)).to(DEV)
-    gm = GraphedModule(model, buckets=[8])
-    gm.eval()
-    x = torch.randn(5, 8, device=DEV)
-    assert_same(gm(x), eager_answer(model, x))
-    gm.train()
-    gm(torch.randn(8, 8, device=DEV))  # updates running stats in place
-    gm.eval()
-    assert_same(gm(x), eager_answer(model, x))
-
-
-def test_autocast_is_part_of_the_key():
-    model = _mlp()
-    gm = GraphedModule(model, buckets=[4])
-    x = torch.randn(3, 32, device=DEV)
-    with torch.autocast("cuda", dtype=torch.float16):
-        got = gm(x)
-        want = eager_answer(model, x)
-    assert got.dtype == torch.float16
-    assert_same(got, want, tol=1e-2)
-    assert_same(gm(x), eager_answer(model, x))
-    assert len(gm.stats()["keys"]) == 2
-
-
-def test_explicit_capture_logs_progress_and_memory_is_shared(gw_log):
-    model = _mlp(d_in=256, hidden=1024, d_out=256)
-    x = torch.randn(3, 256, device=DEV)
-    gm = GraphedModule(model)
-    ks = gm.capture(x)
-    assert all(b["captured"] for b in ks["buckets"].values())
-    assert len(ks["buckets"]) == len(default_buckets())
-    assert sum("captured bucket" in r.message for r in gw_log.records) == len(default_buckets())
-    all_pool = gm.stats()["graph_pool_bytes"]
-    one = GraphedModule(model, buckets=[256])
-    one.capture(x)
-    largest = one.stats()["graph_pool_bytes"]
-    print(f"\ngraph pool: all {len(default_buckets())} default buckets {all_pool / 2**20:.1f} MiB, "
-          f"largest bucket alone {largest / 2**20:.1f} MiB, ratio {all_pool / max(largest, 1):.2f}")
-    assert all_pool <= 3 * max(largest, 2**21)
-    for n in (1, 5, 100, 256):
-        x = torch.randn(n, 256, device=DEV)
-        assert_same(gm(x), eager_answer(model, x))
-
-
-def _settle():
-    """Memory as it stands with no cuBLAS workspace held: each capture clears the workspaces
-    (see graphwrap.capture), and the next GEMM on each stream makes its own again, so how
-    many exist at a given moment says nothing about the graphs."""
-    torch.cuda.synchronize()
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-    torch.cuda.empty_cache()
-
-
-def test_deleting_gives_memory_back():
-    model = _mlp(d_in=256, hidden=1024, d_out=256)
-
-    # A first capture makes the streams, handles and caches that the process keeps.
-    gm = GraphedModule(model, buckets=[64, 128, 256])
-    gm.capture(torch.randn(4, 256, device=DEV))
-    torch.cuda.synchronize()
-    del gm
-    _settle()
-    base = torch.cuda.memory_allocated()
-    base_reserved = torch.cuda.memory_reserved()
-    gm = GraphedModule(model, buckets=[64, 128, 256])
-    gm.capture(torch.randn(4, 256, device=DEV))
-    _settle()
-    held = torch.cuda.memory_allocated() - base
-    held_reserved = torch.cuda.memory_reserved() - base_reserved
-    del gm
-    _settle()
-    left = torch.cuda.memory_allocated() - base
-    left_reserved = torch.cuda.memory_reserved() - base_reserved
-    print(f"\nGraphedModule held {held / 2**20:.2f} MiB allocated, {held_reserved / 2**20:.2f} MiB reserved; "
-          f"after del {left / 2**20:.2f} MiB, {left_reserved / 2**20:.2f} MiB")
-    assert held > 0
-    assert left <= 0 and left_reserved <= 0
-
-
-def test_module_without_parameters_and_empty_cache():
-    class Act(nn.Module):
-        def forward(self, x):
-            return torch.nn.functional.gelu(x) * 2
-
-    gm = GraphedModule(Act(), buckets=[4])
-    for n in (1, 3, 4):
-        x = torch.randn(n, 5, device=DEV)
-        assert_same(gm(x), Act()(x))
-        torch.cuda.empty_cache()
-    cpu = torch.randn(2, 5)
-    assert_same(gm(cpu), Act()(cpu))  # no tensors of its own: runs where the input is
-
-
-def test_resnet18_from_torchvision():
-    tv = pytest.importorskip("torchvision")
-    model = tv.models.resnet18().to(DEV).eval()
-    gm = GraphedModule(model, buckets=[1, 2, 4, 8])
-    for n in (1, 3, 8, 2):
-        x = torch.randn(n, 3, 64, 64, device=DEV)
-        assert_same(gm(x), eager_answer(model, x), tol=2e-2)
-    assert gm.stats()["eager_calls"] == {}
-
-
-def test_bert_from_config():
-    model, cfg = small_bert(pytest.importorskip("transformers"), DEV)
-    gm = GraphedModule(model, buckets=[1, 4, 8])
-    assert gm.config is model.config
-    check_bert(gm, model, cfg, (1, 3, 8, 6), DEV)
-    assert gm.stats()["eager_calls"] == {}, gm.stats()
 
 
 def test_registered_cache_objects_in_outputs():
@@ -387,6 +146,12 @@ def test_outputs_of_every_container_and_one_that_cannot_be_rebuilt():
     assert num_graphs(gm) == 0
 
 
+def _cpu(o):
+    if isinstance(o, KVCache):
+        return KVCache([k.cpu() for k in o.keys], [v.cpu() for v in o.values])
+    return o.cpu()
+
+
 def test_dict_inputs_of_other_types():
     import collections
 
@@ -411,12 +176,6 @@ def test_dict_inputs_of_other_types():
         assert not isinstance(e.value, GraphwrapError) and "device" in str(e.value)
     assert num_graphs(gm) == 2
     assert any("NeedsAName" in r for r in gm.stats()["eager_calls"]), gm.stats()
-
-
-def _cpu(o):
-    if isinstance(o, KVCache):
-        return KVCache([k.cpu() for k in o.keys], [v.cpu() for v in o.values])
-    return o.cpu()
 
 
 def test_gpt2_with_its_cache_once_the_cache_is_registered():
@@ -488,33 +247,6 @@ def test_inputs_that_require_grad_run_eagerly():
     assert num_graphs(gm) == 1
 
 
-def test_graphs_survive_cleared_cublas_workspaces():
-    # torch.compile's CUDA graphs and many memory clean-ups clear cuBLAS workspaces; a graph
-    # holding the address of a freed workspace would read or write reused memory.
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is None:
-        pytest.skip("this torch has no _cuda_clearCublasWorkspaces")
-    model = nn.Sequential(nn.Linear(8192, 256), nn.ReLU(), nn.Linear(256, 8192)).to(DEV).eval()
-    gm = GraphedModule(model, buckets=[1, 4, 8])
-    xs = [torch.randn(n, 8192, device=DEV) for n in (1, 3, 8)]
-    for x in xs:
-        gm(x)
-    clear()
-    torch.cuda.empty_cache()
-    filler = [torch.full((1 << 20,), float("nan"), device=DEV) for _ in range(64)]
-    held = []
-    for _ in range(3):
-        for x in xs:
-            got = gm(x)  # held: every call needs an owned-output slot of its own
-            assert_same(got, eager_answer(model, x), tol=1e-4)
-            held.append(got)
-    torch.cuda.synchronize()
-    # No graph (nor an owned-output graph) wrote into memory it does not own: a freed workspace
-    # handed to the filler would have been written by a replay's matrix product.
-    assert all(bool(torch.isnan(f).all()) for f in filler)
-    del filler
-
-
 def test_other_dtype_width_or_rank_get_their_own_key_and_aliased_inputs_work():
     model = _mlp()
     gm = GraphedModule(model, buckets=[4, 8])
@@ -538,3 +270,16 @@ def test_other_dtype_width_or_rank_get_their_own_key_and_aliased_inputs_work():
     for args in ((a, (a, {"m": a})), (a[:3], (a[1:], {"m": a[:3] * 1}))):
         assert_same(gmio(*args), eager_answer(mio, *args))
     assert gmio.stats()["eager_calls"] == {}
+
+
+def test_autocast_is_part_of_the_key():
+    model = _mlp()
+    gm = GraphedModule(model, buckets=[4])
+    x = torch.randn(3, 32, device=DEV)
+    with torch.autocast("cuda", dtype=torch.float16):
+        got = gm(x)
+        want = eager_answer(model, x)
+    assert got.dtype == torch.float16
+    assert_same(got, want, tol=1e-2)
+    assert_same(gm(x), eager_answer(model, x))
+    assert len(gm.stats()["keys"]) == 2
