@@ -114,7 +114,7 @@ def run(results, device, quick: bool, repeats: int):
             try:
                 t0 = time.perf_counter()
                 with torch.no_grad():
-                    first = fn(NEW)
+                    fn(NEW)
                 torch.cuda.synchronize()
                 cold = time.perf_counter() - t0
                 with torch.no_grad():

@@ -92,5 +92,5 @@ def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 1280)):
             case.add("floor: H2D copies alone", lambda: copy_floor(cpu_data, device))
             case.add("floor: D2H copies alone", lambda: d2h_floor((bs, 512), num_batches, device))
             case.run(repeats)
-        del cpu_data, case, gm, gm_host, gm_view
+        cpu_data = case = gm = gm_host = gm_view = None  # let go of this round's models and data before the next
         torch.cuda.empty_cache()

@@ -30,5 +30,5 @@ def run(results, device, quick: bool, repeats: int, batch_sizes=(300, 512, 1280)
             case.add("floor: chunks of 256 rows, replays alone", lambda: chunk_floor(model, cpu_data, device))
             case.run(repeats)
         print(f"  [{case.case}] graphwrap serves these batches: {gm.stats()['keys'][0]['large_batches']}", flush=True)
-        del cpu_data, case, gm, chunked
+        cpu_data = case = gm = chunked = None  # let go of this round's models and data before the next
         torch.cuda.empty_cache()

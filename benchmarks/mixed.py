@@ -104,7 +104,7 @@ def _mlp(results, device, quick, repeats, static_exact):
             case.add("graphwrap gm(x) loop", lambda: (lambda: [gm(x) for x in data] and None))
             _policies(case, results, model, data, sizes, static_exact=static_exact)
             case.run(repeats)
-        del data, case, gm
+        data = case = gm = None  # let go of this round's models and data before the next
         torch._dynamo.reset()
         torch.cuda.empty_cache()
 
@@ -132,6 +132,6 @@ def _bert(results, device, quick, repeats):
         # scenario has eager BERT per call).
         _policies(case, results, model, data, sizes, plain_exact=False)
         case.run(repeats)
-    del data, case, model
+    data = case = model = None  # let go of this round's models and data before the next
     torch._dynamo.reset()
     torch.cuda.empty_cache()

@@ -116,6 +116,6 @@ def run(results, device, quick: bool, repeats: int):
                     results.note("models", f"{name}, bs {bs}",
                                  f"graphwrap compile=True: bucket {size} replay, per-size kernels", b["per_size_us"],
                                  "us", kept=b["kernels"])
-            del model, case, gmc
+            model = case = gmc = None  # let go of this round's models and data before the next
             torch._dynamo.reset()
             torch.cuda.empty_cache()

@@ -130,7 +130,7 @@ def run(results, device, quick: bool, repeats: int, models=("mlp", "bert"), clie
                 print(f"  [{name}] {n:4d} clients  {strat:32s} {rps:10.0f} req/s  p50 {row['p50_us']:9.1f} us  "
                       f"p99 {row['p99_us']:10.1f} us  requests/call {rpc}", flush=True)
         batcher.close()
-        del gm, batcher
+        gm = batcher = None  # let go of this round's models and data before the next
         torch.cuda.empty_cache()
     _chart(results, rows)
 
