@@ -152,6 +152,11 @@ def assert_same(a, b, tol=1e-5):
         assert a == b, (a, b)
 
 
+def gpu_mlp(**kw):
+    """The test MLP on the GPU, in eval mode."""
+    return MLP(**kw).to("cuda").eval()
+
+
 def eager_answer(model, *args, **kwargs):
     """The module's own answer, as graphwrap must give it: the forward without grad."""
     with torch.no_grad():

@@ -3,9 +3,9 @@
 import pytest
 import torch
 from helpers import (
-    MLP,
     assert_same,
     eager_answer,
+    gpu_mlp,
     num_graphs,
     run_threads,
 )
@@ -16,12 +16,8 @@ pytestmark = pytest.mark.cuda
 DEV = "cuda"
 
 
-def _mlp(**kw):
-    return MLP(**kw).to(DEV).eval()
-
-
 def test_every_bucket_and_past_the_largest():
-    model = _mlp()
+    model = gpu_mlp()
     gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16])
     for n in list(range(1, 40)) + [3, 1, 17, 16]:
         x = torch.randn(n, 32, device=DEV)
@@ -34,7 +30,7 @@ def test_every_bucket_and_past_the_largest():
 
 
 def test_default_buckets_random_sizes():
-    model = _mlp()
+    model = gpu_mlp()
     gm = GraphedModule(model)
     for n in torch.randint(1, 300, (40,)).tolist():
         x = torch.randn(n, 32, device=DEV)
@@ -54,7 +50,7 @@ def _settle():
 
 
 def test_explicit_capture_logs_progress_and_memory_is_shared(gw_log):
-    model = _mlp(d_in=256, hidden=1024, d_out=256)
+    model = gpu_mlp(d_in=256, hidden=1024, d_out=256)
     x = torch.randn(3, 256, device=DEV)
     gm = GraphedModule(model)
     ks = gm.capture(x)
@@ -74,7 +70,7 @@ def test_explicit_capture_logs_progress_and_memory_is_shared(gw_log):
 
 
 def test_deleting_gives_memory_back():
-    model = _mlp(d_in=256, hidden=1024, d_out=256)
+    model = gpu_mlp(d_in=256, hidden=1024, d_out=256)
 
     # A first capture makes the streams, handles and caches that the process keeps.
     gm = GraphedModule(model, buckets=[64, 128, 256])
@@ -100,7 +96,7 @@ def test_deleting_gives_memory_back():
 
 
 def test_threads_share_one_module():
-    model = _mlp()
+    model = gpu_mlp()
     gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16, 32])
 
     def work(seed):

@@ -3,10 +3,10 @@
 import pytest
 import torch
 from helpers import (
-    MLP,
     RowMixer,
     assert_same,
     eager_answer,
+    gpu_mlp,
     num_graphs,
 )
 from torch import nn
@@ -15,10 +15,6 @@ from graphwrap import GraphedModule, GraphwrapError
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
-
-
-def _mlp(**kw):
-    return MLP(**kw).to(DEV).eval()
 
 
 class ItemSync(nn.Module):
@@ -42,7 +38,7 @@ def test_host_sync_falls_back_and_others_still_capture(gw_log):
     assert k["status"] == "eager" and "cannot be captured" in k["reason"]
     assert sum("capture of bucket" in r.message for r in gw_log.records) == 1
     assert not torch.cuda.is_current_stream_capturing()
-    other = _mlp()
+    other = gpu_mlp()
     g2 = GraphedModule(other, buckets=[4])
     x = torch.randn(3, 32, device=DEV)
     assert_same(g2(x), eager_answer(other, x))
@@ -67,7 +63,7 @@ def test_verification_catches_row_mixing(n):
 
 
 def test_forward_error_on_real_rows_is_the_modules_own():
-    model = _mlp()
+    model = gpu_mlp()
     gm = GraphedModule(model, buckets=[4])
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         gm(torch.randn(2, 31, device=DEV))

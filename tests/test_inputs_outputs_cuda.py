@@ -3,7 +3,6 @@
 import pytest
 import torch
 from helpers import (
-    MLP,
     HFOut,
     KVCache,
     MultiIO,
@@ -11,6 +10,7 @@ from helpers import (
     WithCache,
     assert_same,
     eager_answer,
+    gpu_mlp,
     num_graphs,
 )
 from torch import nn
@@ -21,12 +21,8 @@ pytestmark = pytest.mark.cuda
 DEV = "cuda"
 
 
-def _mlp(**kw):
-    return MLP(**kw).to(DEV).eval()
-
-
 def test_clone_outputs_survive_later_calls_and_views_do_not():
-    model = _mlp()
+    model = gpu_mlp()
     gm = GraphedModule(model, buckets=[4])
     x1, x2 = torch.randn(4, 32, device=DEV), torch.randn(4, 32, device=DEV)
     y1 = gm(x1)
@@ -77,7 +73,7 @@ def test_hf_style_output():
 
 
 def test_cpu_inputs_are_copied_in():
-    model = _mlp()
+    model = gpu_mlp()
     gm = GraphedModule(model, buckets=[8])
     x = torch.randn(5, 32)
     y = gm(x)
@@ -204,7 +200,7 @@ def test_gpt2_with_its_cache_once_the_cache_is_registered():
 
 
 def test_bad_and_odd_inputs():
-    model = _mlp()
+    model = gpu_mlp()
     gm = GraphedModule(model, buckets=[4, 8])
     empty = torch.randn(0, 32, device=DEV)
     assert gm(empty).shape == (0, 16)
@@ -236,7 +232,7 @@ def test_view_output_passed_back_in():
 
 
 def test_inputs_that_require_grad_run_eagerly():
-    model = _mlp()
+    model = gpu_mlp()
     gm = GraphedModule(model, buckets=[4])
     x = torch.randn(3, 32, device=DEV, requires_grad=True)
     gm(x).sum().backward()
@@ -248,7 +244,7 @@ def test_inputs_that_require_grad_run_eagerly():
 
 
 def test_other_dtype_width_or_rank_get_their_own_key_and_aliased_inputs_work():
-    model = _mlp()
+    model = gpu_mlp()
     gm = GraphedModule(model, buckets=[4, 8])
     x = torch.randn(3, 32, device=DEV)
     assert_same(gm(x), eager_answer(model, x))
@@ -273,7 +269,7 @@ def test_other_dtype_width_or_rank_get_their_own_key_and_aliased_inputs_work():
 
 
 def test_autocast_is_part_of_the_key():
-    model = _mlp()
+    model = gpu_mlp()
     gm = GraphedModule(model, buckets=[4])
     x = torch.randn(3, 32, device=DEV)
     with torch.autocast("cuda", dtype=torch.float16):

@@ -3,9 +3,9 @@
 import pytest
 import torch
 from helpers import (
-    MLP,
     assert_same,
     eager_answer,
+    gpu_mlp,
     num_graphs,
 )
 from torch import nn
@@ -16,12 +16,8 @@ pytestmark = pytest.mark.cuda
 DEV = "cuda"
 
 
-def _mlp(**kw):
-    return MLP(**kw).to(DEV).eval()
-
-
 def test_load_state_dict_after_capture_changes_outputs():
-    model = _mlp()
+    model = gpu_mlp()
     gm = GraphedModule(model, buckets=[4])
     x = torch.randn(3, 32, device=DEV)
     before = gm(x)
@@ -33,7 +29,7 @@ def test_load_state_dict_after_capture_changes_outputs():
 
 
 def test_replaced_or_moved_weights_are_recaptured():
-    model = _mlp()
+    model = gpu_mlp()
     gm = GraphedModule(model, buckets=[4])
     x = torch.randn(3, 32, device=DEV)
     gm(x)
