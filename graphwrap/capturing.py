@@ -62,6 +62,13 @@ def _capture_into(engine, ks: Key, b: Bucket, leaves, n: int, L, forward, plain:
     saved = Saved(engine.module, ks.states)  # the call's state: every extra run of the capture is undone
     try:
         return _capture_loop(engine, ks, b, leaves, n, L, forward, plain, timed, evict, saved)
+    except BaseException:
+        # The module's own error on the call's inputs (or an interrupt): the call raises it, and
+        # the bucket is left to the next call to capture, not marked as capturing for good.
+        with engine.lock:
+            if b.serves is Serves.CAPTURING:
+                b.serves = Serves.NOTHING
+        raise
     finally:
         saved.restore()
 

@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 from helpers import MLP, RowMixer, Scales, assert_same, eager_answer, on_cpu_graphs
+from serve_models import NoNaN
 from torch import nn
 
 from graphwrap import GraphedModule, GraphwrapError
@@ -259,3 +260,17 @@ def test_a_detached_store_holds_no_device():
     keys, pool, device = store.detach()
     assert device == torch.device("cuda", 0) and pool is not None
     assert store.device is None and store.pool is None and store.keys == {} and store.epoch == 1
+
+
+def test_a_module_error_in_the_first_call_of_a_bucket_leaves_it_to_the_next_call():
+    """The call that would capture raises the module's own error: the next calls of that bucket
+    capture and replay (the bucket is not left marked as capturing, served eagerly for good)."""
+    gm = on_cpu_graphs(GraphedModule(NoNaN().eval(), eager_if_faster=False))
+    x = torch.randn(4, 4)
+    x[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        gm(x)
+    for _ in range(3):
+        gm(torch.randn(4, 4))
+    b = gm.stats()["keys"][0]["buckets"][4]
+    assert b["serves"] == "graph" and b["replays"] == 3 and gm.stats()["keys"][0]["eager_while_warming"] == 0
