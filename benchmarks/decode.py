@@ -1,13 +1,14 @@
 """Scenario "decode": greedy decoding with a static KV cache, ms per token and end to end.
 
-GPT-2 (124M, its base config, random weights, fp16), a 32-token prompt, 128 new tokens, batch 1
-and 8. Strategies, each in this process: transformers' eager loop with its StaticCache
+GPT-2 (124M, its base config) and a Llama-shaped 1.1B model (22 layers, 2048 wide, 32 query and
+4 key-value heads), random weights, fp16, a 32-token prompt, 128 new tokens, batch 1 and 8.
+Strategies, each in this process: transformers' eager loop with its StaticCache
 (``generate(cache_implementation="static", disable_compile=True)``); ``gm.generate`` with default
-settings (graphs on the decode steps); the decode step captured by hand in one CUDA graph
-(static ids and position, argmax outside); and, without --quick, ``generate`` as transformers
-compiles it (``cache_implementation="static"``, its automatic compile) and ``gm.generate`` with
-``compile=True``. Per token = (time for 128 tokens - time for 1) / 127; each row's tokens are
-compared with the eager loop's.
+settings; the decode step captured by hand in one CUDA graph (argmax outside); and, without
+--quick, ``generate`` as transformers compiles it (``cache_implementation="static"``, its
+automatic compile) and the step captured by hand over Inductor's kernels (``torch.compile``
+without its CUDA graphs). Per token = (time for 128 tokens - time for 1) / 127; each row's
+tokens are compared with the eager loop's.
 """
 
 import time
@@ -17,15 +18,6 @@ import torch
 from graphwrap import GraphedModule
 
 PROMPT, NEW = 32, 128
-
-
-def _gpt2(device):
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config()
-    cfg.pad_token_id = cfg.eos_token_id
-    return transformers.GPT2LMHeadModel(cfg).to(device).half().eval()
 
 
 def _timed(fn, rounds):
@@ -40,26 +32,24 @@ def _timed(fn, rounds):
     return sorted(ts), out
 
 
-def _by_hand(model, ids, new):
-    """Prefill eagerly, then each step one replay of a graph captured by hand; argmax outside."""
+def _by_hand(model, ids, new, compiled=False):
+    """Prefill eagerly, then each step one replay of a graph captured by hand; argmax outside.
+    ``compiled``: the step's kernels are Inductor's (``torch.compile`` without its CUDA graphs)."""
     import transformers
 
     device, (b, p) = ids.device, ids.shape
     cache = transformers.StaticCache(config=model.config, max_cache_len=p + new)
     static_ids = torch.zeros(b, 1, dtype=torch.long, device=device)
-    static_pos = torch.zeros(1, dtype=torch.long, device=device)
+    forward = torch.compile(model.forward, dynamic=False) if compiled else model.forward
 
     def prefill():
         cache.reset()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(p, device=device))
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
         static_ids.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
-        static_pos.fill_(p)
         return static_ids.clone()
 
     def step():
-        logits = model(input_ids=static_ids, past_key_values=cache, use_cache=True, cache_position=static_pos).logits
-        static_pos.add_(1)
-        return logits
+        return forward(input_ids=static_ids, past_key_values=cache, use_cache=True).logits
 
     with torch.no_grad():
         prefill()
@@ -85,54 +75,85 @@ def _by_hand(model, ids, new):
     return run
 
 
-def run(results, device, quick: bool, repeats: int):
-    model = _gpt2(device)
+MODELS = {
+    "gpt2": "GPT-2 124M",
+    "llama": "Llama-shaped 1.1B (22 layers, 2048 wide, 32/4 heads)",
+}
+
+
+def _model(name, device):
+    import transformers
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config()
+        cfg.pad_token_id = cfg.eos_token_id
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                       num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+                                       max_position_embeddings=2048, pad_token_id=0)
+        model = transformers.LlamaForCausalLM(cfg)
+    return model.to(device).half().eval()
+
+
+def run(results, device, quick: bool, repeats: int, models=("gpt2", "llama")):
     rounds = 3 if quick else 5
-    for batch in (1, 8):
-        g = torch.Generator().manual_seed(batch)
-        ids = torch.randint(0, model.config.vocab_size, (batch, PROMPT), generator=g).to(device)
-        mask = torch.ones_like(ids)
-        common = dict(input_ids=ids, attention_mask=mask, do_sample=False)
-        strategies = {
-            "transformers eager loop, StaticCache": lambda n: model.generate(
-                **common, max_new_tokens=n, cache_implementation="static", disable_compile=True),
-        }
-        gm = GraphedModule(model)
-        strategies["gm.generate, default settings"] = lambda n: gm.generate(
+    for name in models:
+        model = _model(name, device)
+        for batch in (1, 8):
+            _one(results, model, MODELS[name], batch, device, quick, rounds)
+        del model
+        torch.cuda.empty_cache()
+
+
+def _one(results, model, label, batch, device, quick, rounds):
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(3, model.config.vocab_size, (batch, PROMPT), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    common = dict(input_ids=ids, attention_mask=mask, do_sample=False)
+    strategies = {
+        "transformers eager loop, StaticCache": lambda n: model.generate(
+            **common, max_new_tokens=n, cache_implementation="static", disable_compile=True),
+    }
+    gm = GraphedModule(model)
+    strategies["gm.generate, default settings"] = lambda n: gm.generate(
+        **common, max_new_tokens=n, cache_implementation="static")
+    hand = _by_hand(model, ids, NEW)
+    strategies["the step captured by hand (one graph)"] = lambda n: hand(n)
+    if not quick:
+        strategies["transformers generate, compiled (static cache)"] = lambda n: model.generate(
             **common, max_new_tokens=n, cache_implementation="static")
-        hand = _by_hand(model, ids, NEW)
-        strategies["the step captured by hand (one graph)"] = lambda n: hand(n)
-        if not quick:
-            strategies["transformers generate, compiled (static cache)"] = lambda n: model.generate(
-                **common, max_new_tokens=n, cache_implementation="static")
-            gmc = GraphedModule(model, compile=True)
-            strategies["gm.generate, compile=True"] = lambda n: gmc.generate(
-                **common, max_new_tokens=n, cache_implementation="static")
-        want = None
-        for name, fn in strategies.items():
-            case = f"GPT-2 fp16, batch {batch}, prompt {PROMPT}, {NEW} new tokens"
-            try:
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    fn(NEW)
-                torch.cuda.synchronize()
-                cold = time.perf_counter() - t0
-                with torch.no_grad():
-                    full, out = _timed(lambda: fn(NEW), rounds)
-                    one, _ = _timed(lambda: fn(1), rounds)
-            except Exception as e:  # noqa: BLE001 - a strategy that cannot run is reported
-                results.add("decode", case, name, [], "ms", None, None, error=f"{type(e).__name__}: {e}"[:200])
-                print(f"  [{case}] {name}: FAILED {type(e).__name__}: {e}", flush=True)
-                continue
-            if want is None:
-                want = out
-            same = float((out[:, PROMPT:] == want[:, PROMPT:]).float().mean()) if out.shape == want.shape else 0.0
-            per_token = [(f - o) / (NEW - 1) for f, o in zip(full, one)]
-            results.add("decode", case, f"{name}: per token", per_token, "ms", cold, None,
-                        same_tokens=same, end_to_end_s=full[len(full) // 2])
-            print(f"  [{case}] {name}: {1e3 * sorted(per_token)[len(per_token) // 2]:.3f} ms/token, end to end "
-                  f"{full[len(full) // 2]:.3f} s, first call {cold:.1f} s, tokens equal to eager's: {same:.1%}",
-                  flush=True)
-        st = gm.stats()
-        print(f"  gm: {len(st['keys'])} keys, graph pool {st['graph_pool_bytes'] / 2**20:.0f} MiB, "
-              f"eager calls {st['eager_calls']}", flush=True)
+        hand_c = _by_hand(model, ids, NEW, compiled=True)
+        strategies["the step captured by hand, Inductor's kernels inside"] = lambda n: hand_c(n)
+    want = None
+    case = f"{label} fp16, batch {batch}, prompt {PROMPT}, {NEW} new tokens"
+    for name, fn in strategies.items():
+        try:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                fn(NEW)
+            torch.cuda.synchronize()
+            cold = time.perf_counter() - t0
+            with torch.no_grad():
+                full, out = _timed(lambda: fn(NEW), rounds)
+                one, _ = _timed(lambda: fn(1), rounds)
+        except Exception as e:  # noqa: BLE001 - a strategy that cannot run is reported
+            results.add("decode", case, name, [], "ms", None, None, error=f"{type(e).__name__}: {e}"[:200])
+            print(f"  [{case}] {name}: FAILED {type(e).__name__}: {e}", flush=True)
+            continue
+        if want is None:
+            want = out
+        same = float((out[:, PROMPT:] == want[:, PROMPT:]).float().mean()) if out.shape == want.shape else 0.0
+        per_token = [(f - o) / (NEW - 1) for f, o in zip(full, one)]
+        results.add("decode", case, f"{name}: per token", per_token, "ms", cold, None,
+                    same_tokens=same, end_to_end_s=full[len(full) // 2])
+        print(f"  [{case}] {name}: {1e3 * sorted(per_token)[len(per_token) // 2]:.3f} ms/token "
+              f"(min {1e3 * min(per_token):.3f}, max {1e3 * max(per_token):.3f}), end to end "
+              f"{full[len(full) // 2]:.3f} s, first call {cold:.1f} s, tokens equal to eager's: {same:.1%}",
+              flush=True)
+    st = gm.stats()
+    keys = st["keys"]
+    capture = sum(b["capture_s"] + b["verify_s"] for k in keys for b in k["buckets"].values())
+    print(f"  gm: {len(keys)} keys, capture and checks {capture:.2f} s, graph pool "
+          f"{st['graph_pool_bytes'] / 2**20:.0f} MiB, eager calls {st['eager_calls']}", flush=True)

@@ -61,9 +61,10 @@ SUITES = {
     "capture": Suite("capture_time", "time and memory to capture every bucket"),
     "text": Suite("text", "BERT-base with real lengths: eager, one line, seq_dim=1, padded by hand; compile=True; "
                   "64 clients", "eager", COMPILE),
-    "decode": Suite("decode", "GPT-2 greedy decoding with a static cache: eager loop, gm.generate, a graph by "
-                    "hand, compiled generate", "transformers eager loop, StaticCache: per token",
-                    "the step captured by hand (one graph): per token"),
+    "decode": Suite("decode", "greedy decoding with a static cache, GPT-2 and a 1.1B Llama shape: eager loop, "
+                    "gm.generate, a graph by hand, compiled generate", "transformers eager loop, StaticCache: per token",
+                    "the step captured by hand (one graph): per token",
+                    lambda a: {"models": tuple(a.decode_models.split(","))}),
 }
 CPU_SUITE = Suite("run", "eager against graphwrap's eager fallback, on a CPU", "eager")
 
@@ -97,6 +98,7 @@ def main(argv=None):
     ap.add_argument("--serving-models", default="mlp,bert", help="models of the serving scenario: mlp, bert or both")
     ap.add_argument("--large-sizes", default="300,512,1280", help="batch sizes of the large scenario")
     ap.add_argument("--mixed-models", default="mlp,bert", help="models of the mixed scenario: mlp, bert or both")
+    ap.add_argument("--decode-models", default="gpt2,llama", help="models of the decode scenario: gpt2, llama or both")
     ap.add_argument("--mixed-static-exact", action="store_true",
                     help="mixed MLP: also exact buckets with kernels compiled for each size (64 compiles a width)")
     ap.add_argument("--device-time", action="store_true",

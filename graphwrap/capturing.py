@@ -31,6 +31,9 @@ from .worker import stopping
 
 logger = logging.getLogger("graphwrap")
 
+# Whether compile= applies to forwards that write state (off: see make_job); a diagnostic's switch.
+COMPILE_OVER_STATE = False
+
 
 @contextlib.contextmanager
 def _guarded(engine, device):
@@ -183,7 +186,7 @@ def make_job(engine, ks: Key, b: Bucket, leaves, n: int, L, plain: bool, forward
     if b.size > engine.grid.top(b.seq) and device.type == "cuda":
         budget = _large_budget(device, budget)
     compiled = forward if forward is not None else None if plain else compiled_forward(engine)
-    if compiled is not None and (ks.fixed or engine.writes is not None):
+    if compiled is not None and (ks.fixed or engine.writes is not None) and not COMPILE_OVER_STATE:
         # Compiled kernels over state written in place (a static cache) ran past the cache's end
         # in a GPU run (a device-side assert); until that is understood, such calls capture the
         # plain forward.

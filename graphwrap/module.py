@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
+from . import decode
 from .calls import call, call_general
 from .engine import Engine, Tensor
 from .errors import GraphwrapError
@@ -179,7 +180,7 @@ class GraphedModule(nn.Module):
         # captures its own on its first calls, as a new GraphedModule would.
         state = {k: v for k, v in self.__dict__.items()
                  if k not in ("_gw_engine", "_gw_finalizer", "_parameters", "_buffers", "_modules",
-                              "_non_persistent_buffers_set", "_gw_caches")}
+                              "_non_persistent_buffers_set", "_gw_caches", "_gw_loop_notes")}
         state["_gw_options"] = self.__dict__["_gw_options"].as_kwargs()
         return state
 
@@ -344,13 +345,21 @@ class GraphedModule(nn.Module):
         if not callable(getattr(module, "generate", None)):
             raise GraphwrapError(f"{type(module).__name__} has no generate(): it is not a Hugging Face generation model")
         engine = self.engine
-        kwargs = self._gw_static_cache(module, args, kwargs)
-        d = module.__dict__
-        before = {k: d[k] for k in ("get_compiled_call", "_valid_auto_compile_criteria") if k in d}
 
         def step(**kw):
             return call(engine, (), kw)
 
+        kwargs = self._gw_static_cache(module, args, kwargs)
+        why = decode.unsupported(module) or decode.request_unsupported(kwargs)
+        if why is None and not any(kwargs.get("past_key_values") is c for c in self.__dict__.get("_gw_caches", {}).values()):
+            why = "the cache is not graphwrap's own (it comes with cache_implementation=\"static\" and no past_key_values)"
+        if why is None:
+            kwargs = dict(kwargs, custom_generate=decode.make_decode_loop(step))
+        elif why not in self.__dict__.setdefault("_gw_loop_notes", set()):
+            self.__dict__["_gw_loop_notes"].add(why)
+            logger.info("graphwrap: generate runs transformers' own loop, each step handed to graphwrap (%s)", why)
+        d = module.__dict__
+        before = {k: d[k] for k in ("get_compiled_call", "_valid_auto_compile_criteria") if k in d}
         d["get_compiled_call"] = lambda *_a, **_k: step
         d["_valid_auto_compile_criteria"] = lambda *_a, **_k: True
         try:

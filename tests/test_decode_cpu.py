@@ -112,3 +112,73 @@ def test_a_step_on_a_cache_of_another_batch_size_raises_the_models_own_error():
             gm(input_ids=torch.randint(1, 100, (3, 1)), **step)
         ok = gm(input_ids=torch.randint(1, 100, (2, 1)), **step)  # the cache's own batch still serves
     assert ok.logits.shape == (2, 1, 100)
+
+
+def _small_vocab(eos):
+    cfg = tr.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=8, n_positions=128, bos_token_id=1,
+                        eos_token_id=eos, pad_token_id=0)
+    torch.manual_seed(0)
+    return tr.GPT2LMHeadModel(cfg).eval()
+
+
+def test_rows_that_finish_early_give_the_models_tokens_length_and_random_state():
+    """Steps run past the one after which every row had finished are dropped: the tokens, their
+    count and the random generator afterwards are generate's own."""
+    model = _small_vocab(eos=[5, 6])
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    lengths = set()
+    for seed in range(8):
+        for batch in (1, 2):
+            ids = torch.randint(1, 5, (batch, 4))
+            kw = dict(input_ids=ids, max_new_tokens=40, do_sample=True, temperature=1.5, top_p=0.9,
+                      cache_implementation="static")
+            with torch.no_grad():
+                torch.manual_seed(seed)
+                want, after_want = model.generate(**kw), torch.rand(4)
+                torch.manual_seed(seed)
+                got, after_got = gm.generate(**kw), torch.rand(4)
+            assert torch.equal(got, want), (seed, batch)
+            assert torch.equal(after_got, after_want), "the generator stands where generate leaves it"
+            lengths.add(want.shape[1])
+    assert len(lengths) > 3 and max(lengths) < 44, "rows finished early, at different steps"
+    assert replays(gm) > 0 and gm.stats()["eager_calls"] == {}
+
+
+def test_left_padded_prompts_and_greedy_with_an_end_token():
+    model = _small_vocab(eos=7)
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    ids = torch.randint(1, 7, (3, 6))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[1, :1] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        assert torch.equal(gm.generate(**kw), model.generate(**kw))
+
+
+def test_requests_the_loop_does_not_serve_run_transformers_loop_with_the_steps_graphed(gw_log):
+    """A streamer needs each token on the host as it comes: transformers' own loop serves it,
+    each step still a replay, and the log says why."""
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    ids = torch.randint(1, 100, (1, 5))
+    seen = []
+
+    class Streamer:
+        def put(self, value):
+            seen.append(value)
+
+        def end(self):
+            seen.append("end")
+
+    kw = dict(input_ids=ids, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        want = model.generate(**kw)
+        got = gm.generate(**kw, streamer=Streamer())
+    assert torch.equal(got, want) and seen[-1] == "end" and len(seen) == 1 + 6 + 1
+    assert replays(gm) == 5
+    assert any("streamer= is given" in r.getMessage() for r in gw_log.records)
+    gw_log.clear()
+    with torch.no_grad():
+        gm.generate(**kw)
+    assert not any("transformers' own loop" in r.getMessage() for r in gw_log.records)

@@ -108,3 +108,29 @@ def test_compile_true_decodes_with_the_plain_forward_and_says_so(gw_log):
     assert replays(gm) >= 8
     assert any("compile= is not used for a forward that writes state" in r.getMessage() for r in gw_log.records)
     torch.cuda.synchronize()  # no device-side assert left behind
+
+
+def test_rows_that_finish_early_on_the_gpu_give_the_models_tokens_length_and_random_state():
+    """The stop flags are read late on a GPU: the steps queued after every row had finished are
+    dropped, and the tokens, their count and the generator afterwards are generate's own."""
+    cfg = tr.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=8, n_positions=256, bos_token_id=1,
+                        eos_token_id=[5, 6], pad_token_id=0)
+    torch.manual_seed(0)
+    model = tr.GPT2LMHeadModel(cfg).to(DEV).eval()
+    gm = GraphedModule(model)
+    lengths = set()
+    with torch.no_grad():
+        for seed in range(6):
+            for batch in (1, 3):
+                ids = torch.randint(1, 5, (batch, 4), device=DEV)
+                kw = dict(input_ids=ids, max_new_tokens=60, do_sample=True, temperature=1.5, top_p=0.9,
+                          cache_implementation="static")
+                torch.manual_seed(seed)
+                want, after_want = model.generate(**kw, disable_compile=True), torch.rand(4, device=DEV)
+                torch.manual_seed(seed)
+                got, after_got = gm.generate(**kw), torch.rand(4, device=DEV)
+                assert torch.equal(got, want), (seed, batch)
+                assert torch.equal(after_got, after_want), "the generator stands where generate leaves it"
+                lengths.add(want.shape[1])
+    assert len(lengths) > 3 and min(lengths) < 4 + 60 - 8, "rows finished early, some before a first look"
+    assert replays(gm) > 0 and gm.stats()["eager_calls"] == {}

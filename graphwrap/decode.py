@@ -1,0 +1,198 @@
+"""graphwrap's decode loop for Hugging Face ``generate``: greedy and sampled decoding whose steps
+replay graphs, with no wait on the GPU between steps.
+
+``generate`` prepares everything as it always does (the generation config, the logits
+processors and stopping criteria, the cache, the prompt's inputs) and hands the loop to
+:func:`decode_loop`, through its public ``custom_generate`` hook. The loop runs the prompt's
+forward eagerly (its length changes every call, and padding it would write padded positions
+into the cache), then every step through graphwrap's engine, with the model's own inputs
+(``prepare_inputs_for_generation``), processors and criteria. Where transformers' loop reads
+"are all rows finished?" back from the GPU after every step, this one queues steps ahead and
+reads that flag a few steps late, without waiting: steps queued after the last row finished
+are dropped (their tokens cut off, the random generator put back where it stood), so the
+tokens and their count are ``generate``'s own.
+
+Requests the loop does not serve (beams, streamers, returned scores, an assistant) are run by
+transformers' own loop, each step still handed to graphwrap (:meth:`GraphedModule.generate`).
+"""
+
+import inspect
+from typing import Optional
+
+import torch
+
+# How many steps the loop queues between two looks at the "all rows finished" flags.
+POLL_EVERY = 8
+
+# generate() keywords that the loop does not serve: transformers' own loop runs these requests.
+NOT_SERVED = ("streamer", "assistant_model", "synced_gpus", "custom_generate", "prompt_lookup_num_tokens",
+              "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+              "output_hidden_states", "prefill_chunk_size", "inputs_embeds")
+
+
+def unsupported(module) -> Optional[str]:
+    """Why graphwrap's loop cannot run this model's ``generate`` (None when it can)."""
+    try:
+        import transformers.generation.utils as gen_utils
+    except ImportError:
+        return "transformers is not installed"
+    mixin = getattr(gen_utils, "GenerationMixin", None)
+    if mixin is None or not isinstance(module, mixin):
+        return "not a Hugging Face generation model"
+    if "custom_generate" not in inspect.signature(module.generate).parameters:
+        return "this transformers has no custom_generate (a callable decoding loop needs 4.56 or newer)"
+    for name in ("_prefill", "_update_model_kwargs_for_generation", "prepare_inputs_for_generation"):
+        if not callable(getattr(module, name, None)):
+            return f"this transformers' models have no {name}()"
+    if "next_sequence_length" not in inspect.signature(module.prepare_inputs_for_generation).parameters:
+        return "this transformers' prepare_inputs_for_generation() takes no next_sequence_length"
+    if getattr(module.config, "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    return None
+
+
+def request_unsupported(kwargs) -> Optional[str]:
+    """Why graphwrap's loop does not serve this ``generate`` call (None when it does)."""
+    for name in NOT_SERVED:
+        if kwargs.get(name) not in (None, False):
+            return f"{name}= is given"
+    if kwargs.get("num_beams", 1) not in (None, 1) or kwargs.get("num_return_sequences", 1) not in (None, 1):
+        return "beam search or several sequences per prompt"
+    return None
+
+
+def _mode_unsupported(model, gen) -> Optional[str]:
+    if gen.num_beams not in (None, 1) or (gen.num_return_sequences or 1) != 1:
+        return "beam search or several sequences per prompt"
+    if gen.return_dict_in_generate:
+        return "return_dict_in_generate"
+    if getattr(gen, "prefill_chunk_size", None) is not None:
+        return "chunked prefill"
+    if model.config.is_encoder_decoder:
+        return "an encoder-decoder model"
+    return None
+
+
+class _Rng:
+    """The random generator's state before each sampled step, so that steps dropped after the
+    last row finished give back the random numbers they drew."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.states = []
+
+    def save(self):
+        if self.device.type == "cuda":
+            self.states.append(torch.cuda.get_rng_state(self.device))
+        else:
+            self.states.append(torch.get_rng_state())
+
+    def rewind(self, step: int):
+        """Put the generator back to where it stood before ``step``'s draw."""
+        if step >= len(self.states):
+            return
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(self.states[step], self.device)
+        else:
+            torch.set_rng_state(self.states[step])
+
+
+class _Finished:
+    """Per step, whether every row had finished after it; read a few steps late, never waited for."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.flags = []
+        self.pending = None  # (pinned flag, event) of the last look, not yet read
+
+    def add(self, unfinished: torch.Tensor) -> bool:
+        """Note this step's flag; True once an earlier step is known to have finished every row."""
+        self.flags.append(unfinished.max() == 0)
+        if self.device.type != "cuda":
+            return bool(self.flags[-1])
+        if self.pending is not None and self.pending[1].query():
+            done = bool(self.pending[0])
+            self.pending = None
+            if done:
+                return True
+        if self.pending is None and len(self.flags) % POLL_EVERY == 0:
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(torch.stack(self.flags[-POLL_EVERY:]).any(), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.pending = (host, event)
+        return False
+
+    def first(self) -> Optional[int]:
+        """The first step after which every row had finished (None if none); waits for the GPU."""
+        if not self.flags:
+            return None
+        hit = torch.stack(self.flags).nonzero()
+        return int(hit[0, 0]) if hit.numel() else None
+
+
+def make_decode_loop(step):
+    """A ``custom_generate`` callable whose decode steps are ``step(**model_inputs)``."""
+
+    def graphwrap_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+        why = _mode_unsupported(model, generation_config)
+        if why is not None:  # generate() prepared a request its own loop serves
+            from transformers.generation.utils import GENERATION_MODES_MAPPING
+
+            method = getattr(type(model), GENERATION_MODES_MAPPING[generation_config.get_generation_mode()])
+            return method(model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                          generation_config=generation_config, **model_kwargs)
+        return _loop(model, step, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
+    return graphwrap_decode
+
+
+def _loop(model, step, input_ids, logits_processor, stopping_criteria, gen, model_kwargs):
+    device = input_ids.device
+    prompt, rows = input_ids.shape[1], input_ids.shape[0]
+    pad = getattr(gen, "_pad_token_tensor", None)
+    if pad is None and gen.pad_token_id is not None:
+        pad = torch.tensor(gen.pad_token_id, device=device)
+    has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    max_length = stopping_criteria.max_length
+    # Criteria besides the length decide per row on the GPU: their flags are read late.
+    flagged = any(type(c).__name__ != "MaxLengthCriteria" for c in stopping_criteria)
+    finished = _Finished(device) if flagged else None
+    rng = _Rng(device) if flagged and gen.do_sample else None
+    unfinished = torch.ones(rows, dtype=torch.long, device=device)
+
+    outputs = model._prefill(input_ids, gen, model_kwargs)
+    first = True
+    while True:
+        if not first:
+            inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
+            outputs = step(**inputs, return_dict=True)
+        first = False
+        model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
+        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
+        del outputs
+        scores = logits_processor(input_ids, logits)
+        if gen.do_sample:
+            if rng is not None:
+                rng.save()
+            tokens = torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            tokens = torch.argmax(scores, dim=-1)
+        if has_eos:
+            tokens = tokens * unfinished + pad * (1 - unfinished)
+        input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
+        unfinished = unfinished & ~stopping_criteria(input_ids, None)
+        if max_length is not None and input_ids.shape[1] >= max_length:
+            break
+        if finished is not None and finished.add(unfinished):
+            break
+        if finished is None and max_length is None:  # nothing to stop on but the flag itself
+            if not bool(unfinished.max()):
+                break
+    if finished is not None:
+        last = finished.first()
+        if last is not None:  # steps queued after every row had finished: dropped
+            input_ids = input_ids[:, :prompt + last + 1]
+            if rng is not None:
+                rng.rewind(last + 1)
+    return input_ids
