@@ -244,12 +244,15 @@ def ensure_generator_usable(device) -> bool:
 
     A capture that ends abnormally can leave the generator's state marked as capturing, and
     every later random draw in the process would fail ("Offset increment outside graph
-    capture"). One draw of a single number tells (it advances the generator as any draw
-    does); where it fails so, the capture phase is closed by a small capture that succeeds.
+    capture"). One draw of a single number tells; the generator is then put back where it
+    stood, so the caller's random numbers are those it would draw without graphwrap. Where
+    the draw fails so, the capture phase is closed by a small capture that succeeds.
     Whether the generator was usable as found."""
     probe = torch.empty(1, device=device)
+    state = torch.cuda.get_rng_state(device)  # the probe's draw is given back: the caller's draws stay theirs
     try:
         probe.uniform_()
+        torch.cuda.set_rng_state(state, device)
         return True
     except RuntimeError as e:
         if _STUCK not in str(e):
@@ -257,6 +260,7 @@ def ensure_generator_usable(device) -> bool:
     logger.warning("graphwrap: the default CUDA generator was left in capture mode on %s; closing it", device)
     _reset_rng_capture_state(device)
     probe.uniform_()
+    torch.cuda.set_rng_state(state, device)
     return False
 
 

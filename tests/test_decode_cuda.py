@@ -57,13 +57,15 @@ def test_sampled_tokens_are_the_models_under_the_same_seed():
     ids = torch.randint(2, 1000, (2, 10), device=DEV)
     kw = dict(input_ids=ids, max_new_tokens=12, do_sample=True, top_k=50, top_p=0.9, temperature=0.7,
               cache_implementation="static")
-    with torch.no_grad():
-        gm.generate(**kw)  # captures first: the draws below are generate's alone
+    with torch.no_grad():  # the first call captures: graphwrap draws no random numbers of its own
         torch.manual_seed(3)
         want = model.generate(**kw, disable_compile=True)
         torch.manual_seed(3)
         got = gm.generate(**kw)
     assert torch.equal(got, want)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        assert torch.equal(gm.generate(**kw), want)
 
 
 class Decoder(nn.Module):

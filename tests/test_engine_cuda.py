@@ -257,3 +257,15 @@ def test_threads_on_pooled_streams_while_captures_run():
     key = gm.stats()["keys"][0]
     assert key["status"] == "graphed", key["reason"]
     assert all(b["captured"] and b["failed"] is None for b in key["buckets"].values())
+
+
+def test_captures_draw_no_random_numbers_of_the_callers():
+    """A call that captures leaves the CUDA generator where eager leaves it: sampling after it
+    draws the numbers it would draw without graphwrap."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).cuda().eval()
+    gm = GraphedModule(model)
+    with torch.no_grad():
+        for n in (3, 8, 1, 3):  # new buckets capture; the last call replays
+            before = torch.cuda.get_rng_state()
+            gm(torch.ones(n, 16, device="cuda"))
+            assert torch.equal(torch.cuda.get_rng_state(), before), n
