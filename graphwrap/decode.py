@@ -131,6 +131,59 @@ class _Finished:
         return int(hit[0, 0]) if hit.numel() else None
 
 
+# What a decode step's inputs may hold for them to be kept from step to step.
+LEAN_KEYS = frozenset(("input_ids", "past_key_values", "attention_mask", "position_ids", "use_cache", "logits_to_keep"))
+
+
+def lean_inputs(model, inputs: dict, model_kwargs: dict) -> Optional[dict]:
+    """The first decode step's inputs, to be kept for every step; None where the model's own
+    preparation must run each step.
+
+    ``prepare_inputs_for_generation`` turns the 2D mask into a 4D mask over the whole static
+    cache each step, on the host. Given the 2D mask extended with ones to the cache's length
+    instead, the model's forward builds that same mask itself, inside the graph: each step then
+    changes the new tokens and, where the model takes them, positions one further."""
+    if hasattr(model, "create_masks_for_generate") or not set(inputs) <= LEAN_KEYS:
+        return None  # masks of the model's own for generate, or inputs the loop does not know
+    mask, mask2d = inputs.get("attention_mask"), model_kwargs.get("attention_mask")
+    ids, pos = inputs.get("input_ids"), inputs.get("position_ids")
+    if (not isinstance(mask, torch.Tensor) or not isinstance(mask2d, torch.Tensor) or mask.dim() != 4
+            or mask2d.dim() != 2 or mask.shape[-1] < mask2d.shape[-1] or ids is None or ids.shape[-1] != 1
+            or (pos is not None and pos.shape[-1] != 1)):
+        return None
+    rows, length = mask2d.shape
+    lean = dict(inputs)
+    lean["attention_mask"] = torch.cat([mask2d, mask2d.new_ones(rows, mask.shape[-1] - length)], dim=1)
+    return lean
+
+
+class _StepInputs:
+    """The inputs of each decode step: the model's own preparation once, then kept and moved
+    on by one token (:func:`lean_inputs`), or prepared every step."""
+
+    def __init__(self, model, model_kwargs: dict):
+        self.model, self.kwargs = model, model_kwargs
+        self.lean = None  # None: not known yet; False: prepared every step
+
+    def after(self, outputs):
+        """Note a forward's outputs (the cache, and the mask and positions one token longer)."""
+        if not self.lean:
+            self.kwargs = self.model._update_model_kwargs_for_generation(outputs, self.kwargs, is_encoder_decoder=False)
+
+    def next(self, input_ids, tokens) -> dict:
+        if self.lean:
+            self.lean["input_ids"] = tokens[:, None]
+            if "position_ids" in self.lean:
+                self.lean["position_ids"] = self.lean["position_ids"] + 1
+            return self.lean
+        inputs = self.model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **self.kwargs)
+        if self.lean is None:
+            self.lean = lean_inputs(self.model, inputs, self.kwargs) or False
+            if self.lean:
+                return self.lean
+        return inputs
+
+
 def make_decode_loop(step):
     """A ``custom_generate`` callable whose decode steps are ``step(**model_inputs)``."""
 
@@ -161,14 +214,13 @@ def _loop(model, step, input_ids, logits_processor, stopping_criteria, gen, mode
     rng = _Rng(device) if flagged and gen.do_sample else None
     unfinished = torch.ones(rows, dtype=torch.long, device=device)
 
+    inputs = _StepInputs(model, model_kwargs)
     outputs = model._prefill(input_ids, gen, model_kwargs)
-    first = True
+    tokens = None
     while True:
-        if not first:
-            inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
-            outputs = step(**inputs, return_dict=True)
-        first = False
-        model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
+        if tokens is not None:
+            outputs = step(**inputs.next(input_ids, tokens), return_dict=True)
+        inputs.after(outputs)
         logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
         del outputs
         scores = logits_processor(input_ids, logits)

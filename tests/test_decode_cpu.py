@@ -144,8 +144,18 @@ def test_rows_that_finish_early_give_the_models_tokens_length_and_random_state()
     assert replays(gm) > 0 and gm.stats()["eager_calls"] == {}
 
 
-def test_left_padded_prompts_and_greedy_with_an_end_token():
-    model = _small_vocab(eos=7)
+def _llama(eos):
+    cfg = tr.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=8, pad_token_id=0, eos_token_id=eos)
+    torch.manual_seed(0)
+    return tr.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("make", [_small_vocab, _llama], ids=["gpt2", "llama"])
+def test_left_padded_prompts_and_an_end_token_with_the_mask_built_inside_the_graph(make):
+    """Each step hands the model the 2D mask over the whole cache, and the forward builds the
+    4D mask that generate builds on the host: one key for every step, generate's tokens."""
+    model = make(eos=7)
     gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
     ids = torch.randint(1, 7, (3, 6))
     mask = torch.ones_like(ids)
@@ -154,6 +164,8 @@ def test_left_padded_prompts_and_greedy_with_an_end_token():
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, cache_implementation="static")
     with torch.no_grad():
         assert torch.equal(gm.generate(**kw), model.generate(**kw))
+    (key,) = gm.stats()["keys"]
+    assert "attention_mask=Tensor[3, 64]" in key["key"] and replays(gm) == 19
 
 
 def test_requests_the_loop_does_not_serve_run_transformers_loop_with_the_steps_graphed(gw_log):

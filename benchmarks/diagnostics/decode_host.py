@@ -11,7 +11,19 @@ import torch
 sys.path.insert(0, "benchmarks")
 import decode  # noqa: E402
 
+import graphwrap.outputs  # noqa: E402
 from graphwrap import GraphedModule  # noqa: E402
+
+slots = []
+_make = graphwrap.outputs.OutputRing.make
+
+
+def _counted(self, *a, **k):
+    slots.append(1)
+    return _make(self, *a, **k)
+
+
+graphwrap.outputs.OutputRing.make = _counted
 
 model = decode._model("gpt2", "cuda")
 ids = torch.randint(3, model.config.vocab_size, (1, decode.PROMPT), device="cuda")
@@ -19,8 +31,9 @@ kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, c
 gm = GraphedModule(model)
 hand = decode._by_hand(model, ids, decode.NEW)
 with torch.no_grad():
-    for _ in range(2):
+    for i in range(4):
         gm.generate(**kw, max_new_tokens=decode.NEW)
+        print(f"generate {i}: {len(slots)} output slots made so far", flush=True)
     for name, fn in (("gm.generate", lambda n: gm.generate(**kw, max_new_tokens=n)), ("by hand", hand)):
         ts = []
         for n in (decode.NEW, 1) * 3:
@@ -39,6 +52,7 @@ with torch.no_grad():
     pr.disable()
     host = time.perf_counter() - t0
     torch.cuda.synchronize()
+    print(f"output slots made: {len(slots)}; stats: {gm.stats()['keys'][0]['buckets']}")
     print(f"under the profiler: host {1e3 * host:.1f} ms, with the GPU {1e3 * (time.perf_counter() - t0):.1f} ms")
 st = pstats.Stats(pr)
 st.sort_stats("tottime").print_stats(30)
