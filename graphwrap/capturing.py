@@ -324,6 +324,11 @@ def ring_of(engine, ks: Key, got, restore=lambda: None):
         slot = _checked_slot(engine, ks.device, g, ring, warm=False, restore=restore)  # this thread just warmed up
         if slot is not None:
             ring.add(slot)
+        if ks.fixed:
+            # A slot's fill and checks run the forward, which writes the call's state (a KV
+            # cache): more slots would be made later, beside the calls, with nothing to put the
+            # state back. Outputs held past the next call are cloned instead.
+            ring.max_slots = len(ring.slots)
     return ring
 
 

@@ -194,3 +194,27 @@ def test_requests_the_loop_does_not_serve_run_transformers_loop_with_the_steps_g
     with torch.no_grad():
         gm.generate(**kw)
     assert not any("transformers' own loop" in r.getMessage() for r in gw_log.records)
+
+
+def test_outputs_held_across_steps_never_make_slots_that_run_the_step_again():
+    """A caller that keeps every step's output holds every owned-output slot: another slot would
+    be a capture that runs the step (and writes the cache) beside the calls. Outputs are cloned
+    instead, and the cache stays the model's."""
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    mine, ref = (tr.StaticCache(config=model.config, max_cache_len=32) for _ in range(2))
+    ids = torch.randint(1, 100, (2, 4))
+    held = []
+    with torch.no_grad():
+        for cache in (mine, ref):
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        for _ in range(8):
+            tok = torch.randint(1, 100, (2, 1))
+            got = gm(input_ids=tok, past_key_values=mine, use_cache=True)
+            want = model(input_ids=tok, past_key_values=ref, use_cache=True)
+            held.append(got.logits)
+            assert torch.equal(got.logits, want.logits)
+        gm.wait()
+    for a, b in zip(mine.layers, ref.layers):
+        assert torch.equal(a.keys, b.keys) and int(a.cumulative_length) == int(b.cumulative_length) == 12
+    assert replays(gm) >= 6
