@@ -6,8 +6,8 @@ Strategies, each in this process: transformers' eager loop with its StaticCache
 (``generate(cache_implementation="static", disable_compile=True)``); ``gm.generate`` with default
 settings; the decode step captured by hand in one CUDA graph (argmax outside); and, without
 --quick, ``generate`` as transformers compiles it (``cache_implementation="static"``, its
-automatic compile) and the step captured by hand over Inductor's kernels (``torch.compile``
-without its CUDA graphs). Per token = (time for 128 tokens - time for 1) / 127; each row's
+automatic compile), ``gm.generate`` with ``compile=True``, and the step captured by hand over
+Inductor's kernels (``torch.compile`` without its CUDA graphs). Per token = (time for 128 tokens - time for 1) / 127; each row's
 tokens are compared with the eager loop's.
 """
 
@@ -123,6 +123,9 @@ def _one(results, model, label, batch, device, quick, rounds):
     strategies["the step captured by hand (one graph)"] = lambda n: hand(n)
     if not quick:
         strategies["transformers generate, compiled (static cache)"] = lambda n: model.generate(
+            **common, max_new_tokens=n, cache_implementation="static")
+        gmc = GraphedModule(model, compile=True)
+        strategies["gm.generate, compile=True"] = lambda n: gmc.generate(
             **common, max_new_tokens=n, cache_implementation="static")
         hand_c = _by_hand(model, ids, NEW, compiled=True)
         strategies["the step captured by hand, Inductor's kernels inside"] = lambda n: hand_c(n)

@@ -31,9 +31,6 @@ from .worker import stopping
 
 logger = logging.getLogger("graphwrap")
 
-# Whether compile= applies to forwards that write state (off: see make_job); a diagnostic's switch.
-COMPILE_OVER_STATE = False
-
 
 @contextlib.contextmanager
 def _guarded(engine, device):
@@ -186,13 +183,6 @@ def make_job(engine, ks: Key, b: Bucket, leaves, n: int, L, plain: bool, forward
     if b.size > engine.grid.top(b.seq) and device.type == "cuda":
         budget = _large_budget(device, budget)
     compiled = forward if forward is not None else None if plain else compiled_forward(engine)
-    if compiled is not None and (ks.fixed or engine.writes is not None) and not COMPILE_OVER_STATE:
-        # Compiled kernels over state written in place (a static cache) ran past the cache's end
-        # in a GPU run (a device-side assert); until that is understood, such calls capture the
-        # plain forward.
-        engine.log_once(("state-compile",), logging.WARNING, "graphwrap: compile= is not used for a forward that "
-                        "writes state (a static cache, buffers): its graphs capture the plain forward")
-        compiled = None
     names = engine.decl.names(ks.spec)
     # The first capture of a signature warms up fully (cuBLAS, cuDNN and Triton set-up, autotuning);
     # later buckets of it need one run to settle their own shapes.
@@ -394,6 +384,8 @@ def lease_graphs(engine, plan, count: int) -> Optional[Lease]:
     if engine.backend.kind != "cuda" or plan.eager or plan.chunked or plan.L is not None:
         return None
     ks, b = plan.key, plan.bucket
+    if ks.fixed or engine.writes is not None:
+        return None  # another graph's capture would run the forward beside calls that write its state
     with engine.lock:
         free = [i for i in range(1, len(b.graphs)) if i not in b.leased][:count]
         b.leased.update(free)

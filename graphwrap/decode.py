@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from .errors import GraphwrapError
+
 # How many steps the loop queues between two looks at the "all rows finished" flags.
 POLL_EVERY = 8
 
@@ -98,26 +100,28 @@ class _Rng:
 
 
 class _Finished:
-    """Per step, whether every row had finished after it; read a few steps late, never waited for."""
+    """Per step, which rows were still unfinished after it; whether every row had finished is
+    read a few steps late, never waited for."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.flags = []
+        self.unfinished = []  # per step, a bool per row
         self.pending = None  # (pinned flag, event) of the last look, not yet read
 
     def add(self, unfinished: torch.Tensor) -> bool:
-        """Note this step's flag; True once an earlier step is known to have finished every row."""
-        self.flags.append(unfinished.max() == 0)
+        """Note this step's rows; True once an earlier step is known to have finished every row."""
+        self.unfinished.append(unfinished)
         if self.device.type != "cuda":
-            return bool(self.flags[-1])
+            return not bool(unfinished.any())
         if self.pending is not None and self.pending[1].query():
             done = bool(self.pending[0])
             self.pending = None
             if done:
                 return True
-        if self.pending is None and len(self.flags) % POLL_EVERY == 0:
+        if self.pending is None and len(self.unfinished) % POLL_EVERY == 0:
             host = torch.empty((), dtype=torch.bool, pin_memory=True)
-            host.copy_(torch.stack(self.flags[-POLL_EVERY:]).any(), non_blocking=True)
+            # the last step of the window is enough: a finished row stays finished
+            host.copy_(~unfinished.any(), non_blocking=True)
             event = torch.cuda.Event()
             event.record()
             self.pending = (host, event)
@@ -125,9 +129,9 @@ class _Finished:
 
     def first(self) -> Optional[int]:
         """The first step after which every row had finished (None if none); waits for the GPU."""
-        if not self.flags:
+        if not self.unfinished:
             return None
-        hit = torch.stack(self.flags).nonzero()
+        hit = (~torch.stack(self.unfinished).any(1)).nonzero()
         return int(hit[0, 0]) if hit.numel() else None
 
 
@@ -208,11 +212,12 @@ def _loop(model, step, input_ids, logits_processor, stopping_criteria, gen, mode
         pad = torch.tensor(gen.pad_token_id, device=device)
     has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     max_length = stopping_criteria.max_length
-    # Criteria besides the length decide per row on the GPU: their flags are read late.
-    flagged = any(type(c).__name__ != "MaxLengthCriteria" for c in stopping_criteria)
-    finished = _Finished(device) if flagged else None
-    rng = _Rng(device) if flagged and gen.do_sample else None
-    unfinished = torch.ones(rows, dtype=torch.long, device=device)
+    # The length is known on the host; criteria besides it decide per row on the GPU, and their
+    # verdicts are read late.
+    criteria = [c for c in stopping_criteria if type(c).__name__ != "MaxLengthCriteria"]
+    finished = _Finished(device) if criteria else None
+    rng = _Rng(device) if criteria and gen.do_sample else None
+    unfinished = torch.ones(rows, dtype=torch.bool, device=device)
 
     inputs = _StepInputs(model, model_kwargs)
     outputs = model._prefill(input_ids, gen, model_kwargs)
@@ -230,17 +235,20 @@ def _loop(model, step, input_ids, logits_processor, stopping_criteria, gen, mode
             tokens = torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         else:
             tokens = torch.argmax(scores, dim=-1)
-        if has_eos:
-            tokens = tokens * unfinished + pad * (1 - unfinished)
+        if has_eos:  # finished rows are padded
+            tokens = torch.where(unfinished, tokens, pad)
         input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
-        unfinished = unfinished & ~stopping_criteria(input_ids, None)
         if max_length is not None and input_ids.shape[1] >= max_length:
             break
-        if finished is not None and finished.add(unfinished):
-            break
-        if finished is None and max_length is None:  # nothing to stop on but the flag itself
-            if not bool(unfinished.max()):
+        if finished is not None:
+            done = criteria[0](input_ids, None)
+            for c in criteria[1:]:
+                done = done | c(input_ids, None)
+            unfinished = unfinished & ~done
+            if finished.add(unfinished):
                 break
+        elif max_length is None:
+            raise GraphwrapError("generate gave the decode loop no stopping criteria: pass max_new_tokens")
     if finished is not None:
         last = finished.first()
         if last is not None:  # steps queued after every row had finished: dropped

@@ -61,8 +61,8 @@ def candidates(engine):
     not tuned yet. The caller holds the engine's lock."""
     out = []
     for ks in engine.store.keys.values():
-        if ks.failed is not None:
-            continue
+        if ks.failed is not None or ks.fixed:
+            continue  # a state input: its tuning would capture and time the step beside the calls that write it
         counts = None
         for b in ks.buckets.values():
             if b.graphs and b.compiled and b.kernels == "shared" and not b.tuned and b.serves is Serves.GRAPH:

@@ -1,6 +1,6 @@
-"""compile= over a static KV cache: where the compiled kernels inside a decode graph go past the
-cache's end. GPT-2 (a small config; with the argument ``full``, its base config in fp16, batch 8,
-a 32-token prompt and 128 new tokens) generates with graphwrap's switch COMPILE_OVER_STATE on, in a
+"""compile= over a static KV cache: whether the compiled kernels inside the decode graphs give
+eager's tokens. GPT-2 (a small config; with the argument ``full``, its base config in fp16, batch 8,
+a 32-token prompt and 128 new tokens) generates with compile=True, in a
 child process with CUDA_LAUNCH_BLOCKING=1; every forward outside a capture logs the cache's
 position, and the child's traceback is printed."""
 import os
@@ -9,9 +9,8 @@ import sys
 
 CHILD = r'''
 import logging, torch, transformers as tr
-import graphwrap, graphwrap.capturing as cap
+import graphwrap
 logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
-cap.COMPILE_OVER_STATE = True
 FULL = FULL_FLAG
 cfg = tr.GPT2Config() if FULL else tr.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000,
                                                  n_positions=256, bos_token_id=1, eos_token_id=None)
@@ -38,7 +37,8 @@ with torch.no_grad():
     want = model.generate(**kw, disable_compile=True)
     got = gm.generate(**kw)
 torch.cuda.synchronize()
-print("equal", torch.equal(got, want), "stats", gm.stats()["eager_calls"])
+same = float((got == want).float().mean()) if got.shape == want.shape else 0.0
+print("tokens equal to eager's:", f"{same:.1%}", "eager calls", gm.stats()["eager_calls"])
 '''
 
 env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
