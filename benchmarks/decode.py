@@ -97,6 +97,23 @@ def _model(name, device):
     return model.to(device).half().eval()
 
 
+def _first_differences(out, want, logits):
+    """Rows whose tokens differ from eager's, and at each one's first difference, how far apart
+    eager's two best logits were, in fp16 units in the last place of the best (random weights make
+    near ties, which kernels that round differently break the other way)."""
+    if out.shape != want.shape:
+        return out.shape[0], [float("inf")]
+    ties = []
+    for r in range(out.shape[0]):
+        diff = (out[r, PROMPT:] != want[r, PROMPT:]).nonzero()
+        if diff.numel():
+            step = int(diff[0])
+            top = logits[step][r].float().topk(2).values
+            ulp = torch.finfo(torch.float16).eps * max(float(top[0].abs()), 2.0 ** -14)
+            ties.append(float(top[0] - top[1]) / ulp)
+    return len(ties), ties
+
+
 def run(results, device, quick: bool, repeats: int, models=("gpt2", "llama")):
     rounds = 3 if quick else 5
     for name in models:
@@ -129,7 +146,10 @@ def _one(results, model, label, batch, device, quick, rounds):
             **common, max_new_tokens=n, cache_implementation="static")
         hand_c = _by_hand(model, ids, NEW, compiled=True)
         strategies["the step captured by hand, Inductor's kernels inside"] = lambda n: hand_c(n)
-    want = None
+    with torch.no_grad():
+        ref = model.generate(**common, max_new_tokens=NEW, cache_implementation="static", disable_compile=True,
+                             output_logits=True, return_dict_in_generate=True)
+    want = ref.sequences
     case = f"{label} fp16, batch {batch}, prompt {PROMPT}, {NEW} new tokens"
     for name, fn in strategies.items():
         try:
@@ -145,15 +165,16 @@ def _one(results, model, label, batch, device, quick, rounds):
             results.add("decode", case, name, [], "ms", None, None, error=f"{type(e).__name__}: {e}"[:200])
             print(f"  [{case}] {name}: FAILED {type(e).__name__}: {e}", flush=True)
             continue
-        if want is None:
-            want = out
         same = float((out[:, PROMPT:] == want[:, PROMPT:]).float().mean()) if out.shape == want.shape else 0.0
+        rows, ties = _first_differences(out, want, ref.logits)
         per_token = [(f - o) / (NEW - 1) for f, o in zip(full, one)]
         results.add("decode", case, f"{name}: per token", per_token, "ms", cold, None,
-                    same_tokens=same, end_to_end_s=full[len(full) // 2])
+                    same_tokens=same, rows_that_differ=rows, tie_ulps=ties, end_to_end_s=full[len(full) // 2])
         print(f"  [{case}] {name}: {1e3 * sorted(per_token)[len(per_token) // 2]:.3f} ms/token "
               f"(min {1e3 * min(per_token):.3f}, max {1e3 * max(per_token):.3f}), end to end "
-              f"{full[len(full) // 2]:.3f} s, first call {cold:.1f} s, tokens equal to eager's: {same:.1%}",
+              f"{full[len(full) // 2]:.3f} s, first call {cold:.1f} s, tokens equal to eager's: {same:.1%}"
+              + (f" ({rows} rows differ; at each first difference eager's two best logits were within "
+                 f"{max(ties):.1f} fp16 ulps)" if rows else ""),
               flush=True)
     st = gm.stats()
     keys = st["keys"]

@@ -63,6 +63,35 @@ def request_unsupported(kwargs) -> Optional[str]:
     return None
 
 
+def check_room(args, kwargs):
+    """A GraphwrapError, before any step, where a static cache passed to ``generate`` is too
+    short for the prompt and ``max_new_tokens`` (its last steps would write past its end: an
+    index error of the model's, on a GPU a device-side assert that ends the process's CUDA
+    context)."""
+    cache, new = kwargs.get("past_key_values"), kwargs.get("max_new_tokens")
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if cache is None or not isinstance(new, int) or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return
+    if getattr(cache, "is_compileable", False) is not True:
+        return  # a cache that grows
+    length = None
+    for name in ("get_max_length", "get_max_cache_shape"):
+        if callable(getattr(cache, name, None)):
+            try:
+                length = getattr(cache, name)()
+            except Exception:  # noqa: BLE001 - a length that cannot be told is not checked
+                return
+            break
+    if not isinstance(length, int) or length <= 0:
+        return
+    if ids.shape[1] + new > length:
+        raise GraphwrapError(
+            f"the cache passed to generate holds {length} positions, and this call needs {ids.shape[1] + new} "
+            f"({ids.shape[1]} of input_ids and max_new_tokens={new}): pass a cache of max_cache_len >= "
+            f"{ids.shape[1] + new}, fewer max_new_tokens, or cache_implementation=\"static\" and no past_key_values "
+            "(graphwrap then sizes its own cache)")
+
+
 def _mode_unsupported(model, gen) -> Optional[str]:
     if gen.num_beams not in (None, 1) or (gen.num_return_sequences or 1) != 1:
         return "beam search or several sequences per prompt"

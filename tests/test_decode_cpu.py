@@ -7,7 +7,7 @@ import torch
 from helpers import on_cpu_graphs, replays
 from torch import nn
 
-from graphwrap import GraphedModule
+from graphwrap import GraphedModule, GraphwrapError
 from graphwrap.state import (
     DYNAMIC_CACHE,
     NOT_ALLOCATED,
@@ -218,3 +218,29 @@ def test_outputs_held_across_steps_never_make_slots_that_run_the_step_again():
     for a, b in zip(mine.layers, ref.layers):
         assert torch.equal(a.keys, b.keys) and int(a.cumulative_length) == int(b.cumulative_length) == 12
     assert replays(gm) >= 6
+
+
+def test_a_cache_too_short_for_the_request_is_refused_before_any_step():
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    cache = tr.StaticCache(config=model.config, max_cache_len=8)
+    ids = torch.randint(1, 100, (1, 5))
+    with torch.no_grad(), pytest.raises(GraphwrapError, match=r"holds 8 positions.*needs 15.*max_cache_len >= 15"):
+        gm.generate(input_ids=ids, past_key_values=cache, max_new_tokens=10, do_sample=False)
+    assert int(cache.layers[0].cumulative_length) == 0 and replays(gm) == 0, "nothing ran"
+    with torch.no_grad():  # one that fits runs, with the user's cache (transformers' loop, graphed steps)
+        want = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+        assert torch.equal(gm.generate(input_ids=ids, past_key_values=cache, max_new_tokens=3, do_sample=False), want)
+
+
+def test_a_step_past_the_end_of_the_cache_raises_the_models_own_error():
+    """On a GPU the model's own error is a device-side assert, eager or graphed alike; generate
+    never gets there (its cache is sized for the request, or a short one is refused)."""
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    for who in (model, gm):
+        cache = tr.StaticCache(config=model.config, max_cache_len=8)
+        with torch.no_grad():
+            who(input_ids=torch.randint(1, 100, (1, 8)), past_key_values=cache, use_cache=True)
+            with pytest.raises(IndexError, match="out of bounds"):
+                who(input_ids=torch.randint(1, 100, (1, 1)), past_key_values=cache, use_cache=True)

@@ -130,5 +130,7 @@ def test_compile_true_over_a_cache_in_module_buffers():
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), p
         assert torch.allclose(model.k, ref.k, atol=1e-5) and torch.allclose(model.v, ref.v, atol=1e-5)
     gm.wait()
-    (b,) = gm.stats()["keys"][0]["buckets"].values()
-    assert b["compiled"] and b["per_size_us"] is None and replays(gm) >= 15
+    st = gm.stats()
+    buckets = [b for k in st["keys"] for b in k["buckets"].values()]
+    assert any(b["compiled"] and b["serves"] == "graph" for b in buckets), st
+    assert all(b["per_size_us"] is None for b in buckets) and replays(gm) >= 10, st
