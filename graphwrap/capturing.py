@@ -154,12 +154,14 @@ def compiled_forward(engine) -> Optional[CompiledForward]:
         engine.compiled = CompiledForward(engine.module, opts)
     return engine.compiled
 
+
 def give_up_compile(engine, reason: str):
     engine.compile_off = reason
     msg = f"graphwrap: compile= given up ({reason}); capturing the plain forward"
     if engine.fallback == "raise":
         raise GraphwrapError(f"{msg}. Pass fallback=\"eager\" to accept the plain forward")
     engine.log_once(("compile",), logging.WARNING, msg)
+
 
 def save_compile_cache(engine):
     if engine.compile_opts is not None and engine.compile_opts.get("cache") and engine.compiled is not None:
@@ -183,6 +185,13 @@ def make_job(engine, ks: Key, b: Bucket, leaves, n: int, L, plain: bool, forward
     if b.size > engine.grid.top(b.seq) and device.type == "cuda":
         budget = _large_budget(device, budget)
     compiled = forward if forward is not None else None if plain else compiled_forward(engine)
+    if compiled is not None and engine.writes is not None:
+        # Module buffers the forward writes (a gpt-fast style cache): on a GPU, calls with
+        # compiled kernels over them got no graph at all (they ran eagerly, correctly). The
+        # plain forward's graphs serve them.
+        engine.log_once(("writes-compile",), logging.WARNING, "graphwrap: compile= is not used for a forward that "
+                        "writes module buffers: its graphs capture the plain forward")
+        compiled = None
     names = engine.decl.names(ks.spec)
     # The first capture of a signature warms up fully (cuBLAS, cuDNN and Triton set-up, autotuning);
     # later buckets of it need one run to settle their own shapes.

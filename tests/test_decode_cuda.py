@@ -119,7 +119,7 @@ def test_compile_true_puts_compiled_kernels_in_the_decode_graphs():
     torch.cuda.synchronize()  # no device-side assert left behind
 
 
-def test_compile_true_over_a_cache_in_module_buffers():
+def test_compile_true_over_a_cache_in_module_buffers_captures_the_plain_forward(gw_log):
     model, ref = Decoder().to(DEV).eval(), Decoder().to(DEV).eval()
     ref.load_state_dict(model.state_dict())
     gm = GraphedModule(model, batch_dim={"input_pos": None}, eager_if_faster=False, compile=True)
@@ -132,5 +132,32 @@ def test_compile_true_over_a_cache_in_module_buffers():
     gm.wait()
     st = gm.stats()
     buckets = [b for k in st["keys"] for b in k["buckets"].values()]
-    assert any(b["compiled"] and b["serves"] == "graph" for b in buckets), st
-    assert all(b["per_size_us"] is None for b in buckets) and replays(gm) >= 10, st
+    assert any(b["serves"] == "graph" for b in buckets) and replays(gm) >= 10, (st["keys"], st["eager_calls"])
+    assert all(b["per_size_us"] is None for b in buckets)
+    assert any("writes module buffers" in r.getMessage() for r in gw_log.records)
+
+
+def test_rows_that_finish_early_on_the_gpu_give_the_models_tokens_length_and_random_state():
+    """The stop flags are read late on a GPU: the steps queued after every row had finished are
+    dropped, and the tokens, their count and the generator afterwards are generate's own."""
+    cfg = tr.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=8, n_positions=256, bos_token_id=1,
+                        eos_token_id=[5, 6], pad_token_id=0)
+    torch.manual_seed(0)
+    model = tr.GPT2LMHeadModel(cfg).to(DEV).eval()
+    gm = GraphedModule(model)
+    lengths = set()
+    with torch.no_grad():
+        for seed in range(6):
+            for batch in (1, 3):
+                ids = torch.randint(1, 5, (batch, 4), device=DEV)
+                kw = dict(input_ids=ids, max_new_tokens=60, do_sample=True, temperature=1.5, top_p=0.9,
+                          cache_implementation="static")
+                torch.manual_seed(seed)
+                want, after_want = model.generate(**kw, disable_compile=True), torch.rand(4, device=DEV)
+                torch.manual_seed(seed)
+                got, after_got = gm.generate(**kw), torch.rand(4, device=DEV)
+                assert torch.equal(got, want), (seed, batch)
+                assert torch.equal(after_got, after_want), "the generator stands where generate leaves it"
+                lengths.add(want.shape[1])
+    assert len(lengths) > 3 and min(lengths) < 4 + 60 - 8, "rows finished early, some before a first look"
+    assert replays(gm) > 0 and gm.stats()["eager_calls"] == {}
