@@ -105,6 +105,11 @@ class GraphedModule(nn.Module):
             eagerly, and serve that bucket eagerly if eager took at most 0.9x the graph's time
             (a model of one or two kernels, say). ``stats()`` shows each bucket's times and
             what serves it.
+        state: inputs the forward writes in place (a KV cache passed as tensors): a name or
+            position, or a list of them. Their tensors are used where they live, never copied,
+            padded or cut; the graphs are keyed on them (another tensor, or one allocated again,
+            gets its own graphs) and write them as the module does. A call with state is served
+            at its own shapes. transformers' static caches are state without this.
 
     .. warning::
         With ``outputs="view"``, the returned tensors are overwritten by the next call of this
@@ -147,13 +152,14 @@ class GraphedModule(nn.Module):
         compile=None,
         max_pool_bytes: Optional[int] = None,
         eager_if_faster: bool = True,
+        state=None,
     ):
         if not isinstance(module, nn.Module):
             raise GraphwrapError(f"GraphedModule wraps an nn.Module, got {type(module).__name__}")
         if isinstance(module, GraphedModule):
             raise GraphwrapError("this module is a GraphedModule already; wrap its .module, or use it as it is")
         opts = Options(buckets, max_batch_size, batch_dim, seq_dim, seq_buckets, pad_values, max_tokens, warmup_iters,
-                       outputs, fallback, verify, max_keys, compile, max_pool_bytes, eager_if_faster).check()
+                       outputs, fallback, verify, max_keys, compile, max_pool_bytes, eager_if_faster, state).check()
         super().__init__()
         self._gw_attach(module, opts)
 

@@ -35,6 +35,7 @@ class Options:
     compile: Any = None
     max_pool_bytes: Optional[int] = None
     eager_if_faster: bool = True
+    state: Any = None
 
     def check(self):
         """Raise GraphwrapError for an argument that cannot work, naming it and the fix."""
@@ -67,7 +68,7 @@ class Options:
         return asdict(self)
 
     def declarations(self, module) -> Declarations:
-        return Declarations(module, self.batch_dim, self.seq_dim, self.pad_values)
+        return Declarations(module, self.batch_dim, self.seq_dim, self.pad_values, self.state)
 
     def compile_opts(self) -> Optional[dict]:
         return compile_options(self.compile)

@@ -77,8 +77,9 @@ class Declarations:
     by name (default 0).
     """
 
-    def __init__(self, module, batch_dim: DimSpec = 0, seq_dim: DimSpec = None, pad_values=0):
+    def __init__(self, module, batch_dim: DimSpec = 0, seq_dim: DimSpec = None, pad_values=0, state=None):
         _check_spec("batch_dim", batch_dim, default_ok=False)
+        self.state = _state_names(state)
         _check_spec("seq_dim", seq_dim, default_ok=True)
         if isinstance(batch_dim, int) and isinstance(seq_dim, int) and batch_dim == seq_dim:
             raise GraphwrapError(f"seq_dim={seq_dim} is the batch_dim; the sequence needs a dim of its own")
@@ -135,7 +136,7 @@ class Declarations:
 
     def facts(self, args, kwargs, autocast, single_spec=None) -> Union[Facts, str]:
         """The call's :class:`Facts`, or a string saying why it runs eagerly."""
-        if single_spec is not None:
+        if single_spec is not None and not self.state:
             leaves, spec = [args[0]], single_spec
         else:
             refused = self._refused
@@ -149,7 +150,7 @@ class Declarations:
                     if why is not None:
                         return why
             try:
-                leaves, spec = flatten_inputs(args, kwargs)
+                leaves, spec = flatten_inputs(args, kwargs, self.state, self.positional)
             except UnsupportedInput as e:
                 self._remember_refusal(args, kwargs, str(e))
                 return str(e)
@@ -238,6 +239,21 @@ def state_refs(spec) -> tuple:
                     walk(c)
     walk(spec)
     return tuple(out)
+
+
+def _state_names(state) -> frozenset:
+    """``state=`` as a set of input names and positions; GraphwrapError for anything else."""
+    if state is None:
+        return frozenset()
+    items = [state] if isinstance(state, (str, int)) else state
+    try:
+        items = list(items)
+    except TypeError:
+        items = None
+    if not items or any(not isinstance(x, (str, int)) or isinstance(x, bool) for x in items):
+        raise GraphwrapError(f"state must be an input name or position, or a list of them, such as "
+                             f'["k_cache", "v_cache"], got {state!r}')
+    return frozenset(items)
 
 
 def _has_state(spec, memo: Dict[tuple, bool]) -> bool:

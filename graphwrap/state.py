@@ -120,18 +120,22 @@ def state_tensors(obj, depth: int = 3) -> List[Tensor]:
 
 class StateRef:
     """A state input in a call's spec: the object itself (given to the forward as it is), equal
-    only to the same object holding the same tensors at the same addresses, so a cache whose
-    tensors were allocated again is another key (no graph replays on memory it no longer owns)."""
+    only to the same object holding the same tensors at the same addresses (a tensor: the same
+    memory and layout), so a cache whose tensors were allocated again is another key (no graph
+    replays on memory it no longer owns; the key holds the object, so its memory lives on)."""
 
-    __slots__ = ("obj", "ptrs", "_hash")
+    __slots__ = ("obj", "ident", "ptrs", "_hash")
 
     def __init__(self, obj):
         self.obj = obj
         self.ptrs = tuple(t.data_ptr() for t in state_tensors(obj))
-        self._hash = hash((id(obj), self.ptrs))
+        # A tensor is the same state as another view of its memory with the same layout (a
+        # caller may pass a fresh view each call); any other object only as itself.
+        self.ident = (tuple(obj.shape), obj.stride(), obj.dtype, obj.device) if isinstance(obj, Tensor) else id(obj)
+        self._hash = hash((self.ident, self.ptrs))
 
     def __eq__(self, other):
-        return isinstance(other, StateRef) and other.obj is self.obj and other.ptrs == self.ptrs
+        return isinstance(other, StateRef) and other.ident == self.ident and other.ptrs == self.ptrs
 
     def __hash__(self):
         return self._hash

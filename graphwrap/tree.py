@@ -96,19 +96,35 @@ def _dict_type_rebuilds(t: type) -> bool:
     return ok
 
 
-def flatten_inputs(args: tuple, kwargs: dict) -> Tuple[List[Tensor], tuple]:
+def flatten_inputs(args: tuple, kwargs: dict, state=frozenset(), positional=()) -> Tuple[List[Tensor], tuple]:
     """Tensor leaves of ``(args, kwargs)`` in order, and a hashable spec of everything else.
 
     The spec holds the tree structure and every constant, so two calls with the same spec and
-    the same tensor metadata run the same graph.
+    the same tensor metadata run the same graph. Top-level inputs named in ``state`` (by name,
+    or position; ``positional`` names the forward's positional parameters) are state: kept in
+    the spec as they are (``StateRef``), their tensors no leaves.
     """
     leaves: List[Tensor] = []
+    if state:
+        spec_args = tuple(_declared_state(v, f"args[{i}]") if i in state or (i < len(positional) and positional[i] in state)
+                          else _flatten(v, leaves, f"args[{i}]") for i, v in enumerate(args))
+        spec_kw = tuple((k, _declared_state(v, f"kwargs[{k!r}]") if k in state else _flatten(v, leaves, f"kwargs[{k!r}]"))
+                        for k, v in kwargs.items())
+        return leaves, (spec_args, spec_kw)
     spec_args = tuple(_flatten(v, leaves, f"args[{i}]") for i, v in enumerate(args))
     if kwargs:
         spec_kw = tuple((k, _flatten(kwargs[k], leaves, f"kwargs[{k!r}]")) for k in kwargs)
     else:
         spec_kw = ()
     return leaves, (spec_args, spec_kw)
+
+
+def _declared_state(obj, path: str):
+    """The spec of an input named in ``state=``: the object itself, keyed on its tensors."""
+    ref = StateRef(obj)
+    if not ref.ptrs:
+        raise UnsupportedInput(f"input at {path} is named in state= but holds no tensor")
+    return ("S", ref)
 
 
 def _unflatten(spec, it):

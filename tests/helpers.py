@@ -403,3 +403,18 @@ class RowCache(nn.Module):
         prev = self.last[:n].clone()
         self.last[:n] = x
         return self.fc(x) + prev
+
+
+class TensorCache(nn.Module):
+    """A decode step whose KV cache comes in as a tensor it writes at ``pos`` (gpt-fast style,
+    the cache held by the caller)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.q, self.kv = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x, cache, pos):
+        cache.index_copy_(1, pos, self.kv(x))
+        scores = self.q(x) @ cache.transpose(1, 2)
+        mask = torch.arange(cache.shape[1], device=x.device) <= pos[-1]
+        return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ cache

@@ -11,6 +11,7 @@ from helpers import (
     MLP,
     Counter,
     RowCache,
+    TensorCache,
     assert_same,
     eager_answer,
     on_cpu_graphs,
@@ -18,7 +19,7 @@ from helpers import (
 )
 from torch import nn
 
-from graphwrap import Batcher, GraphedModule
+from graphwrap import Batcher, GraphedModule, GraphwrapError
 
 
 def _gm(model, **kw):
@@ -230,3 +231,55 @@ def test_a_forward_that_writes_its_parameters_runs_eagerly():
     assert gm.stats()["keys"][0]["reason"].startswith("the forward writes into its parameters w")
     assert torch.equal(out, x * 3), "the capture's first run and the eager call: two writes, no more"
     assert torch.equal(model.w, torch.full((4,), 3.0))
+
+
+def test_inputs_declared_as_state_are_written_where_they_live():
+    """state=["cache"]: the caller's tensor is the graph's, written in place as eagerly; keyed on
+    its memory (a fresh view of it is the same state, another tensor another key)."""
+    torch.manual_seed(0)
+    model = TensorCache().eval()
+    gm = on_cpu_graphs(GraphedModule(model, state=["cache"], batch_dim={"pos": None}, eager_if_faster=False))
+    mine, ref = torch.zeros(2, 16, 8), torch.zeros(2, 16, 8)
+    with torch.no_grad():
+        for p in range(10):
+            x, pos = torch.randn(2, 1, 8), torch.tensor([p])
+            got = gm(x, mine if p % 2 else mine[:], pos)  # a fresh view every other call
+            assert_same(got, model(x, ref, pos))
+            assert torch.equal(mine, ref), p
+        other = torch.zeros(2, 16, 8)
+        gm(torch.randn(2, 1, 8), other, torch.tensor([0]))
+    keys = gm.stats()["keys"]
+    assert len(keys) == 2 and "Tensor@" in keys[0]["key"] and replays(gm) >= 8
+    assert other[:, 0].abs().sum() > 0 and other[:, 1:].abs().sum() == 0, "the other tensor written, once"
+
+
+def test_without_state_a_forward_that_writes_its_input_runs_eagerly_on_the_callers():
+    torch.manual_seed(0)
+    model = TensorCache().eval()
+    gm = on_cpu_graphs(GraphedModule(model, batch_dim={"pos": None}, eager_if_faster=False))
+    mine, ref = torch.zeros(2, 16, 8), torch.zeros(2, 16, 8)
+    with torch.no_grad():
+        for p in range(4):
+            x, pos = torch.randn(2, 1, 8), torch.tensor([p])
+            assert_same(gm(x, mine, pos), model(x, ref, pos))
+    assert torch.equal(mine, ref) and replays(gm) == 0
+
+
+@pytest.mark.parametrize("bad", [5.5, [], [None], True])
+def test_state_option_is_checked(bad):
+    with pytest.raises(GraphwrapError, match="state must be an input name or position"):
+        GraphedModule(TensorCache(), state=bad)
+
+
+class Scale(nn.Module):
+    def forward(self, x, scale):
+        return x * scale
+
+
+def test_a_state_input_without_tensors_runs_eagerly_with_the_reason():
+    gm = on_cpu_graphs(GraphedModule(Scale().eval(), state=["scale"], eager_if_faster=False))
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        assert torch.equal(gm(x, 2.0), x * 2.0)
+    (reason,) = gm.stats()["eager_calls"]
+    assert "named in state= but holds no tensor" in reason

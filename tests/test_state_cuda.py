@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from helpers import MLP, Counter, RowCache, assert_same, eager_answer, replays
+from helpers import MLP, Counter, RowCache, TensorCache, assert_same, eager_answer, replays
 from torch import nn
 
 from graphwrap import Batcher, GraphedModule
@@ -184,3 +184,17 @@ def test_the_cuda_generator_is_usable_after_captures_that_other_threads_drew_dur
     for _ in range(100):
         torch.randn(16, device=DEV)
     torch.cuda.synchronize()
+
+
+def test_a_cache_tensor_declared_as_state_is_written_by_the_graphs_where_it_lives():
+    torch.manual_seed(0)
+    model = TensorCache().to(DEV).eval()
+    gm = GraphedModule(model, state=["cache"], batch_dim={"pos": None})
+    mine, ref = torch.zeros(2, 16, 8, device=DEV), torch.zeros(2, 16, 8, device=DEV)
+    with torch.no_grad():
+        for p in range(12):
+            x, pos = torch.randn(2, 1, 8, device=DEV), torch.tensor([p], device=DEV)
+            assert_same(gm(x, mine, pos), model(x, ref, pos))
+            assert torch.allclose(mine, ref, atol=1e-6), p
+    (key,) = gm.stats()["keys"]
+    assert key["buckets"][1]["serves"] == "graph" and replays(gm) >= 10, key
