@@ -25,7 +25,7 @@ from .plans import fold, swap
 from .racing import race
 from .records import Bucket, Key, Lease, Serves
 from .state import Saved
-from .tree import CONST
+from .tree import CONST, unflatten_inputs
 from .verify import SAME_SHAPE_TOL, compare_leaves
 from .worker import stopping
 
@@ -61,16 +61,28 @@ def _capture_into(engine, ks: Key, b: Bucket, leaves, n: int, L, forward, plain:
                   evict: bool) -> Optional[Bucket]:
     saved = Saved(engine.module, ks.states)  # the call's state: every extra run of the capture is undone
     try:
-        return _capture_loop(engine, ks, b, leaves, n, L, forward, plain, timed, evict, saved)
-    except BaseException:
+        out = _capture_loop(engine, ks, b, leaves, n, L, forward, plain, timed, evict, saved)
+    except BaseException as e:
         # The module's own error on the call's inputs (or an interrupt): the call raises it, and
         # the bucket is left to the next call to capture, not marked as capturing for good.
         with engine.lock:
             if b.serves is Serves.CAPTURING:
                 b.serves = Serves.NOTHING
-        raise
-    finally:
         saved.restore()
+        if isinstance(e, Exception) and not isinstance(e, (CaptureFailed, GraphwrapError)) and saved.items:
+            _raise_as_eager(engine, ks, leaves, saved)
+        raise
+    saved.restore()
+    return out
+
+
+def _raise_as_eager(engine, ks: Key, leaves, saved: Saved):
+    """The module's error in a capture of a call with state: the capture's runs undone, the call
+    runs once eagerly, so that it raises with the state as the module leaves it (a step that
+    fails part-way has written what it wrote). Returns where that run does not raise."""
+    args, kwargs = unflatten_inputs(ks.spec, leaves)
+    engine.module(*args, **kwargs)
+    saved.restore()  # it ran through: the capture's error stands, the state as before the call
 
 
 def _capture_loop(engine, ks: Key, b: Bucket, leaves, n: int, L, forward, plain: bool, timed: bool,

@@ -106,10 +106,14 @@ def test_a_step_on_a_cache_of_another_batch_size_raises_the_models_own_error():
         step = dict(past_key_values=cache, use_cache=True, cache_position=torch.tensor([4]))
         with pytest.raises(Exception) as eager_error:
             model(input_ids=torch.randint(1, 100, (3, 1)), **step)
+        eager_left = [int(layer.cumulative_length) for layer in cache.layers]
         cache.reset()
         model(input_ids=torch.randint(1, 100, (2, 4)), past_key_values=cache, use_cache=True)
         with pytest.raises(type(eager_error.value)):
             gm(input_ids=torch.randint(1, 100, (3, 1)), **step)
+        assert [int(layer.cumulative_length) for layer in cache.layers] == eager_left, "left as the module leaves it"
+        cache.reset()
+        model(input_ids=torch.randint(1, 100, (2, 4)), past_key_values=cache, use_cache=True)
         ok = gm(input_ids=torch.randint(1, 100, (2, 1)), **step)  # the cache's own batch still serves
     assert ok.logits.shape == (2, 1, 100)
 
