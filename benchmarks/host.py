@@ -54,7 +54,7 @@ def _direct_call(results, device, n, repeats):
     data_ptr = torch.Tensor.data_ptr
     ptrs = tuple(eng.watch.ptr_list)
     tensors = eng.watch.tensors
-    sid = plans_mod._cuda_sid
+    sid = plans_mod.cuda_sid
     idx = x.device.index
     lock = eng.lock
 

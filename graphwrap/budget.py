@@ -24,7 +24,7 @@ def _held(b: Bucket) -> int:
     return b.pool_bytes if b.graphs else 0
 
 
-def _large_budget(device, budget: Optional[int]) -> int:
+def large_budget(device, budget: Optional[int]) -> int:
     """Pool growth allowed for a bucket above the largest: at most half the device memory that
     is free or cached unused, and within ``max_pool_bytes``."""
     free = torch.cuda.mem_get_info(device)[0]

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from .budget import _large_budget, budget_left, drop_least_used, release_dropped
+from .budget import budget_left, large_budget, drop_least_used, release_dropped
 from .capture import Job, capture_bucket
 from .checks import CaptureFailed
 from .compiled import CompiledForward, load_cache, save_cache, unavailable_reason
@@ -195,7 +195,7 @@ def make_job(engine, ks: Key, b: Bucket, leaves, n: int, L, plain: bool, forward
     real = [(t if bd is None else t.narrow(bd, 0, m)).to(device, copy=True) for t, (bd, _, _) in zip(leaves, ks.roles)]
     budget = budget_left(engine)
     if b.size > engine.grid.top(b.seq) and device.type == "cuda":
-        budget = _large_budget(device, budget)
+        budget = large_budget(device, budget)
     compiled = forward if forward is not None else None if plain else compiled_forward(engine)
     if compiled is not None and engine.writes is not None:
         # Module buffers the forward writes (a gpt-fast style cache): on a GPU, calls with
@@ -429,9 +429,6 @@ def return_graphs(engine, lease: Lease):
             for i, mine in enumerate(lease.bucket.graphs):
                 if mine is g:
                     lease.bucket.leased.discard(i)
-
-
-# ---------------------------------------------------------------------------------- timing
 
 
 # ---------------------------------------------------------------------------------- every bucket

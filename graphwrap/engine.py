@@ -34,7 +34,7 @@ from .compiled import CompiledForward
 from .errors import GraphwrapError
 from .grid import Grid
 from .joins import Joins
-from .plans import STALE, Plan
+from .plans import NO_BUCKET, STALE, Plan
 from .records import Bucket, Graph, Key, Lease, Serves, Store, drop
 from .signature import Facts, describe_key, state_refs
 from .tree import (
@@ -53,7 +53,6 @@ grad_on = torch.is_grad_enabled
 GRAD_REASONS = ("the module is in training mode", "an input requires grad and grad mode is on")
 WRITES_LARGE = "the forward writes module buffers: a batch above the largest bucket runs eagerly, in one call"
 EXACT_LENGTHS = 32  # graphs per exact length of a key whose padding is refused, then eager
-_NO_BUCKET = Bucket(0)
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _GLOBAL_PRE, _GLOBAL_POST = GLOBAL_TABLES  # torch.nn's global forward hook tables (mutated in place)
 
@@ -167,27 +166,27 @@ class Engine:
             if type(got) is Plan:
                 return got
             capture_into(self, ks, got, leaves, n, L)
-        return Plan(self, ks, n, L, _NO_BUCKET, eager=True)
+        return Plan(self, ks, n, L, NO_BUCKET, eager=True)
 
     def _plan_for(self, ks: Key, n: int, L: Optional[int]):
         """The plan for ``n`` rows and length ``L`` of ``ks``, or a bucket to capture first
         (marked as capturing). The caller holds the lock."""
         if ks.failed is not None:
             ks.eager_calls += 1
-            return Plan(self, ks, n, L, _NO_BUCKET, reason=ks.failed)
+            return Plan(self, ks, n, L, NO_BUCKET, reason=ks.failed)
         plan = ks.plans.get((n, L))
         if plan is not None and plan.epoch == self.epoch:
             return plan
         S = self._seq_bucket(ks, L)
         if type(S) is str:
-            return Plan(self, ks, n, L, _NO_BUCKET, reason=S)
+            return Plan(self, ks, n, L, NO_BUCKET, reason=S)
         top = self.grid.top(S)
         if self.writes is not None or ks.fixed:  # state written per row or position: never padded or chunked
             if n > top:
-                return Plan(self, ks, n, L, _NO_BUCKET, reason=WRITES_LARGE)
+                return Plan(self, ks, n, L, NO_BUCKET, reason=WRITES_LARGE)
             size = n
         elif n > top and S is not None:
-            plan = ks.plans[(n, L)] = Plan(self, ks, n, L, _NO_BUCKET, chunked=True)
+            plan = ks.plans[(n, L)] = Plan(self, ks, n, L, NO_BUCKET, chunked=True)
             return plan
         else:
             size = self.grid.size(n, S)
@@ -200,9 +199,9 @@ class Engine:
             return b
         if st is Serves.NOTHING or st is Serves.CAPTURING:
             ks.warming_calls += 1  # captured elsewhere meanwhile: eager now, not kept
-            return Plan(self, ks, n, L, _NO_BUCKET, eager=True)
+            return Plan(self, ks, n, L, NO_BUCKET, eager=True)
         if size > top and st in (Serves.FAILED, Serves.OVER_BUDGET):  # no memory for a graph of its own
-            plan = ks.plans[(n, L)] = Plan(self, ks, n, L, _NO_BUCKET, chunked=True)
+            plan = ks.plans[(n, L)] = Plan(self, ks, n, L, NO_BUCKET, chunked=True)
             return plan
         if st is Serves.OVER_BUDGET:
             larger = self._larger(ks, size, S)
@@ -416,14 +415,14 @@ class Engine:
         The static buffers and the pool are shared by every caller: work issued on another
         stream must not touch them before the last call's work is done.
         """
-        from .plans import _cuda_sid
+        from .plans import cuda_sid
 
         last = self.last_stream
         cur = torch.cuda.current_stream(device)
         if last is not None and last != cur:
             cur.wait_stream(last)
         self.last_stream = cur
-        self.last_sid = _cuda_sid(device.index) if _cuda_sid is not None else None
+        self.last_sid = cuda_sid(device.index) if cuda_sid is not None else None
         return cur
 
     def copy_stream(self, device):

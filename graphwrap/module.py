@@ -436,3 +436,9 @@ class GraphedModule(nn.Module):
         from .pipeline import run_pipeline
 
         return run_pipeline(self.engine, batches, to_host=to_host)
+
+
+def options_of(gm: GraphedModule) -> dict:
+    """The keyword arguments ``gm`` was made with (a function, so that no attribute of the
+    wrapped module is shadowed)."""
+    return gm.__dict__["_gw_options"].as_kwargs()

@@ -27,7 +27,7 @@ import torch
 
 from .calls import call
 from .errors import GraphwrapError
-from .plans import _cuda_sid as current_stream_id
+from .plans import cuda_sid as current_stream_id
 from .staging import Stager
 from .tree import Tensor, map_tensors
 

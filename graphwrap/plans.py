@@ -14,10 +14,10 @@ from .records import Bucket, Graph, Key
 
 Tensor = torch.Tensor
 # (stream id, device index, device type) of the current stream, without building a Stream.
-_cuda_sid = getattr(torch._C, "_cuda_getCurrentStream", None)
+cuda_sid = getattr(torch._C, "_cuda_getCurrentStream", None)
 STALE = object()  # what Plan.call1 returns when its graphs were dropped meanwhile
 _grad_on = torch.is_grad_enabled
-_EMPTY = Bucket(0)
+NO_BUCKET = Bucket(0)  # the bucket of a plan that serves no bucket (eager, chunked)
 
 
 def no_stream(_index):
@@ -46,7 +46,7 @@ class Plan:
         device = key.device if key is not None else torch.device("cpu")
         self.device = device
         self.device_index = device.index if device.index is not None else -1
-        self.sid = _cuda_sid if device.type == "cuda" and _cuda_sid is not None else no_stream
+        self.sid = cuda_sid if device.type == "cuda" and cuda_sid is not None else no_stream
         self.dtype, self.dev = key.single if key is not None and key.single is not None else (None, None)
         self.rebuild = key.out_spec.rebuild if key is not None and key.out_spec is not None else None
         if self.eager or chunked:
@@ -71,7 +71,7 @@ class Plan:
     @classmethod
     def eager_only(cls, engine, reason: str) -> "Plan":
         """A plan that runs the module for ``reason``, for a call that has no key."""
-        return cls(engine, None, 0, None, _EMPTY, reason=reason)
+        return cls(engine, None, 0, None, NO_BUCKET, reason=reason)
 
     def call1(self, x: Tensor):
         """``gm(x)`` for one tensor: the whole per-call work of the common case; ``STALE`` if

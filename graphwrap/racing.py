@@ -18,18 +18,16 @@ logger = logging.getLogger("graphwrap")
 EAGER_WINS = 0.9  # near a tie, graphs: they also leave the host free, which counts under load
 
 
-def time_pair(a_calls, b_calls, rounds: int, round_s: float, stop_early=None, timed=None):
+def time_pair(a_calls, b_calls, rounds: int, round_s: float, timed=None):
     """Seconds per call of ``a_calls(k)`` and ``b_calls(k)`` (each makes ``k`` calls), timed in
     turns round by round with ``timed(fn, k)``; medians over the rounds. ``k`` makes a round
-    last about ``round_s``; ``stop_early(a_s, b_s)``, if given, may end after the first round."""
+    last about ``round_s``."""
     once = max(timed(a_calls, 1), timed(b_calls, 1))
     k = max(1, min(64, int(round_s / max(once, 1e-6))))
     xs, ys = [], []
-    for r in range(rounds):
+    for _ in range(rounds):
         xs.append(timed(a_calls, k))
         ys.append(timed(b_calls, k))
-        if r == 0 and stop_early is not None and stop_early(xs[0], ys[0]):
-            break
     return statistics.median(xs), statistics.median(ys)
 
 

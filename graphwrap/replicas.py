@@ -17,7 +17,7 @@ from torch import nn
 
 from .batcher import Batcher
 from .errors import GraphwrapError
-from .module import GraphedModule
+from .module import GraphedModule, options_of
 from .tree import map_tensors
 
 
@@ -56,7 +56,7 @@ class Replicas:
             raise GraphwrapError(f"devices must differ, got {[str(d) for d in devices]}")
         if isinstance(model, GraphedModule):
             # A GraphedModule given: its module is copied, and its options are the default ones.
-            graphed = {**model.__dict__["_gw_options"].as_kwargs(), **graphed}
+            graphed = {**options_of(model), **graphed}
             model = model.module
         self._replicas: List[_Replica] = []
         for d in devices:

@@ -9,7 +9,7 @@ def _name(b: Bucket):
     return b.size if b.seq is None else f"{b.size}x{b.seq}"
 
 
-def _counts(ks: Key) -> dict:
+def counts_of(ks: Key) -> dict:
     """Per bucket: replays, rows, padded rows, tokens, padded tokens, eager calls; the bucket's
     own counts (leased graphs, folded plans) plus those of its plans."""
     counts = {id(b): [b.replays, b.rows, b.padded_rows, b.tokens, b.padded_tokens, b.eager_calls]
@@ -54,7 +54,7 @@ def bucket_stats(b: Bucket, c) -> dict:
 
 
 def key_stats(ks: Key) -> dict:
-    counts = _counts(ks)
+    counts = counts_of(ks)
     buckets = {}
     for b in sorted(ks.buckets.values(), key=lambda b: (b.seq or 0, b.size)):
         if b.serves is Serves.NOTHING and not counts[id(b)][0] and not b.graphs:

@@ -20,7 +20,7 @@ from .compiled import CompiledForward, static_options
 from .plans import swap
 from .racing import time_pair
 from .records import Bucket, Serves
-from .stats import _counts
+from .stats import counts_of
 
 logger = logging.getLogger("graphwrap")
 HOT_CALLS = 16  # calls a bucket serves before its own kernels are worth a compile
@@ -66,7 +66,7 @@ def candidates(engine):
         counts = None
         for b in ks.buckets.values():
             if b.graphs and b.compiled and b.kernels == "shared" and not b.tuned and b.serves is Serves.GRAPH:
-                counts = counts or _counts(ks)
+                counts = counts or counts_of(ks)
                 c = counts[id(b)]
                 out.append((c[1], c[0], (ks, b)))
     return out
