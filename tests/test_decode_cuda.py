@@ -161,3 +161,22 @@ def test_rows_that_finish_early_on_the_gpu_give_the_models_tokens_length_and_ran
                 lengths.add(want.shape[1])
     assert len(lengths) > 3 and min(lengths) < 4 + 60 - 8, "rows finished early, some before a first look"
     assert replays(gm) > 0 and gm.stats()["eager_calls"] == {}
+
+
+def test_a_cache_on_another_device_raises_the_models_own_error():
+    """A static cache filled on the CPU, a step on the GPU: the model's own error, eager or
+    through graphwrap, and the cache left as the model leaves it."""
+    model = _gpt2()
+    on_cpu = _gpt2().cpu()
+    on_cpu.load_state_dict(model.state_dict())
+    gm = GraphedModule(model)
+    left = []
+    for who in (model, gm):
+        cache = tr.StaticCache(config=model.config, max_cache_len=32)
+        with torch.no_grad():
+            on_cpu(input_ids=torch.randint(2, 1000, (1, 4)), past_key_values=cache, use_cache=True)
+            with pytest.raises(RuntimeError, match="device"):
+                who(input_ids=torch.randint(2, 1000, (1, 1), device=DEV), past_key_values=cache, use_cache=True)
+        left.append([int(layer.cumulative_length) for layer in cache.layers])
+    assert left[0] == left[1]
+    torch.cuda.synchronize()
