@@ -19,6 +19,7 @@ import torch
 from ._compat import autocast_without_cache
 from .checks import (
     CaptureFailed,
+    Scope,
     Verifier,
     check_rebuild,
     check_untouched,
@@ -123,8 +124,8 @@ def capture_bucket(job: Job, recorder) -> Captured:
         try:
             g, outs, pool_bytes, pool = recorder.record(job.device, job.pool, run, p.draws, job.size)
         except CaptureFailed as e:
-            if job.forward is not None and e.scope == "key":
-                e.scope, e.reason = "compile", "the compiled " + e.reason[4:]
+            if job.forward is not None and e.scope is Scope.KEY:  # "the forward ..." of the compiled one
+                e.scope, e.reason = Scope.COMPILE, "the compiled " + e.reason.removeprefix("the ")
             raise
         finally:
             job.restore()
@@ -176,7 +177,7 @@ def _prepare(job: Job, recorder, info: dict) -> _Prepared:
         writes = job.fixed or (job.state is not None and bool(job.state.written))
         if writes and not job.fixed and (m != job.size or (job.seq is not None and Lr != job.seq)
                                          or job.forward is not None):
-            err = CaptureFailed("the forward writes module buffers: captured at the call's own shape", scope="state")
+            err = CaptureFailed("the forward writes module buffers: captured at the call's own shape", scope=Scope.STATE)
             err.written = set(job.state.written)
             raise err
         static_in = shape_inputs(real, job.roles, job.size, job.seq)
@@ -224,11 +225,11 @@ def _warm_up(job: Job, recorder, static_in, info):
     except CaptureFailed:
         raise
     except torch.cuda.OutOfMemoryError as e:
-        raise CaptureFailed(f"out of memory in warm-up at batch {job.size}", e, scope="bucket") from e
+        raise CaptureFailed(f"out of memory in warm-up at batch {job.size}", e, scope=Scope.BUCKET) from e
     except Exception as e:  # noqa: BLE001 - any failure here is padding-induced
         if compiled is not None:
             raise CaptureFailed(f"the compiled forward failed at batch {job.size}: {type(e).__name__}: "
-                                f"{first_line(e)}", e, scope="compile") from e
+                                f"{first_line(e)}", e, scope=Scope.COMPILE) from e
         raise CaptureFailed(f"the forward failed on the padded batch of {job.size} rows but not on the real rows: "
                             f"{type(e).__name__}: {e}", e) from e
     return ref, spec
@@ -236,7 +237,7 @@ def _warm_up(job: Job, recorder, static_in, info):
 
 def _failed(err: BaseException, size: int) -> CaptureFailed:
     if isinstance(err, torch.cuda.OutOfMemoryError):
-        return CaptureFailed(f"out of memory in capture at batch {size}", err, scope="bucket", pool_lost=True)
+        return CaptureFailed(f"out of memory in capture at batch {size}", err, scope=Scope.BUCKET, pool_lost=True)
     return CaptureFailed(f"the forward cannot be captured in a CUDA graph: {type(err).__name__}: {first_line(err)}",
                          err, pool_lost=True)
 
@@ -279,7 +280,7 @@ class CudaRecorder:
     def check_budget(device, run, size, budget_left) -> int:
         """The pool bytes this bucket is estimated to need (one more warm-up's peak, with the
         cuBLAS workspaces cleared first so the one the capture allocates counts); CaptureFailed
-        (scope "budget") if that is more than ``budget_left``."""
+        (Scope.BUDGET) if that is more than ``budget_left``."""
         own_cublas_workspace()
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
@@ -289,7 +290,7 @@ class CudaRecorder:
         need = torch.cuda.max_memory_allocated(device) - base + ALLOCATOR_SLACK
         if need > budget_left:
             err = CaptureFailed(f"bucket {size} needs about {need / 2**20:.1f} MiB of graph pool, "
-                                f"{max(budget_left, 0) / 2**20:.1f} MiB of max_pool_bytes are left", scope="budget")
+                                f"{max(budget_left, 0) / 2**20:.1f} MiB of max_pool_bytes are left", scope=Scope.BUDGET)
             err.pool_estimate = need
             raise err
         return need

@@ -17,7 +17,7 @@ import torch
 
 from .budget import budget_left, large_budget, drop_least_used, release_dropped
 from .capture import Job, capture_bucket
-from .checks import CaptureFailed
+from .checks import CaptureFailed, Scope
 from .compiled import CompiledForward, load_cache, save_cache, unavailable_reason
 from .errors import GraphwrapError
 from .outputs import ring_for
@@ -110,7 +110,7 @@ def _capture_loop(engine, ks: Key, b: Bucket, leaves, n: int, L, forward, plain:
             with engine.lock:
                 again = settle_failure(engine, ks, b, e, epoch, forward, evict)
             release_dropped(engine, ks.device)
-            if e.scope == "bucket":
+            if e.scope is Scope.BUCKET:
                 engine.backend.empty_cache()
             if again is None:
                 return None
@@ -223,21 +223,21 @@ def settle_failure(engine, ks: Key, b: Bucket, e: CaptureFailed, epoch: int, for
     if e.pool_lost:
         engine.store.pool = None  # graphs already in it keep their memory; new ones get a new pool
     if ks.buckets.get(b.point) is not b:  # a graph beside the served one: compiled, tuned, leased
-        if e.scope == "compile" and forward is not engine.static_forward:
+        if e.scope is Scope.COMPILE and forward is not engine.static_forward:
             give_up_compile(engine, e.reason)
         else:
             logger.warning("graphwrap: a further graph of bucket %s of %s was not captured (%s); the bucket goes on "
                            "as it was", b.name, ks.label, e.reason)
         return None
-    if e.scope == "compile":
+    if e.scope is Scope.COMPILE:
         give_up_compile(engine, e.reason)
         return "plain"
-    if e.scope == "state":  # planned again at the call's own shape, from now on for every call
+    if e.scope is Scope.STATE:  # planned again at the call's own shape, from now on for every call
         _note_writes(engine, e.written)
         ks.buckets.pop(b.point, None)
         b.serves = Serves.NOTHING
         return None
-    if e.scope == "seq" and ks.exact is None:
+    if e.scope is Scope.SEQ and ks.exact is None:
         ks.exact = e.reason
         ks.buckets.pop(b.point, None)
         fold(engine, ks, None)
@@ -245,7 +245,7 @@ def settle_failure(engine, ks: Key, b: Bucket, e: CaptureFailed, epoch: int, for
         logger.warning("graphwrap: lengths of %s are not padded (%s); graphs are captured for each exact length",
                        ks.label, e.reason)
         return None
-    if e.scope == "budget":
+    if e.scope is Scope.BUDGET:
         if may_evict and drop_least_used(engine, e.pool_estimate, b):
             return "again"
         b.serves, b.reason, b.pool_estimate = Serves.OVER_BUDGET, e.reason, e.pool_estimate
@@ -254,7 +254,7 @@ def settle_failure(engine, ks: Key, b: Bucket, e: CaptureFailed, epoch: int, for
                         f"graphwrap: bucket {b.name} of {ks.label} not captured: {e.reason}; its batches {where}")
         return None
     b.serves, b.reason = Serves.FAILED, e.reason
-    if e.scope != "bucket":
+    if e.scope is not Scope.BUCKET:
         ks.fail(e.reason)
         for shape, p in list(engine.fast.items()):
             if p.key is ks:
@@ -262,8 +262,8 @@ def settle_failure(engine, ks: Key, b: Bucket, e: CaptureFailed, epoch: int, for
     msg = f"graphwrap: capture of bucket {b.name} for {ks.label} failed: {e.reason}"
     if engine.fallback == "raise":
         raise GraphwrapError(f"{msg}. Pass fallback=\"eager\" to run such inputs eagerly instead") from (e.cause or e)
-    engine.log_once(("capture", ks.label, b.point if e.scope == "bucket" else None), logging.WARNING,
-                    f"{msg}; running {'this bucket' if e.scope == 'bucket' else 'these inputs'} eagerly")
+    engine.log_once(("capture", ks.label, b.point if e.scope is Scope.BUCKET else None), logging.WARNING,
+                    f"{msg}; running {'this bucket' if e.scope is Scope.BUCKET else 'these inputs'} eagerly")
     return None
 
 

@@ -6,6 +6,7 @@ positions of a padded replay must equal eager on the real rows at the real lengt
 raises :class:`CaptureFailed` with a scope that says what it rules out.
 """
 
+import enum
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -24,25 +25,29 @@ from .verify import CROSS_SHAPE_TOL, SAME_SHAPE_TOL, compare_leaves
 Tensor = torch.Tensor
 
 
+class Scope(enum.Enum):
+    """What a failed capture rules out."""
+
+    KEY = "key"  # every bucket of the signature would fail the same way (a host sync, rows mixed)
+    BUCKET = "bucket"  # only this size (out of memory)
+    BUDGET = "budget"  # the bucket would take the graph pool over its budget
+    COMPILE = "compile"  # the compiled forward (the plain forward may still capture)
+    SEQ = "seq"  # padding along the sequence changes results: lengths are served exactly
+    STATE = "state"  # the forward writes module buffers and the bucket pads the call
+
+
 class CaptureFailed(Exception):
-    """A bucket could not be captured or did not verify.
+    """A bucket could not be captured or did not verify; ``scope`` (a :class:`Scope`) says
+    what that rules out."""
 
-    ``scope``: "key" when every bucket of the signature would fail the same way (a host sync
-    in forward, a model that mixes rows), "bucket" when only this size failed (out of memory),
-    "budget" when the bucket would take the graph pool over its budget, "compile" when the
-    compiled forward failed (the plain forward may still capture), "seq" when padding along
-    the sequence changes results (lengths are then served exactly), "state" when the forward
-    writes module buffers and the bucket pads the call (captured again at the call's shape).
-    """
-
-    def __init__(self, reason: str, cause: Optional[BaseException] = None, scope: str = "key",
+    def __init__(self, reason: str, cause: Optional[BaseException] = None, scope: Scope = Scope.KEY,
                  pool_lost: bool = False):
         super().__init__(reason)
         self.reason = reason
         self.cause = cause
         self.scope = scope
         self.pool_lost = pool_lost  # the pool cannot take further captures
-        self.pool_estimate = 0  # scope "budget": the bytes the bucket was estimated to need
+        self.pool_estimate = 0  # Scope.BUDGET: the bytes the bucket was estimated to need
 
 
 def tile_rows(x: Tensor, rows: int, size: int, batch_dim: int) -> Tensor:
@@ -121,7 +126,7 @@ def output_kinds(module, spec, roles, real, ref_real, ref_pad, size, seq, batch_
                                 "eagerly", e) from e
     kinds, seq_dims, problems = classify_outputs(ref_pad, size, other, n2, batch_dim, out_spec, seq, L2)
     if problems:
-        raise CaptureFailed(next(iter(problems.values())), scope="seq" if seq is not None else "key")
+        raise CaptureFailed(next(iter(problems.values())), scope=Scope.SEQ if seq is not None else Scope.KEY)
     whole = [i for i, (k, s) in enumerate(zip(kinds, seq_dims)) if k == WHOLE and not s]
     msg = compare_leaves([ref_pad[i] for i in whole], [other[i] for i in whole], CROSS_SHAPE_TOL,
                          names=lambda j: f"output {out_spec.describe(whole[j])}")
@@ -248,7 +253,7 @@ class Verifier:
             raise CaptureFailed(
                 f"at length {Lv} padded to {g.seq}, the real positions differ from eager at length {Lv} ({msg}); "
                 "the model does not ignore padded positions (no attention mask, or pooling over every position)",
-                scope="seq")
+                scope=Scope.SEQ)
 
     def _other_padding_rows(self, m, restore):
         g = self.g

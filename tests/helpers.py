@@ -247,12 +247,12 @@ class RecomputeRecorder:
 
     @staticmethod
     def check_budget(device, run, size, budget_left):
-        from graphwrap.checks import CaptureFailed
+        from graphwrap.checks import CaptureFailed, Scope
         from graphwrap.tree import flatten_outputs
 
         need = sum(o.numel() * o.element_size() for o in flatten_outputs(run())[0] if isinstance(o, torch.Tensor))
         if need > budget_left:
-            err = CaptureFailed(f"bucket {size} needs {need} bytes, {budget_left} are left", scope="budget")
+            err = CaptureFailed(f"bucket {size} needs {need} bytes, {budget_left} are left", scope=Scope.BUDGET)
             err.pool_estimate = need
             raise err
         return need

@@ -9,7 +9,7 @@ from helpers import MLP, HFOut, KVCache, NeedsAName, RecomputeRecorder, RowMixer
 from torch import nn
 
 from graphwrap.capture import Job, capture_bucket
-from graphwrap.checks import CaptureFailed, check_rebuild, shape_leaf, tile_rows
+from graphwrap.checks import CaptureFailed, Scope, check_rebuild, shape_leaf, tile_rows
 from graphwrap.tree import BATCHED, WHOLE, flatten_inputs, flatten_outputs
 
 
@@ -148,7 +148,7 @@ def test_a_model_that_does_not_ignore_padded_positions_is_refused_for_padding_on
     ids, mask = torch.randint(1, 20, (3, 5)), torch.ones(3, 5, dtype=torch.long)
     with pytest.raises(CaptureFailed, match="does not ignore padded positions") as e:
         _capture(Unmasked(), [ids, mask], 4, seq=16, roles=SEQ)
-    assert e.value.scope == "seq"
+    assert e.value.scope is Scope.SEQ
     got = _capture(Unmasked(), [ids, mask], 4, seq=5, roles=SEQ, pad_check=False)  # its exact length
     assert got.graph.static_inputs[0].shape == (4, 5)
 
@@ -160,7 +160,7 @@ def test_outputs_that_change_with_the_length_otherwise_are_refused_for_padding()
 
     with pytest.raises(CaptureFailed, match="or the sequence") as e:
         _capture(Flat(), [torch.randint(1, 9, (2, 6))], 4, seq=8, roles=((0, 1, 0),))
-    assert e.value.scope == "seq"
+    assert e.value.scope is Scope.SEQ
 
 
 def test_outputs_that_rebuild_pass_and_others_are_caught():
