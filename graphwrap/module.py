@@ -6,6 +6,7 @@ direct-call loop (:mod:`graphwrap.calls`).
 """
 
 import logging
+import threading
 import weakref
 from typing import Optional, Sequence
 
@@ -28,6 +29,20 @@ _GLOBAL_HOOKS = tuple(getattr(_nn_module, name) for name in (
     "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
     "_global_backward_hooks", "_global_forward_hooks_always_called") if hasattr(_nn_module, name))
 _module_call = nn.Module.__call__
+
+
+# One generate at a time per wrapped model, whichever GraphedModule runs it: its static caches
+# and the step generate calls are per model.
+_GENERATE_LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.Lock]" = weakref.WeakKeyDictionary()
+_GENERATE_LOCKS_LOCK = threading.Lock()
+
+
+def _generate_lock(module: nn.Module) -> threading.Lock:
+    with _GENERATE_LOCKS_LOCK:
+        lock = _GENERATE_LOCKS.get(module)
+        if lock is None:
+            lock = _GENERATE_LOCKS[module] = threading.Lock()
+        return lock
 
 
 class GraphedModule(nn.Module):
@@ -345,11 +360,16 @@ class GraphedModule(nn.Module):
         not used). A static cache is state the graphs write in place, keyed by the cache object,
         and fixes the batch: nothing is padded. With a cache that grows (``DynamicCache``, the
         default without ``cache_implementation="static"``) the steps run eagerly, and the reason
-        says to use a static cache. One ``generate`` at a time per model.
+        says to use a static cache. Calls from several threads take turns: one ``generate`` at a
+        time runs on a model (they would share its cache and its step).
         """
         module = self.module
         if not callable(getattr(module, "generate", None)):
             raise GraphwrapError(f"{type(module).__name__} has no generate(): it is not a Hugging Face generation model")
+        with _generate_lock(module):
+            return self._gw_generate(module, args, kwargs)
+
+    def _gw_generate(self, module, args, kwargs):
         engine = self.engine
 
         def step(**kw):

@@ -2,6 +2,8 @@
 by the cache object, never padded; gm.generate against model.generate; a growing cache eager
 with its reason. Needs transformers (skipped with the reason without it)."""
 
+import threading
+
 import pytest
 import torch
 from helpers import on_cpu_graphs, replays
@@ -248,3 +250,26 @@ def test_a_step_past_the_end_of_the_cache_raises_the_models_own_error():
             who(input_ids=torch.randint(1, 100, (1, 8)), past_key_values=cache, use_cache=True)
             with pytest.raises(IndexError, match="out of bounds"):
                 who(input_ids=torch.randint(1, 100, (1, 1)), past_key_values=cache, use_cache=True)
+
+
+def test_generate_from_several_threads_takes_turns_and_gives_each_its_tokens():
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    prompts = [torch.randint(1, 100, (2, 5 + i % 3)) for i in range(6)]
+    kw = dict(max_new_tokens=8, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        want = [model.generate(input_ids=p, **kw) for p in prompts]
+    got = [None] * len(prompts)
+
+    def run(i):
+        with torch.no_grad():
+            got[i] = gm.generate(input_ids=prompts[i], **kw)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert len(gm.__dict__["_gw_caches"]) == 1, "one cache for the batch size, used in turn"
