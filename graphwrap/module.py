@@ -10,6 +10,7 @@ import threading
 import weakref
 from typing import Optional, Sequence
 
+import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
@@ -366,7 +367,9 @@ class GraphedModule(nn.Module):
         module = self.module
         if not callable(getattr(module, "generate", None)):
             raise GraphwrapError(f"{type(module).__name__} has no generate(): it is not a Hugging Face generation model")
-        with _generate_lock(module):
+        # Outside torch.inference_mode, where the caller is in it: the static cache is allocated
+        # by the prompt's forward, and inference tensors could not be written by a capture.
+        with _generate_lock(module), torch.inference_mode(False):
             return self._gw_generate(module, args, kwargs)
 
     def _gw_generate(self, module, args, kwargs):

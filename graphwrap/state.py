@@ -82,6 +82,8 @@ def state_reason(obj) -> Optional[str]:
 
 
 NOT_STATE = "not state"
+INFERENCE_STATE = ("the state input's tensors were made under torch.inference_mode(): a capture cannot write "
+                   "them (it runs outside that mode); make the cache outside inference_mode (no_grad serves)")
 
 
 def state_tensors(obj, depth: int = 3) -> List[Tensor]:
@@ -124,11 +126,13 @@ class StateRef:
     memory and layout), so a cache whose tensors were allocated again is another key (no graph
     replays on memory it no longer owns; the key holds the object, so its memory lives on)."""
 
-    __slots__ = ("obj", "ident", "ptrs", "_hash")
+    __slots__ = ("obj", "ident", "ptrs", "inference", "_hash")
 
     def __init__(self, obj):
         self.obj = obj
-        self.ptrs = tuple(t.data_ptr() for t in state_tensors(obj))
+        tensors = state_tensors(obj)
+        self.ptrs = tuple(t.data_ptr() for t in tensors)
+        self.inference = any(t.is_inference() for t in tensors)  # made under torch.inference_mode
         # A tensor is the same state as another view of its memory with the same layout (a
         # caller may pass a fresh view each call); any other object only as itself.
         self.ident = (tuple(obj.shape), obj.stride(), obj.dtype, obj.device) if isinstance(obj, Tensor) else id(obj)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.utils._pytree as _pytree
 
-from .state import NOT_STATE, StateRef, state_reason
+from .state import INFERENCE_STATE, NOT_STATE, StateRef, state_reason
 from .errors import GraphwrapError
 
 Tensor = torch.Tensor
@@ -71,7 +71,10 @@ def _flatten(obj, leaves: List[Tensor], path: str):
         return _const_spec(obj)
     why = state_reason(obj)
     if why is None:  # state the forward writes in place (a static cache): used where it lives
-        return ("S", StateRef(obj))
+        ref = StateRef(obj)
+        if ref.inference:
+            raise UnsupportedInput(INFERENCE_STATE)
+        return ("S", ref)
     if why is not NOT_STATE:
         raise UnsupportedInput(why)
     raise UnsupportedInput(
@@ -124,6 +127,8 @@ def _declared_state(obj, path: str):
     ref = StateRef(obj)
     if not ref.ptrs:
         raise UnsupportedInput(f"input at {path} is named in state= but holds no tensor")
+    if ref.inference:
+        raise UnsupportedInput(INFERENCE_STATE)
     return ("S", ref)
 
 

@@ -273,3 +273,44 @@ def test_generate_from_several_threads_takes_turns_and_gives_each_its_tokens():
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     assert len(gm.__dict__["_gw_caches"]) == 1, "one cache for the batch size, used in turn"
+
+
+def test_generate_under_inference_mode_and_after_it():
+    """The prompt's forward allocates the static cache: graphwrap runs generate outside
+    inference_mode, so the cache is one its captures can write."""
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    ids = torch.randint(1, 100, (2, 6))
+    kw = dict(input_ids=ids, max_new_tokens=10, do_sample=False, cache_implementation="static")
+    with torch.inference_mode():
+        want = model.generate(**kw)
+        assert torch.equal(gm.generate(**kw), want)
+    assert torch.equal(gm.generate(**kw), want)
+    assert replays(gm) == 2 * 9 and gm.stats()["eager_calls"] == {}
+
+
+def test_a_cache_made_under_inference_mode_runs_eagerly_with_the_reason():
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    caches = [tr.StaticCache(config=model.config, max_cache_len=32) for _ in range(2)]
+    prompt = torch.randint(1, 100, (1, 4))
+    with torch.inference_mode():
+        for c in caches:
+            model(input_ids=prompt, past_key_values=c, use_cache=True)
+        for _ in range(3):
+            tok = torch.randint(1, 100, (1, 1))
+            got = gm(input_ids=tok, past_key_values=caches[0], use_cache=True)
+            assert torch.equal(got.logits, model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits)
+    (reason,) = gm.stats()["eager_calls"]
+    assert "inference_mode" in reason and replays(gm) == 0
+
+
+def test_generate_sees_weights_replaced_after_capture():
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    ids = torch.randint(1, 100, (1, 6))
+    kw = dict(input_ids=ids, max_new_tokens=10, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        gm.generate(**kw)
+        model.transformer.h[0].mlp.c_fc.weight = nn.Parameter(torch.randn_like(model.transformer.h[0].mlp.c_fc.weight))
+        assert torch.equal(gm.generate(**kw), model.generate(**kw))
