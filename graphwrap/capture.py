@@ -170,6 +170,7 @@ def _prepare(job: Job, recorder, info: dict) -> _Prepared:
         ref_real, spec_real = flatten_outputs(out)
         if job.state is not None:
             job.state.check_params()
+            job.state.check_host_state()
         job.restore()
         check_untouched(real, versions, job.describe)
         # A forward that writes state (found by that run) is captured at the call's own shape only:

@@ -74,6 +74,8 @@ def check_room(args, kwargs):
         return
     if getattr(cache, "is_compileable", False) is not True:
         return  # a cache that grows
+    if any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", None) or []):
+        return  # a sliding window keeps its last positions: it never runs out
     length = None
     for name in ("get_max_length", "get_max_cache_shape"):
         if callable(getattr(cache, name, None)):
@@ -175,7 +177,9 @@ def lean_inputs(model, inputs: dict, model_kwargs: dict) -> Optional[dict]:
     ``prepare_inputs_for_generation`` turns the 2D mask into a 4D mask over the whole static
     cache each step, on the host. Given the 2D mask extended with ones to the cache's length
     instead, the model's forward builds that same mask itself, inside the graph: each step then
-    changes the new tokens and, where the model takes them, positions one further."""
+    changes the new tokens and, where the model takes them, positions one further. Only for a
+    cache of full-attention layers whose 4D mask spans it whole: a sliding window reads the 2D
+    mask of the whole sequence at an offset of its own."""
     if hasattr(model, "create_masks_for_generate") or not set(inputs) <= LEAN_KEYS:
         return None  # masks of the model's own for generate, or inputs the loop does not know
     mask, mask2d = inputs.get("attention_mask"), model_kwargs.get("attention_mask")
@@ -184,6 +188,16 @@ def lean_inputs(model, inputs: dict, model_kwargs: dict) -> Optional[dict]:
             or mask2d.dim() != 2 or mask.shape[-1] < mask2d.shape[-1] or ids is None or ids.shape[-1] != 1
             or (pos is not None and pos.shape[-1] != 1)):
         return None
+    cache = inputs.get("past_key_values")
+    layers = getattr(cache, "layers", None) or []
+    if not layers or any(getattr(layer, "is_sliding", True) for layer in layers):
+        return None  # a sliding window reads the 2D mask of the whole sequence at its own offset
+    try:
+        whole = cache.get_max_length()
+    except Exception:  # noqa: BLE001 - a cache whose length cannot be told keeps the model's preparation
+        return None
+    if whole != mask.shape[-1]:
+        return None  # the 4D mask does not span the whole cache
     rows, length = mask2d.shape
     lean = dict(inputs)
     lean["attention_mask"] = torch.cat([mask2d, mask2d.new_ones(rows, mask.shape[-1] - length)], dim=1)

@@ -378,8 +378,8 @@ class GraphedModule(nn.Module):
         def step(**kw):
             return call(engine, (), kw)
 
+        decode.check_room(args, kwargs)  # a cache the caller passes (graphwrap sizes its own)
         kwargs = self._gw_static_cache(module, args, kwargs)
-        decode.check_room(args, kwargs)
         why = decode.unsupported(module) or decode.request_unsupported(kwargs)
         if why is None and not any(kwargs.get("past_key_values") is c for c in self.__dict__.get("_gw_caches", {}).values()):
             why = "the cache is not graphwrap's own (it comes with cache_implementation=\"static\" and no past_key_values)"

@@ -19,12 +19,15 @@ Tensor = torch.Tensor
 class Saved:
     """The module's buffers as they were when a capture began."""
 
-    __slots__ = ("items", "params", "written")
+    __slots__ = ("items", "params", "written", "host", "host_written")
 
     def __init__(self, module: torch.nn.Module, states=()):
         named = list(module.named_buffers())
+        self.host = []  # (holder, attribute, value): the numbers a state input keeps in Python
         for i, ref in enumerate(states):  # state inputs: a static cache's tensors
             named += [(f"{type(ref.obj).__name__}[{j}]", t) for j, t in enumerate(state_tensors(ref.obj))]
+            self.host += state_numbers(ref.obj)
+        self.host_written: Set[str] = set()
         with torch.inference_mode(False), torch.no_grad():
             # Inference tensors keep no version counter and cannot be written outside that mode.
             self.items: List[Tuple[str, Tensor, int, Tensor]] = [
@@ -42,6 +45,23 @@ class Saved:
                     t.copy_(saved)
                 self.written.add(name)
                 self.items[i] = (name, t, t._version, saved)
+        for holder, attr, value in self.host:
+            now = getattr(holder, attr, value)
+            if now is not value and now != value:
+                self.host_written.add(f"{type(holder).__name__}.{attr}")
+                setattr(holder, attr, value)
+
+    def check_host_state(self):
+        """Raise CaptureFailed if the forward changed numbers a state input keeps in Python (a
+        sliding-window cache's position as an int): a graph would replay them frozen, so such
+        calls run eagerly. Call after a run, before :meth:`restore` puts them back."""
+        from .checks import CaptureFailed
+
+        changed = sorted({f"{type(h).__name__}.{a}" for h, a, v in self.host
+                          if getattr(h, a, v) is not v and getattr(h, a, v) != v} | self.host_written)
+        if changed:
+            raise CaptureFailed(f"the forward changes numbers its state keeps in Python ({', '.join(changed[:3])}): a "
+                                "graph would replay them frozen, so these calls run eagerly")
 
     def check_params(self):
         """Raise CaptureFailed if the forward wrote into its parameters (they are not copied, so
@@ -118,6 +138,18 @@ def state_tensors(obj, depth: int = 3) -> List[Tensor]:
 
     walk(obj, depth)
     return out
+
+
+_NUMBERS = (int, float, bool, str, type(None))
+
+
+def state_numbers(obj) -> List[tuple]:
+    """``(holder, attribute, value)`` for the plain numbers (and strings, None) a state input
+    and its layers keep as attributes: what a forward could change on the host, out of a
+    graph's sight."""
+    holders = [obj] + [x for x in (getattr(obj, "layers", None) or []) if hasattr(x, "__dict__")]
+    return [(h, a, v) for h in holders if hasattr(h, "__dict__") and not isinstance(h, Tensor)
+            for a, v in vars(h).items() if isinstance(v, _NUMBERS)]
 
 
 class StateRef:

@@ -314,3 +314,31 @@ def test_generate_sees_weights_replaced_after_capture():
         gm.generate(**kw)
         model.transformer.h[0].mlp.c_fc.weight = nn.Parameter(torch.randn_like(model.transformer.h[0].mlp.c_fc.weight))
         assert torch.equal(gm.generate(**kw), model.generate(**kw))
+
+
+def _sliding(kind):
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=100, sliding_window=8, pad_token_id=0)
+    if kind == "mistral":
+        return tr.MistralForCausalLM(tr.MistralConfig(**small))
+    return tr.Gemma2ForCausalLM(tr.Gemma2Config(head_dim=16, **small))
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_a_sliding_window_cache_that_keeps_its_position_in_python_runs_eagerly(kind):
+    """A sliding-window layer counts its position in a Python int as well: a graph would replay
+    that number frozen (generate gave other tokens from the third step on). Such steps run
+    eagerly, with the reason, and give generate's tokens."""
+    if not hasattr(tr, "MistralForCausalLM") or not hasattr(tr, "Gemma2ForCausalLM"):
+        pytest.skip("this transformers has no Mistral or Gemma2")
+    torch.manual_seed(0)
+    model = _sliding(kind).eval()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    ids = torch.randint(1, 100, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        assert torch.equal(gm.generate(**kw), model.generate(**kw))
+    (reason,) = gm.stats()["eager_calls"]
+    assert "cumulative_length_int" in reason and "frozen" in reason and replays(gm) == 0
