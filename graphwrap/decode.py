@@ -29,7 +29,7 @@ POLL_EVERY = 8
 # generate() keywords that the loop does not serve: transformers' own loop runs these requests.
 NOT_SERVED = ("streamer", "assistant_model", "synced_gpus", "custom_generate", "prompt_lookup_num_tokens",
               "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
-              "output_hidden_states", "prefill_chunk_size", "inputs_embeds")
+              "output_hidden_states", "prefill_chunk_size", "inputs_embeds", "tokenizer", "stop_strings")
 
 
 def unsupported(module) -> Optional[str]:
@@ -60,6 +60,8 @@ def request_unsupported(kwargs) -> Optional[str]:
             return f"{name}= is given"
     if kwargs.get("num_beams", 1) not in (None, 1) or kwargs.get("num_return_sequences", 1) not in (None, 1):
         return "beam search or several sequences per prompt"
+    if kwargs.get("use_cache") is False:
+        return "use_cache=False"
     return None
 
 

@@ -391,7 +391,9 @@ class GraphedModule(nn.Module):
         d = module.__dict__
         before = {k: d[k] for k in ("get_compiled_call", "_valid_auto_compile_criteria") if k in d}
         d["get_compiled_call"] = lambda *_a, **_k: step
-        d["_valid_auto_compile_criteria"] = lambda *_a, **_k: True
+        # Every step with a cache goes to graphwrap (a growing one runs eagerly there, with the
+        # reason); without a cache (use_cache=False) the model runs as generate runs it.
+        d["_valid_auto_compile_criteria"] = lambda model_kwargs, *_a, **_k: model_kwargs.get("past_key_values") is not None
         try:
             return module.generate(*args, **kwargs)
         finally:
@@ -406,6 +408,7 @@ class GraphedModule(nn.Module):
         (any prompt length that fits) replays the graphs the first one captured."""
         ids = kwargs.get("input_ids", args[0] if args else None)
         if (kwargs.get("cache_implementation") != "static" or kwargs.get("past_key_values") is not None
+                or kwargs.get("use_cache") is False
                 or not isinstance(ids, Tensor) or ids.dim() != 2 or not isinstance(kwargs.get("max_new_tokens"), int)
                 or kwargs.get("num_beams", 1) != 1 or kwargs.get("num_return_sequences", 1) != 1):
             return kwargs

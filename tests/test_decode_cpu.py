@@ -342,3 +342,20 @@ def test_a_sliding_window_cache_that_keeps_its_position_in_python_runs_eagerly(k
         assert torch.equal(gm.generate(**kw), model.generate(**kw))
     (reason,) = gm.stats()["eager_calls"]
     assert "cumulative_length_int" in reason and "frozen" in reason and replays(gm) == 0
+
+
+@pytest.mark.parametrize("extra", [dict(use_cache=False), dict(repetition_penalty=1.3, min_new_tokens=4),
+                                   dict(max_length=14, max_new_tokens=None)],
+                         ids=["no cache", "processors", "max_length"])
+def test_other_generate_arguments_give_the_models_tokens(extra):
+    """Logits processors run as generate runs them; without a cache the model runs as generate
+    runs it (no cache of graphwrap's is made); a max_length in place of max_new_tokens."""
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    kw = dict(input_ids=torch.randint(1, 100, (2, 6)), max_new_tokens=8, do_sample=False,
+              cache_implementation="static")
+    kw.update(extra)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    with torch.no_grad():
+        assert torch.equal(gm.generate(**kw), model.generate(**kw))
+    assert ("use_cache" in extra) == (replays(gm) == 0)
