@@ -180,3 +180,35 @@ def test_a_cache_on_another_device_raises_the_models_own_error():
         left.append([int(layer.cumulative_length) for layer in cache.layers])
     assert left[0] == left[1]
     torch.cuda.synchronize()
+
+
+def test_generate_under_inference_mode_on_the_gpu():
+    model = _gpt2()
+    gm = GraphedModule(model)
+    ids = torch.randint(2, 1000, (2, 10), device=DEV)
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+              cache_implementation="static")
+    with torch.no_grad():
+        out = model.generate(**kw, disable_compile=True, output_logits=True, return_dict_in_generate=True)
+    with torch.inference_mode():
+        got = gm.generate(**kw)
+    assert _same_or_tied(got, out.sequences, out.logits, 10)
+    assert gm.stats()["eager_calls"] == {} and replays(gm) >= 10
+
+
+def test_a_sliding_window_cache_runs_eagerly_on_the_gpu_with_generates_tokens():
+    if not hasattr(tr, "MistralForCausalLM"):
+        pytest.skip("this transformers has no Mistral")
+    torch.manual_seed(0)
+    cfg = tr.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=100, sliding_window=8, pad_token_id=0)
+    model = tr.MistralForCausalLM(cfg).to(DEV).eval()
+    gm = GraphedModule(model)
+    ids = torch.randint(1, 100, (2, 6), device=DEV)
+    kw = dict(input_ids=ids, max_new_tokens=20, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        out = model.generate(**kw, disable_compile=True, output_logits=True, return_dict_in_generate=True)
+        got = gm.generate(**kw)
+    assert _same_or_tied(got, out.sequences, out.logits, 6)
+    (reason,) = gm.stats()["eager_calls"]
+    assert "cumulative_length_int" in reason and replays(gm) == 0
