@@ -2,15 +2,16 @@
 replay graphs, with no wait on the GPU between steps.
 
 ``generate`` prepares everything as it always does (the generation config, the logits
-processors and stopping criteria, the cache, the prompt's inputs) and hands the loop to
-:func:`decode_loop`, through its public ``custom_generate`` hook. The loop runs the prompt's
+processors and stopping criteria, the cache, the prompt's inputs) and hands the loop that
+:func:`make_decode_loop` makes to its public ``custom_generate`` hook. The loop runs the prompt's
 forward eagerly (its length changes every call, and padding it would write padded positions
-into the cache), then every step through graphwrap's engine, with the model's own inputs
-(``prepare_inputs_for_generation``), processors and criteria. Where transformers' loop reads
-"are all rows finished?" back from the GPU after every step, this one queues steps ahead and
-reads that flag a few steps late, without waiting: steps queued after the last row finished
-are dropped (their tokens cut off, the random generator put back where it stood), so the
-tokens and their count are ``generate``'s own.
+into the cache), then every step through graphwrap's engine: the step's inputs are the model's
+own (``prepare_inputs_for_generation``), kept from step to step where the cache allows it
+(:func:`lean_inputs`), and the processors and criteria are ``generate``'s. Where transformers'
+loop reads "are all rows finished?" back from the GPU after every step, this one queues steps
+ahead and reads that flag a few steps late, without waiting: steps queued after the last row
+finished are dropped (their tokens cut off, the random generator put back where it stood), so
+the tokens and their count are ``generate``'s own.
 
 Requests the loop does not serve (beams, streamers, returned scores, an assistant) are run by
 transformers' own loop, each step still handed to graphwrap (:meth:`GraphedModule.generate`).
