@@ -403,7 +403,7 @@ class GraphedModule(nn.Module):
 
     def _gw_static_cache(self, module, args, kwargs) -> dict:
         """With ``cache_implementation="static"`` and no cache given: one static cache of this
-        GraphedModule's own per batch size, dtype and device, sized to a multiple of 64
+        GraphedModule's own per batch size, device and the model's dtype, sized to a multiple of 64
         positions and reset before each ``generate``, so every later ``generate`` of that batch
         (any prompt length that fits) replays the graphs the first one captured."""
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -419,9 +419,11 @@ class GraphedModule(nn.Module):
         need = ids.shape[1] + kwargs["max_new_tokens"]
         size = -(-need // 64) * 64
         caches = self.__dict__.setdefault("_gw_caches", {})
-        key = (ids.shape[0], size, ids.device)
+        key = (ids.shape[0], size, ids.device, getattr(module, "dtype", None))
         cache = caches.get(key)
         if cache is None:
+            for old in [k for k in caches if (k[0], k[2]) == (key[0], key[2]) and k[3] != key[3]]:
+                del caches[old]  # the model's dtype changed: a cache of the old one is no use
             cache = caches[key] = StaticCache(config=module.config, max_cache_len=size)
         else:
             cache.reset()

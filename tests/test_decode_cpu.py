@@ -359,3 +359,16 @@ def test_other_generate_arguments_give_the_models_tokens(extra):
     with torch.no_grad():
         assert torch.equal(gm.generate(**kw), model.generate(**kw))
     assert ("use_cache" in extra) == (replays(gm) == 0)
+
+
+def test_generate_after_the_model_changes_dtype_uses_a_cache_of_the_new_one():
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    kw = dict(input_ids=torch.randint(1, 100, (2, 6)), max_new_tokens=8, do_sample=False,
+              cache_implementation="static")
+    with torch.no_grad():
+        gm.generate(**kw)
+        model.to(torch.bfloat16)
+        assert torch.equal(gm.generate(**kw), model.generate(**kw))
+    (cache,) = gm.__dict__["_gw_caches"].values()
+    assert cache.layers[0].keys.dtype == torch.bfloat16
