@@ -212,3 +212,19 @@ def test_a_sliding_window_cache_runs_eagerly_on_the_gpu_with_generates_tokens():
     assert _same_or_tied(got, out.sequences, out.logits, 6)
     (reason,) = gm.stats()["eager_calls"]
     assert "cumulative_length_int" in reason and replays(gm) == 0
+
+
+def test_generate_after_half_uses_a_cache_of_the_new_dtype():
+    model = _gpt2()
+    gm = GraphedModule(model)
+    ids = torch.randint(2, 1000, (2, 10), device=DEV)
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+              cache_implementation="static")
+    with torch.no_grad():
+        gm.generate(**kw)
+        model.half()
+        out = model.generate(**kw, disable_compile=True, output_logits=True, return_dict_in_generate=True)
+        got = gm.generate(**kw)
+    assert _same_or_tied(got, out.sequences, out.logits, 10)
+    (cache,) = gm.__dict__["_gw_caches"].values()
+    assert cache.layers[0].keys.dtype == torch.float16
