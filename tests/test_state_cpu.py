@@ -283,3 +283,29 @@ def test_a_state_input_without_tensors_runs_eagerly_with_the_reason():
         assert torch.equal(gm(x, 2.0), x * 2.0)
     (reason,) = gm.stats()["eager_calls"]
     assert "named in state= but holds no tensor" in reason
+
+
+def test_state_inputs_under_inference_mode_and_after_the_weights_change():
+    """A cache tensor made under inference_mode cannot be written by a capture: eager, with the
+    reason; one made outside it is graphed in calls under inference_mode, and new weights are
+    seen at the next call."""
+    torch.manual_seed(0)
+    model = TensorCache().eval()
+    gm = on_cpu_graphs(GraphedModule(model, state=["cache"], batch_dim={"pos": None}, eager_if_faster=False))
+    with torch.inference_mode():
+        made_inside = torch.zeros(2, 16, 8)
+        gm(torch.randn(2, 1, 8), made_inside, torch.tensor([0]))
+    (reason,) = gm.stats()["eager_calls"]
+    assert "inference_mode" in reason
+    mine, ref = torch.zeros(2, 16, 8), torch.zeros(2, 16, 8)
+    for p in range(6):
+        if p == 3:
+            with torch.no_grad():
+                model.kv.weight.mul_(2.0)
+        x, pos = torch.randn(2, 1, 8), torch.tensor([p])
+        with torch.inference_mode():
+            got = gm(x, mine, pos)
+            want = model(x, ref, pos)
+        assert_same(got, want)
+        assert torch.equal(mine, ref), p
+    assert replays(gm) >= 3
