@@ -10,7 +10,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from .records import Bucket, Graph, Key
+from .records import Bucket, Graph, Key, tally
 
 Tensor = torch.Tensor
 # (stream id, device index, device type) of the current stream, without building a Stream.
@@ -152,6 +152,11 @@ class Plan:
         return [o.clone() if t else o for o, t in zip(self.outputs, self.is_tensor)]
 
 
+def plan_tally(plan) -> list:
+    """The counts (``records.COUNTS``) of the calls a plan has served."""
+    return tally(plan.bucket, plan.calls, plan.n, plan.L, plan.eager, plan.reason is None)
+
+
 def fold(engine, ks: Key, b: Optional[Bucket]):
     """Drop the plans of bucket ``b`` (every plan of ``ks`` if None), their counts kept in
     their buckets; plans are made again on the next calls. The caller holds the lock."""
@@ -160,15 +165,7 @@ def fold(engine, ks: Key, b: Optional[Bucket]):
             continue
         pb = plan.bucket
         if plan.calls and pb.size:
-            if plan.eager:
-                pb.eager_calls += plan.calls
-            else:
-                pb.replays += plan.calls
-                pb.rows += plan.calls * plan.n
-                pb.padded_rows += plan.calls * (pb.size - plan.n)
-                if plan.L is not None:
-                    pb.tokens += plan.calls * plan.n * plan.L
-                    pb.padded_tokens += plan.calls * (pb.size * pb.seq - plan.n * plan.L)
+            pb.absorb(plan_tally(plan))
         del ks.plans[key]
     for shape, plan in list(engine.fast.items()):
         if plan.key is ks and (b is None or plan.bucket is b):

@@ -158,12 +158,31 @@ class Bucket:
 
     def count(self, n: int, L: Optional[int]):
         """One replay of ``n`` real rows (and length ``L``) by a loop that holds a leased graph."""
-        self.replays += 1
-        self.rows += n
-        self.padded_rows += self.size - n
-        if L is not None:
-            self.tokens += n * L
-            self.padded_tokens += self.size * self.seq - n * L
+        self.absorb(tally(self, 1, n, L, eager=False, chosen=False))
+
+    def absorb(self, c):
+        """Add counts in the order of :data:`COUNTS` to this bucket's (a leased loop's replay
+        calls this: plain additions, no loop over names)."""
+        self.replays += c[0]
+        self.rows += c[1]
+        self.padded_rows += c[2]
+        self.tokens += c[3]
+        self.padded_tokens += c[4]
+        self.eager_calls += c[5]
+
+
+# What a bucket counts, in this order (stats, folded plans and leased loops add up the same way).
+COUNTS = ("replays", "rows", "padded_rows", "tokens", "padded_tokens", "eager_calls")
+
+
+def tally(b: "Bucket", calls: int, n: int, L: Optional[int], eager: bool, chosen: bool) -> list:
+    """The counts (:data:`COUNTS`) of ``calls`` calls of ``n`` rows and length ``L`` served by
+    bucket ``b``: replays with their padding, or eager calls (whose rows count as served rows
+    where eager was chosen as faster)."""
+    if eager:
+        return [0, calls * n if chosen else 0, 0, 0, 0, calls]
+    padded_tokens = calls * (b.size * b.seq - n * L) if L is not None else 0
+    return [calls, calls * n, calls * (b.size - n), calls * n * L if L is not None else 0, padded_tokens, 0]
 
 
 @dataclass(slots=True, eq=False)

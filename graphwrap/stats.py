@@ -2,7 +2,8 @@
 
 from typing import Optional
 
-from .records import Bucket, Key, Serves
+from .plans import plan_tally
+from .records import COUNTS, Bucket, Key, Serves
 
 
 def _name(b: Bucket):
@@ -12,24 +13,11 @@ def _name(b: Bucket):
 def counts_of(ks: Key) -> dict:
     """Per bucket: replays, rows, padded rows, tokens, padded tokens, eager calls; the bucket's
     own counts (leased graphs, folded plans) plus those of its plans."""
-    counts = {id(b): [b.replays, b.rows, b.padded_rows, b.tokens, b.padded_tokens, b.eager_calls]
-              for b in ks.buckets.values()}
+    counts = {id(b): [getattr(b, name) for name in COUNTS] for b in ks.buckets.values()}
     for plan in ks.plans.values():
         c = counts.get(id(plan.bucket))
-        if c is None or not plan.calls:
-            continue
-        if plan.eager:
-            c[5] += plan.calls
-            if plan.reason is None:  # eager by choice: its rows are served rows all the same
-                c[1] += plan.calls * plan.n
-            continue
-        b = plan.bucket
-        c[0] += plan.calls
-        c[1] += plan.calls * plan.n
-        c[2] += plan.calls * (b.size - plan.n)
-        if plan.L is not None:
-            c[3] += plan.calls * plan.n * plan.L
-            c[4] += plan.calls * (b.size * b.seq - plan.n * plan.L)
+        if c is not None and plan.calls:
+            c[:] = [x + y for x, y in zip(c, plan_tally(plan))]
     return counts
 
 
