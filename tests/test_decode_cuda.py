@@ -20,6 +20,13 @@ def _gpt2():
     return tr.GPT2LMHeadModel(cfg).to(DEV).eval()
 
 
+def _greedy_request(batch=2, prompt=10, new=12):
+    """generate's keywords for greedy decoding of random prompts with graphwrap's static cache."""
+    ids = torch.randint(2, 1000, (batch, prompt), device=DEV)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                cache_implementation="static")
+
+
 def _same_or_tied(got, want, scores, prompt, tol=1e-3):
     """Tokens equal, or where they first differ, eager's two best logits were within ``tol``
     (random weights make near ties, and a graph's kernels may round differently)."""
@@ -103,9 +110,7 @@ def test_compile_true_puts_compiled_kernels_in_the_decode_graphs():
     the calls that write the cache)."""
     model = _gpt2()
     gm = GraphedModule(model, compile=True)
-    ids = torch.randint(2, 1000, (2, 10), device=DEV)
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-              cache_implementation="static")
+    kw = _greedy_request()
     with torch.no_grad():
         out = model.generate(**kw, disable_compile=True, output_logits=True, return_dict_in_generate=True)
         for _ in range(3):  # past the calls that make a bucket worth tuning
@@ -185,9 +190,7 @@ def test_a_cache_on_another_device_raises_the_models_own_error():
 def test_generate_under_inference_mode_on_the_gpu():
     model = _gpt2()
     gm = GraphedModule(model)
-    ids = torch.randint(2, 1000, (2, 10), device=DEV)
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-              cache_implementation="static")
+    kw = _greedy_request()
     with torch.no_grad():
         out = model.generate(**kw, disable_compile=True, output_logits=True, return_dict_in_generate=True)
     with torch.inference_mode():
@@ -217,9 +220,7 @@ def test_a_sliding_window_cache_runs_eagerly_on_the_gpu_with_generates_tokens():
 def test_generate_after_half_uses_a_cache_of_the_new_dtype():
     model = _gpt2()
     gm = GraphedModule(model)
-    ids = torch.randint(2, 1000, (2, 10), device=DEV)
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-              cache_implementation="static")
+    kw = _greedy_request()
     with torch.no_grad():
         gm.generate(**kw)
         model.half()
