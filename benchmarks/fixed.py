@@ -4,7 +4,7 @@ import copy
 
 import torch
 
-import graphwrap.pipeline as gw_pipeline
+import graphwrap.loops.pipeline as gw_pipeline
 from graphwrap import GraphedModule
 from harness import Case
 from workloads import (SeedMLP, copy_floor, d2h_floor, double_buffered_loop, graph_loop, replay_floor,
@@ -36,7 +36,7 @@ def _make_graphed(model, cpu_data, device):
 
 
 def _pipeline_with(gm, cpu_data, to_host=False, **settings):
-    """The pipeline with some of graphwrap.pipeline's size thresholds changed, for comparison."""
+    """The pipeline with some of graphwrap.loops.pipeline's size thresholds changed, for comparison."""
     def loop():
         old = {k: getattr(gw_pipeline, k) for k in settings}
         for k, v in settings.items():

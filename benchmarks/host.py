@@ -10,8 +10,8 @@ import time
 
 import torch
 
-import graphwrap.engine as engine_mod
-import graphwrap.plans as plans_mod
+import graphwrap.core.engine as engine_mod
+import graphwrap.core.plans as plans_mod
 import graphwrap.module as module_mod
 from graphwrap import GraphedModule
 from workloads import SeedMLP

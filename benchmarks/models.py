@@ -2,7 +2,8 @@
 
 import torch
 
-from graphwrap import GraphedModule, tuning
+from graphwrap import GraphedModule
+from graphwrap.capture import tuning
 from harness import Case
 
 PEER = "torch.compile reduce-overhead"

@@ -6,8 +6,8 @@ Imports on machines without CUDA; there every call runs the module eagerly.
 
 __version__ = "0.2.0"
 
-from .batcher import Batcher
-from .buckets import (
+from .loops.batcher import Batcher
+from .core.buckets import (
     Adaptive,
     BucketTable,
     default_buckets,
@@ -15,12 +15,12 @@ from .buckets import (
     fit_buckets,
     padded_rows,
 )
-from .compiled import load_cache as load_compile_cache
-from .compiled import save_cache as save_compile_cache
+from .capture.compiled import load_cache as load_compile_cache
+from .capture.compiled import save_cache as save_compile_cache
 from .errors import GraphwrapError
 from .module import GraphedModule
-from .pipeline import Inputs
-from .replicas import Replicas
+from .loops.pipeline import Inputs
+from .serve.replicas import Replicas
 
 __all__ = [
     "GraphedModule", "Batcher", "Replicas", "GraphwrapError", "Inputs", "save_compile_cache", "load_compile_cache",

@@ -1,8 +1,8 @@
 """GraphedModule: the nn.Module face of graphwrap's engine.
 
 It behaves as the wrapped module does (attributes, ``state_dict``, ``.to``, ``train``, nesting
-in a parent module) and hands every call to the engine (:mod:`graphwrap.engine`) through the
-direct-call loop (:mod:`graphwrap.calls`).
+in a parent module) and hands every call to the engine (:mod:`graphwrap.core.engine`) through the
+direct-call loop (:mod:`graphwrap.loops.calls`).
 """
 
 import logging
@@ -14,13 +14,13 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-from . import decode
-from .calls import call, call_general
-from .engine import Engine, Tensor
+from .loops import decode
+from .loops.calls import call, call_general
+from .core.engine import Engine, Tensor
 from .errors import GraphwrapError
 from .options import Options
-from .plans import STALE
-from .records import release_store
+from .core.plans import STALE
+from .core.records import release_store
 
 logger = logging.getLogger("graphwrap")
 
@@ -458,10 +458,10 @@ class GraphedModule(nn.Module):
         serves the ones it holds.
         """
         if coalesce:
-            from .coalesce import run_coalesced
+            from .loops.coalesce import run_coalesced
 
             return run_coalesced(self.engine, batches, to_host=to_host)
-        from .pipeline import run_pipeline
+        from .loops.pipeline import run_pipeline
 
         return run_pipeline(self.engine, batches, to_host=to_host)
 

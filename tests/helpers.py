@@ -224,7 +224,7 @@ class RecomputeGraph:
         self.run, self.static_out = run, static_out
 
     def replay(self):
-        from graphwrap.tree import flatten_outputs
+        from graphwrap.core.tree import flatten_outputs
 
         with torch.no_grad():
             outs, _ = flatten_outputs(self.run())
@@ -234,7 +234,7 @@ class RecomputeGraph:
 
 
 class RecomputeRecorder:
-    """The recorder of graphwrap.capture, for the CPU: nothing to lock, no streams."""
+    """The recorder of graphwrap.capture.recording, for the CPU: nothing to lock, no streams."""
 
     def __init__(self):
         import contextlib
@@ -247,8 +247,8 @@ class RecomputeRecorder:
 
     @staticmethod
     def check_budget(device, run, size, budget_left):
-        from graphwrap.checks import CaptureFailed, Scope
-        from graphwrap.tree import flatten_outputs
+        from graphwrap.capture.checks import CaptureFailed, Scope
+        from graphwrap.core.tree import flatten_outputs
 
         need = sum(o.numel() * o.element_size() for o in flatten_outputs(run())[0] if isinstance(o, torch.Tensor))
         if need > budget_left:
@@ -258,7 +258,7 @@ class RecomputeRecorder:
         return need
 
     def record(self, device, pool, run, draws, size):
-        from graphwrap.tree import flatten_outputs
+        from graphwrap.core.tree import flatten_outputs
 
         self.records += 1
         out = run()
@@ -301,10 +301,10 @@ class CpuBackend:
     @staticmethod
     def slot_maker(device, pool, run, draws, kinds):
         """Slots whose fill runs the forward and writes its outputs into the slot, as on a GPU."""
-        from graphwrap.tree import CONST, flatten_outputs
+        from graphwrap.core.tree import CONST, flatten_outputs
 
         def make_fill(bases, warm=True):
-            from graphwrap.streams import CAPTURE_LOCK
+            from graphwrap.capture.cuda import CAPTURE_LOCK
 
             with CAPTURE_LOCK:  # a slot's fill is a capture on a GPU: one at a time in the process
                 pass

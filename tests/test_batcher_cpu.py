@@ -9,8 +9,8 @@ from helpers import MLP, MultiIO, Out, RowMixer, assert_same, eager_answer, run_
 from torch import nn
 
 from graphwrap import Batcher, GraphedModule, GraphwrapError
-from graphwrap.joining import join_verdict, split_outputs
-from graphwrap.tree import BATCHED, CONST, WHOLE, flatten_outputs
+from graphwrap.loops.joins import join_verdict, split_outputs
+from graphwrap.core.tree import BATCHED, CONST, WHOLE, flatten_outputs
 
 TOL = 1e-5
 
@@ -253,7 +253,7 @@ def test_join_verdict_and_split_with_lengths():
 
 
 def test_plan_groups_by_length_and_cost():
-    from graphwrap.joining import plan_groups
+    from graphwrap.loops.joins import plan_groups
 
     bucket = lambda L: 16 if L <= 16 else 64  # noqa: E731
     max_rows = lambda S: 8  # noqa: E731

@@ -8,7 +8,8 @@ import torch
 from helpers import MLP, assert_same, check_bert, eager_answer, num_graphs, small_bert
 
 import graphwrap
-from graphwrap import GraphedModule, GraphwrapError, tuning
+from graphwrap import GraphedModule, GraphwrapError
+from graphwrap.capture import tuning
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -266,8 +267,8 @@ def test_saved_compile_cache_loads_in_a_fresh_process(tmp_path):
     import subprocess
     import sys
 
-    if graphwrap.compiled.cache_unavailable_reason() is not None:
-        pytest.skip(graphwrap.compiled.cache_unavailable_reason())
+    if graphwrap.capture.compiled.cache_unavailable_reason() is not None:
+        pytest.skip(graphwrap.capture.compiled.cache_unavailable_reason())
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = (
         "import sys, time, torch\n"

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import MLP
 
-from graphwrap.compiled import CompiledForward, compile_options
+from graphwrap.capture.compiled import CompiledForward, compile_options
 
 dynamo_config = pytest.importorskip("torch._dynamo.config")
 LIMIT = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
@@ -64,7 +64,7 @@ def test_batch_dynamic_compiles_once_for_every_size_of_two_rows_or_more():
 
 
 def test_compile_options_dynamic_and_cache_are_checked(tmp_path, monkeypatch):
-    import graphwrap.compiled as compiled
+    import graphwrap.capture.compiled as compiled
     from graphwrap import GraphwrapError
 
     assert compile_options(True)["dynamic"] == "batch" and compile_options(True)["cache"] is None

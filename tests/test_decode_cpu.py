@@ -10,7 +10,7 @@ from helpers import on_cpu_graphs, replays
 from torch import nn
 
 from graphwrap import GraphedModule, GraphwrapError
-from graphwrap.state import (
+from graphwrap.core.state import (
     DYNAMIC_CACHE,
     NOT_ALLOCATED,
     NOT_STATE,

@@ -102,12 +102,12 @@ def _capture_while_drawing(buckets):
 
 
 def test_random_numbers_in_another_thread_while_buckets_are_captured(monkeypatch):
-    import graphwrap.streams
+    import graphwrap.capture.cuda
     from graphwrap._compat import PER_CAPTURE_RNG
 
     buckets = list(range(1, 25))
     kept_apart = _capture_while_drawing(buckets)
-    monkeypatch.setattr(graphwrap.streams, "_GRAPHSAFE", False)  # as PyTorch captures
+    monkeypatch.setattr(graphwrap.capture.cuda, "_GRAPHSAFE", False)  # as PyTorch captures
     plain = _capture_while_drawing(buckets)
     print(f"\ndraws from another thread during {len(buckets)} captures (and their slots): failed "
           f"{kept_apart.failed} of {kept_apart.draws} with the generator kept apart, {plain.failed} of "

@@ -11,7 +11,7 @@ from serve_models import NoNaN
 from torch import nn
 
 from graphwrap import GraphedModule, GraphwrapError
-from graphwrap.records import Serves
+from graphwrap.core.records import Serves
 
 
 def _gm(model, **kw):
@@ -253,7 +253,7 @@ def test_the_memory_budget_drops_the_least_used_graphs_and_captures_them_again()
 
 def test_a_detached_store_holds_no_device():
     """After reset() (the module moved to another GPU, say), the next key sets the device anew."""
-    from graphwrap.records import Store
+    from graphwrap.core.records import Store
 
     store = Store(lambda d: None)
     store.device, store.pool = torch.device("cuda", 0), object()

@@ -6,7 +6,7 @@ import torch
 from helpers import MLP, assert_same, eager_answer
 from torch import nn
 
-import graphwrap.capturing
+import graphwrap.capture.capturer
 from graphwrap import GraphedModule
 
 pytestmark = pytest.mark.cuda
@@ -64,8 +64,8 @@ def test_owned_outputs_stay_intact_across_many_later_calls():
 
 def _eager_wins(engine, ks, b):
     """The race, as if eager had taken half the graph's time."""
-    from graphwrap.plans import fold
-    from graphwrap.records import Serves
+    from graphwrap.core.plans import fold
+    from graphwrap.core.records import Serves
 
     with engine.lock:
         b.graph_us, b.eager_us, b.serves = 10.0, 5.0, Serves.EAGER
@@ -73,7 +73,7 @@ def _eager_wins(engine, ks, b):
 
 
 def test_a_bucket_that_eager_beats_is_served_eagerly(monkeypatch):
-    monkeypatch.setattr(graphwrap.capturing, "race", _eager_wins)
+    monkeypatch.setattr(graphwrap.capture.capturer, "race", _eager_wins)
     model = MLP().to(DEV).eval()
     gm = GraphedModule(model, buckets=[4, 8])
     for n in (1, 3, 4, 6, 20):
@@ -215,7 +215,7 @@ def test_a_capture_invalidated_from_outside_is_taken_again(gw_log):
 def test_the_capture_stream_is_no_other_streams():
     # PyTorch hands out pooled streams in turn: with a pooled capture stream, some thread's
     # torch.cuda.Stream() would be the very stream graphwrap captures on.
-    from graphwrap.streams import side_stream
+    from graphwrap.capture.cuda import side_stream
 
     s = side_stream(torch.device(DEV, torch.cuda.current_device()))
     others = {torch.cuda.Stream().cuda_stream for _ in range(100)}

@@ -202,7 +202,7 @@ def test_pipeline_without_cuda_matches_eager():
 
 
 def test_logger_is_named_graphwrap():
-    assert logging.getLogger("graphwrap") is graphwrap.engine.logger
+    assert logging.getLogger("graphwrap") is graphwrap.core.engine.logger
 
 
 def test_bucket_policies_on_the_module():
@@ -231,7 +231,7 @@ def test_compile_options_are_checked(compile, match):
 
 
 def test_compile_options_completed():
-    from graphwrap.compiled import compile_options
+    from graphwrap.capture.compiled import compile_options
 
     assert compile_options(None) is None and compile_options(False) is None
     opts = compile_options(True)
@@ -253,7 +253,7 @@ def test_compile_on_cpu_runs_eagerly_with_the_same_results():
 def test_keys_of_every_input_kind_are_described():
     import collections
 
-    from graphwrap.signature import Declarations, describe_key
+    from graphwrap.core.signature import Declarations, describe_key
 
     Pair = collections.namedtuple("Pair", "a b")
 

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from graphwrap import outputs
-from graphwrap.tree import BATCHED, CONST, WHOLE
+from graphwrap.capture import slots as outputs
+from graphwrap.core.tree import BATCHED, CONST, WHOLE
 
 pytestmark = pytest.mark.skipif(not outputs.available(), reason="this torch cannot count a storage's references")
 
@@ -169,7 +169,7 @@ def test_slots_asked_for_under_another_capture_are_made_by_the_worker():
     from helpers import MLP, on_cpu_graphs
 
     from graphwrap import GraphedModule
-    from graphwrap.streams import CAPTURE_LOCK
+    from graphwrap.capture.cuda import CAPTURE_LOCK
 
     model = MLP().eval()
     gm = on_cpu_graphs(GraphedModule(model, buckets=[4], eager_if_faster=False))
@@ -277,7 +277,7 @@ def test_calls_that_find_every_slot_held_run_eagerly_where_the_race_said_so():
     b = ks.buckets[(4, None)]
     with eng.lock:
         b.eager_when_held = True
-        from graphwrap.plans import fold
+        from graphwrap.core.plans import fold
         fold(eng, ks, b)
     kept = [gm(torch.randn(3, 32)) for _ in range(12)]
     xs = [torch.randn(3, 32) for _ in range(12)]

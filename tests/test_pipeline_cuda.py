@@ -27,8 +27,8 @@ def _batches(count, d, pinned, seed=0, top=40):
 @pytest.mark.parametrize("to_host", [False, True])
 def test_500_random_batches(pinned, to_host, monkeypatch):
     staged = []
-    stage = graphwrap.pipeline._stage
-    monkeypatch.setattr(graphwrap.pipeline, "_stage", lambda *a: staged.append(1) or stage(*a))
+    stage = graphwrap.loops.pipeline._stage
+    monkeypatch.setattr(graphwrap.loops.pipeline, "_stage", lambda *a: staged.append(1) or stage(*a))
     model = MLP().to(DEV).eval()
     gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16, 32])
     xs = _batches(500, 32, pinned)
@@ -49,7 +49,7 @@ def test_500_random_batches(pinned, to_host, monkeypatch):
 
 def test_to_host_with_every_output_on_the_third_stream(monkeypatch):
     # Outputs above D2H_INLINE_BYTES are cloned and copied on a stream of their own; here all are.
-    monkeypatch.setattr(graphwrap.pipeline, "D2H_INLINE_BYTES", -1)
+    monkeypatch.setattr(graphwrap.loops.pipeline, "D2H_INLINE_BYTES", -1)
     model = MLP().to(DEV).eval()
     gm = GraphedModule(model, buckets=[1, 2, 4, 8, 16, 32])
     xs = _batches(500, 32, pinned=True, seed=4)

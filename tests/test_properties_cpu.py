@@ -8,9 +8,9 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from graphwrap import BucketTable, default_buckets  # noqa: E402
-from graphwrap.checks import shape_leaf, tile_rows  # noqa: E402
-from graphwrap.records import Graph  # noqa: E402
-from graphwrap.tree import (  # noqa: E402
+from graphwrap.capture.checks import shape_leaf, tile_rows  # noqa: E402
+from graphwrap.core.records import Graph  # noqa: E402
+from graphwrap.core.tree import (  # noqa: E402
     BATCHED,
     WHOLE,
     flatten_inputs,

@@ -7,7 +7,7 @@ import torch
 from helpers import MLP, assert_same
 
 from graphwrap import GraphwrapError, Replicas
-from graphwrap.replicas import _Replica
+from graphwrap.serve.replicas import _Replica
 
 
 def test_answers_equal_eager_through_every_call():

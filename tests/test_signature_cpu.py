@@ -7,7 +7,7 @@ from helpers import MLP, assert_same
 from torch import nn
 
 from graphwrap import GraphedModule, GraphwrapError
-from graphwrap.signature import Declarations, describe_key
+from graphwrap.core.signature import Declarations, describe_key
 
 
 class Takes(nn.Module):

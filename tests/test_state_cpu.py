@@ -116,7 +116,7 @@ def test_each_change_to_the_module_after_capture_is_seen_before_the_next_replay(
         want = eager_answer(model, x)
         assert_same(got, want)
         if why is None:
-            from graphwrap.watch import GLOBAL_HOOKS
+            from graphwrap.core.watch import GLOBAL_HOOKS
 
             assert gm.stats()["module_changes"] == {} and gm.stats()["eager_calls"] == {GLOBAL_HOOKS: 1}
             undo()

@@ -7,7 +7,7 @@ import torch
 from helpers import HFOut, KVCache, NeedsAName, Opaque, Out, assert_same
 
 from graphwrap import GraphwrapError
-from graphwrap.tree import (
+from graphwrap.core.tree import (
     BATCHED,
     CONST,
     WHOLE,

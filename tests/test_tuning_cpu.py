@@ -3,8 +3,9 @@ two graphs are timed, and the ``static=`` option."""
 
 import pytest
 
-from graphwrap import GraphwrapError, tuning
-from graphwrap.compiled import compile_options, static_options
+from graphwrap import GraphwrapError
+from graphwrap.capture import tuning
+from graphwrap.capture.compiled import compile_options, static_options
 
 
 def test_the_hottest_bucket_is_the_one_with_most_rows_among_the_hot():
@@ -62,7 +63,7 @@ def _engine_with_buckets():
     import torch
 
     from graphwrap import GraphedModule
-    from graphwrap.records import Bucket, Key, Serves
+    from graphwrap.core.records import Bucket, Key, Serves
 
     eng = GraphedModule(torch.nn.Linear(4, 4), compile=True).engine
     ks = Key("k", None, ((0, None, 0),), torch.device("cpu"), None, "k")
@@ -118,7 +119,7 @@ def test_per_size_kernels_that_win_are_swapped_in_and_the_compile_cache_saved(mo
     error is recorded and the compile cache is written."""
     from types import SimpleNamespace
 
-    from graphwrap import capturing
+    from graphwrap.capture import capturer as capturing
 
     monkeypatch.setattr(tuning, "HOT_CALLS", 16)
     eng, ks, b = _engine_with_buckets()

@@ -8,9 +8,9 @@ import torch
 from helpers import MLP, HFOut, KVCache, NeedsAName, RecomputeRecorder, RowMixer, Scales
 from torch import nn
 
-from graphwrap.capture import Job, capture_bucket
-from graphwrap.checks import CaptureFailed, Scope, check_rebuild, shape_leaf, tile_rows
-from graphwrap.tree import BATCHED, WHOLE, flatten_inputs, flatten_outputs
+from graphwrap.capture.recording import Job, capture_bucket
+from graphwrap.capture.checks import CaptureFailed, Scope, check_rebuild, shape_leaf, tile_rows
+from graphwrap.core.tree import BATCHED, WHOLE, flatten_inputs, flatten_outputs
 
 
 def _capture(module, leaves, size, seq=None, roles=None, pad_check=True):

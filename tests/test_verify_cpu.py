@@ -1,6 +1,6 @@
 import torch
 
-from graphwrap.verify import compare_leaves, compare_tensors, tolerance
+from graphwrap.core.compare import compare_leaves, compare_tensors, tolerance
 
 
 def test_float_tolerance_scales_with_magnitude():

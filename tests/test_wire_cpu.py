@@ -1,6 +1,6 @@
 """Requests over HTTP on a CPU, without Ray: bodies read into inputs, dtypes from a fixed list,
 limits and status codes, preprocess and postprocess, and a replica that keeps serving after a
-failing request (graphwrap.wire and graphwrap.serve.Server)."""
+failing request (graphwrap.serve.wire and graphwrap.serve.Server)."""
 
 import asyncio
 import json
@@ -10,7 +10,7 @@ import torch
 from serve_models import Embedder, NoNaN, mean_pool, tokenize
 
 from graphwrap import GraphwrapError
-from graphwrap.wire import (
+from graphwrap.serve.wire import (
     Limits,
     RequestError,
     check_limits,
@@ -73,7 +73,7 @@ def test_numbers_empty_arrays_and_bodies_that_are_not_utf8_are_400_naming_the_pr
 
 
 def test_answers_with_numbers_that_are_not_finite_are_valid_json():
-    from graphwrap.wire import to_json
+    from graphwrap.serve.wire import to_json
 
     out = to_json({"y": torch.tensor([[1.0, float("nan")], [float("inf"), -float("inf")]]), "s": float("nan"),
                    "n": torch.tensor([1, 2])})

@@ -5,7 +5,7 @@ import gc
 import threading
 import weakref
 
-from graphwrap.worker import Worker
+from graphwrap.capture.worker import Worker
 
 
 class _Engine:
@@ -86,7 +86,7 @@ def test_an_exiting_interpreter_does_not_wait_for_queued_jobs():
 
     script = (
         "import time\n"
-        "from graphwrap.worker import Worker\n"
+        "from graphwrap.capture.worker import Worker\n"
         "class E: pass\n"
         "e = E()\n"
         "w = Worker(e)\n"

@@ -11,11 +11,11 @@ import torch
 sys.path.insert(0, "benchmarks")
 import decode  # noqa: E402
 
-import graphwrap.outputs  # noqa: E402
+import graphwrap.capture.slots  # noqa: E402
 from graphwrap import GraphedModule  # noqa: E402
 
 slots = []
-_make = graphwrap.outputs.OutputRing.make
+_make = graphwrap.capture.slots.OutputRing.make
 
 
 def _counted(self, *a, **k):
@@ -23,7 +23,7 @@ def _counted(self, *a, **k):
     return _make(self, *a, **k)
 
 
-graphwrap.outputs.OutputRing.make = _counted
+graphwrap.capture.slots.OutputRing.make = _counted
 
 model = decode._model("gpt2", "cuda")
 ids = torch.randint(3, model.config.vocab_size, (1, decode.PROMPT), device="cuda")

@@ -1,0 +1,105 @@
+"""The device under the engine: where graphs can run, how they are captured and how time is taken.
+
+:class:`CudaBackend` is the one graphwrap serves with. The CPU tests give the engine a stand-in
+whose "graphs" recompute on replay, so every decision of the engine (keys, buckets, padding,
+plans, joins, failures) runs on a CPU as it runs on a GPU.
+"""
+
+import logging
+from typing import Callable, List, Optional, Union
+
+import torch
+
+from .. import _compat
+from .recording import CudaRecorder
+from .checks import CaptureFailed
+from .cuda import (
+    Pool,
+    capture_session,
+    device_sync,
+    first_line,
+    is_invalidated,
+    own_cublas_workspace,
+    record,
+    timed_calls,
+)
+from ..core.tree import CONST, flatten_outputs
+
+logger = logging.getLogger("graphwrap")
+CPU_REASONS = ("CUDA is not available", "the module is not on a CUDA device")
+
+
+class CudaBackend:
+    """CUDA graphs on the module's GPU."""
+
+    kind = "cuda"
+    recorder = CudaRecorder()
+
+    @staticmethod
+    def device_for(module_device: Optional[torch.device], leaves) -> Union[torch.device, str]:
+        """The device a call's graphs run on, or why it runs eagerly."""
+        if not _compat.cuda_available():
+            return CPU_REASONS[0]
+        if module_device is None:
+            # A module with no tensors of its own runs where its inputs are, call by call.
+            t = next((x for x in leaves if x.is_cuda), None)
+            return CPU_REASONS[1] if t is None else t.device
+        if module_device.type != "cuda":
+            return CPU_REASONS[1]
+        return module_device
+
+    @staticmethod
+    def new_pool(device) -> Pool:
+        return Pool(device)
+
+    @staticmethod
+    def slot_maker(device, pool: Pool, run, draws: bool, kinds) -> Callable:
+        """``make_fill(bases)`` for a captured graph's output ring: a further capture of its
+        forward (``run``) that also copies the outputs into ``bases``, so a call that hands out
+        owned outputs replays one graph, as one that hands out views does. It holds no record
+        of the graph's own (the ring is one of its fields: that would be a cycle)."""
+        def make_fill(bases: List[torch.Tensor], warm: bool = True):
+            return slot_graph(device, pool, run, draws, kinds, bases, warm)
+        return make_fill
+
+    @staticmethod
+    def sync(device=None):
+        device_sync(device)
+
+    @staticmethod
+    def timed(fn, k: int) -> float:
+        return timed_calls(fn, k)
+
+    @staticmethod
+    def empty_cache():
+        torch.cuda.empty_cache()
+
+
+def slot_graph(device: torch.device, pool: Pool, run, draws: bool, kinds, bases, warm: bool = True):
+    """A capture of a forward (``run``: on its graph's static inputs) that writes its tensor
+    outputs into ``bases``; its replay. Raises CaptureFailed when the capture fails (the
+    allocator and the generator are left as they were before it)."""
+    g = torch.cuda.CUDAGraph()
+
+    def body():
+        outs = flatten_outputs(run())[0]
+        for d, o in zip(bases, (o for o, k in zip(outs, kinds) if k != CONST)):
+            d.copy_(o)
+
+    try:
+        with capture_session(device):
+            # Once outside the capture (``warm``): this thread's cuBLAS handle is made here (a
+            # thread other than the one that captured may not have run a matrix product yet), not
+            # in it. Then, as for every capture, the workspaces are cleared around it, so the one
+            # its matrix products keep the address of is allocated in the graph's pool.
+            if warm:
+                run()
+            own_cublas_workspace()
+            try:
+                record(g, pool.handle, device, draws, body)
+            finally:
+                own_cublas_workspace()
+    except Exception as e:
+        raise CaptureFailed(f"the owned-output graph could not be captured: {type(e).__name__}: {first_line(e)}",
+                            e, pool_lost=is_invalidated(e)) from e
+    return g.replay

@@ -1,0 +1,296 @@
+"""The CUDA housekeeping around captures: one capture at a time, streams nobody else is handed,
+device-wide waits that never meet a capture, and the state a failed capture leaves behind.
+"""
+
+import contextlib
+import ctypes
+import gc
+import logging
+import sys
+import threading
+import time
+
+import torch
+
+from .._compat import capture_begin, end_allocate_to_pool
+
+logger = logging.getLogger("graphwrap")
+
+# One capture at a time in the process: a capture is process-wide state for PyTorch's
+# allocator and RNG. Warm-up and capture run on one side stream per device, shared by every
+# GraphedModule (each stream that runs a GEMM keeps a cuBLAS workspace for the process).
+CAPTURE_LOCK = threading.RLock()
+_SIDE_STREAMS = {}
+_CHECK_STREAMS = {}
+_clear_cublas_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+_GRAPHSAFE = all(hasattr(torch.Generator, n) for n in ("graphsafe_get_state", "graphsafe_set_state", "clone_state"))
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream graphwrap warms up and captures on: one per device, graphwrap's alone."""
+    s = _SIDE_STREAMS.get(device)
+    if s is None:
+        s = _SIDE_STREAMS[device] = private_stream(device)
+    return s
+
+
+@contextlib.contextmanager
+def capture_session(device: torch.device):
+    """Hold the process-wide capture lock and issue work on the device's side stream, ordered
+    after the caller's current stream; the caller's stream waits for it at the end."""
+    with CAPTURE_LOCK:
+        stream = side_stream(device)
+        cur = torch.cuda.current_stream(device)
+        stream.wait_stream(cur)
+        try:
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                yield
+        finally:
+            cur.wait_stream(stream)
+
+
+def check_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream verification replays run on: they run outside the capture lock, so never on
+    the capture stream."""
+    s = _CHECK_STREAMS.get(device)
+    if s is None:
+        s = _CHECK_STREAMS[device] = private_stream(device)
+    return s
+
+
+def private_stream(device: torch.device) -> torch.cuda.Stream:
+    """A non-blocking stream that no other code in the process is handed.
+
+    ``torch.cuda.Stream()`` hands out the streams of a small pool in turn (32 per device and
+    priority), so after enough of them another thread's stream is the same CUDA stream as one
+    of ours. Work issued there while graphwrap captures on it would land in the graph, or
+    invalidate the capture. This stream is created through the driver instead, so it is
+    nobody else's; where that is not possible, a stream of the high-priority pool is taken
+    (rarer in other code, but not exclusive), and the log says so.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):
+        torch.cuda.current_stream()  # the device's primary context exists from here on
+        try:
+            handle = _driver_stream(index)
+            return torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
+        except Exception as e:  # noqa: BLE001 - any failure of the driver route has the same answer
+            logger.info("graphwrap: no stream of graphwrap's own on cuda:%d (%s: %s); capturing on a "
+                        "high-priority stream of PyTorch's pool", index, type(e).__name__, first_line(e))
+            return torch.cuda.Stream(index, priority=-1)
+
+
+def _driver_stream(index: int) -> int:
+    """``cuStreamCreate(CU_STREAM_NON_BLOCKING)`` in the device's primary context; the handle."""
+    lib = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+
+    def check(what, status):
+        if status != 0:
+            raise RuntimeError(f"{what} returned CUDA driver error {status}")
+
+    dev, ctx, stream = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+    check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(index)))
+    check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+    check("cuCtxPushCurrent", lib.cuCtxPushCurrent_v2(ctx))
+    try:
+        check("cuStreamCreate", lib.cuStreamCreate(ctypes.byref(stream), ctypes.c_uint(1)))
+    finally:
+        lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    if not stream.value:
+        raise RuntimeError("cuStreamCreate gave no stream")
+    return stream.value
+
+
+def device_sync(device=None) -> None:
+    """``torch.cuda.synchronize`` that never runs while this process captures.
+
+    A device-wide synchronization from another thread can invalidate a capture on the same
+    GPU, whatever the capture mode; graphwrap's own waits for the whole device take the
+    capture lock, so they never meet a capture of graphwrap's.
+    """
+    with CAPTURE_LOCK:
+        torch.cuda.synchronize(device)
+
+
+def timed_calls(fn, k: int) -> float:
+    """Seconds per call of ``fn(k)``, which makes ``k`` calls; the device synchronized around it."""
+    device_sync()
+    t0 = time.perf_counter()
+    fn(k)
+    device_sync()
+    return (time.perf_counter() - t0) / k
+
+
+def own_cublas_workspace():
+    """Make the next captured GEMM allocate its cuBLAS workspace inside the capture's pool.
+
+    A captured GEMM keeps the address of its stream's cuBLAS workspace. A workspace made
+    before the capture lives in the ordinary allocator, and whoever clears the workspaces
+    (torch.compile's CUDA graphs do, around each recording; so do many memory clean-ups) would
+    free it under the graph. Cleared before the capture, the workspace is allocated in the
+    graph's pool; cleared after it, no eager GEMM elsewhere uses that memory.
+    """
+    if _clear_cublas_workspaces is not None:
+        _clear_cublas_workspaces()
+
+
+@contextlib.contextmanager
+def no_gc_during_capture():
+    """Hold Python's cyclic garbage collector off while this thread captures.
+
+    A collection inside a capture frees whatever dead cycles it finds, here and now: a dropped
+    module's CUDA graphs, events, pinned buffers. Destroying a graph is not allowed while the
+    thread captures; the call fails and invalidates the capture. Captures are short and taken
+    one at a time (CAPTURE_LOCK).
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def begin(graph, pool, device: torch.device, draws_random: bool):
+    """Begin a capture with the default CUDA generator kept apart, where torch allows it.
+
+    A capture puts the default generator's state into capture mode for as long as it lasts,
+    and any other thread drawing random numbers on the device meanwhile fails ("Offset
+    increment outside graph capture"). A forward that draws none needs none of it: the capture
+    begins with a private copy of the state in its place, and the default state is put back
+    at once, so other threads are kept out only while the capture begins. A forward that
+    draws random numbers is captured with the default state, as PyTorch does.
+    """
+    if draws_random or not _GRAPHSAFE:
+        capture_begin(graph, pool)
+        return
+    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    old = gen.graphsafe_get_state()
+    gen.graphsafe_set_state(gen.clone_state())
+    try:
+        capture_begin(graph, pool)
+    finally:
+        gen.graphsafe_set_state(old)
+
+
+class NotBegun(RuntimeError):
+    """A capture that could not begin (a pool still recording an earlier, failed capture)."""
+
+
+def record(graph, pool, device: torch.device, draws_random: bool, body):
+    """Capture what ``body()`` issues on the current stream into ``graph`` (in ``pool``); what it
+    returns. The capture is ended whatever happens inside it, so a stream is never left
+    capturing; if anything failed, the allocator and the generator are put back and the first
+    error is raised (:class:`NotBegun` where the capture could not begin at all)."""
+    err = out = None
+    with no_gc_during_capture():
+        try:
+            begin(graph, pool, device, draws_random)
+        except RuntimeError as e:
+            raise NotBegun(first_line(e)) from e
+        try:
+            out = body()
+        except BaseException as e:  # noqa: BLE001 - the capture must be ended whatever happened
+            err = e
+        try:
+            graph.capture_end()
+        except BaseException as e:  # noqa: BLE001
+            err = err or e
+    if err is not None:
+        after_failed_capture(device, pool, draws_random)
+        raise err
+    if draws_random or not _GRAPHSAFE:  # the default generator took part in the capture
+        ensure_generator_usable(device)
+    return out
+
+
+def _reset_rng_capture_state(device):
+    """Close the RNG's capture phase after a failed capture: a small capture that succeeds runs
+    the generator's prologue and epilogue, which puts it back. It uses a pool of its own."""
+    t = torch.zeros(1, device=device)
+    g = torch.cuda.CUDAGraph()
+    with no_gc_during_capture():
+        capture_begin(g, None)
+        try:
+            t.add_(1)
+        finally:
+            g.capture_end()
+
+
+def after_failed_capture(device, pool, draws_random: bool = True):
+    """Undo what a capture that raised left behind: the allocator still routing the capture
+    stream into ``pool``, and (where the default generator took part) its capture phase."""
+    end_allocate_to_pool(device, pool)
+    if draws_random or not _GRAPHSAFE:
+        try:
+            _reset_rng_capture_state(device)
+        except Exception as e:  # noqa: BLE001 - the original failure is the one to report
+            logger.warning("graphwrap: could not close the RNG's capture phase after a failed capture: %s: %s",
+                           type(e).__name__, first_line(e))
+    ensure_generator_usable(device)
+
+
+_STUCK = "Offset increment outside graph capture"
+
+
+def ensure_generator_usable(device) -> bool:
+    """Make sure the default CUDA generator is out of capture mode once a capture is over.
+
+    A capture that ends abnormally can leave the generator's state marked as capturing, and
+    every later random draw in the process would fail ("Offset increment outside graph
+    capture"). One draw of a single number tells; the generator is then put back where it
+    stood, so the caller's random numbers are those it would draw without graphwrap. Where
+    the draw fails so, the capture phase is closed by a small capture that succeeds.
+    Whether the generator was usable as found."""
+    probe = torch.empty(1, device=device)
+    state = torch.cuda.get_rng_state(device)  # the probe's draw is given back: the caller's draws stay theirs
+    try:
+        probe.uniform_()
+        torch.cuda.set_rng_state(state, device)
+        return True
+    except RuntimeError as e:
+        if _STUCK not in str(e):
+            raise
+    logger.warning("graphwrap: the default CUDA generator was left in capture mode on %s; closing it", device)
+    _reset_rng_capture_state(device)
+    probe.uniform_()
+    torch.cuda.set_rng_state(state, device)
+    return False
+
+
+class Pool:
+    """A graph memory pool kept alive by a graph of its own.
+
+    A private pool lives while some graph captured into it does. Graphs that are dropped (a
+    capture that failed verification, a bucket evicted for the memory budget) could take the
+    last one with them, and a capture into the pool's handle then fails inside PyTorch's
+    allocator. The anchor, a one-kernel graph captured into the pool first, keeps it until the
+    engine lets go of it.
+    """
+
+    __slots__ = ("handle", "anchor", "_t")
+
+    def __init__(self, device: torch.device):
+        self.handle = torch.cuda.graph_pool_handle()
+        self._t = torch.zeros(1, device=device)
+        self.anchor = torch.cuda.CUDAGraph()
+        with CAPTURE_LOCK:
+            stream = side_stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                record(self.anchor, self.handle, device, False, lambda: self._t.add_(1))
+            torch.cuda.current_stream(device).wait_stream(stream)
+
+
+def is_invalidated(e: BaseException) -> bool:
+    """A capture that failed through no fault of the forward, as far as can be told: invalidated
+    from outside (an illegal call elsewhere in the thread, a synchronization of the whole
+    device from another thread), or a pool left recording by an earlier failure."""
+    text = str(e)
+    return any(s in text for s in ("previous error during capture", "already recording", "unjoined"))

@@ -1,0 +1,454 @@
+"""The engine: input signatures -> buckets -> captured graphs, and the plans that replay them.
+
+The loops (``gm(...)`` in ``calls``, ``pipeline``, ``coalesce``, ``batcher``) drive it through
+these names and nothing else:
+
+- ``facts(args, kwargs)``: the call as the engine sees it (``signature.Facts``), or why it
+  runs eagerly; ``fast_plan(x)``: the plan of ``gm(x)`` for one tensor of a shape seen before.
+- ``plan(facts)``: its :class:`~graphwrap.core.plans.Plan` (graph, eager, or chunked), its bucket
+  captured first if need be, outside the serving lock (others run that bucket eagerly meanwhile).
+- ``run(plan, leaves)``: copy in, replay, outputs out, under the serving lock.
+- ``eager(args, kwargs, reason)`` and ``eager_plan(plan, args, kwargs)``: the module itself, counted.
+- ``joins``: what joining requests needs (:class:`~graphwrap.loops.joins.Joins`: ``member``,
+  ``run_joined``, ``set_join``, ``cost``, ``max_rows``).
+- ``lease(plan, count)`` and ``give_back(lease)``: graphs for one loop's sole use (pipeline).
+- ``capture(facts, background)``, ``wait()``, ``reset()``, ``stats()``, ``copy_stream(device)``,
+  ``order_stream(device)``; the attributes ``lock``, ``epoch``, ``grid``, ``clone``, ``batch_dim``.
+
+Nothing under ``lock`` captures, compiles, times or waits for the device: a capture marks its
+bucket, runs outside the lock and installs its graph under it.
+"""
+
+import logging
+import threading
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .. import _compat
+from . import stats as _stats
+from ..capture.backend import CudaBackend
+from .buckets import Adaptive, BucketTable, padded_rows
+from ..capture.capturer import capture_into, lease_graphs, return_graphs
+from ..capture.compiled import CompiledForward
+from ..errors import GraphwrapError
+from .grid import Grid
+from ..loops.joins import Joins
+from .plans import NO_BUCKET, STALE, Plan
+from .records import Bucket, Graph, Key, Lease, Serves, Store, drop
+from .signature import Facts, describe_key, state_refs
+from .tree import (
+    flatten_inputs,
+    requires_grad_shallow,
+    to_device_shallow,
+)
+from .watch import GLOBAL_HOOKS, GLOBAL_TABLES, Watch
+from ..capture.worker import Worker
+
+logger = logging.getLogger("graphwrap")
+Tensor = torch.Tensor
+SINGLE_TENSOR_SPEC = flatten_inputs((torch.empty(0),), {})[1]
+autocast_on = torch._C.is_autocast_enabled  # CUDA autocast on, in one C call (torch >= 2.1)
+grad_on = torch.is_grad_enabled
+GRAD_REASONS = ("the module is in training mode", "an input requires grad and grad mode is on")
+WRITES_LARGE = "the forward writes module buffers: a batch above the largest bucket runs eagerly, in one call"
+EXACT_LENGTHS = 32  # graphs per exact length of a key whose padding is refused, then eager
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_GLOBAL_PRE, _GLOBAL_POST = GLOBAL_TABLES  # torch.nn's global forward hook tables (mutated in place)
+
+
+class Engine:
+    """Captures and replays one module's graphs; shared by every loop that drives it."""
+
+    def __init__(self, module, opts):
+        self.module, self.opts = module, opts
+        self.decl = opts.declarations(module)
+        self.compile_opts = opts.compile_opts()
+        self.policy = opts.buckets if isinstance(opts.buckets, Adaptive) else None
+        self.adaptive = self.policy if self.policy is not None and self.policy.buckets is None else None
+        self.grid = opts.grid(self.compile_opts, self.decl.has_seq)
+        self.batch_dim = self.decl.default_bd
+        self.clone = opts.outputs == "clone"
+        self.fallback, self.verify, self.max_keys = opts.fallback, bool(opts.verify), opts.max_keys
+        self.eager_if_faster = bool(opts.eager_if_faster)
+        self.backend = CudaBackend()
+        self.lock = threading.RLock()
+        self.store = Store(lambda d: self.backend.sync(d))
+        self.epoch = 0  # bumped by reset(): plans and leases of an older epoch are dropped
+        self.eager_counts: Dict[str, int] = {}
+        self.logged = set()
+        self.last_stream = self.last_sid = None
+        self.watch = Watch(module)  # what the graphs depend on besides their inputs
+        self.changes: Dict[str, int] = {}  # graphs dropped because the module changed, by what changed
+        self.where: Any = None  # the device graphs run on, or why none; None: not known yet
+        self.fast: Dict[torch.Size, Plan] = {}  # full input shape -> plan, for gm(x) with one tensor
+        self._copy_streams: Dict[torch.device, Any] = {}
+        self.worker = Worker(self)
+        self.joins = Joins(self)
+        self.compiled: Optional[CompiledForward] = None
+        self.compile_off: Optional[str] = None
+        self.static_forward: Optional[CompiledForward] = None  # the tuner's per-size compile
+        self.background_state = self.background_error = self.tuning_error = None
+        self.dropped: List[Graph] = []  # graphs evicted for the memory budget, freed after a device wait
+        self.dims_checked = False
+        self.writes: Optional[tuple] = None  # the module buffers its forward writes, once a capture saw it
+
+    # ------------------------------------------------------------------ per call
+
+    def fast_plan(self, x: Tensor) -> Optional[Plan]:
+        """The plan for ``gm(x)`` with one tensor, if every per-call check passes; else None
+        (the caller takes the general path, which says why or builds the plan)."""
+        plan = self.fast.get(x.shape)
+        if (plan is None or plan.dtype is not x.dtype or plan.dev != x.get_device() or self.module.training
+                or (x.requires_grad and grad_on()) or _GLOBAL_PRE or _GLOBAL_POST):
+            return None
+        if plan.eager or (self.watch.current() and not autocast_on()):
+            return plan
+        return None
+
+    def facts(self, args, kwargs):
+        """The call's :class:`~graphwrap.core.signature.Facts`, or a string saying why it runs eagerly."""
+        if self.module.training:
+            return GRAD_REASONS[0]
+        if _GLOBAL_PRE or _GLOBAL_POST:
+            return GLOBAL_HOOKS
+        why = self.watch.look()
+        if why is not None:
+            self._changed(why)
+        if self.watch.eager is not None:  # a submodule in training mode
+            return self.watch.eager
+        where = self.where if self.where is not None else self._where()
+        if type(where) is str:
+            if not self.dims_checked:  # the options' dims are checked on a CPU too, on the first call
+                self.dims_checked = True
+                self.decl.facts(args, kwargs, None)
+            return where
+        single = SINGLE_TENSOR_SPEC if not kwargs and len(args) == 1 and type(args[0]) is Tensor else None
+        f = self.decl.facts(args, kwargs, _compat.autocast_state("cuda"), single)
+        if type(f) is str:
+            return f
+        if where is False:  # a module without tensors: it runs where its inputs are
+            where = self.backend.device_for(None, f.leaves)
+            if type(where) is str:
+                return where
+        f.device = where
+        if grad_on() and any(t.requires_grad for t in f.leaves):
+            return GRAD_REASONS[1]
+        if self.adaptive is not None:
+            return self._observe(f.n)
+        return f
+
+    def _where(self):
+        device = self.watch.device()
+        self.where = False if device is None else self.backend.device_for(device, ())
+        return self.where
+
+    def plan(self, f: Facts) -> Plan:
+        """The plan of a call: kept per key and size, made (and its bucket captured) on first use."""
+        try:
+            with self.lock:
+                ks = self.store.keys.get(f.key) or self.key_for(f)
+        except _DeviceChanged:
+            self.reset()
+            with self.lock:
+                ks = self.store.keys.get(f.key) or self.key_for(f)
+        if type(ks) is str:
+            return Plan.eager_only(self, ks)
+        plan = self.plan_rows(ks, f.n, f.L, f.leaves)
+        if ks.single is not None and not plan.chunked and ks.plans.get((f.n, f.L)) is plan:
+            self.fast[f.leaves[0].shape] = plan
+        return plan
+
+    def plan_rows(self, ks: Key, n: int, L: Optional[int], leaves) -> Plan:
+        for _ in range(4):  # a capture changes what the next look finds: at most a few turns
+            with self.lock:
+                got = self._plan_for(ks, n, L)
+            if type(got) is Plan:
+                return got
+            capture_into(self, ks, got, leaves, n, L)
+        return Plan(self, ks, n, L, NO_BUCKET, eager=True)
+
+    def _plan_for(self, ks: Key, n: int, L: Optional[int]):
+        """The plan for ``n`` rows and length ``L`` of ``ks``, or a bucket to capture first
+        (marked as capturing). The caller holds the lock."""
+        if ks.failed is not None:
+            ks.eager_calls += 1
+            return Plan(self, ks, n, L, NO_BUCKET, reason=ks.failed)
+        plan = ks.plans.get((n, L))
+        if plan is not None and plan.epoch == self.epoch:
+            return plan
+        S = self._seq_bucket(ks, L)
+        if type(S) is str:
+            return Plan(self, ks, n, L, NO_BUCKET, reason=S)
+        top = self.grid.top(S)
+        if self.writes is not None or ks.fixed:  # state written per row or position: never padded or chunked
+            if n > top:
+                return Plan(self, ks, n, L, NO_BUCKET, reason=WRITES_LARGE)
+            size = n
+        elif n > top and S is not None:
+            plan = ks.plans[(n, L)] = Plan(self, ks, n, L, NO_BUCKET, chunked=True)
+            return plan
+        else:
+            size = self.grid.size(n, S)
+        b = ks.buckets.get((size, S))
+        if b is None:
+            b = ks.buckets[(size, S)] = Bucket(size, S)
+        st = b.serves
+        if st is Serves.NOTHING and not (ks.warming and size <= top):
+            b.serves = Serves.CAPTURING
+            return b
+        if st is Serves.NOTHING or st is Serves.CAPTURING:
+            ks.warming_calls += 1  # captured elsewhere meanwhile: eager now, not kept
+            return Plan(self, ks, n, L, NO_BUCKET, eager=True)
+        if size > top and st in (Serves.FAILED, Serves.OVER_BUDGET):  # no memory for a graph of its own
+            plan = ks.plans[(n, L)] = Plan(self, ks, n, L, NO_BUCKET, chunked=True)
+            return plan
+        if st is Serves.OVER_BUDGET:
+            larger = self._larger(ks, size, S)
+            if larger is None:  # not kept: a larger bucket captured later serves these batches
+                return Plan(self, ks, n, L, b, reason=b.reason)
+            b = larger
+        plan = ks.plans[(n, L)] = Plan(self, ks, n, L, b, reason=b.reason if st is Serves.FAILED else None,
+                                       eager=b.serves is Serves.EAGER)
+        if b.compiled and b.kernels == "shared" and not b.tuned and self.compile_opts.get("static") == "auto":
+            from ..capture.tuning import HOT_CALLS
+            served = b.replays + sum(p.calls for p in ks.plans.values() if p.bucket is b)
+            plan.tune_at = max(1, HOT_CALLS - served)
+        return plan
+
+    def _seq_bucket(self, ks: Key, L: Optional[int]):
+        if not ks.has_seq:
+            return None
+        if self.writes is not None and ks.exact is None:
+            ks.exact = "the forward writes module buffers"
+        S = self.grid.seq_for(L, exact=ks.exact is not None)
+        if S is None:
+            return (f"length {L} is longer than the longest sequence bucket ({self.grid.max_len}); pass "
+                    "seq_buckets= with a longer one")
+        if ks.exact is not None and len({s for _, s in ks.buckets}) >= EXACT_LENGTHS and \
+                not any(s == S for _, s in ks.buckets):
+            return f"{ks.exact}; graphs for {EXACT_LENGTHS} exact lengths are captured, further lengths run eagerly"
+        return S
+
+    def run(self, plan: Plan, leaves, clone: bool = True):
+        """Copy in, replay, outputs out (owned unless ``clone`` is False); ``STALE`` if the plan's
+        graphs were dropped meanwhile."""
+        with self.lock:
+            if plan.epoch != self.epoch:
+                return STALE
+            if plan.sid(plan.device_index) != self.last_sid:
+                self.order_stream(plan.device)
+            if plan.device.type == "cuda" and plan.device_index != _current_device():
+                with torch.cuda.device(plan.device):
+                    outs = plan.run(leaves, clone)
+            else:
+                outs = plan.run(leaves, clone)
+        ring = plan.ring
+        if ring is not None and ring.wanted and ring.claim():  # every slot was held: another, off the lock
+            self.grow(plan.graph)
+        return outs
+
+    # ------------------------------------------------------------------ eager
+
+    def eager_run(self, args, kwargs, grad: bool = False):
+        """The module run eagerly, with host tensors of plain containers moved to its device;
+        without grad unless ``grad``: outputs never require grad but where eager runs for it."""
+        device = self.where if isinstance(self.where, torch.device) else None
+        if device is not None:
+            args, kwargs = to_device_shallow((args, kwargs), device)
+        if grad or not grad_on() or requires_grad_shallow((args, kwargs)):
+            return self.module(*args, **kwargs)
+        with torch.no_grad():
+            return self.module(*args, **kwargs)
+
+    def eager(self, args, kwargs, reason: str):
+        """Run eagerly for ``reason``: counted in ``stats()["eager_calls"]``, logged the first time."""
+        counts = self.eager_counts
+        counts[reason] = counts.get(reason, 0) + 1
+        if counts[reason] == 1:
+            self.log_once(("eager", reason), logging.WARNING, f"graphwrap: running eagerly: {reason}")
+        return self.eager_run(args, kwargs, grad=reason in GRAD_REASONS or reason is self.watch.eager)
+
+    def eager_plan(self, plan: Plan, args, kwargs):
+        """A call whose plan runs eagerly: by choice (eager measured faster) or for a reason."""
+        plan.calls += 1
+        if plan.reason is not None:
+            return self.eager(args, kwargs, plan.reason)
+        return self.eager_run(args, kwargs)
+
+    def log_once(self, tag, level, msg):
+        if tag not in self.logged:
+            self.logged.add(tag)
+            logger.log(level, msg)
+
+    # ------------------------------------------------------------------ keys
+
+    def key_for(self, f: Facts):
+        """The key of a call (made on first use), or why it runs eagerly. The caller holds the lock."""
+        store = self.store
+        if len(store.keys) >= self.max_keys:
+            return f"more than max_keys={self.max_keys} input signatures"
+        device = f.device
+        for i, t in enumerate(f.leaves):
+            if t.is_cuda and t.device != device:
+                raise GraphwrapError(f"input tensor #{i} is on {t.device} but the module is on {device}; move it with "
+                                     f".to({str(device)!r}) (CPU tensors are copied over for you)")
+        if store.device is not None and store.device != device:
+            raise _DeviceChanged  # reset() outside the lock, then the call is planned again
+        store.device = device
+        single = None
+        if f.spec is SINGLE_TENSOR_SPEC and f.autocast is None and f.L is None and f.roles[0][0] is not None:
+            single = (f.meta[0][1], f.leaves[0].get_device())
+        seen = describe_key(f.spec, tuple((s, d, device) for s, d, _ in f.meta), f.autocast)
+        ks = Key(describe_key(f.spec, f.meta, f.autocast), f.spec, f.roles, device, f.autocast, seen, single,
+                 has_seq=f.L is not None)
+        ks.host = any(t.device != device for t in f.leaves)
+        if f.state:
+            ks.fixed, ks.states = True, state_refs(f.spec)
+        store.keys[f.key] = ks
+        return ks
+
+    def _changed(self, why: str):
+        """Something the graphs depend on changed: they are dropped, and captured again as calls come."""
+        self.changes[why] = self.changes.get(why, 0) + 1
+        self.log_once(("changed", why), logging.INFO,
+                      f"graphwrap: {why}; dropping the graphs, they are captured again on the next calls")
+        self.reset()
+        self.watch.look()
+
+    def _observe(self, n: int) -> str:
+        """Count a batch size for the Adaptive policy; the call runs eagerly."""
+        with self.lock:
+            adaptive = self.adaptive
+            if adaptive is not None:
+                buckets = adaptive.observe(n)
+                if buckets is not None:
+                    self.grid = Grid(BucketTable(buckets), self.opts.seq_buckets, self.decl.has_seq,
+                                     self.opts.max_tokens)
+                    self.adaptive = None
+                    hist = adaptive.histogram
+                    rows, pad = sum(k * v for k, v in hist.items()), padded_rows(buckets, hist)
+                    logger.info("graphwrap: adaptive buckets %s from %d calls; %.1f%% of their rows would be padding",
+                                buckets, adaptive.seen, 100.0 * pad / (rows + pad))
+        return f"adaptive buckets: counting batch sizes over the first {self.policy.warmup_calls} calls"
+
+    def reset(self):
+        """Drop every graph and static buffer; the next calls capture again. The wait for the
+        device's last replays happens outside the lock."""
+        self.worker.cancel()
+        with self.lock:
+            held = self.store.detach()
+            self.epoch = self.store.epoch
+            self.fast.clear()
+            self.watch.clear()
+            self.last_stream = self.last_sid = None
+            self.where = None
+        drop(held, self.backend.sync)
+
+    # ------------------------------------------------------------------ capture
+
+    def capture(self, f: Facts, background: bool = False) -> dict:
+        """Capture every bucket of this call's key, largest first (``background``: on the worker)."""
+        from ..capture.capturer import capture_all
+
+        with self.lock:
+            ks = self.store.keys.get(f.key) or self.key_for(f)
+            if type(ks) is str:
+                raise GraphwrapError(f"cannot capture: {ks}; pass a larger max_keys= or call reset()")
+            if background:
+                ks.warming = True
+                self.background_state = "capturing the plain forward"
+        sample = [t.to(ks.device, copy=True) for t in f.leaves]
+        if background:
+            self.worker.submit(capture_all, ks, sample, f.n, f.L, True)
+            return self.stats()
+        return capture_all(self, ks, sample, f.n, f.L, False)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self.worker.wait(timeout)
+
+    def _larger(self, ks: Key, size: int, S) -> Optional[Bucket]:
+        for s in self.grid.table(S).buckets:
+            b = ks.buckets.get((s, S))
+            if s > size and b is not None and b.serves is Serves.GRAPH:
+                return b
+        if self.fallback == "raise":
+            raise GraphwrapError(f"bucket {size} of {ks.label} is over max_pool_bytes and no larger bucket is captured; "
+                                 'raise max_pool_bytes, call capture() first (it takes the largest buckets first) or '
+                                 'pass fallback="eager"')
+        return None
+
+    # ------------------------------------------------------------------ told by plans
+
+    def hot(self, plan: Plan):
+        """A plan of a bucket with shared compiled kernels reached the calls that make it worth
+        tuning (the caller holds the lock)."""
+        from ..capture.tuning import tune_next
+
+        if self.compile_off is None:
+            self.worker.submit(tune_next)
+
+    def grow(self, graph: Graph, later: bool = False):
+        """Make another owned-output slot for ``graph`` (a call found every slot held). Its fill
+        is a capture: made in this thread when no capture runs (the caller holds no lock of the
+        engine's), else, or with ``later``, by the worker, so a call never waits for another
+        module's capture or compile."""
+        from ..capture.capturer import add_slot
+        from ..capture.cuda import CAPTURE_LOCK
+
+        if self.writes is not None:  # a slot's checks run the forward: not beside calls that write state
+            graph.ring.wanted = graph.ring.growing = False
+            return
+        if not later and CAPTURE_LOCK.acquire(blocking=False):
+            try:
+                add_slot(self, graph, self.epoch)
+            finally:
+                CAPTURE_LOCK.release()
+        else:
+            self.worker.submit(add_slot, graph, self.epoch)
+
+    # ------------------------------------------------------------------ streams
+
+    def order_stream(self, device):
+        """The caller's current stream, made to wait for the last call's work if it is another.
+
+        The static buffers and the pool are shared by every caller: work issued on another
+        stream must not touch them before the last call's work is done.
+        """
+        from .plans import cuda_sid
+
+        last = self.last_stream
+        cur = torch.cuda.current_stream(device)
+        if last is not None and last != cur:
+            cur.wait_stream(last)
+        self.last_stream = cur
+        self.last_sid = cuda_sid(device.index) if cuda_sid is not None else None
+        return cur
+
+    def copy_stream(self, device):
+        """A stream of the engine's own on ``device`` for host-to-device copies."""
+        s = self._copy_streams.get(device)
+        if s is None:
+            s = self._copy_streams[device] = torch.cuda.Stream(device)
+        return s
+
+    # ------------------------------------------------------------------ leases (pipeline)
+
+    def lease(self, plan: Plan, count: int) -> Optional[Lease]:
+        """``count`` graphs of the bucket of a plan (``plan(facts)``), for one loop's sole use,
+        captured as needed; None where ``gm(...)`` must serve the call (eager, chunked,
+        sequences, not CUDA)."""
+        return lease_graphs(self, plan, count)
+
+    def give_back(self, lease: Lease):
+        return_graphs(self, lease)
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict:
+        with self.lock:
+            return _stats.engine_stats(self)
+
+
+class _DeviceChanged(Exception):
+    """A call on another device than the graphs held: they are dropped first."""

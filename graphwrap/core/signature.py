@@ -1,0 +1,355 @@
+"""How a call becomes a graph key: its tensor leaves, the dimension of each that holds the batch
+and the one that holds the sequence, the batch size ``n`` and length ``L``, and everything else
+that shapes a graph (structure, constants, the other dims, dtypes, devices, autocast).
+
+``GraphedModule(batch_dim=, seq_dim=, pad_values=)`` declare the roles; :class:`Declarations`
+applies them to each call. Pure Python and torch: runs and is tested on a CPU.
+"""
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from ..errors import GraphwrapError
+from .tree import UnsupportedInput, flatten_inputs
+
+Tensor = torch.Tensor
+# A leaf's role: (batch dim or None, seq dim or None, pad value). Tuples: read on every call.
+Role = Tuple[Optional[int], Optional[int], Any]
+DimSpec = Union[None, int, Dict[Union[str, int], Optional[int]]]
+_INFER = object()  # a leaf under the default batch_dim: unbatched if it lacks the dim or has 1 row
+
+
+@dataclass(slots=True)
+class Facts:
+    """One call, seen as the engine sees it."""
+
+    key: tuple  # hashable: everything that shapes a graph
+    leaves: List[Tensor]
+    n: int  # rows
+    L: Optional[int]  # sequence length, None when no input has a sequence dim
+    spec: tuple
+    meta: tuple  # per leaf: (shape with "B"/"S" at the batch and sequence dims, dtype, device)
+    roles: Tuple[Role, ...]
+    autocast: Any
+    device: Any = None  # where its graphs run (set by the engine)
+    state: bool = False  # an input is state written in place (a static cache): one call, never padded
+
+
+def _check_dim(name: str, value, allow_none: bool):
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    if not ok and not (allow_none and value is None):
+        more = ", or None for an input that has none" if allow_none else ""
+        raise GraphwrapError(f"{name} must be a non-negative int{more}, got {value!r}")
+
+
+def _check_spec(name: str, value: DimSpec, default_ok: bool):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise GraphwrapError(f"{name} keys are input names or positions, got {k!r}")
+            _check_dim(f"{name}[{k!r}]", v, allow_none=True)
+    elif not (default_ok and value is None):
+        _check_dim(name, value, allow_none=False)
+
+
+def _positional_names(module) -> Tuple[str, ...]:
+    """Names of ``module.forward``'s positional parameters, so a declaration by name also
+    applies to an input passed by position."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in params if p.kind in kinds)
+
+
+class Declarations:
+    """The batch and sequence dims and pad values declared for a module's inputs.
+
+    ``batch_dim``: an int for every tensor input (inputs without that dim, or with one row
+    where others have more, count as unbatched), or a dict by input name or position with
+    None for an input that is not batched (inputs left out keep the default 0). ``seq_dim``:
+    None (no sequence dim), an int for every tensor input that has that dim, or a dict by
+    name or position. ``pad_values``: the value sequence padding holds, one for all or a dict
+    by name (default 0).
+    """
+
+    def __init__(self, module, batch_dim: DimSpec = 0, seq_dim: DimSpec = None, pad_values=0, state=None):
+        _check_spec("batch_dim", batch_dim, default_ok=False)
+        self.state = _state_names(state)
+        _check_spec("seq_dim", seq_dim, default_ok=True)
+        if isinstance(batch_dim, int) and isinstance(seq_dim, int) and batch_dim == seq_dim:
+            raise GraphwrapError(f"seq_dim={seq_dim} is the batch_dim; the sequence needs a dim of its own")
+        if not isinstance(pad_values, (dict, int, float, bool)):
+            raise GraphwrapError(f"pad_values must be a number or a dict of numbers by input name, got {pad_values!r}")
+        self.batch_dim, self.seq_dim, self.pad_values = batch_dim, seq_dim, pad_values
+        self.default_bd = batch_dim if isinstance(batch_dim, int) else 0
+        self.positional = _positional_names(module)
+        self.simple = isinstance(batch_dim, int) and seq_dim is None  # the common case, checked fast
+        self.has_seq = seq_dim is not None
+        self._declared: Dict[tuple, tuple] = {}  # spec -> per leaf (bd or _INFER-marked, sd, pad)
+        # (position or name, type) of a top-level input graphwrap cannot key on -> why: such a
+        # call is refused before it is flattened (a model's cache object, passed on every call)
+        self._refused: Dict[tuple, str] = {}
+        self._stateful: Dict[tuple, bool] = {}  # spec -> whether it holds a state input
+
+    # ------------------------------------------------------------------ per spec, once
+
+    def _lookup(self, table, position, name, default):
+        if not isinstance(table, dict):
+            return default
+        for k in (name, position):
+            if k is not None and k in table:
+                return table[k]
+        return default
+
+    def _owners(self, spec) -> List[Tuple[Optional[int], Optional[str]]]:
+        """(position, name) of the top-level input each leaf belongs to."""
+        spec_args, spec_kw = spec
+        out = []
+        for i, s in enumerate(spec_args):
+            name = self.positional[i] if i < len(self.positional) else None
+            out += [(i, name)] * _count_leaves(s)
+        for k, s in spec_kw:
+            out += [(None, k)] * _count_leaves(s)
+        return out
+
+    def _declare(self, spec) -> tuple:
+        decl = []
+        for pos, name in self._owners(spec):
+            bd = self._lookup(self.batch_dim, pos, name, _INFER)
+            sd = self._lookup(self.seq_dim, pos, name, self.seq_dim if isinstance(self.seq_dim, int) else None)
+            pad = self._lookup(self.pad_values, pos, name, 0 if isinstance(self.pad_values, dict) else self.pad_values)
+            decl.append((bd, sd, pad, name if name is not None else f"#{pos}"))
+        self._declared[spec] = tuple(decl)
+        return self._declared[spec]
+
+    def names(self, spec) -> List[str]:
+        """Per leaf, the name (or ``#position``) of the input it belongs to, for messages."""
+        decl = self._declared.get(spec) or self._declare(spec)
+        return [d[3] for d in decl]
+
+    # ------------------------------------------------------------------ per call
+
+    def facts(self, args, kwargs, autocast, single_spec=None) -> Union[Facts, str]:
+        """The call's :class:`Facts`, or a string saying why it runs eagerly."""
+        if single_spec is not None and not self.state:
+            leaves, spec = [args[0]], single_spec
+        else:
+            refused = self._refused
+            if refused:
+                for i, a in enumerate(args):
+                    why = refused.get((i, type(a)))
+                    if why is not None:
+                        return why
+                for k, a in kwargs.items():
+                    why = refused.get((k, type(a)))
+                    if why is not None:
+                        return why
+            try:
+                leaves, spec = flatten_inputs(args, kwargs, self.state, self.positional)
+            except UnsupportedInput as e:
+                self._remember_refusal(args, kwargs, str(e))
+                return str(e)
+        if not leaves:
+            return "the call has no tensor inputs to batch"
+        if single_spec is None and _has_state(spec, self._stateful):
+            # State fixes the batch: nothing is padded, every input is copied in whole.
+            roles = ((None, None, 0),) * len(leaves)
+            meta = tuple((tuple(t.shape), t.dtype, t.device) for t in leaves)
+            return Facts((spec, meta, autocast), leaves, 1, None, spec, meta, roles, autocast, state=True)
+        if self.simple:
+            roles = _infer_batch(leaves, self.default_bd)
+            if isinstance(roles, str):
+                return roles
+            roles, n = roles
+            L = None
+        else:
+            got = self._roles(spec, leaves)
+            if isinstance(got, str):
+                return got
+            roles, n, L = got
+        if n == 0:
+            return "the batch is empty"
+        meta = tuple((_masked(t.shape, r[0], r[1]), t.dtype, t.device) for t, r in zip(leaves, roles))
+        return Facts((spec, meta, autocast), leaves, n, L, spec, meta, roles, autocast)
+
+    def _remember_refusal(self, args, kwargs, why: str):
+        """Keep the reason where a top-level input's own type is what graphwrap cannot key on."""
+        for i, a in enumerate(args):
+            if why.startswith(f"input at args[{i}] has type {type(a).__name__},"):
+                self._refused[(i, type(a))] = why
+        for k, a in kwargs.items():
+            if why.startswith(f"input at kwargs[{k!r}] has type {type(a).__name__},"):
+                self._refused[(k, type(a))] = why
+
+    def _roles(self, spec, leaves):
+        decl = self._declared.get(spec) or self._declare(spec)
+        inferred = [i for i, d in enumerate(decl) if d[0] is _INFER]
+        base = _infer_batch([leaves[i] for i in inferred], self.default_bd) if inferred else ([], None)
+        if isinstance(base, str):
+            return base
+        it = iter(base[0])
+        n, L, roles = base[1], None, []
+        for i, (t, (bd, sd, pad, name)) in enumerate(zip(leaves, decl)):
+            if bd is _INFER:
+                bd = next(it)[0]
+            elif bd is not None:
+                if t.dim() <= bd:
+                    return f"input {name} has shape {tuple(t.shape)}, with no batch_dim={bd}"
+                if n is None:
+                    n = t.shape[bd]
+                elif t.shape[bd] != n:
+                    return (f"input {name} has {t.shape[bd]} rows along batch_dim={bd} where other inputs have {n}; "
+                            "declare the inputs that are not batched with batch_dim={name: None}")
+            if sd is not None and (t.dim() <= sd or sd == bd):
+                if isinstance(self.seq_dim, dict) and name in self.seq_dim:
+                    return f"input {name} has shape {tuple(t.shape)}, with no seq_dim={sd} apart from its batch dim"
+                sd = None
+            if sd is not None:
+                if L is None:
+                    L = t.shape[sd]
+                elif t.shape[sd] != L:
+                    return (f"inputs disagree on the sequence length along seq_dim: {L} and {t.shape[sd]} "
+                            f"(input {name})")
+            roles.append((bd, sd, pad))
+        if n is None:
+            return "no input is batched"
+        if L is None and isinstance(self.seq_dim, int):
+            raise GraphwrapError(f"seq_dim={self.seq_dim}, but no tensor input has a dimension {self.seq_dim} apart from "
+                                 f"its batch dim (shapes {[tuple(t.shape) for t in leaves]}); pass the dimension that "
+                                 "holds the sequence, e.g. seq_dim=1")
+        return tuple(roles), n, L
+
+
+def state_refs(spec) -> tuple:
+    """The state inputs (``state.StateRef``) of a call's spec, in order."""
+    out = []
+
+    def walk(s):
+        if isinstance(s, tuple):
+            if s[:1] == ("S",):
+                out.append(s[1])
+                return
+            for c in s:
+                if isinstance(c, tuple):
+                    walk(c)
+    walk(spec)
+    return tuple(out)
+
+
+def _state_names(state) -> frozenset:
+    """``state=`` as a set of input names and positions; GraphwrapError for anything else."""
+    if state is None:
+        return frozenset()
+    items = [state] if isinstance(state, (str, int)) else state
+    try:
+        items = list(items)
+    except TypeError:
+        items = None
+    if not items or any(not isinstance(x, (str, int)) or isinstance(x, bool) for x in items):
+        raise GraphwrapError(f"state must be an input name or position, or a list of them, such as "
+                             f'["k_cache", "v_cache"], got {state!r}')
+    return frozenset(items)
+
+
+def _has_state(spec, memo: Dict[tuple, bool]) -> bool:
+    got = memo.get(spec)
+    if got is None:
+        got = memo[spec] = _any_state(spec)
+    return got
+
+
+def _any_state(spec) -> bool:
+    if isinstance(spec, tuple):
+        if spec[:1] == ("S",):
+            return True
+        return any(_any_state(s) for s in spec if isinstance(s, tuple))
+    return False
+
+
+def _count_leaves(spec) -> int:
+    tag = spec[0]
+    if tag == "T":
+        return 1
+    if tag in ("C", "S"):
+        return 0
+    if tag in ("tuple", "list"):
+        return sum(_count_leaves(s) for s in spec[1])
+    if tag in ("dict", "defaultdict"):
+        return sum(_count_leaves(s) for s in spec[3])
+    return sum(_count_leaves(s) for s in spec[2])
+
+
+def _infer_batch(leaves, bd: int):
+    """Roles and rows for leaves under the default batch dim, or why they cannot be batched.
+
+    Every leaf is batched when all agree on the rows. Otherwise a leaf without the dim, or with
+    one row where the others agree on more, is taken as unbatched (broadcast over the batch);
+    any other disagreement is ambiguous.
+    """
+    n = None
+    for t in leaves:
+        m = t.shape[bd] if t.dim() > bd else -1
+        if n is None:
+            n = m
+        elif m != n:
+            break
+    else:
+        if n != -1:
+            return [(bd, None, 0)] * len(leaves), n
+    rows = {t.shape[bd] for t in leaves if t.dim() > bd}
+    many = rows - {1}
+    if len(many) > 1:
+        sizes = [tuple(t.shape) for t in leaves]
+        return (f"batched inputs disagree on the batch size along batch_dim={bd} (shapes {sizes}); pass "
+                "batch_dim={name: None, ...} to say which inputs are not batched")
+    if not rows:
+        if bd > 0:
+            raise GraphwrapError(f"batch_dim={bd}, but no tensor input has a dimension {bd} (shapes "
+                                 f"{[tuple(t.shape) for t in leaves]}); pass the dimension that holds the batch, "
+                                 "e.g. batch_dim=0")
+        return "no input has the batch dim (batch_dim=%d)" % bd
+    n = many.pop() if many else 1
+    roles = [(bd, None, 0) if t.dim() > bd and t.shape[bd] == n else (None, None, 0) for t in leaves]
+    return roles, n
+
+
+def _masked(shape, bd, sd) -> tuple:
+    """The shape with "B" at the batch dim and "S" at the sequence dim: part of the key."""
+    s = tuple(shape)
+    if sd is None:
+        return s if bd is None else s[:bd] + ("B",) + s[bd + 1:]
+    return tuple("B" if i == bd else "S" if i == sd else d for i, d in enumerate(s))
+
+
+def describe_key(spec, meta, autocast) -> str:
+    """A readable input signature: ``(Tensor[B, S] int64 cuda:0, mask=Tensor[B, S] ...)``."""
+    spec_args, spec_kw = spec
+    it = iter(meta)
+
+    def one(s):
+        tag = s[0]
+        if tag == "T":
+            shape, dtype, device = next(it)
+            return f"Tensor[{', '.join(str(d) for d in shape)}] {str(dtype).replace('torch.', '')} {device}"
+        if tag == "C":
+            return repr(s[2])
+        if tag == "S":
+            return repr(s[1])
+        if tag in ("tuple", "list"):
+            inner = ", ".join(one(c) for c in s[1])
+            return f"({inner})" if tag == "tuple" else f"[{inner}]"
+        if tag in ("dict", "defaultdict"):
+            inner = "{" + ", ".join(f"{k!r}: {one(c)}" for k, c in zip(s[2], s[3])) + "}"
+            return inner if s[1] is dict else f"{s[1].__name__}({inner})"
+        return f"{s[1].__name__}(" + ", ".join(one(c) for c in s[2]) + ")"
+
+    parts = [one(s) for s in spec_args] + [f"{k}={one(s)}" for k, s in spec_kw]
+    text = "(" + ", ".join(parts) + ")"
+    if autocast is not None:
+        text += f" autocast={str(autocast).replace('torch.', '')}"
+    return text

@@ -1,0 +1,180 @@
+"""The module's own state across a capture: one call changes it exactly as one eager call does.
+
+A capture runs the forward several times besides the call it serves: a reference run, warm-ups,
+checks at other shapes, verification replays, the race against eager. A forward that writes its
+module's buffers (a step counter, running statistics, a cache kept in buffers) would see each of
+those runs. :class:`Saved` copies the buffers before a capture and puts back, before each run
+and at the end, every buffer whose version counter moved; what the forward wrote is then known,
+and the engine serves such a module without padding, chunking or joining requests (each of
+which would write state the eager call does not).
+"""
+
+from typing import List, Optional, Set, Tuple
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class Saved:
+    """The module's buffers as they were when a capture began."""
+
+    __slots__ = ("items", "params", "written", "host", "host_written")
+
+    def __init__(self, module: torch.nn.Module, states=()):
+        named = list(module.named_buffers())
+        self.host = []  # (holder, attribute, value): the numbers a state input keeps in Python
+        for i, ref in enumerate(states):  # state inputs: a static cache's tensors
+            named += [(f"{type(ref.obj).__name__}[{j}]", t) for j, t in enumerate(state_tensors(ref.obj))]
+            self.host += state_numbers(ref.obj)
+        self.host_written: Set[str] = set()
+        with torch.inference_mode(False), torch.no_grad():
+            # Inference tensors keep no version counter and cannot be written outside that mode.
+            self.items: List[Tuple[str, Tensor, int, Tensor]] = [
+                (name, t, t._version, t.clone()) for name, t in named if not t.is_inference()]
+        self.params = [(name, p, p._version) for name, p in module.named_parameters() if not p.is_inference()]
+        self.written: Set[str] = set()
+
+    def restore(self):
+        """Put back every buffer written since the capture began (on the current stream). An eager
+        run bumps the version counter of what it writes; a graph replay does not, so a buffer
+        once seen written is put back every time."""
+        for i, (name, t, v, saved) in enumerate(self.items):
+            if t._version != v or name in self.written:
+                with torch.inference_mode(False), torch.no_grad():
+                    t.copy_(saved)
+                self.written.add(name)
+                self.items[i] = (name, t, t._version, saved)
+        for holder, attr, value in self.host:
+            now = getattr(holder, attr, value)
+            if now is not value and now != value:
+                self.host_written.add(f"{type(holder).__name__}.{attr}")
+                setattr(holder, attr, value)
+
+    def check_host_state(self):
+        """Raise CaptureFailed if the forward changed numbers a state input keeps in Python (a
+        sliding-window cache's position as an int): a graph would replay them frozen, so such
+        calls run eagerly. Call after a run, before :meth:`restore` puts them back."""
+        from ..capture.checks import CaptureFailed
+
+        changed = sorted({f"{type(h).__name__}.{a}" for h, a, v in self.host
+                          if getattr(h, a, v) is not v and getattr(h, a, v) != v} | self.host_written)
+        if changed:
+            raise CaptureFailed(f"the forward changes numbers its state keeps in Python ({', '.join(changed[:3])}): a "
+                                "graph would replay them frozen, so these calls run eagerly")
+
+    def check_params(self):
+        """Raise CaptureFailed if the forward wrote into its parameters (they are not copied, so
+        not put back: such a module runs eagerly; the run that found it stays)."""
+        from ..capture.checks import CaptureFailed
+
+        written = [name for name, p, v in self.params if p._version != v]
+        if written:
+            raise CaptureFailed(f"the forward writes into its parameters {', '.join(written[:3])}; such a module "
+                                "runs eagerly")
+
+
+# ---------------------------------------------------------------------------------- state inputs
+
+DYNAMIC_CACHE = ("a cache that grows with every token (a DynamicCache) cannot be replayed by a graph: pass a static "
+                 "cache (generate(..., cache_implementation=\"static\"), or a transformers StaticCache) for graphs")
+NOT_ALLOCATED = ("the static cache is not allocated yet (its first call allocates it): this call runs eagerly, the "
+                 "next ones are graphed")
+
+
+def state_reason(obj) -> Optional[str]:
+    """Whether an input object is state the forward reads and writes in place: None for a cache
+    of fixed tensors (a transformers static cache: ``is_compileable``, every layer allocated),
+    a reason to run eagerly for a cache that cannot be (growing, or not allocated yet), and
+    ``NOT_STATE`` for any other object."""
+    layers = getattr(obj, "layers", None)
+    if not isinstance(layers, list) or not hasattr(type(obj), "is_compileable"):
+        return NOT_STATE
+    try:
+        compileable = bool(obj.is_compileable)
+    except Exception:  # noqa: BLE001 - a property that cannot be read says no
+        compileable = False
+    if not compileable:
+        return DYNAMIC_CACHE
+    if not all(getattr(layer, "is_initialized", True) for layer in layers):
+        return NOT_ALLOCATED
+    return None
+
+
+NOT_STATE = "not state"
+INFERENCE_STATE = ("the state input's tensors were made under torch.inference_mode(): a capture cannot write "
+                   "them (it runs outside that mode); make the cache outside inference_mode (no_grad serves)")
+
+
+def state_tensors(obj, depth: int = 3) -> List[Tensor]:
+    """The tensors an object holds (in its attributes, and theirs, and in lists and dicts of
+    them, ``depth`` levels down), each once, in a fixed order. A transformers cache's are read
+    straight from its layers' attributes (keys, values, the position counter): this runs on
+    every call."""
+    layers = getattr(obj, "layers", None)
+    if isinstance(layers, list) and layers:
+        fast = [v for layer in layers for v in vars(layer).values() if isinstance(v, Tensor)]
+        if fast:
+            return fast
+    out, seen = [], set()
+
+    def walk(x, d):
+        if isinstance(x, Tensor):
+            if id(x) not in seen:
+                seen.add(id(x))
+                out.append(x)
+            return
+        if d == 0 or isinstance(x, (str, bytes, int, float, bool, type(None), torch.dtype, torch.device)):
+            return
+        if isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v, d - 1)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v, d - 1)
+        elif hasattr(x, "__dict__") and not isinstance(x, (torch.nn.Module, type)):
+            for v in vars(x).values():
+                walk(v, d - 1)
+
+    walk(obj, depth)
+    return out
+
+
+_NUMBERS = (int, float, bool, str, type(None))
+
+
+def state_numbers(obj) -> List[tuple]:
+    """``(holder, attribute, value)`` for the plain numbers (and strings, None) a state input
+    and its layers keep as attributes: what a forward could change on the host, out of a
+    graph's sight."""
+    holders = [obj] + [x for x in (getattr(obj, "layers", None) or []) if hasattr(x, "__dict__")]
+    return [(h, a, v) for h in holders if hasattr(h, "__dict__") and not isinstance(h, Tensor)
+            for a, v in vars(h).items() if isinstance(v, _NUMBERS)]
+
+
+class StateRef:
+    """A state input in a call's spec: the object itself (given to the forward as it is), equal
+    only to the same object holding the same tensors at the same addresses (a tensor: the same
+    memory and layout), so a cache whose tensors were allocated again is another key (no graph
+    replays on memory it no longer owns; the key holds the object, so its memory lives on)."""
+
+    __slots__ = ("obj", "ident", "ptrs", "inference", "_hash")
+
+    def __init__(self, obj):
+        self.obj = obj
+        tensors = state_tensors(obj)
+        self.ptrs = tuple(t.data_ptr() for t in tensors)
+        self.inference = any(t.is_inference() for t in tensors)  # made under torch.inference_mode
+        # A tensor is the same state as another view of its memory with the same layout (a
+        # caller may pass a fresh view each call); any other object only as itself.
+        self.ident = (tuple(obj.shape), obj.stride(), obj.dtype, obj.device) if isinstance(obj, Tensor) else id(obj)
+        self._hash = hash((self.ident, self.ptrs))
+
+    def __eq__(self, other):
+        return isinstance(other, StateRef) and other.ident == self.ident and other.ptrs == self.ptrs
+
+    def __hash__(self):
+        return self._hash
+
+    def __repr__(self):
+        return f"{type(self.obj).__name__}@{id(self.obj):#x}"

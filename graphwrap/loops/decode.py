@@ -1,0 +1,304 @@
+"""graphwrap's decode loop for Hugging Face ``generate``: greedy and sampled decoding whose steps
+replay graphs, with no wait on the GPU between steps.
+
+``generate`` prepares everything as it always does (the generation config, the logits
+processors and stopping criteria, the cache, the prompt's inputs) and hands the loop that
+:func:`make_decode_loop` makes to its public ``custom_generate`` hook. The loop runs the prompt's
+forward eagerly (its length changes every call, and padding it would write padded positions
+into the cache), then every step through graphwrap's engine: the step's inputs are the model's
+own (``prepare_inputs_for_generation``), kept from step to step where the cache allows it
+(:func:`lean_inputs`), and the processors and criteria are ``generate``'s. Where transformers'
+loop reads "are all rows finished?" back from the GPU after every step, this one queues steps
+ahead and reads that flag a few steps late, without waiting: steps queued after the last row
+finished are dropped (their tokens cut off, the random generator put back where it stood), so
+the tokens and their count are ``generate``'s own.
+
+Requests the loop does not serve (beams, streamers, returned scores, an assistant) are run by
+transformers' own loop, each step still handed to graphwrap (:meth:`GraphedModule.generate`).
+"""
+
+import inspect
+from typing import Optional
+
+import torch
+
+from ..errors import GraphwrapError
+
+# How many steps the loop queues between two looks at the "all rows finished" flags.
+POLL_EVERY = 8
+
+# generate() keywords that the loop does not serve: transformers' own loop runs these requests.
+NOT_SERVED = ("streamer", "assistant_model", "synced_gpus", "custom_generate", "prompt_lookup_num_tokens",
+              "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+              "output_hidden_states", "prefill_chunk_size", "inputs_embeds", "tokenizer", "stop_strings")
+
+
+def unsupported(module) -> Optional[str]:
+    """Why graphwrap's loop cannot run this model's ``generate`` (None when it can)."""
+    try:
+        import transformers.generation.utils as gen_utils
+    except ImportError:
+        return "transformers is not installed"
+    mixin = getattr(gen_utils, "GenerationMixin", None)
+    if mixin is None or not isinstance(module, mixin):
+        return "not a Hugging Face generation model"
+    if "custom_generate" not in inspect.signature(module.generate).parameters:
+        return "this transformers has no custom_generate (a callable decoding loop needs 4.56 or newer)"
+    for name in ("_prefill", "_update_model_kwargs_for_generation", "prepare_inputs_for_generation"):
+        if not callable(getattr(module, name, None)):
+            return f"this transformers' models have no {name}()"
+    if "next_sequence_length" not in inspect.signature(module.prepare_inputs_for_generation).parameters:
+        return "this transformers' prepare_inputs_for_generation() takes no next_sequence_length"
+    if getattr(module.config, "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    return None
+
+
+def request_unsupported(kwargs) -> Optional[str]:
+    """Why graphwrap's loop does not serve this ``generate`` call (None when it does)."""
+    for name in NOT_SERVED:
+        if kwargs.get(name) not in (None, False):
+            return f"{name}= is given"
+    if kwargs.get("num_beams", 1) not in (None, 1) or kwargs.get("num_return_sequences", 1) not in (None, 1):
+        return "beam search or several sequences per prompt"
+    if kwargs.get("use_cache") is False:
+        return "use_cache=False"
+    return None
+
+
+def check_room(args, kwargs):
+    """A GraphwrapError, before any step, where a static cache passed to ``generate`` is too
+    short for the prompt and ``max_new_tokens`` (its last steps would write past its end: an
+    index error of the model's, on a GPU a device-side assert that ends the process's CUDA
+    context)."""
+    cache, new = kwargs.get("past_key_values"), kwargs.get("max_new_tokens")
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if cache is None or not isinstance(new, int) or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return
+    if getattr(cache, "is_compileable", False) is not True:
+        return  # a cache that grows
+    if any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", None) or []):
+        return  # a sliding window keeps its last positions: it never runs out
+    length = None
+    for name in ("get_max_length", "get_max_cache_shape"):
+        if callable(getattr(cache, name, None)):
+            try:
+                length = getattr(cache, name)()
+            except Exception:  # noqa: BLE001 - a length that cannot be told is not checked
+                return
+            break
+    if not isinstance(length, int) or length <= 0:
+        return
+    if ids.shape[1] + new > length:
+        raise GraphwrapError(
+            f"the cache passed to generate holds {length} positions, and this call needs {ids.shape[1] + new} "
+            f"({ids.shape[1]} of input_ids and max_new_tokens={new}): pass a cache of max_cache_len >= "
+            f"{ids.shape[1] + new}, fewer max_new_tokens, or cache_implementation=\"static\" and no past_key_values "
+            "(graphwrap then sizes its own cache)")
+
+
+def _mode_unsupported(model, gen) -> Optional[str]:
+    if gen.num_beams not in (None, 1) or (gen.num_return_sequences or 1) != 1:
+        return "beam search or several sequences per prompt"
+    if gen.return_dict_in_generate:
+        return "return_dict_in_generate"
+    if getattr(gen, "prefill_chunk_size", None) is not None:
+        return "chunked prefill"
+    if model.config.is_encoder_decoder:
+        return "an encoder-decoder model"
+    return None
+
+
+class _Rng:
+    """The random generator's state before each sampled step, so that steps dropped after the
+    last row finished give back the random numbers they drew."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.states = []
+
+    def save(self):
+        if self.device.type == "cuda":
+            self.states.append(torch.cuda.get_rng_state(self.device))
+        else:
+            self.states.append(torch.get_rng_state())
+
+    def rewind(self, step: int):
+        """Put the generator back to where it stood before ``step``'s draw."""
+        if step >= len(self.states):
+            return
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(self.states[step], self.device)
+        else:
+            torch.set_rng_state(self.states[step])
+
+
+class _Finished:
+    """Per step, which rows were still unfinished after it; whether every row had finished is
+    read a few steps late, never waited for."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.unfinished = []  # per step, a bool per row
+        self.pending = None  # (pinned flag, event) of the last look, not yet read
+
+    def add(self, unfinished: torch.Tensor) -> bool:
+        """Note this step's rows; True once an earlier step is known to have finished every row."""
+        self.unfinished.append(unfinished)
+        if self.device.type != "cuda":
+            return not bool(unfinished.any())
+        if self.pending is not None and self.pending[1].query():
+            done = bool(self.pending[0])
+            self.pending = None
+            if done:
+                return True
+        if self.pending is None and len(self.unfinished) % POLL_EVERY == 0:
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            # the last step of the window is enough: a finished row stays finished
+            host.copy_(~unfinished.any(), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.pending = (host, event)
+        return False
+
+    def first(self) -> Optional[int]:
+        """The first step after which every row had finished (None if none); waits for the GPU."""
+        if not self.unfinished:
+            return None
+        hit = (~torch.stack(self.unfinished).any(1)).nonzero()
+        return int(hit[0, 0]) if hit.numel() else None
+
+
+# What a decode step's inputs may hold for them to be kept from step to step.
+LEAN_KEYS = frozenset(("input_ids", "past_key_values", "attention_mask", "position_ids", "use_cache", "logits_to_keep"))
+
+
+def lean_inputs(model, inputs: dict, model_kwargs: dict) -> Optional[dict]:
+    """The first decode step's inputs, to be kept for every step; None where the model's own
+    preparation must run each step.
+
+    ``prepare_inputs_for_generation`` turns the 2D mask into a 4D mask over the whole static
+    cache each step, on the host. Given the 2D mask extended with ones to the cache's length
+    instead, the model's forward builds that same mask itself, inside the graph: each step then
+    changes the new tokens and, where the model takes them, positions one further. Only for a
+    cache of full-attention layers whose 4D mask spans it whole: a sliding window reads the 2D
+    mask of the whole sequence at an offset of its own."""
+    if hasattr(model, "create_masks_for_generate") or not set(inputs) <= LEAN_KEYS:
+        return None  # masks of the model's own for generate, or inputs the loop does not know
+    mask, mask2d = inputs.get("attention_mask"), model_kwargs.get("attention_mask")
+    ids, pos = inputs.get("input_ids"), inputs.get("position_ids")
+    if (not isinstance(mask, torch.Tensor) or not isinstance(mask2d, torch.Tensor) or mask.dim() != 4
+            or mask2d.dim() != 2 or mask.shape[-1] < mask2d.shape[-1] or ids is None or ids.shape[-1] != 1
+            or (pos is not None and pos.shape[-1] != 1)):
+        return None
+    cache = inputs.get("past_key_values")
+    layers = getattr(cache, "layers", None) or []
+    if not layers or any(getattr(layer, "is_sliding", True) for layer in layers):
+        return None  # a sliding window reads the 2D mask of the whole sequence at its own offset
+    try:
+        whole = cache.get_max_length()
+    except Exception:  # noqa: BLE001 - a cache whose length cannot be told keeps the model's preparation
+        return None
+    if whole != mask.shape[-1]:
+        return None  # the 4D mask does not span the whole cache
+    rows, length = mask2d.shape
+    lean = dict(inputs)
+    lean["attention_mask"] = torch.cat([mask2d, mask2d.new_ones(rows, mask.shape[-1] - length)], dim=1)
+    return lean
+
+
+class _StepInputs:
+    """The inputs of each decode step: the model's own preparation once, then kept and moved
+    on by one token (:func:`lean_inputs`), or prepared every step."""
+
+    def __init__(self, model, model_kwargs: dict):
+        self.model, self.kwargs = model, model_kwargs
+        self.lean = None  # None: not known yet; False: prepared every step
+
+    def after(self, outputs):
+        """Note a forward's outputs (the cache, and the mask and positions one token longer)."""
+        if not self.lean:
+            self.kwargs = self.model._update_model_kwargs_for_generation(outputs, self.kwargs, is_encoder_decoder=False)
+
+    def next(self, input_ids, tokens) -> dict:
+        if self.lean:
+            self.lean["input_ids"] = tokens[:, None]
+            if "position_ids" in self.lean:
+                self.lean["position_ids"] = self.lean["position_ids"] + 1
+            return self.lean
+        inputs = self.model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **self.kwargs)
+        if self.lean is None:
+            self.lean = lean_inputs(self.model, inputs, self.kwargs) or False
+            if self.lean:
+                return self.lean
+        return inputs
+
+
+def make_decode_loop(step):
+    """A ``custom_generate`` callable whose decode steps are ``step(**model_inputs)``."""
+
+    def graphwrap_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+        why = _mode_unsupported(model, generation_config)
+        if why is not None:  # generate() prepared a request its own loop serves
+            from transformers.generation.utils import GENERATION_MODES_MAPPING
+
+            method = getattr(type(model), GENERATION_MODES_MAPPING[generation_config.get_generation_mode()])
+            return method(model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                          generation_config=generation_config, **model_kwargs)
+        return _loop(model, step, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
+    return graphwrap_decode
+
+
+def _loop(model, step, input_ids, logits_processor, stopping_criteria, gen, model_kwargs):
+    device = input_ids.device
+    prompt, rows = input_ids.shape[1], input_ids.shape[0]
+    pad = getattr(gen, "_pad_token_tensor", None)
+    if pad is None and gen.pad_token_id is not None:
+        pad = torch.tensor(gen.pad_token_id, device=device)
+    has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    max_length = stopping_criteria.max_length
+    # The length is known on the host; criteria besides it decide per row on the GPU, and their
+    # verdicts are read late.
+    criteria = [c for c in stopping_criteria if type(c).__name__ != "MaxLengthCriteria"]
+    finished = _Finished(device) if criteria else None
+    rng = _Rng(device) if criteria and gen.do_sample else None
+    unfinished = torch.ones(rows, dtype=torch.bool, device=device)
+
+    inputs = _StepInputs(model, model_kwargs)
+    outputs = model._prefill(input_ids, gen, model_kwargs)
+    tokens = None
+    while True:
+        if tokens is not None:
+            outputs = step(**inputs.next(input_ids, tokens), return_dict=True)
+        inputs.after(outputs)
+        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
+        del outputs
+        scores = logits_processor(input_ids, logits)
+        if gen.do_sample:
+            if rng is not None:
+                rng.save()
+            tokens = torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            tokens = torch.argmax(scores, dim=-1)
+        if has_eos:  # finished rows are padded
+            tokens = torch.where(unfinished, tokens, pad)
+        input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
+        if max_length is not None and input_ids.shape[1] >= max_length:
+            break
+        if finished is not None:
+            done = criteria[0](input_ids, None)
+            for c in criteria[1:]:
+                done = done | c(input_ids, None)
+            unfinished = unfinished & ~done
+            if finished.add(unfinished):
+                break
+        elif max_length is None:
+            raise GraphwrapError("generate gave the decode loop no stopping criteria: pass max_new_tokens")
+    if finished is not None:
+        last = finished.first()
+        if last is not None:  # steps queued after every row had finished: dropped
+            input_ids = input_ids[:, :prompt + last + 1]
+            if rng is not None:
+                rng.rewind(last + 1)
+    return input_ids
