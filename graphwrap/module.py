@@ -20,6 +20,7 @@ from .core.engine import Engine, Tensor
 from .errors import GraphwrapError
 from .options import Options
 from .core.plans import STALE
+from .core.reasons import Eager, Kind
 from .core.records import release_store
 
 logger = logging.getLogger("graphwrap")
@@ -329,8 +330,8 @@ class GraphedModule(nn.Module):
         """
         engine = self.engine
         f = engine.facts(args, kwargs)
-        if isinstance(f, str):
-            if f in ("CUDA is not available", "the module is not on a CUDA device"):
+        if type(f) is Eager:
+            if f.kind is Kind.NO_GRAPHS:
                 logger.warning("graphwrap: capture() captured nothing: %s; calls run the module eagerly", f)
                 return engine.stats()
             raise GraphwrapError(f"cannot capture: {f}")

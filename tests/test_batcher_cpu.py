@@ -9,6 +9,7 @@ from helpers import MLP, MultiIO, Out, RowMixer, assert_same, eager_answer, run_
 from torch import nn
 
 from graphwrap import Batcher, GraphedModule, GraphwrapError
+from graphwrap.core.reasons import Eager
 from graphwrap.loops.joins import join_verdict, split_outputs
 from graphwrap.core.tree import BATCHED, CONST, WHOLE, flatten_outputs
 
@@ -228,10 +229,10 @@ def test_join_verdict_and_split():
     parts = split_outputs(joined, kinds, seq_dims, spec, sizes, [None, None], 0)
     assert torch.equal(parts[1][0], torch.tensor([[4.0, 5.0]])) and parts[1][2] == "c"
     bad = [(torch.arange(4.0).view(2, 2) + 1, torch.ones(4), "c"), alone[1]]
-    assert "mixes rows" in join_verdict(joined, bad, sizes, 0)
+    assert "mixes rows" in join_verdict(joined, bad, sizes, 0).reason
     changed = [alone[0], (torch.tensor([[4.0, 5.0]]), torch.zeros(4), "c")]
-    assert "mixes rows" in join_verdict(joined, changed, sizes, 0)
-    assert isinstance(join_verdict(flatten_outputs((torch.zeros(3, 2),))[0], alone, sizes, 0), str)
+    assert "mixes rows" in join_verdict(joined, changed, sizes, 0).reason
+    assert type(join_verdict(flatten_outputs((torch.zeros(3, 2),))[0], alone, sizes, 0)) is Eager
 
 
 def test_join_verdict_and_split_with_lengths():
@@ -249,7 +250,7 @@ def test_join_verdict_and_split_with_lengths():
     assert join_verdict([joined[:, :3]], [a, b[:, :3]], [1, 2], 0, [3, 3], 3, seq_dims=[(1,)])[1] == [(1,)]
     wrong = b.clone()
     wrong[0, 4] += 1
-    assert "mixes rows" in join_verdict([joined], [a, wrong], [1, 2], 0, [3, 5], 5)
+    assert "mixes rows" in join_verdict([joined], [a, wrong], [1, 2], 0, [3, 5], 5).reason
 
 
 def test_plan_groups_by_length_and_cost():

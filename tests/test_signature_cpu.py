@@ -7,6 +7,7 @@ from helpers import MLP, assert_same
 from torch import nn
 
 from graphwrap import GraphedModule, GraphwrapError
+from graphwrap.core.reasons import Kind
 from graphwrap.core.signature import Declarations, describe_key
 
 
@@ -36,7 +37,8 @@ def test_one_row_or_no_batch_dim_is_unbatched_where_the_others_agree():
 
 def test_ambiguous_batches_run_eagerly_with_the_reason():
     reason = _facts(Declarations(Takes()), torch.zeros(3, 2), torch.zeros(4, 2))
-    assert isinstance(reason, str) and "disagree on the batch size" in reason and "batch_dim={name: None" in reason
+    assert reason.kind is Kind.INPUT and "disagree on the batch size" in reason.reason
+    assert "batch_dim={name: None" in reason.reason
 
 
 def test_batch_dim_by_name_and_position():
@@ -49,7 +51,7 @@ def test_batch_dim_by_name_and_position():
     f = _facts(decl, torch.zeros(4, 8), torch.zeros(3, 3))
     assert f.n == 4 and [r[0] for r in f.roles] == [0, None]
     reason = _facts(Declarations(Takes(), batch_dim={"cache": 0}), torch.zeros(4, 8), torch.zeros(3, 3))
-    assert "input cache has 3 rows" in reason
+    assert "input cache has 3 rows" in reason.reason
 
 
 def test_sequence_dim_and_length():
@@ -62,7 +64,7 @@ def test_sequence_dim_and_length():
     g = _facts(decl, torch.zeros(5, 9, dtype=torch.long), torch.zeros(5, 9, 4), torch.zeros(5, dtype=torch.long))
     assert g.key == f.key, "other rows and another length: the same key"
     reason = _facts(decl, torch.zeros(2, 7), torch.zeros(2, 6, 4))
-    assert "disagree on the sequence length" in reason
+    assert "disagree on the sequence length" in reason.reason
     named = Declarations(Takes(), seq_dim={"x": 1})
     f = _facts(named, torch.zeros(2, 7), torch.zeros(2, 7))
     assert f.roles[0][1] == 1 and f.roles[1][1] is None, "inputs left out keep their shape"

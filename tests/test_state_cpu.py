@@ -116,9 +116,9 @@ def test_each_change_to_the_module_after_capture_is_seen_before_the_next_replay(
         want = eager_answer(model, x)
         assert_same(got, want)
         if why is None:
-            from graphwrap.core.watch import GLOBAL_HOOKS
+            from graphwrap.core.reasons import GLOBAL_HOOKS
 
-            assert gm.stats()["module_changes"] == {} and gm.stats()["eager_calls"] == {GLOBAL_HOOKS: 1}
+            assert gm.stats()["module_changes"] == {} and gm.stats()["eager_calls"] == {GLOBAL_HOOKS.reason: 1}
             undo()
             undo = lambda: None  # noqa: E731
             assert_same(gm(x), eager_answer(model, x))

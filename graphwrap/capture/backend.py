@@ -23,10 +23,10 @@ from .cuda import (
     record,
     timed_calls,
 )
+from ..core.reasons import NO_CUDA, NOT_ON_CUDA, Eager
 from ..core.tree import CONST, flatten_outputs
 
 logger = logging.getLogger("graphwrap")
-CPU_REASONS = ("CUDA is not available", "the module is not on a CUDA device")
 
 
 class CudaBackend:
@@ -36,16 +36,16 @@ class CudaBackend:
     recorder = CudaRecorder()
 
     @staticmethod
-    def device_for(module_device: Optional[torch.device], leaves) -> Union[torch.device, str]:
+    def device_for(module_device: Optional[torch.device], leaves) -> Union[torch.device, Eager]:
         """The device a call's graphs run on, or why it runs eagerly."""
         if not _compat.cuda_available():
-            return CPU_REASONS[0]
+            return NO_CUDA
         if module_device is None:
             # A module with no tensors of its own runs where its inputs are, call by call.
             t = next((x for x in leaves if x.is_cuda), None)
-            return CPU_REASONS[1] if t is None else t.device
+            return NOT_ON_CUDA if t is None else t.device
         if module_device.type != "cuda":
-            return CPU_REASONS[1]
+            return NOT_ON_CUDA
         return module_device
 
     @staticmethod

@@ -4,11 +4,11 @@ The loops (``gm(...)`` in ``calls``, ``pipeline``, ``coalesce``, ``batcher``) dr
 these names and nothing else:
 
 - ``facts(args, kwargs)``: the call as the engine sees it (``signature.Facts``), or why it
-  runs eagerly; ``fast_plan(x)``: the plan of ``gm(x)`` for one tensor of a shape seen before.
+  runs eagerly (a :class:`~graphwrap.core.reasons.Eager`); ``fast_plan(x)``: the plan of ``gm(x)`` for one tensor of a shape seen before.
 - ``plan(facts)``: its :class:`~graphwrap.core.plans.Plan` (graph, eager, or chunked), its bucket
   captured first if need be, outside the serving lock (others run that bucket eagerly meanwhile).
 - ``run(plan, leaves)``: copy in, replay, outputs out, under the serving lock.
-- ``eager(args, kwargs, reason)`` and ``eager_plan(plan, args, kwargs)``: the module itself, counted.
+- ``eager(args, kwargs, why)`` and ``eager_plan(plan, args, kwargs)``: the module itself, counted.
 - ``joins``: what joining requests needs (:class:`~graphwrap.loops.joins.Joins`: ``member``,
   ``run_joined``, ``set_join``, ``cost``, ``max_rows``).
 - ``lease(plan, count)`` and ``give_back(lease)``: graphs for one loop's sole use (pipeline).
@@ -42,7 +42,8 @@ from .tree import (
     requires_grad_shallow,
     to_device_shallow,
 )
-from .watch import GLOBAL_HOOKS, GLOBAL_TABLES, Watch
+from .reasons import GLOBAL_HOOKS, NEEDS_GRAD, TRAINING, WRITES_LARGE, Eager, Kind, capture_reason
+from .watch import GLOBAL_TABLES, Watch
 from ..capture.worker import Worker
 
 logger = logging.getLogger("graphwrap")
@@ -50,8 +51,6 @@ Tensor = torch.Tensor
 SINGLE_TENSOR_SPEC = flatten_inputs((torch.empty(0),), {})[1]
 autocast_on = torch._C.is_autocast_enabled  # CUDA autocast on, in one C call (torch >= 2.1)
 grad_on = torch.is_grad_enabled
-GRAD_REASONS = ("the module is in training mode", "an input requires grad and grad mode is on")
-WRITES_LARGE = "the forward writes module buffers: a batch above the largest bucket runs eagerly, in one call"
 EXACT_LENGTHS = 32  # graphs per exact length of a key whose padding is refused, then eager
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _GLOBAL_PRE, _GLOBAL_POST = GLOBAL_TABLES  # torch.nn's global forward hook tables (mutated in place)
@@ -107,9 +106,10 @@ class Engine:
         return None
 
     def facts(self, args, kwargs):
-        """The call's :class:`~graphwrap.core.signature.Facts`, or a string saying why it runs eagerly."""
+        """The call's :class:`~graphwrap.core.signature.Facts`, or the :class:`~graphwrap.core.reasons.Eager`
+        reason it runs eagerly."""
         if self.module.training:
-            return GRAD_REASONS[0]
+            return TRAINING
         if _GLOBAL_PRE or _GLOBAL_POST:
             return GLOBAL_HOOKS
         why = self.watch.look()
@@ -118,22 +118,22 @@ class Engine:
         if self.watch.eager is not None:  # a submodule in training mode
             return self.watch.eager
         where = self.where if self.where is not None else self._where()
-        if type(where) is str:
+        if type(where) is Eager:
             if not self.dims_checked:  # the options' dims are checked on a CPU too, on the first call
                 self.dims_checked = True
                 self.decl.facts(args, kwargs, None)
             return where
         single = SINGLE_TENSOR_SPEC if not kwargs and len(args) == 1 and type(args[0]) is Tensor else None
         f = self.decl.facts(args, kwargs, _compat.autocast_state("cuda"), single)
-        if type(f) is str:
+        if type(f) is Eager:
             return f
         if where is False:  # a module without tensors: it runs where its inputs are
             where = self.backend.device_for(None, f.leaves)
-            if type(where) is str:
+            if type(where) is Eager:
                 return where
         f.device = where
         if grad_on() and any(t.requires_grad for t in f.leaves):
-            return GRAD_REASONS[1]
+            return NEEDS_GRAD
         if self.adaptive is not None:
             return self._observe(f.n)
         return f
@@ -152,7 +152,7 @@ class Engine:
             self.reset()
             with self.lock:
                 ks = self.store.keys.get(f.key) or self.key_for(f)
-        if type(ks) is str:
+        if type(ks) is Eager:
             return Plan.eager_only(self, ks)
         plan = self.plan_rows(ks, f.n, f.L, f.leaves)
         if ks.single is not None and not plan.chunked and ks.plans.get((f.n, f.L)) is plan:
@@ -173,12 +173,12 @@ class Engine:
         (marked as capturing). The caller holds the lock."""
         if ks.failed is not None:
             ks.eager_calls += 1
-            return Plan(self, ks, n, L, NO_BUCKET, reason=ks.failed)
+            return Plan(self, ks, n, L, NO_BUCKET, reason=capture_reason(ks.failed))
         plan = ks.plans.get((n, L))
         if plan is not None and plan.epoch == self.epoch:
             return plan
         S = self._seq_bucket(ks, L)
-        if type(S) is str:
+        if type(S) is Eager:
             return Plan(self, ks, n, L, NO_BUCKET, reason=S)
         top = self.grid.top(S)
         if self.writes is not None or ks.fixed:  # state written per row or position: never padded or chunked
@@ -206,9 +206,9 @@ class Engine:
         if st is Serves.OVER_BUDGET:
             larger = self._larger(ks, size, S)
             if larger is None:  # not kept: a larger bucket captured later serves these batches
-                return Plan(self, ks, n, L, b, reason=b.reason)
+                return Plan(self, ks, n, L, b, reason=capture_reason(b.reason))
             b = larger
-        plan = ks.plans[(n, L)] = Plan(self, ks, n, L, b, reason=b.reason if st is Serves.FAILED else None,
+        plan = ks.plans[(n, L)] = Plan(self, ks, n, L, b, reason=capture_reason(b.reason) if st is Serves.FAILED else None,
                                        eager=b.serves is Serves.EAGER)
         if b.compiled and b.kernels == "shared" and not b.tuned and self.compile_opts.get("static") == "auto":
             from ..capture.tuning import HOT_CALLS
@@ -223,11 +223,12 @@ class Engine:
             ks.exact = "the forward writes module buffers"
         S = self.grid.seq_for(L, exact=ks.exact is not None)
         if S is None:
-            return (f"length {L} is longer than the longest sequence bucket ({self.grid.max_len}); pass "
-                    "seq_buckets= with a longer one")
+            return Eager(f"length {L} is longer than the longest sequence bucket ({self.grid.max_len}); pass "
+                         "seq_buckets= with a longer one", Kind.LIMIT)
         if ks.exact is not None and len({s for _, s in ks.buckets}) >= EXACT_LENGTHS and \
                 not any(s == S for _, s in ks.buckets):
-            return f"{ks.exact}; graphs for {EXACT_LENGTHS} exact lengths are captured, further lengths run eagerly"
+            return Eager(f"{ks.exact}; graphs for {EXACT_LENGTHS} exact lengths are captured, further lengths run "
+                         "eagerly", Kind.LIMIT)
         return S
 
     def run(self, plan: Plan, leaves, clone: bool = True):
@@ -261,13 +262,13 @@ class Engine:
         with torch.no_grad():
             return self.module(*args, **kwargs)
 
-    def eager(self, args, kwargs, reason: str):
-        """Run eagerly for ``reason``: counted in ``stats()["eager_calls"]``, logged the first time."""
-        counts = self.eager_counts
+    def eager(self, args, kwargs, why: Eager):
+        """Run eagerly for ``why``: counted by its words in ``stats()["eager_calls"]``, logged the first time."""
+        counts, reason = self.eager_counts, why.reason
         counts[reason] = counts.get(reason, 0) + 1
         if counts[reason] == 1:
             self.log_once(("eager", reason), logging.WARNING, f"graphwrap: running eagerly: {reason}")
-        return self.eager_run(args, kwargs, grad=reason in GRAD_REASONS or reason is self.watch.eager)
+        return self.eager_run(args, kwargs, grad=why.kind is Kind.GRAD)
 
     def eager_plan(self, plan: Plan, args, kwargs):
         """A call whose plan runs eagerly: by choice (eager measured faster) or for a reason."""
@@ -287,7 +288,7 @@ class Engine:
         """The key of a call (made on first use), or why it runs eagerly. The caller holds the lock."""
         store = self.store
         if len(store.keys) >= self.max_keys:
-            return f"more than max_keys={self.max_keys} input signatures"
+            return Eager(f"more than max_keys={self.max_keys} input signatures", Kind.LIMIT)
         device = f.device
         for i, t in enumerate(f.leaves):
             if t.is_cuda and t.device != device:
@@ -316,7 +317,7 @@ class Engine:
         self.reset()
         self.watch.look()
 
-    def _observe(self, n: int) -> str:
+    def _observe(self, n: int) -> Eager:
         """Count a batch size for the Adaptive policy; the call runs eagerly."""
         with self.lock:
             adaptive = self.adaptive
@@ -330,7 +331,8 @@ class Engine:
                     rows, pad = sum(k * v for k, v in hist.items()), padded_rows(buckets, hist)
                     logger.info("graphwrap: adaptive buckets %s from %d calls; %.1f%% of their rows would be padding",
                                 buckets, adaptive.seen, 100.0 * pad / (rows + pad))
-        return f"adaptive buckets: counting batch sizes over the first {self.policy.warmup_calls} calls"
+        return Eager(f"adaptive buckets: counting batch sizes over the first {self.policy.warmup_calls} calls",
+                     Kind.LIMIT)
 
     def reset(self):
         """Drop every graph and static buffer; the next calls capture again. The wait for the
@@ -353,7 +355,7 @@ class Engine:
 
         with self.lock:
             ks = self.store.keys.get(f.key) or self.key_for(f)
-            if type(ks) is str:
+            if type(ks) is Eager:
                 raise GraphwrapError(f"cannot capture: {ks}; pass a larger max_keys= or call reset()")
             if background:
                 ks.warming = True

@@ -10,6 +10,7 @@ from typing import Any, List, Optional
 
 import torch
 
+from .reasons import Eager
 from .records import Bucket, Graph, Key, tally
 
 Tensor = torch.Tensor
@@ -32,7 +33,7 @@ class Plan:
                  "device_index", "input", "output", "dtype", "dev", "epoch", "ring", "sid", "tune_at", "held_eager")
 
     def __init__(self, engine, key: Optional[Key], n: int, L: Optional[int], bucket: Bucket,
-                 reason: Optional[str] = None, eager: bool = False, graph: Optional[Graph] = None,
+                 reason: Optional[Eager] = None, eager: bool = False, graph: Optional[Graph] = None,
                  chunked: bool = False):
         self.engine, self.key, self.bucket, self.n, self.L = engine, key, bucket, n, L
         self.epoch = engine.epoch
@@ -69,7 +70,7 @@ class Plan:
         self.single_out = key.out_spec.single and g.is_tensor[0]
 
     @classmethod
-    def eager_only(cls, engine, reason: str) -> "Plan":
+    def eager_only(cls, engine, reason: Eager) -> "Plan":
         """A plan that runs the module for ``reason``, for a call that has no key."""
         return cls(engine, None, 0, None, NO_BUCKET, reason=reason)
 

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from ..errors import GraphwrapError
+from .reasons import Eager, input_reason
 from .tree import UnsupportedInput, flatten_inputs
 
 Tensor = torch.Tensor
@@ -93,7 +94,7 @@ class Declarations:
         self._declared: Dict[tuple, tuple] = {}  # spec -> per leaf (bd or _INFER-marked, sd, pad)
         # (position or name, type) of a top-level input graphwrap cannot key on -> why: such a
         # call is refused before it is flattened (a model's cache object, passed on every call)
-        self._refused: Dict[tuple, str] = {}
+        self._refused: Dict[tuple, Eager] = {}
         self._stateful: Dict[tuple, bool] = {}  # spec -> whether it holds a state input
 
     # ------------------------------------------------------------------ per spec, once
@@ -134,8 +135,8 @@ class Declarations:
 
     # ------------------------------------------------------------------ per call
 
-    def facts(self, args, kwargs, autocast, single_spec=None) -> Union[Facts, str]:
-        """The call's :class:`Facts`, or a string saying why it runs eagerly."""
+    def facts(self, args, kwargs, autocast, single_spec=None) -> Union[Facts, Eager]:
+        """The call's :class:`Facts`, or the :class:`~graphwrap.core.reasons.Eager` reason it runs eagerly."""
         if single_spec is not None and not self.state:
             leaves, spec = [args[0]], single_spec
         else:
@@ -152,10 +153,11 @@ class Declarations:
             try:
                 leaves, spec = flatten_inputs(args, kwargs, self.state, self.positional)
             except UnsupportedInput as e:
-                self._remember_refusal(args, kwargs, str(e))
-                return str(e)
+                why = input_reason(str(e))
+                self._remember_refusal(args, kwargs, e.refused, why)
+                return why
         if not leaves:
-            return "the call has no tensor inputs to batch"
+            return input_reason("the call has no tensor inputs to batch")
         if single_spec is None and _has_state(spec, self._stateful):
             # State fixes the batch: nothing is padded, every input is copied in whole.
             roles = ((None, None, 0),) * len(leaves)
@@ -163,34 +165,36 @@ class Declarations:
             return Facts((spec, meta, autocast), leaves, 1, None, spec, meta, roles, autocast, state=True)
         if self.simple:
             roles = _infer_batch(leaves, self.default_bd)
-            if isinstance(roles, str):
+            if type(roles) is Eager:
                 return roles
             roles, n = roles
             L = None
         else:
             got = self._roles(spec, leaves)
-            if isinstance(got, str):
+            if type(got) is Eager:
                 return got
             roles, n, L = got
         if n == 0:
-            return "the batch is empty"
+            return input_reason("the batch is empty")
         meta = tuple((_masked(t.shape, r[0], r[1]), t.dtype, t.device) for t, r in zip(leaves, roles))
         return Facts((spec, meta, autocast), leaves, n, L, spec, meta, roles, autocast)
 
-    def _remember_refusal(self, args, kwargs, why: str):
+    def _remember_refusal(self, args, kwargs, refused, why: Eager):
         """Keep the reason where a top-level input's own type is what graphwrap cannot key on."""
+        if refused is None:
+            return
         for i, a in enumerate(args):
-            if why.startswith(f"input at args[{i}] has type {type(a).__name__},"):
+            if a is refused:
                 self._refused[(i, type(a))] = why
         for k, a in kwargs.items():
-            if why.startswith(f"input at kwargs[{k!r}] has type {type(a).__name__},"):
+            if a is refused:
                 self._refused[(k, type(a))] = why
 
     def _roles(self, spec, leaves):
         decl = self._declared.get(spec) or self._declare(spec)
         inferred = [i for i, d in enumerate(decl) if d[0] is _INFER]
         base = _infer_batch([leaves[i] for i in inferred], self.default_bd) if inferred else ([], None)
-        if isinstance(base, str):
+        if type(base) is Eager:
             return base
         it = iter(base[0])
         n, L, roles = base[1], None, []
@@ -199,25 +203,25 @@ class Declarations:
                 bd = next(it)[0]
             elif bd is not None:
                 if t.dim() <= bd:
-                    return f"input {name} has shape {tuple(t.shape)}, with no batch_dim={bd}"
+                    return input_reason(f"input {name} has shape {tuple(t.shape)}, with no batch_dim={bd}")
                 if n is None:
                     n = t.shape[bd]
                 elif t.shape[bd] != n:
-                    return (f"input {name} has {t.shape[bd]} rows along batch_dim={bd} where other inputs have {n}; "
-                            "declare the inputs that are not batched with batch_dim={name: None}")
+                    return input_reason(f"input {name} has {t.shape[bd]} rows along batch_dim={bd} where other inputs "
+                                        f"have {n}; declare the inputs that are not batched with batch_dim={{name: None}}")
             if sd is not None and (t.dim() <= sd or sd == bd):
                 if isinstance(self.seq_dim, dict) and name in self.seq_dim:
-                    return f"input {name} has shape {tuple(t.shape)}, with no seq_dim={sd} apart from its batch dim"
+                    return input_reason(f"input {name} has shape {tuple(t.shape)}, with no seq_dim={sd} apart from its batch dim")
                 sd = None
             if sd is not None:
                 if L is None:
                     L = t.shape[sd]
                 elif t.shape[sd] != L:
-                    return (f"inputs disagree on the sequence length along seq_dim: {L} and {t.shape[sd]} "
-                            f"(input {name})")
+                    return input_reason(f"inputs disagree on the sequence length along seq_dim: {L} and {t.shape[sd]} "
+                                        f"(input {name})")
             roles.append((bd, sd, pad))
         if n is None:
-            return "no input is batched"
+            return input_reason("no input is batched")
         if L is None and isinstance(self.seq_dim, int):
             raise GraphwrapError(f"seq_dim={self.seq_dim}, but no tensor input has a dimension {self.seq_dim} apart from "
                                  f"its batch dim (shapes {[tuple(t.shape) for t in leaves]}); pass the dimension that "
@@ -305,14 +309,14 @@ def _infer_batch(leaves, bd: int):
     many = rows - {1}
     if len(many) > 1:
         sizes = [tuple(t.shape) for t in leaves]
-        return (f"batched inputs disagree on the batch size along batch_dim={bd} (shapes {sizes}); pass "
-                "batch_dim={name: None, ...} to say which inputs are not batched")
+        return input_reason(f"batched inputs disagree on the batch size along batch_dim={bd} (shapes {sizes}); pass "
+                            "batch_dim={name: None, ...} to say which inputs are not batched")
     if not rows:
         if bd > 0:
             raise GraphwrapError(f"batch_dim={bd}, but no tensor input has a dimension {bd} (shapes "
                                  f"{[tuple(t.shape) for t in leaves]}); pass the dimension that holds the batch, "
                                  "e.g. batch_dim=0")
-        return "no input has the batch dim (batch_dim=%d)" % bd
+        return input_reason("no input has the batch dim (batch_dim=%d)" % bd)
     n = many.pop() if many else 1
     roles = [(bd, None, 0) if t.dim() > bd and t.shape[bd] == n else (None, None, 0) for t in leaves]
     return roles, n

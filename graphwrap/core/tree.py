@@ -31,7 +31,12 @@ _CONSTANT_TYPES = (int, float, bool, complex, str, bytes, type(None), torch.dtyp
 
 
 class UnsupportedInput(GraphwrapError):
-    """An input leaf that is neither a tensor nor an immutable constant; the call runs eagerly."""
+    """An input leaf that is neither a tensor nor an immutable constant; the call runs eagerly.
+    ``refused``: the object whose own type is refused (None where its contents are)."""
+
+    def __init__(self, msg: str, refused=None):
+        super().__init__(msg)
+        self.refused = refused
 
 
 _TENSOR = ("T",)
@@ -79,7 +84,7 @@ def _flatten(obj, leaves: List[Tensor], path: str):
         raise UnsupportedInput(why)
     raise UnsupportedInput(
         f"input at {path} has type {t.__name__}, which is neither a tensor nor an immutable constant "
-        "(int, float, bool, str, None, torch.dtype, torch.device, an Enum)"
+        "(int, float, bool, str, None, torch.dtype, torch.device, an Enum)", refused=obj
     )
 
 

@@ -27,6 +27,7 @@ from torch.nn.modules import module as _nn_module
 from torch.utils.hooks import RemovableHandle
 
 from .. import _compat
+from .reasons import Eager, Kind
 
 Tensor = torch.Tensor
 _data_ptr = Tensor.data_ptr
@@ -43,8 +44,6 @@ _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
 GLOBAL_TABLES = tuple(getattr(_nn_module, n) for n in ("_global_forward_pre_hooks", "_global_forward_hooks")
                       if hasattr(_nn_module, n))
-GLOBAL_HOOKS = "a global forward hook is registered (nn.modules.module.register_module_forward_hook): calls run " \
-               "eagerly while it is, so it runs for every submodule"
 
 
 def _bump(*_args):
@@ -133,7 +132,7 @@ class Watch:
         self.ptrs: Optional[tuple] = None
         self.ptr_list = self.ptr_idx = self.keepalive = None
         self.captured: Optional[Tree] = None  # the tree the graphs were captured with
-        self.eager: Optional[str] = None  # why calls run eagerly, from the last look
+        self.eager: Optional[Eager] = None  # why calls run eagerly (a submodule in training mode), from the last look
         self.sized = None
         self.gen = self.hid = -1
         self.dtype = None
@@ -168,7 +167,8 @@ class Watch:
         self.tensors = list(self.module.parameters()) + list(self.module.buffers())
         tree = Tree(self.module)
         self.sized = tree.sized()
-        self.eager = tree.training()
+        why = tree.training()
+        self.eager = None if why is None else Eager(why, Kind.GRAD)
         return tree
 
     def record(self) -> Tree:

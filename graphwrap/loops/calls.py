@@ -16,6 +16,7 @@ import time
 import torch
 
 from ..core.plans import STALE
+from ..core.reasons import DROPPED, NOT_CAPTURED, Eager, capture_reason
 from .staging import Stager
 from ..core.tree import BATCHED, CONST, Tensor, unflatten_inputs
 
@@ -38,13 +39,13 @@ def call(engine, args, kwargs):
 def call_general(engine, args, kwargs):
     """``gm(*args, **kwargs)`` once the one-tensor path has not served it."""
     f = engine.facts(args, kwargs)
-    if type(f) is str:
+    if type(f) is Eager:
         return engine.eager(args, kwargs, f)
     for _ in range(3):  # a reset() between plan and replay: plan again
         out = call_plan(engine, engine.plan(f), f.leaves, args, kwargs)
         if out is not STALE:
             return out
-    return engine.eager(args, kwargs, "the graphs were dropped (reset) during the call")
+    return engine.eager(args, kwargs, DROPPED)
 
 
 def call_plan(engine, plan, leaves, args, kwargs):
@@ -67,8 +68,8 @@ def run_chunked(engine, plan, leaves, args, kwargs):
     if how != "eager":
         plans = [engine.plan_rows(ks, rows, L, _rows(leaves, ks.roles, start, rows)) for start, rows, _ in chunks]
         if ks.failed is not None or ks.out_spec is None:
-            return engine.eager(args, kwargs, ks.failed or next(p.reason for p in plans if p.reason) or
-                                "no bucket of these inputs could be captured")
+            why = capture_reason(ks.failed) if ks.failed is not None else None
+            return engine.eager(args, kwargs, why or next((p.reason for p in plans if p.reason), NOT_CAPTURED))
     device = ks.device
     staged = _to_device(engine, ks, leaves, n, chunks, device)
     if how is None:

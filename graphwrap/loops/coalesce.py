@@ -13,6 +13,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from ..core.reasons import Eager, Kind
+from ..core.records import Member
 from .calls import call
 from .joins import join_leaves, probe, split_outputs
 from .pipeline import Inputs, as_call, run_pipeline
@@ -25,8 +27,8 @@ def _groups(engine, items):
     for item in items:
         args, kwargs = ((item,), {}) if type(item) is Tensor else as_call(item)
         m = engine.joins.member(args, kwargs)
-        limit = engine.joins.max_rows(m.key, m.L) if not isinstance(m, str) else 0
-        if isinstance(m, str) or m.n > limit:
+        limit = engine.joins.max_rows(m.key, m.L) if type(m) is Member else 0  # else an Eager reason: alone
+        if limit == 0 or m.n > limit:
             if group:
                 yield group
             yield [(args, kwargs, None)]
@@ -64,7 +66,8 @@ def _probe(engine, group) -> None:
         probe(engine, ks, [m.leaves for _, _, m in group], [m.n for _, _, m in group],
               [m.L for _, _, m in group], alone)
     except Exception as e:  # noqa: BLE001 - joined or alone, the module raised: do not join
-        engine.joins.set_join(ks, f"a probe of joined items made the module raise: {type(e).__name__}: {e}")
+        engine.joins.set_join(ks, Eager(f"a probe of joined items made the module raise: {type(e).__name__}: {e}",
+                                        Kind.MODULE))
 
 
 def run_coalesced(engine, batches: Iterable[Any], to_host: bool = False) -> Iterator[Any]:

@@ -17,17 +17,23 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from .. import _compat
-from ..capture.backend import CPU_REASONS
 from ..core import stats as _stats
 from ..core.compare import CROSS_SHAPE_TOL, compare_leaves, compare_tensors, tolerance
 from ..core.plans import STALE
+from ..core.reasons import NEEDS_GRAD, NO_CUDA, NOT_ON_CUDA, Eager, Kind, capture_reason, input_reason
 from ..core.records import Key, Member, cut
 from ..core.signature import describe_key
 from ..core.tree import BATCHED, CONST, Tensor, classify_outputs, flatten_outputs, unflatten_inputs
 
 logger = logging.getLogger("graphwrap")
 NOT_BATCHED = "requests with inputs that are not batched are not joined"
-WRITES_STATE = "the forward writes module buffers: each request is a call of its own, as eager makes it"
+WRITES_STATE = Eager("the forward writes module buffers: each request is a call of its own, as eager makes it",
+                     Kind.MODULE)
+
+
+def _alone(ks: Key) -> Optional[Eager]:
+    """Why requests of ``ks`` are not joined (a probe showed it, or an input is not batched), or None."""
+    return None if ks.join_refused is None else input_reason(ks.join_refused)
 
 
 class Joins:
@@ -39,7 +45,7 @@ class Joins:
 
     def member(self, args, kwargs):
         """How a request may be joined with others (:class:`Member`: requests of one key may go
-        into one call), or a string saying why it runs alone. A signature that runs eagerly for
+        into one call), or the :class:`~graphwrap.core.reasons.Eager` reason it runs alone. A signature that runs eagerly for
         want of CUDA gets a key of its own here, so joining works the same on a CPU."""
         eng = self.engine
         if eng.writes is not None:
@@ -49,39 +55,39 @@ class Joins:
             if plan is not None and plan.key.failed is None and plan.key.join_refused is None:
                 return Member(plan.key, [args[0]], plan.n, plan.L)
         f = eng.facts(args, kwargs)
-        if type(f) is str:
-            return self._eager_member(args, kwargs) if f in CPU_REASONS else f
+        if type(f) is Eager:
+            return self._eager_member(args, kwargs) if f.kind is Kind.NO_GRAPHS else f
         with eng.lock:
             ks = eng.store.keys.get(f.key) or eng.key_for(f)
-        if type(ks) is str:
+        if type(ks) is Eager:
             return ks
         if ks.join_refused is None and any(r[0] is None for r in ks.roles):
             ks.join_refused = NOT_BATCHED
-        return ks.failed or ks.join_refused or Member(ks, f.leaves, f.n, f.L)
+        if ks.failed is not None:
+            return capture_reason(ks.failed)
+        return _alone(ks) or Member(ks, f.leaves, f.n, f.L)
 
     def _eager_member(self, args, kwargs):
-        from ..core.engine import GRAD_REASONS, grad_on
-
         eng = self.engine
         f = eng.decl.facts(args, kwargs, _compat.autocast_state("cpu"))
-        if type(f) is str:
+        if type(f) is Eager:
             return f
-        if grad_on() and any(t.requires_grad for t in f.leaves):
-            return GRAD_REASONS[1]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in f.leaves):
+            return NEEDS_GRAD
         with eng.lock:
             ks = self.eager_keys.get(f.key)
             if ks is None:
                 ks = self.eager_keys[f.key] = Key(describe_key(f.spec, f.meta, f.autocast), f.spec, f.roles,
                                                   f.leaves[0].device, f.autocast, None, has_seq=f.L is not None)
-        if any(r[0] is None for r in ks.roles):
-            return NOT_BATCHED
-        return ks.join_refused or Member(ks, f.leaves, f.n, f.L)
+        if ks.join_refused is None and any(r[0] is None for r in ks.roles):
+            ks.join_refused = NOT_BATCHED
+        return _alone(ks) or Member(ks, f.leaves, f.n, f.L)
 
     def set_join(self, ks: Key, verdict):
-        """Record what a join probe showed: ``(kinds, seq_dims, out_spec)``, or why not to join."""
-        if isinstance(verdict, str):
-            ks.join_refused = verdict
-            logger.warning("graphwrap: requests of %s are not joined: %s", ks.label, verdict)
+        """Record what a join probe showed: ``(kinds, seq_dims, out_spec)``, or why not to join (an ``Eager``)."""
+        if type(verdict) is Eager:
+            ks.join_refused = verdict.reason
+            logger.warning("graphwrap: requests of %s are not joined: %s", ks.label, verdict.reason)
         else:
             ks.join = verdict
             logger.info("graphwrap: requests of %s are joined along the batch", ks.label)
@@ -92,7 +98,7 @@ class Joins:
         eng = self.engine
         args, kwargs = unflatten_inputs(ks.spec, leaves)
         if ks.seen_as is None:  # a key that runs eagerly for want of CUDA
-            reason = CPU_REASONS[1] if _compat.cuda_available() else CPU_REASONS[0]
+            reason = NOT_ON_CUDA if _compat.cuda_available() else NO_CUDA
             return flatten_outputs(eng.eager(args, kwargs, reason))[0]
         for _ in range(3):
             plan = eng.plan_rows(ks, n, L, leaves)
@@ -181,20 +187,21 @@ def join_verdict(joined: Sequence[Any], alone: Sequence[Any], sizes: Sequence[in
                  seq_dims=None):
     """What a probe showed: ``(kinds, seq_dims, spec)`` if the joined flat outputs ``joined`` (at
     ``length``) hold each request's own output (``alone``, in order, of ``sizes`` rows and
-    ``lengths``), a string saying why requests of this model must not be joined, or None when
-    these requests cannot tell (every length the same and the sequence dims unknown)."""
+    ``lengths``), the :class:`~graphwrap.core.reasons.Eager` reason requests of this model must
+    not be joined, or None when these requests cannot tell (every length the same and the
+    sequence dims unknown)."""
     lengths = list(lengths) if lengths is not None else [None] * len(sizes)
     flat = [flatten_outputs(a) for a in alone]
     spec = flat[0][1]
     if any(s != spec for _, s in flat):
-        return "the structure of the output changes with the batch size"
+        return input_reason("the structure of the output changes with the batch size")
     if len(joined) != len(flat[0][0]):
-        return "joined, the output has another structure than each request's own"
+        return input_reason("joined, the output has another structure than each request's own")
     ref = next((i for i, L in enumerate(lengths) if L != length), 0)
     kinds, found, problems = classify_outputs(list(joined), sum(sizes), flat[ref][0], sizes[ref], batch_dim, spec,
                                               length, lengths[ref])
     if problems:
-        return next(iter(problems.values()))
+        return input_reason(next(iter(problems.values())))
     if length is not None and lengths[ref] == length:
         if seq_dims is None:
             return None
@@ -208,8 +215,8 @@ def join_verdict(joined: Sequence[Any], alone: Sequence[Any], sizes: Sequence[in
             else:
                 msg = compare_leaves([cut(o, kind, sdims, batch_dim, n, L)], [want], CROSS_SHAPE_TOL)
             if msg:
-                return (f"joined along the batch, request {i}'s output {spec.describe(j)} differs from its own call "
-                        f"({msg}); the model mixes rows of the batch")
+                return input_reason(f"joined along the batch, request {i}'s output {spec.describe(j)} differs from "
+                                    f"its own call ({msg}); the model mixes rows of the batch")
         start += n
     return kinds, found, spec
 
@@ -273,7 +280,7 @@ def probe(engine, ks, leaves_list, sizes: Sequence[int], lengths: Sequence[Optio
     try:
         outs = engine.joins.run_joined(ks, joined, sum(sizes), L)
     except Exception as e:  # noqa: BLE001 - the module cannot take them joined
-        engine.joins.set_join(ks, f"joined requests make the module raise: {type(e).__name__}: {e}")
+        engine.joins.set_join(ks, Eager(f"joined requests make the module raise: {type(e).__name__}: {e}", Kind.MODULE))
         return False
     if outs is None:
         return False

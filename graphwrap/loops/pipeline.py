@@ -28,6 +28,7 @@ import torch
 from .calls import call
 from ..errors import GraphwrapError
 from ..core.plans import cuda_sid as current_stream_id
+from ..core.reasons import Eager
 from .staging import Stager
 from ..core.tree import Tensor, map_tensors
 
@@ -154,7 +155,7 @@ def run_pipeline(engine, batches: Iterable[Any], to_host: bool = False) -> Itera
                 leases.clear()
                 epoch = engine.epoch
             entry = None
-            if type(f) is not str:
+            if type(f) is not Eager:
                 entry = _issue(engine, f, leases, streams, events, to_host)
             if entry is None:
                 # Eager, a failed capture, a bucket that serves eagerly, a batch above the largest

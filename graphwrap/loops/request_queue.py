@@ -19,6 +19,7 @@ from typing import Any, Deque, Dict, List, Optional
 
 import torch
 
+from ..core.records import Member
 from .calls import call
 from ..errors import GraphwrapError
 from .joins import join_leaves, plan_groups, probe, split_outputs
@@ -36,7 +37,7 @@ class Request:
     def __init__(self, args, kwargs, member):
         self.args, self.kwargs = args, kwargs
         self.seq = next(_SEQ)
-        if isinstance(member, str):
+        if type(member) is not Member:  # an Eager reason: the request runs alone
             self.member, self.group, self.n, self.L = None, ("alone", self.seq), 0, None
         else:
             self.member, self.group, self.n, self.L = member, member.key, member.n, member.L
