@@ -3,8 +3,8 @@ whose eager calls are faster is served eagerly (``eager_if_faster``)."""
 
 import contextlib
 import logging
-import statistics
 import time
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -18,17 +18,22 @@ logger = logging.getLogger("graphwrap")
 EAGER_WINS = 0.9  # near a tie, graphs: they also leave the host free, which counts under load
 
 
-def time_pair(a_calls, b_calls, rounds: int, round_s: float, timed=None):
-    """Seconds per call of ``a_calls(k)`` and ``b_calls(k)`` (each makes ``k`` calls), timed in
-    turns round by round with ``timed(fn, k)``; medians over the rounds. ``k`` makes a round
-    last about ``round_s``."""
-    once = max(timed(a_calls, 1), timed(b_calls, 1))
+def time_turns(rounds_of: Sequence[Callable[[int], float]], rounds: int, round_s: float, keep=min,
+               enough: Optional[Callable[[List[float]], bool]] = None) -> List[float]:
+    """Seconds per call of each of ``rounds_of`` (``fn(k)`` makes ``k`` calls and returns the
+    seconds a call took), timed in turns round by round, ``k`` such that a round lasts about
+    ``round_s``. ``keep`` makes one figure of each one's rounds (``min``: the best round, as other
+    work on the host or device only ever slows one; ``statistics.median``); ``enough(figures)``
+    ends the rounds early."""
+    once = max(fn(1) for fn in rounds_of)
     k = max(1, min(64, int(round_s / max(once, 1e-6))))
-    xs, ys = [], []
+    times: List[List[float]] = [[] for _ in rounds_of]
     for _ in range(rounds):
-        xs.append(timed(a_calls, k))
-        ys.append(timed(b_calls, k))
-    return statistics.median(xs), statistics.median(ys)
+        for fn, ts in zip(rounds_of, times):
+            ts.append(fn(k))
+        if enough is not None and enough([keep(ts) for ts in times]):
+            break
+    return [keep(ts) for ts in times]
 
 
 class _Dropped(Exception):
@@ -78,20 +83,18 @@ def race(engine, ks: Key, b: Bucket, rounds: int = 5, round_s: float = 2e-3):
         sync()
         return (time.perf_counter() - t0) / k
 
+    timed = [graph_round, eager_round] + ([lambda k: graph_round(k, held)] if held is not None else [])
     try:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            once = max(graph_round(1), eager_round(1))
-            k = max(1, min(64, int(round_s / max(once, 1e-6))))
-            graph_s, eager_s = graph_round(k), eager_round(k)
-            held_s = graph_round(k, held) if held is not None else None
-            for _ in range(rounds - 1):
-                if 2 * (held_s or graph_s) <= eager_s:
-                    break
-                graph_s, eager_s = min(graph_s, graph_round(k)), min(eager_s, eager_round(k))
-                if held is not None:
-                    held_s = min(held_s, graph_round(k, held))
+            # No more rounds once the graph is twice as fast: eager cannot win.
+            got = time_turns(timed, rounds, round_s, enough=lambda s: 2 * s[-1 if held is not None else 0] <= s[1])
     except _Dropped:
         return
+    _settle(engine, ks, b, got[0], got[1], got[2] if held is not None else None)
+
+
+def _settle(engine, ks: Key, b: Bucket, graph_s: float, eager_s: float, held_s: Optional[float]):
+    """What serves the bucket after the race, and its times kept for ``stats()``."""
     with engine.lock:
         b.graph_us, b.eager_us = 1e6 * graph_s, 1e6 * eager_s
         if held_s is not None:

@@ -12,13 +12,14 @@ kernels until the swap. Each bucket is tuned once.
 """
 
 import logging
+import statistics
 import time
 from typing import Callable, Iterable, Optional, Tuple
 
 from .capturer import capture_into, save_compile_cache
 from .compiled import CompiledForward, static_options
 from ..core.plans import swap
-from .racing import time_pair
+from .racing import time_turns
 from ..core.records import Bucket, Serves
 from ..core.stats import counts_of
 
@@ -51,9 +52,10 @@ def time_replays(old: Callable[[], None], new: Callable[[], None], timed, rounds
         def run(k):
             for _ in range(k):
                 fn()
-        return run
+        return lambda k: timed(run, k)
 
-    return time_pair(loop(old), loop(new), rounds, round_s, timed=timed)
+    old_s, new_s = time_turns([loop(old), loop(new)], rounds, round_s, keep=statistics.median)
+    return old_s, new_s
 
 
 def candidates(engine):

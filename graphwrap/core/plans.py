@@ -95,23 +95,18 @@ class Plan:
                     return self.output
                 outs = self.outputs
             else:
-                slot = self.ring.take(sid) if self.ring is not None else None
-                if slot is not None:
-                    self.input.copy_(x)
-                    self._count()
-                    slot.fill()  # the forward, writing straight into the slot
-                    outs = slot.views(self.n, self.L)
-                elif self.held_eager:
+                ring = self.ring
+                slot = ring.take(sid) if ring is not None else None
+                if slot is None and self.held_eager:
                     self.bucket.eager_held_calls += 1
                     outs = None
-                    self.ring.want()
-                    grow = self.ring.claim()
+                    ring.want()
+                    grow = ring.claim()
                 else:
                     self.input.copy_(x)
                     self._count()
-                    self.replay()
-                    outs = self.copies()
-                    grow = self.ring is not None and self.ring.claim()
+                    outs = self.graph.owned(slot, self.outputs, self.n, self.L)
+                    grow = slot is None and ring is not None and ring.claim()
         if grow:  # every slot was held: another is made, off the lock
             eng.grow(self.graph)
         if outs is None:  # x is on the module's device and needs no grad (fast_plan checked both)
@@ -137,20 +132,8 @@ class Plan:
         if not (clone and self.clone):
             self.replay()
             return self.outputs
-        sid = self.sid(self.device_index)
-        slot = self.ring.take(sid) if self.ring is not None else None
-        if slot is not None:
-            slot.fill()
-            return slot.views(self.n, self.L)
-        self.replay()
-        return self.copies()
-
-    def copies(self) -> List[Any]:
-        """Clones of the outputs, for when no slot is free; another slot is then due, made by
-        the caller once it let go of the lock (``Engine.run``)."""
-        if self.ring is not None:
-            self.ring.want()
-        return [o.clone() if t else o for o, t in zip(self.outputs, self.is_tensor)]
+        slot = self.ring.take(self.sid(self.device_index)) if self.ring is not None else None
+        return self.graph.owned(slot, self.outputs, self.n, self.L)
 
 
 def plan_tally(plan) -> list:

@@ -274,16 +274,8 @@ def _issue_on(engine, lease, rep, srcs, n, events, to_host, host_out):
     # output can sit in memory that the next replay of another bucket uses for intermediates.
     sid = current_stream_id(lease.device.index)
     slot = rep.ring.take(sid) if rep.ring is not None else None
-    if slot is not None:
-        slot.fill()
-        _record(rep.replay_done, compute)
-        outs = slot.views(n, None)
-    else:
-        rep.graph.replay()
-        _record(rep.replay_done, compute)
-        if rep.ring is not None:
-            rep.ring.want()  # another slot: made by _issue once it let go of the lock
-        outs = [o.clone() if t else o for o, t in zip(rep.outputs_for(n, None), rep.is_tensor)]
+    outs = rep.owned(slot, rep.outputs_for(n, None), n, None)  # a slot due is made by _issue off the lock
+    _record(rep.replay_done, compute)
     if not to_host:
         return ("gpu", ks.out_spec, outs)
     return ("d2h", ks.out_spec, outs, compute)
