@@ -6,7 +6,6 @@ direct-call loop (:mod:`graphwrap.loops.calls`).
 """
 
 import logging
-import threading
 import weakref
 from typing import Optional, Sequence
 
@@ -15,11 +14,11 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 
 from .loops import decode
-from .loops.calls import call, call_general
-from .core.engine import Engine, Tensor
+from .loops.calls import call
+from .core.engine import Engine
 from .errors import GraphwrapError
 from .options import Options
-from .core.plans import STALE
+from .process import generate_lock
 from .core.reasons import Eager, Kind
 from .core.records import release_store
 
@@ -31,20 +30,6 @@ _GLOBAL_HOOKS = tuple(getattr(_nn_module, name) for name in (
     "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
     "_global_backward_hooks", "_global_forward_hooks_always_called") if hasattr(_nn_module, name))
 _module_call = nn.Module.__call__
-
-
-# One generate at a time per wrapped model, whichever GraphedModule runs it: its static caches
-# and the step generate calls are per model.
-_GENERATE_LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.Lock]" = weakref.WeakKeyDictionary()
-_GENERATE_LOCKS_LOCK = threading.Lock()
-
-
-def _generate_lock(module: nn.Module) -> threading.Lock:
-    with _GENERATE_LOCKS_LOCK:
-        lock = _GENERATE_LOCKS.get(module)
-        if lock is None:
-            lock = _GENERATE_LOCKS[module] = threading.Lock()
-        return lock
 
 
 class GraphedModule(nn.Module):
@@ -234,17 +219,7 @@ class GraphedModule(nn.Module):
         if (d["_forward_pre_hooks"] or d["_forward_hooks"] or d["_backward_pre_hooks"] or d["_backward_hooks"]
                 or d.get("_compiled_call_impl") is not None or any(_GLOBAL_HOOKS)):
             return _module_call(self, *args, **kwargs)
-        engine = d["_gw_engine"]
-        if not kwargs and len(args) == 1:
-            # The common call, written out here: a frame less is a tenth of a microsecond less.
-            x = args[0]
-            if type(x) is Tensor:
-                plan = engine.fast_plan(x)
-                if plan is not None:
-                    out = plan.call1(x)
-                    if out is not STALE:
-                        return out
-        return call_general(engine, args, kwargs)
+        return call(d["_gw_engine"], args, kwargs)
 
     def forward(self, *args, **kwargs):
         return call(self.__dict__["_gw_engine"], args, kwargs)
@@ -370,67 +345,8 @@ class GraphedModule(nn.Module):
             raise GraphwrapError(f"{type(module).__name__} has no generate(): it is not a Hugging Face generation model")
         # Outside torch.inference_mode, where the caller is in it: the static cache is allocated
         # by the prompt's forward, and inference tensors could not be written by a capture.
-        with _generate_lock(module), torch.inference_mode(False):
-            return self._gw_generate(module, args, kwargs)
-
-    def _gw_generate(self, module, args, kwargs):
-        engine = self.engine
-
-        def step(**kw):
-            return call(engine, (), kw)
-
-        decode.check_room(args, kwargs)  # a cache the caller passes (graphwrap sizes its own)
-        kwargs = self._gw_static_cache(module, args, kwargs)
-        why = decode.unsupported(module) or decode.request_unsupported(kwargs)
-        if why is None and not any(kwargs.get("past_key_values") is c for c in self.__dict__.get("_gw_caches", {}).values()):
-            why = "the cache is not graphwrap's own (it comes with cache_implementation=\"static\" and no past_key_values)"
-        if why is None:
-            kwargs = dict(kwargs, custom_generate=decode.make_decode_loop(step))
-        elif why not in self.__dict__.setdefault("_gw_loop_notes", set()):
-            self.__dict__["_gw_loop_notes"].add(why)
-            logger.info("graphwrap: generate runs transformers' own loop, each step handed to graphwrap (%s)", why)
-        d = module.__dict__
-        before = {k: d[k] for k in ("get_compiled_call", "_valid_auto_compile_criteria") if k in d}
-        d["get_compiled_call"] = lambda *_a, **_k: step
-        # Every step with a cache goes to graphwrap (a growing one runs eagerly there, with the
-        # reason); without a cache (use_cache=False) the model runs as generate runs it.
-        d["_valid_auto_compile_criteria"] = lambda model_kwargs, *_a, **_k: model_kwargs.get("past_key_values") is not None
-        try:
-            return module.generate(*args, **kwargs)
-        finally:
-            for k in ("get_compiled_call", "_valid_auto_compile_criteria"):
-                d.pop(k, None)
-            d.update(before)
-
-    def _gw_static_cache(self, module, args, kwargs) -> dict:
-        """With ``cache_implementation="static"`` and no cache given: one static cache of this
-        GraphedModule's own per batch size, device and the model's dtype, sized to a multiple of 64
-        positions and reset before each ``generate``, so every later ``generate`` of that batch
-        (any prompt length that fits) replays the graphs the first one captured."""
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if (kwargs.get("cache_implementation") != "static" or kwargs.get("past_key_values") is not None
-                or kwargs.get("use_cache") is False
-                or not isinstance(ids, Tensor) or ids.dim() != 2 or not isinstance(kwargs.get("max_new_tokens"), int)
-                or kwargs.get("num_beams", 1) != 1 or kwargs.get("num_return_sequences", 1) != 1):
-            return kwargs
-        try:
-            from transformers import StaticCache
-        except ImportError:
-            return kwargs
-        need = ids.shape[1] + kwargs["max_new_tokens"]
-        size = -(-need // 64) * 64
-        caches = self.__dict__.setdefault("_gw_caches", {})
-        key = (ids.shape[0], size, ids.device, getattr(module, "dtype", None))
-        cache = caches.get(key)
-        if cache is None:
-            for old in [k for k in caches if (k[0], k[2]) == (key[0], key[2]) and k[3] != key[3]]:
-                del caches[old]  # the model's dtype changed: a cache of the old one is no use
-            cache = caches[key] = StaticCache(config=module.config, max_cache_len=size)
-        else:
-            cache.reset()
-        kwargs = dict(kwargs, past_key_values=cache)
-        kwargs.pop("cache_implementation")
-        return kwargs
+        with generate_lock(module), torch.inference_mode(False):
+            return decode.generate(self.engine, self.__dict__, module, args, kwargs)
 
     def pipeline(self, batches, *, to_host: bool = False, coalesce: bool = False):
         """Run the module over an iterable of inputs, copies hidden behind replays.

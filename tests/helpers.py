@@ -304,7 +304,7 @@ class CpuBackend:
         from graphwrap.core.tree import CONST, flatten_outputs
 
         def make_fill(bases, warm=True):
-            from graphwrap.capture.cuda import CAPTURE_LOCK
+            from graphwrap.process import CAPTURE_LOCK
 
             with CAPTURE_LOCK:  # a slot's fill is a capture on a GPU: one at a time in the process
                 pass

@@ -169,7 +169,7 @@ def test_slots_asked_for_under_another_capture_are_made_by_the_worker():
     from helpers import MLP, on_cpu_graphs
 
     from graphwrap import GraphedModule
-    from graphwrap.capture.cuda import CAPTURE_LOCK
+    from graphwrap.process import CAPTURE_LOCK
 
     model = MLP().eval()
     gm = on_cpu_graphs(GraphedModule(model, buckets=[4], eager_if_faster=False))

@@ -20,25 +20,22 @@ compile and saves them again after :meth:`GraphedModule.capture`; :func:`save_ca
 torch and GPU then skips Inductor's code generation and Triton's compilation.
 """
 
-import itertools
 import logging
 import os
-import threading
 import types
 from typing import Optional
 
 import torch
 
 from ..errors import GraphwrapError
+from ..process import COMPILE_IDS, COMPILE_LOCK
 
 OPTIONS = ("mode", "options", "dynamic", "fullgraph", "cache", "static")
 logger = logging.getLogger("graphwrap")
 _GRAPH_MODES = ("reduce-overhead", "max-autotune")
 _LIMIT = 1 << 16
-_IDS = itertools.count()
 # Dynamo's config patch (_limits) is process-wide: two threads inside compiled forwards at once
 # (a capture and the tuner's compile) would restore each other's limits. One at a time.
-_RUN_LOCK = threading.RLock()
 
 
 def compile_options(compile) -> Optional[dict]:
@@ -182,7 +179,7 @@ def _own_entry(module: torch.nn.Module):
     def forward(*args, **kwargs):
         return module(*args, **kwargs)
 
-    code = forward.__code__.replace(co_name=f"graphwrap_forward_{next(_IDS)}")
+    code = forward.__code__.replace(co_name=f"graphwrap_forward_{next(COMPILE_IDS)}")
     return types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
 
 
@@ -217,7 +214,7 @@ class CompiledForward:
                     torch._dynamo.mark_dynamic(t, d)
 
     def __call__(self, *args, **kwargs):
-        with _RUN_LOCK, _limits():
+        with COMPILE_LOCK, _limits():
             return self.fn(*args, **kwargs)
 
 

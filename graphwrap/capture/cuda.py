@@ -7,21 +7,18 @@ import ctypes
 import gc
 import logging
 import sys
-import threading
 import time
 
 import torch
 
 from .._compat import capture_begin, end_allocate_to_pool
+from ..process import CAPTURE_LOCK, CHECK_STREAMS, SIDE_STREAMS
 
 logger = logging.getLogger("graphwrap")
 
 # One capture at a time in the process: a capture is process-wide state for PyTorch's
 # allocator and RNG. Warm-up and capture run on one side stream per device, shared by every
 # GraphedModule (each stream that runs a GEMM keeps a cuBLAS workspace for the process).
-CAPTURE_LOCK = threading.RLock()
-_SIDE_STREAMS = {}
-_CHECK_STREAMS = {}
 _clear_cublas_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
 _GRAPHSAFE = all(hasattr(torch.Generator, n) for n in ("graphsafe_get_state", "graphsafe_set_state", "clone_state"))
 
@@ -33,9 +30,9 @@ def first_line(e: BaseException) -> str:
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream graphwrap warms up and captures on: one per device, graphwrap's alone."""
-    s = _SIDE_STREAMS.get(device)
+    s = SIDE_STREAMS.get(device)
     if s is None:
-        s = _SIDE_STREAMS[device] = private_stream(device)
+        s = SIDE_STREAMS[device] = private_stream(device)
     return s
 
 
@@ -57,9 +54,9 @@ def capture_session(device: torch.device):
 def check_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream verification replays run on: they run outside the capture lock, so never on
     the capture stream."""
-    s = _CHECK_STREAMS.get(device)
+    s = CHECK_STREAMS.get(device)
     if s is None:
-        s = _CHECK_STREAMS[device] = private_stream(device)
+        s = CHECK_STREAMS[device] = private_stream(device)
     return s
 
 

@@ -16,20 +16,20 @@ import time
 import weakref
 from typing import Callable, Optional
 
+from ..process import EXITING, WORKERS
+
 logger = logging.getLogger("graphwrap")
-_exiting = threading.Event()
-_workers: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 
 
 def stopping() -> bool:
     """Whether the interpreter is exiting: a job that loops stops at its next step."""
-    return _exiting.is_set()
+    return EXITING.is_set()
 
 
 def _at_exit():
     """Before the executors' threads are joined at exit: cancel every job not started yet."""
-    _exiting.set()
-    for w in list(_workers):
+    EXITING.set()
+    for w in list(WORKERS):
         w.cancel()
 
 
@@ -39,7 +39,7 @@ getattr(threading, "_register_atexit", lambda fn: None)(_at_exit)
 
 def _run(ref, job, args):
     engine = ref()
-    if engine is None or _exiting.is_set():
+    if engine is None or EXITING.is_set():
         return None
     try:
         return job(engine, *args)
@@ -56,7 +56,7 @@ class Worker:
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._futures = set()
         self._finalizer = None
-        _workers.add(self)
+        WORKERS.add(self)
 
     def submit(self, job: Callable, *args) -> Optional[concurrent.futures.Future]:
         """The job's future; None once the engine is gone (nothing to run it for)."""

@@ -396,7 +396,7 @@ class Engine:
         engine's), else, or with ``later``, by the worker, so a call never waits for another
         module's capture or compile."""
         from ..capture.capturer import add_slot
-        from ..capture.cuda import CAPTURE_LOCK
+        from ..process import CAPTURE_LOCK
 
         if self.writes is not None:  # a slot's checks run the forward: not beside calls that write state
             graph.ring.wanted = graph.ring.growing = False

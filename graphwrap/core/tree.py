@@ -22,6 +22,7 @@ import torch.utils._pytree as _pytree
 
 from .state import INFERENCE_STATE, NOT_STATE, StateRef, state_reason
 from ..errors import GraphwrapError
+from ..process import DICT_TYPES_REBUILT, REBUILDS_SAME
 
 Tensor = torch.Tensor
 
@@ -88,19 +89,18 @@ def _flatten(obj, leaves: List[Tensor], path: str):
     )
 
 
-_DICT_TYPES_REBUILT = {collections.OrderedDict: True}
 
 
 def _dict_type_rebuilds(t: type) -> bool:
     """Whether ``t(items)`` gives back a ``t`` with those items (asked once per type)."""
-    ok = _DICT_TYPES_REBUILT.get(t)
+    ok = DICT_TYPES_REBUILT.get(t)
     if ok is None:
         try:
             probe = t({"graphwrap": 1})
             ok = type(probe) is t and dict(probe) == {"graphwrap": 1}
         except Exception:  # noqa: BLE001 - whatever the constructor raises
             ok = False
-        _DICT_TYPES_REBUILT[t] = ok
+        DICT_TYPES_REBUILT[t] = ok
     return ok
 
 
@@ -183,7 +183,6 @@ def _registered(t: type):
     return node.flatten_fn, node.unflatten_fn
 
 
-_REBUILDS_SAME: Dict[type, bool] = {}  # registered type -> whether its registration rebuilds that type
 
 
 def _looked_into(obj):
@@ -202,13 +201,13 @@ def _looked_into(obj):
         return None
     children, context = reg[0](obj)
     children = list(children)
-    same = _REBUILDS_SAME.get(t)
+    same = REBUILDS_SAME.get(t)
     if same is None:
         try:
             same = type(reg[1](children, context)) is t
         except Exception:  # noqa: BLE001 - a registration that cannot rebuild it is not used
             same = False
-        _REBUILDS_SAME[t] = same
+        REBUILDS_SAME[t] = same
     return (children, context, reg[1]) if same else None
 
 

@@ -28,14 +28,13 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import _compat
 from .reasons import Eager, Kind
+from ..process import GENERATION, WATCH_INSTALLED
 
 Tensor = torch.Tensor
 _data_ptr = Tensor.data_ptr
 _default_dtype = torch.get_default_dtype
 # Bumped whenever any module gets a new parameter, buffer or submodule, and by every train():
 # a Watch re-reads its module when it sees a new value.
-GENERATION = [0]
-_INSTALLED = []
 # Whether each tensor still has the data pointer recorded for it: one C++ loop (CUDA builds).
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 # The hook tables a forward runs: per module, and for every module at once. A global forward
@@ -53,10 +52,10 @@ def _bump(*_args):
 def install_hooks():
     """PyTorch's global registration hooks, and ``nn.Module.train`` wrapped to bump the counter
     (once per process; the wrapper calls the original and returns what it returns)."""
-    if _INSTALLED:
+    if WATCH_INSTALLED:
         return
     for register in _compat.registration_hooks():
-        _INSTALLED.append(register(_bump))
+        WATCH_INSTALLED.append(register(_bump))
     train = nn.Module.train
     if not getattr(train, "_graphwrap_counts", False):
         @functools.wraps(train)
@@ -65,7 +64,7 @@ def install_hooks():
             return train(self, mode)
         counted_train._graphwrap_counts = True
         nn.Module.train = counted_train
-    _INSTALLED.append(True)
+    WATCH_INSTALLED.append(True)
 
 
 class Tree:

@@ -18,11 +18,15 @@ transformers' own loop, each step still handed to graphwrap (:meth:`GraphedModul
 """
 
 import inspect
+import logging
 from typing import Optional
 
 import torch
 
 from ..errors import GraphwrapError
+from .calls import call
+
+logger = logging.getLogger("graphwrap")
 
 # How many steps the loop queues between two looks at the "all rows finished" flags.
 POLL_EVERY = 8
@@ -302,3 +306,67 @@ def _loop(model, step, input_ids, logits_processor, stopping_criteria, gen, mode
             if rng is not None:
                 rng.rewind(last + 1)
     return input_ids
+
+
+# ------------------------------------------------------------------ gm.generate
+
+def generate(engine, held: dict, module, args, kwargs):
+    """``gm.generate``: ``held`` is the GraphedModule's ``__dict__``, which keeps its static caches
+    (``_gw_caches``) and the reasons already logged (``_gw_loop_notes``)."""
+
+    def step(**kw):
+        return call(engine, (), kw)
+
+    check_room(args, kwargs)  # a cache the caller passes (graphwrap sizes its own)
+    kwargs = static_cache(held, module, args, kwargs)
+    why = unsupported(module) or request_unsupported(kwargs)
+    if why is None and not any(kwargs.get("past_key_values") is c for c in held.get("_gw_caches", {}).values()):
+        why = "the cache is not graphwrap's own (it comes with cache_implementation=\"static\" and no past_key_values)"
+    if why is None:
+        kwargs = dict(kwargs, custom_generate=make_decode_loop(step))
+    elif why not in held.setdefault("_gw_loop_notes", set()):
+        held["_gw_loop_notes"].add(why)
+        logger.info("graphwrap: generate runs transformers' own loop, each step handed to graphwrap (%s)", why)
+    d = module.__dict__
+    before = {k: d[k] for k in ("get_compiled_call", "_valid_auto_compile_criteria") if k in d}
+    d["get_compiled_call"] = lambda *_a, **_k: step
+    # Every step with a cache goes to graphwrap (a growing one runs eagerly there, with the
+    # reason); without a cache (use_cache=False) the model runs as generate runs it.
+    d["_valid_auto_compile_criteria"] = lambda model_kwargs, *_a, **_k: model_kwargs.get("past_key_values") is not None
+    try:
+        return module.generate(*args, **kwargs)
+    finally:
+        for k in ("get_compiled_call", "_valid_auto_compile_criteria"):
+            d.pop(k, None)
+        d.update(before)
+
+
+def static_cache(held: dict, module, args, kwargs) -> dict:
+    """With ``cache_implementation="static"`` and no cache given: one static cache of this
+    GraphedModule's own per batch size, device and the model's dtype, sized to a multiple of 64
+    positions and reset before each ``generate``, so every later ``generate`` of that batch
+    (any prompt length that fits) replays the graphs the first one captured."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if (kwargs.get("cache_implementation") != "static" or kwargs.get("past_key_values") is not None
+            or kwargs.get("use_cache") is False
+            or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or not isinstance(kwargs.get("max_new_tokens"), int)
+            or kwargs.get("num_beams", 1) != 1 or kwargs.get("num_return_sequences", 1) != 1):
+        return kwargs
+    try:
+        from transformers import StaticCache
+    except ImportError:
+        return kwargs
+    need = ids.shape[1] + kwargs["max_new_tokens"]
+    size = -(-need // 64) * 64
+    caches = held.setdefault("_gw_caches", {})
+    key = (ids.shape[0], size, ids.device, getattr(module, "dtype", None))
+    cache = caches.get(key)
+    if cache is None:
+        for old in [k for k in caches if (k[0], k[2]) == (key[0], key[2]) and k[3] != key[3]]:
+            del caches[old]  # the model's dtype changed: a cache of the old one is no use
+        cache = caches[key] = StaticCache(config=module.config, max_cache_len=size)
+    else:
+        cache.reset()
+    kwargs = dict(kwargs, past_key_values=cache)
+    kwargs.pop("cache_implementation")
+    return kwargs

@@ -11,7 +11,6 @@ closed, and its worker ends once the queue is served.
 
 import asyncio
 import collections
-import itertools
 import statistics
 import threading
 import time
@@ -25,8 +24,8 @@ from ..errors import GraphwrapError
 from .joins import join_leaves, plan_groups, probe, split_outputs
 from .staging import Stager
 from ..core.tree import map_tensors
+from ..process import REQUEST_SEQ
 
-_SEQ = itertools.count()
 _STATS_WINDOW = 100_000
 
 
@@ -36,7 +35,7 @@ class Request:
 
     def __init__(self, args, kwargs, member):
         self.args, self.kwargs = args, kwargs
-        self.seq = next(_SEQ)
+        self.seq = next(REQUEST_SEQ)
         if type(member) is not Member:  # an Eager reason: the request runs alone
             self.member, self.group, self.n, self.L = None, ("alone", self.seq), 0, None
         else:

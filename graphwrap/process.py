@@ -1,0 +1,61 @@
+"""What graphwrap keeps for the whole process, in one place; everything else belongs to one
+engine (one GraphedModule) and goes with it.
+
+- Captures: one at a time in the process (``CAPTURE_LOCK``: a capture on one stream breaks
+  work issued meanwhile on another), and the private streams they run on, per device.
+- Compiles: one compiled forward traced at a time (``COMPILE_LOCK``: Dynamo's state is
+  per process), and the numbers that give each compiled forward a code name of its own.
+- The module watch: one counter (``GENERATION``) that PyTorch's global registration hooks and
+  ``nn.Module.train`` bump, installed once (``WATCH_INSTALLED``).
+- Background workers: every engine's worker, and the flag set when the interpreter exits.
+- ``generate``: one lock per wrapped model (its static caches and its step are per model).
+- Caches of facts about types: which dict types rebuild from their items, which registered
+  pytree types rebuild the same type. They only grow, by one entry per type seen.
+- Request numbers of the Batcher's queues (their order across queues).
+"""
+
+import collections
+import itertools
+import threading
+import weakref
+from typing import Dict
+
+import torch
+
+# ------------------------------------------------------------------ captures
+CAPTURE_LOCK = threading.RLock()
+SIDE_STREAMS: dict = {}  # device -> the private stream warm-ups and captures run on
+CHECK_STREAMS: dict = {}  # device -> the private stream checks at other shapes run on
+
+# ------------------------------------------------------------------ compiles
+COMPILE_LOCK = threading.RLock()
+COMPILE_IDS = itertools.count()
+
+# ------------------------------------------------------------------ the module watch
+GENERATION = [0]
+WATCH_INSTALLED: list = []
+
+# ------------------------------------------------------------------ background workers
+EXITING = threading.Event()
+WORKERS: "weakref.WeakSet" = weakref.WeakSet()
+
+# ------------------------------------------------------------------ generate
+_GENERATE_LOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, threading.Lock]" = weakref.WeakKeyDictionary()
+_GENERATE_LOCKS_LOCK = threading.Lock()
+
+
+def generate_lock(module: torch.nn.Module) -> threading.Lock:
+    """The lock one ``generate`` at a time holds on ``module``, whichever GraphedModule runs it."""
+    with _GENERATE_LOCKS_LOCK:
+        lock = _GENERATE_LOCKS.get(module)
+        if lock is None:
+            lock = _GENERATE_LOCKS[module] = threading.Lock()
+        return lock
+
+
+# ------------------------------------------------------------------ facts about types
+DICT_TYPES_REBUILT: Dict[type, bool] = {collections.OrderedDict: True}
+REBUILDS_SAME: Dict[type, bool] = {}  # registered pytree type -> whether its registration rebuilds that type
+
+# ------------------------------------------------------------------ requests
+REQUEST_SEQ = itertools.count()
