@@ -3,9 +3,9 @@
 import time
 
 import torch
+from workloads import SeedMLP
 
 from graphwrap import GraphedModule, default_buckets
-from workloads import SeedMLP
 
 
 def _capture_all(results, name, model, sample, verify, max_batch_size):

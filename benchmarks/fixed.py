@@ -3,12 +3,20 @@
 import copy
 
 import torch
+from harness import Case
+from workloads import (
+    SeedMLP,
+    copy_floor,
+    d2h_floor,
+    double_buffered_loop,
+    graph_loop,
+    replay_floor,
+    stream_loop,
+    sync_loop,
+)
 
 import graphwrap.loops.pipeline as gw_pipeline
 from graphwrap import GraphedModule
-from harness import Case
-from workloads import (SeedMLP, copy_floor, d2h_floor, double_buffered_loop, graph_loop, replay_floor,
-                       stream_loop, sync_loop)
 
 BASELINE = "seed synchronous loop"
 PEER = "torch.compile reduce-overhead"

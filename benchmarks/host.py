@@ -9,12 +9,12 @@ device synchronized before and after outside the timed region; then the whole ca
 import time
 
 import torch
+from workloads import SeedMLP
 
 import graphwrap.core.engine as engine_mod
 import graphwrap.core.plans as plans_mod
 import graphwrap.module as module_mod
 from graphwrap import GraphedModule
-from workloads import SeedMLP
 
 
 def _issue_time(fn, n):

@@ -5,10 +5,10 @@ whole batch size, replayed alone (no copies).
 """
 
 import torch
-
-from graphwrap import GraphedModule
 from harness import Case
 from workloads import SeedMLP, chunk_floor, replay_floor, sync_loop
+
+from graphwrap import GraphedModule
 
 
 def run(results, device, quick: bool, repeats: int, batch_sizes=(300, 512, 1280)):

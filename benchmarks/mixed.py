@@ -8,10 +8,10 @@ and without compiled kernels.
 import collections
 
 import torch
-
-from graphwrap import Adaptive, GraphedModule
 from harness import Case
 from workloads import SeedMLP
+
+from graphwrap import Adaptive, GraphedModule
 
 PEER = "torch.compile reduce-overhead dynamic=None"
 

@@ -1,10 +1,10 @@
 """Scenario "models": real architectures from their configs, random weights, fp16, inputs on the GPU."""
 
 import torch
+from harness import Case
 
 from graphwrap import GraphedModule
 from graphwrap.capture import tuning
-from harness import Case
 
 PEER = "torch.compile reduce-overhead"
 

@@ -6,11 +6,11 @@ one ``replay()``, one ``clone()`` of the output) and together in one loop.
 """
 
 import torch
+from harness import Case
 from torch import nn
+from workloads import SeedMLP, capture
 
 from graphwrap import GraphedModule
-from harness import Case
-from workloads import SeedMLP, capture
 
 PEER = "torch.compile reduce-overhead"
 

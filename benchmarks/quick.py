@@ -8,10 +8,10 @@ transformers, left out with the reason without it).
 """
 
 import torch
-
-from graphwrap import GraphedModule
 from harness import Case
 from workloads import SeedMLP, capture
+
+from graphwrap import GraphedModule
 
 
 def run(results, device, quick: bool, repeats: int):

@@ -6,9 +6,9 @@ are on the host (as they arrive from the network).
 """
 
 import torch
+from serving import _coroutines, _models, _threads
 
 from graphwrap import Replicas
-from serving import _coroutines, _models, _threads
 
 
 def run(results, device, quick: bool, repeats: int, models=("mlp", "bert"), clients=64):

@@ -18,10 +18,10 @@ from typing import Callable, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-
 import harness  # noqa: E402
+import torch  # noqa: E402
 from harness import Case, Results  # noqa: E402
+
 
 @dataclass(frozen=True)
 class Suite:
@@ -70,8 +70,9 @@ CPU_SUITE = Suite("run", "eager against graphwrap's eager fallback, on a CPU", "
 
 
 def cpu_suite(results, quick):
-    from graphwrap import GraphedModule
     from workloads import SeedMLP
+
+    from graphwrap import GraphedModule
 
     model = SeedMLP(hidden=256).eval()
     gm = GraphedModule(model)

@@ -242,9 +242,10 @@ def _print(name, row):
 
 
 def race(a, rows):
-    import graphwrap.serve
     from ray import serve
     from text import workload
+
+    import graphwrap.serve
 
     cuda = torch.cuda.is_available()
     factory = small_bert if a.smoke else bert_base
@@ -285,9 +286,10 @@ def race(a, rows):
 
 
 def replicas(a, rows):
-    import graphwrap.serve
     from ray import serve
     from text import workload
+
+    import graphwrap.serve
 
     cuda = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if cuda else 0

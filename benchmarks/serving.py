@@ -12,9 +12,9 @@ import threading
 import time
 
 import torch
+from workloads import SeedMLP
 
 from graphwrap import Batcher, GraphedModule
-from workloads import SeedMLP
 
 
 def _pct(xs, q):

@@ -13,9 +13,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from workloads import SeedMLP  # noqa: E402
 
 from graphwrap import GraphedModule  # noqa: E402
-from workloads import SeedMLP  # noqa: E402
 
 
 def rss_mib() -> float:

@@ -20,9 +20,9 @@ import threading
 import time
 
 import torch
+from harness import Case
 
 from graphwrap import Batcher, GraphedModule
-from harness import Case
 
 HAND = (32, 64, 128, 256)
 

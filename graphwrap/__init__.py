@@ -6,7 +6,8 @@ Imports on machines without CUDA; there every call runs the module eagerly.
 
 __version__ = "0.2.0"
 
-from .loops.batcher import Batcher
+from .capture.compiled import load_cache as load_compile_cache
+from .capture.compiled import save_cache as save_compile_cache
 from .core.buckets import (
     Adaptive,
     BucketTable,
@@ -15,11 +16,10 @@ from .core.buckets import (
     fit_buckets,
     padded_rows,
 )
-from .capture.compiled import load_cache as load_compile_cache
-from .capture.compiled import save_cache as save_compile_cache
 from .errors import GraphwrapError
-from .module import GraphedModule
+from .loops.batcher import Batcher
 from .loops.pipeline import Inputs
+from .module import GraphedModule
 from .serve.replicas import Replicas
 
 __all__ = [

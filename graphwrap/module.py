@@ -13,14 +13,14 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-from .loops import decode
-from .loops.calls import call
 from .core.engine import Engine
-from .errors import GraphwrapError
-from .options import Options
-from .process import generate_lock
 from .core.reasons import Eager, Kind
 from .core.records import release_store
+from .errors import GraphwrapError
+from .loops import decode
+from .loops.calls import call
+from .options import Options
+from .process import generate_lock
 
 logger = logging.getLogger("graphwrap")
 

@@ -5,11 +5,11 @@ import numbers
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from .core.buckets import Adaptive, BucketTable
 from .capture.compiled import compile_options
-from .errors import GraphwrapError
+from .core.buckets import Adaptive, BucketTable
 from .core.grid import Grid
 from .core.signature import Declarations
+from .errors import GraphwrapError
 
 # With a sequence dimension, the default largest batch bucket: each sequence bucket multiplies
 # the graphs, and requests of text are a few rows (the Batcher joins them up to this).

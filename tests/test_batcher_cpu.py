@@ -10,8 +10,8 @@ from torch import nn
 
 from graphwrap import Batcher, GraphedModule, GraphwrapError
 from graphwrap.core.reasons import Eager
-from graphwrap.loops.joins import join_verdict, split_outputs
 from graphwrap.core.tree import BATCHED, CONST, WHOLE, flatten_outputs
+from graphwrap.loops.joins import join_verdict, split_outputs
 
 TOL = 1e-5
 

@@ -108,7 +108,7 @@ def test_the_engine_has_nothing_to_tune_once_compile_is_off_or_the_key_failed(mo
     ks.failed = "the forward cannot be captured"
     assert tuning.candidates(eng) == []
     ks.failed = None
-    eng.compile_off = "Triton is not installed"
+    eng.capturer.compile_off = "Triton is not installed"
     assert not tuning.pending(eng)
     tuning.tune_next(eng)
     assert not any(bk.tuned for name, bk in b.items() if name != "tuned")
@@ -124,7 +124,7 @@ def test_per_size_kernels_that_win_are_swapped_in_and_the_compile_cache_saved(mo
     monkeypatch.setattr(tuning, "HOT_CALLS", 16)
     eng, ks, b = _engine_with_buckets()
     eng.compile_opts = dict(eng.compile_opts, cache="/nonexistent/cache.bin")
-    eng.static_forward = eng.compiled = object()  # never compiled here: capture_into is a stand-in
+    eng.capturer.static_forward = eng.capturer.compiled = object()  # never compiled here: capture_into is a stand-in
     old = b["hot"]
     old.graphs = [SimpleNamespace(static_inputs=[], nbytes=lambda: 0)]
 
@@ -138,7 +138,7 @@ def test_per_size_kernels_that_win_are_swapped_in_and_the_compile_cache_saved(mo
     monkeypatch.setattr(tuning, "time_replays", lambda *a, **k: (2e-3, 1e-3))  # per-size twice as fast
     monkeypatch.setattr(capturing, "save_cache", saved.append)
     tuning.tune_next(eng)
-    assert eng.tuning_error is None
+    assert eng.capturer.tuning_error is None
     new = ks.buckets[(8, None)]
     assert new is not old and new.tuned and new.per_size_us == 1e3 and new.shared_us == 2e3
     assert saved == ["/nonexistent/cache.bin"]

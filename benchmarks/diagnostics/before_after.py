@@ -18,8 +18,9 @@ from torch import nn
 
 sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else ".old")
 sys.path.insert(0, ".")
-import graphwrap  # noqa: E402
 import graphwrap_before  # noqa: E402
+
+import graphwrap  # noqa: E402
 
 DEV = "cuda"
 

@@ -1,8 +1,13 @@
 """Timeline of a compile_start row that saves the compile cache and of one that loads it:
 graphwrap's log per bucket and dynamo's compile-time breakdown."""
-import os, sys, tempfile, subprocess
+import os
+import subprocess
+import sys
+import tempfile
+
 sys.path.insert(0, "benchmarks")
 import compile_start as cs
+
 tmp = tempfile.mkdtemp(); cache = os.path.join(tmp, "bert.bin")
 for name, d in (("save", "i1"), ("load", "i2")):
     code = cs.row_code("graphwrap", {"compile": {"cache": cache, "static": False}, "max_batch_size": 32},

@@ -6,8 +6,9 @@ import time
 import torch
 
 sys.path.insert(0, "benchmarks")
-from graphwrap import GraphedModule  # noqa: E402
 from workloads import SeedMLP  # noqa: E402
+
+from graphwrap import GraphedModule  # noqa: E402
 
 logging.basicConfig(level=logging.INFO)
 dev = "cuda"

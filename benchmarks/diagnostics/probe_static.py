@@ -1,7 +1,13 @@
 """Probe behind the tuner: shared dynamic-batch kernels against per-size static kernels and
 torch.compile, with and without Inductor's layout optimization (results-*/probe-static.log)."""
-import statistics, sys, time
-import torch, torchvision, transformers as tr
+import statistics
+import sys
+import time
+
+import torch
+import torchvision
+import transformers as tr
+
 from graphwrap import GraphedModule
 
 dev = "cuda"

@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.dirname(_HERE))  # benchmarks/
 sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))  # the repository
 
 import torch  # noqa: E402
+from workloads import SeedMLP  # noqa: E402
 
 from graphwrap import GraphedModule  # noqa: E402
-from workloads import SeedMLP  # noqa: E402
 
 
 def timed(fn, repeats=5):

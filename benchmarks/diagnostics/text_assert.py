@@ -1,11 +1,19 @@
 """BERT-base fp16, requests of every length through GraphedModule(m, seq_dim=1), every answer
 checked against eager; run with CUDA_LAUNCH_BLOCKING=1 to find a failing kernel."""
-import sys, os
+import os
+import sys
+
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "."]
-import logging, torch, transformers
+import logging
+
+import torch
+import transformers
+
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-import graphwrap
 from text import workload
+
+import graphwrap
+
 torch.manual_seed(0)
 cfg = transformers.BertConfig()
 model = transformers.BertModel(cfg).cuda().half().eval()

@@ -1,9 +1,17 @@
 """Where the seq_dim=1 path spends its time beside requests padded by hand (BERT-base fp16)."""
-import cProfile, os, pstats, sys, time
+import cProfile
+import os
+import pstats
+import sys
+import time
+
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."), "."]
-import torch, transformers
+import torch
+import transformers
+from text import padded_by_hand, workload
+
 import graphwrap
-from text import workload, padded_by_hand
+
 torch.manual_seed(0)
 cfg = transformers.BertConfig()
 model = transformers.BertModel(cfg).cuda().half().eval()

@@ -11,7 +11,8 @@ from typing import Callable, List, Optional, Union
 import torch
 
 from .. import _compat
-from .recording import CudaRecorder
+from ..core.reasons import NO_CUDA, NOT_ON_CUDA, Eager
+from ..core.tree import CONST, flatten_outputs
 from .checks import CaptureFailed
 from .cuda import (
     Pool,
@@ -23,8 +24,7 @@ from .cuda import (
     record,
     timed_calls,
 )
-from ..core.reasons import NO_CUDA, NOT_ON_CUDA, Eager
-from ..core.tree import CONST, flatten_outputs
+from .recording import CudaRecorder
 
 logger = logging.getLogger("graphwrap")
 

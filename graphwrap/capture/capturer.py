@@ -11,25 +11,107 @@ and by the worker's jobs.
 import contextlib
 import logging
 import time
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
-from .budget import budget_left, large_budget, drop_least_used, release_dropped
-from .recording import Job, capture_bucket
-from .checks import CaptureFailed, Scope
-from .compiled import CompiledForward, load_cache, save_cache, unavailable_reason
-from ..errors import GraphwrapError
-from .slots import ring_for
-from ..core.plans import fold, swap
-from .racing import race
-from ..core.records import Bucket, Key, Lease, Serves
+from ..core.compare import SAME_SHAPE_TOL, compare_leaves
+from ..core.plans import fold
+from ..core.records import Bucket, Graph, Key, Lease, Serves
 from ..core.state import Saved
 from ..core.tree import CONST, unflatten_inputs
-from ..core.compare import SAME_SHAPE_TOL, compare_leaves
-from .worker import stopping
+from ..errors import GraphwrapError
+from ..process import CAPTURE_LOCK
+from .budget import budget_left, drop_least_used, large_budget, release_dropped
+from .checks import CaptureFailed, Scope
+from .compiled import CompiledForward, load_cache, save_cache, unavailable_reason
+from .racing import race
+from .recording import Job, capture_bucket
+from .slots import ring_for
+from .worker import Worker, stopping
 
 logger = logging.getLogger("graphwrap")
+
+
+class Capturer:
+    """The one owner of capture state, and the only writer of a bucket's graphs and of what
+    serves it (``Bucket.serves``); one per engine.
+
+    It holds the compiled forward (or why ``compile=`` was given up), the tuner's per-size
+    compile, the background worker and what it is doing, graphs dropped for the memory budget
+    until the device is done with them, and the module buffers the forward writes. The engine's
+    graph pool is ``engine.store.pool`` (in the store, so a finalizer frees it), written only
+    here. The engine calls the methods below; the functions of this module (and of ``budget``,
+    ``racing`` and ``tuning``) are their work, and take the engine for its lock, store and grid.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.worker = Worker(engine)
+        self.compiled: Optional[CompiledForward] = None
+        self.compile_off: Optional[str] = None
+        self.static_forward: Optional[CompiledForward] = None  # the tuner's per-size compile
+        self.background_state = self.background_error = self.tuning_error = None
+        self.dropped: List[Graph] = []  # graphs evicted for the memory budget, freed after a device wait
+        self.writes: Optional[tuple] = None  # the module buffers its forward writes, once a capture saw it
+
+    def claim(self, ks: Key, size: int, S, may_capture: bool):
+        """Bucket ``(size, S)`` of ``ks`` (made on first use), and whether the caller is to capture
+        it now: then it is marked as capturing, and calls meanwhile run eagerly. The caller
+        holds the engine's lock."""
+        b = ks.buckets.get((size, S))
+        if b is None:
+            b = ks.buckets[(size, S)] = Bucket(size, S)
+        if may_capture and b.serves is Serves.NOTHING:
+            b.serves = Serves.CAPTURING
+            return b, True
+        return b, False
+
+    def capture(self, ks: Key, b: Bucket, leaves, n: int, L) -> Optional[Bucket]:
+        """A graph for bucket ``b`` (claimed), off the lock; ``b`` if it serves now."""
+        return capture_into(self.engine, ks, b, leaves, n, L)
+
+    def capture_key(self, ks: Key, sample, n: int, L, background: bool) -> Optional[dict]:
+        """Every bucket of ``ks``, largest first; with ``background``, on the worker (None)."""
+        if not background:
+            return capture_all(self.engine, ks, sample, n, L, False)
+        with self.engine.lock:
+            ks.warming = True
+            self.background_state = "capturing the plain forward"
+        self.worker.submit(capture_all, ks, sample, n, L, True)
+        return None
+
+    def lease(self, plan, count: int) -> Optional[Lease]:
+        return lease_graphs(self.engine, plan, count)
+
+    def give_back(self, lease: Lease):
+        return_graphs(self.engine, lease)
+
+    def hot(self):
+        """A bucket with shared compiled kernels served the calls that make tuning it worth it."""
+        from .tuning import tune_next
+
+        if self.compile_off is None:
+            self.worker.submit(tune_next)
+
+    def grow(self, graph: Graph, later: bool = False):
+        """Another owned-output slot for ``graph`` (see ``Engine.grow``)."""
+        if self.writes is not None:  # a slot's checks run the forward: not beside calls that write state
+            graph.ring.wanted = graph.ring.growing = False
+            return
+        if not later and CAPTURE_LOCK.acquire(blocking=False):
+            try:
+                add_slot(self.engine, graph, self.engine.epoch)
+            finally:
+                CAPTURE_LOCK.release()
+        else:
+            self.worker.submit(add_slot, graph, self.engine.epoch)
+
+    def cancel(self):
+        self.worker.cancel()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self.worker.wait(timeout)
 
 
 @contextlib.contextmanager
@@ -122,7 +204,7 @@ def _capture_loop(engine, ks: Key, b: Bucket, leaves, n: int, L, forward, plain:
             install(engine, ks, b, got, job.forward, ring)
         # No race for a forward that writes state: its timing runs would move a cache's position
         # past its end (and a step of a decode loop is worth a graph whatever eager costs).
-        if timed and engine.eager_if_faster and not ks.fixed and engine.writes is None:
+        if timed and engine.eager_if_faster and not ks.fixed and engine.capturer.writes is None:
             race(engine, ks, b)
         return b
     return None
@@ -154,21 +236,21 @@ def _key_tuple(engine, ks: Key):
 def compiled_forward(engine) -> Optional[CompiledForward]:
     """The compiled forward to capture, or None for the plain one. The caller holds the lock."""
     opts = engine.compile_opts
-    if opts is None or engine.compile_off is not None:
+    if opts is None or engine.capturer.compile_off is not None:
         return None
-    if engine.compiled is None:
+    if engine.capturer.compiled is None:
         reason = unavailable_reason()
         if reason is not None:
             give_up_compile(engine, reason)
             return None
         if opts.get("cache"):
             load_cache(opts["cache"])
-        engine.compiled = CompiledForward(engine.module, opts)
-    return engine.compiled
+        engine.capturer.compiled = CompiledForward(engine.module, opts)
+    return engine.capturer.compiled
 
 
 def give_up_compile(engine, reason: str):
-    engine.compile_off = reason
+    engine.capturer.compile_off = reason
     msg = f"graphwrap: compile= given up ({reason}); capturing the plain forward"
     if engine.fallback == "raise":
         raise GraphwrapError(f"{msg}. Pass fallback=\"eager\" to accept the plain forward")
@@ -176,7 +258,7 @@ def give_up_compile(engine, reason: str):
 
 
 def save_compile_cache(engine):
-    if engine.compile_opts is not None and engine.compile_opts.get("cache") and engine.compiled is not None:
+    if engine.compile_opts is not None and engine.compile_opts.get("cache") and engine.capturer.compiled is not None:
         save_cache(engine.compile_opts["cache"])
 
 
@@ -197,7 +279,7 @@ def make_job(engine, ks: Key, b: Bucket, leaves, n: int, L, plain: bool, forward
     if b.size > engine.grid.top(b.seq) and device.type == "cuda":
         budget = large_budget(device, budget)
     compiled = forward if forward is not None else None if plain else compiled_forward(engine)
-    if compiled is not None and engine.writes is not None:
+    if compiled is not None and engine.capturer.writes is not None:
         # Module buffers the forward writes (a gpt-fast style cache): on a GPU, calls with
         # compiled kernels over them got no graph at all (they ran eagerly, correctly). The
         # plain forward's graphs serve them.
@@ -223,7 +305,7 @@ def settle_failure(engine, ks: Key, b: Bucket, e: CaptureFailed, epoch: int, for
     if e.pool_lost:
         engine.store.pool = None  # graphs already in it keep their memory; new ones get a new pool
     if ks.buckets.get(b.point) is not b:  # a graph beside the served one: compiled, tuned, leased
-        if e.scope is Scope.COMPILE and forward is not engine.static_forward:
+        if e.scope is Scope.COMPILE and forward is not engine.capturer.static_forward:
             give_up_compile(engine, e.reason)
         else:
             logger.warning("graphwrap: a further graph of bucket %s of %s was not captured (%s); the bucket goes on "
@@ -313,12 +395,12 @@ def _mark_compiled(engine, ks: Key, b: Bucket, compiled, graphs: int):
 def _note_writes(engine, written):
     """The forward writes these module buffers: calls are planned at their own shape from now
     on. The caller holds the lock."""
-    first = engine.writes is None
-    engine.writes = tuple(sorted(set(engine.writes or ()) | set(written)))
+    first = engine.capturer.writes is None
+    engine.capturer.writes = tuple(sorted(set(engine.capturer.writes or ()) | set(written)))
     if first:
         logger.info("graphwrap: the forward writes the module's buffers %s: each call writes them once, as the "
                     "module does (the extra runs of a capture are undone); calls are served at their own batch "
-                    "size and length, one by one, never padded, chunked or joined", ", ".join(engine.writes))
+                    "size and length, one by one, never padded, chunked or joined", ", ".join(engine.capturer.writes))
         for k in engine.store.keys.values():
             fold(engine, k, None)
 
@@ -405,7 +487,7 @@ def lease_graphs(engine, plan, count: int) -> Optional[Lease]:
     if engine.backend.kind != "cuda" or plan.eager or plan.chunked or plan.L is not None:
         return None
     ks, b = plan.key, plan.bucket
-    if ks.fixed or engine.writes is not None:
+    if ks.fixed or engine.capturer.writes is not None:
         return None  # another graph's capture would run the forward beside calls that write its state
     with engine.lock:
         free = [i for i in range(1, len(b.graphs)) if i not in b.leased][:count]
@@ -451,11 +533,11 @@ def capture_all(engine, ks: Key, sample, n: int, L, background: bool) -> dict:
         if not background:
             raise
         logger.warning("graphwrap: background capture of %s stopped: %s: %s", ks.label, type(e).__name__, e)
-        engine.background_error = f"{type(e).__name__}: {e}"
+        engine.capturer.background_error = f"{type(e).__name__}: {e}"
     finally:
         ks.warming = False
         if background:
-            engine.background_state = "done"
+            engine.capturer.background_state = "done"
     with engine.lock:
         return key_stats(ks)
 
@@ -479,12 +561,7 @@ def _every_bucket(engine, ks: Key, sample, n, L, plain: bool) -> int:
                 break
             if ks.exact is not None and S is not None and S != L:
                 continue
-            b = ks.buckets.get((size, S))
-            if b is None:
-                b = ks.buckets[(size, S)] = Bucket(size, S)
-            go = b.serves is Serves.NOTHING
-            if go:
-                b.serves = Serves.CAPTURING
+            b, go = engine.capturer.claim(ks, size, S, True)
         # capture() takes the largest buckets first: one over the budget is left out (a larger
         # one serves its batches), never captured in place of those taken before it.
         if go and capture_into(engine, ks, b, sample, n, L, plain=plain, evict=False) is not None:
@@ -496,14 +573,14 @@ def _every_bucket(engine, ks: Key, sample, n, L, plain: bool) -> int:
 def _compile_each(engine, ks: Key, sample, n, L):
     """Replace each bucket's plain graph by one of the compiled kernels (plans are rebuilt on
     the next call; loops holding the old graphs go on replaying them)."""
-    if engine.compile_opts is None or engine.compile_off is not None:
+    if engine.compile_opts is None or engine.capturer.compile_off is not None:
         return
-    engine.background_state = "compiling"
+    engine.capturer.background_state = "compiling"
     with engine.lock:
         cf = compiled_forward(engine)
     if cf is None:
         return
-    engine.background_state = "replacing plain graphs by compiled ones"
+    engine.capturer.background_state = "replacing plain graphs by compiled ones"
     for point in sorted(list(ks.buckets), key=lambda p: (p[0] * (p[1] or 1)), reverse=True):
         if stopping():
             break
@@ -517,3 +594,16 @@ def _compile_each(engine, ks: Key, sample, n, L):
             with engine.lock:
                 if ks.buckets.get(point) is old:
                     swap(engine, ks, old, new)
+
+
+def swap(engine, ks: Key, old: Bucket, new: Bucket):
+    """``new`` serves ``old``'s batches from the next call, with its counts; plans are rebuilt
+    (loops holding the old graphs go on replaying them). The caller holds the lock."""
+    fold(engine, ks, old)
+    # The old graphs' memory stays in the pool (for later captures): still counted here.
+    new.pool_bytes += old.pool_bytes
+    new.capture_s += old.capture_s
+    new.compile_s += old.compile_s
+    for name in ("replays", "rows", "padded_rows", "tokens", "padded_tokens", "eager_calls"):
+        setattr(new, name, getattr(new, name) + getattr(old, name))
+    ks.buckets[old.point] = new

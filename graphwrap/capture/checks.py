@@ -11,6 +11,7 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
+from ..core.compare import CROSS_SHAPE_TOL, SAME_SHAPE_TOL, compare_leaves
 from ..core.records import cut
 from ..core.tree import (
     BATCHED,
@@ -20,7 +21,6 @@ from ..core.tree import (
     flatten_outputs,
     unflatten_inputs,
 )
-from ..core.compare import CROSS_SHAPE_TOL, SAME_SHAPE_TOL, compare_leaves
 
 Tensor = torch.Tensor
 

@@ -17,6 +17,8 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from .._compat import autocast_without_cache
+from ..core.records import Graph
+from ..core.tree import CONST, WHOLE, flatten_outputs
 from .checks import (
     CaptureFailed,
     Scope,
@@ -28,7 +30,6 @@ from .checks import (
     run_module,
     shape_inputs,
 )
-from ..core.records import Graph
 from .cuda import (
     NotBegun,
     Pool,
@@ -39,7 +40,6 @@ from .cuda import (
     own_cublas_workspace,
     record,
 )
-from ..core.tree import CONST, WHOLE, flatten_outputs
 
 Tensor = torch.Tensor
 logger = logging.getLogger("graphwrap")

@@ -16,12 +16,11 @@ import statistics
 import time
 from typing import Callable, Iterable, Optional, Tuple
 
-from .capturer import capture_into, save_compile_cache
-from .compiled import CompiledForward, static_options
-from ..core.plans import swap
-from .racing import time_turns
 from ..core.records import Bucket, Serves
 from ..core.stats import counts_of
+from .capturer import capture_into, save_compile_cache, swap
+from .compiled import CompiledForward, static_options
+from .racing import time_turns
 
 logger = logging.getLogger("graphwrap")
 HOT_CALLS = 16  # calls a bucket serves before its own kernels are worth a compile
@@ -77,22 +76,22 @@ def candidates(engine):
 def tune_next(engine):
     """A worker job: give the hottest untuned bucket kernels of its own shape, where faster."""
     with engine.lock:
-        if engine.compile_opts is None or engine.compile_off is not None or engine.writes is not None:
+        if engine.compile_opts is None or engine.capturer.compile_off is not None or engine.capturer.writes is not None:
             return  # a module that writes its buffers is not timed beside the calls that write them
         job = hottest(candidates(engine))
         if job is None:
             return
         ks, old = job
         old.tuned = True  # once, whatever comes of it
-        if engine.static_forward is None:
-            engine.static_forward = CompiledForward(engine.module, static_options(engine.compile_opts))
-        forward, epoch = engine.static_forward, engine.epoch
+        if engine.capturer.static_forward is None:
+            engine.capturer.static_forward = CompiledForward(engine.module, static_options(engine.compile_opts))
+        forward, epoch = engine.capturer.static_forward, engine.epoch
         sample = [t.clone() for t in old.graphs[0].static_inputs]
     try:
         _tune(engine, ks, old, forward, epoch, sample)
     except Exception as e:  # noqa: BLE001 - reported in stats(); calls go on with the shared kernels
-        engine.tuning_error = f"{type(e).__name__}: {e}"
-        logger.warning("graphwrap: tuning bucket %d of %s stopped: %s", old.size, ks.label, engine.tuning_error)
+        engine.capturer.tuning_error = f"{type(e).__name__}: {e}"
+        logger.warning("graphwrap: tuning bucket %d of %s stopped: %s", old.size, ks.label, engine.capturer.tuning_error)
 
 
 def _tune(engine, ks, old: Bucket, forward, epoch: int, sample):
@@ -139,5 +138,5 @@ def _tune(engine, ks, old: Bucket, forward, epoch: int, sample):
 def pending(engine) -> bool:
     """Whether a hot bucket waits for its per-size kernels."""
     with engine.lock:
-        return (engine.compile_off is None and engine.compile_opts is not None
+        return (engine.capturer.compile_off is None and engine.compile_opts is not None
                 and hottest(candidates(engine)) is not None)

@@ -21,20 +21,21 @@ bucket, runs outside the lock and installs its graph under it.
 
 import logging
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
 from .. import _compat
-from . import stats as _stats
 from ..capture.backend import CudaBackend
-from .buckets import Adaptive, BucketTable, padded_rows
-from ..capture.capturer import capture_into, lease_graphs, return_graphs
-from ..capture.compiled import CompiledForward
+from ..capture.capturer import Capturer
 from ..errors import GraphwrapError
-from .grid import Grid
 from ..loops.joins import Joins
+from ..loops.staging import Stager
+from . import stats as _stats
+from .buckets import Adaptive, BucketTable, padded_rows
+from .grid import Grid
 from .plans import NO_BUCKET, STALE, Plan
+from .reasons import GLOBAL_HOOKS, NEEDS_GRAD, TRAINING, WRITES_LARGE, Eager, Kind, capture_reason
 from .records import Bucket, Graph, Key, Lease, Serves, Store, drop
 from .signature import Facts, describe_key, state_refs
 from .tree import (
@@ -42,9 +43,7 @@ from .tree import (
     requires_grad_shallow,
     to_device_shallow,
 )
-from .reasons import GLOBAL_HOOKS, NEEDS_GRAD, TRAINING, WRITES_LARGE, Eager, Kind, capture_reason
 from .watch import GLOBAL_TABLES, Watch
-from ..capture.worker import Worker
 
 logger = logging.getLogger("graphwrap")
 Tensor = torch.Tensor
@@ -82,15 +81,9 @@ class Engine:
         self.where: Any = None  # the device graphs run on, or why none; None: not known yet
         self.fast: Dict[torch.Size, Plan] = {}  # full input shape -> plan, for gm(x) with one tensor
         self._copy_streams: Dict[torch.device, Any] = {}
-        self.worker = Worker(self)
+        self.capturer = Capturer(self)  # the only writer of capture state and of what serves a bucket
         self.joins = Joins(self)
-        self.compiled: Optional[CompiledForward] = None
-        self.compile_off: Optional[str] = None
-        self.static_forward: Optional[CompiledForward] = None  # the tuner's per-size compile
-        self.background_state = self.background_error = self.tuning_error = None
-        self.dropped: List[Graph] = []  # graphs evicted for the memory budget, freed after a device wait
         self.dims_checked = False
-        self.writes: Optional[tuple] = None  # the module buffers its forward writes, once a capture saw it
 
     # ------------------------------------------------------------------ per call
 
@@ -165,7 +158,7 @@ class Engine:
                 got = self._plan_for(ks, n, L)
             if type(got) is Plan:
                 return got
-            capture_into(self, ks, got, leaves, n, L)
+            self.capturer.capture(ks, got, leaves, n, L)
         return Plan(self, ks, n, L, NO_BUCKET, eager=True)
 
     def _plan_for(self, ks: Key, n: int, L: Optional[int]):
@@ -181,7 +174,7 @@ class Engine:
         if type(S) is Eager:
             return Plan(self, ks, n, L, NO_BUCKET, reason=S)
         top = self.grid.top(S)
-        if self.writes is not None or ks.fixed:  # state written per row or position: never padded or chunked
+        if self.capturer.writes is not None or ks.fixed:  # state written per row or position: never padded or chunked
             if n > top:
                 return Plan(self, ks, n, L, NO_BUCKET, reason=WRITES_LARGE)
             size = n
@@ -190,13 +183,10 @@ class Engine:
             return plan
         else:
             size = self.grid.size(n, S)
-        b = ks.buckets.get((size, S))
-        if b is None:
-            b = ks.buckets[(size, S)] = Bucket(size, S)
-        st = b.serves
-        if st is Serves.NOTHING and not (ks.warming and size <= top):
-            b.serves = Serves.CAPTURING
+        b, claimed = self.capturer.claim(ks, size, S, not (ks.warming and size <= top))
+        if claimed:
             return b
+        st = b.serves
         if st is Serves.NOTHING or st is Serves.CAPTURING:
             ks.warming_calls += 1  # captured elsewhere meanwhile: eager now, not kept
             return Plan(self, ks, n, L, NO_BUCKET, eager=True)
@@ -219,7 +209,7 @@ class Engine:
     def _seq_bucket(self, ks: Key, L: Optional[int]):
         if not ks.has_seq:
             return None
-        if self.writes is not None and ks.exact is None:
+        if self.capturer.writes is not None and ks.exact is None:
             ks.exact = "the forward writes module buffers"
         S = self.grid.seq_for(L, exact=ks.exact is not None)
         if S is None:
@@ -248,6 +238,26 @@ class Engine:
         if ring is not None and ring.wanted and ring.claim():  # every slot was held: another, off the lock
             self.grow(plan.graph)
         return outs
+
+    # ------------------------------------------------------------------ batches above the largest bucket
+
+    def chose_large(self, ks: Key, chunks: int, how: str):
+        """Batches of ``chunks`` chunks of ``ks`` run ``how`` ("graph": chunked replays; "eager")."""
+        with self.lock:
+            ks.large[chunks] = how
+
+    def served_large(self, ks: Key, n: int):
+        """A batch of ``n`` rows above the largest bucket ran in one eager forward (counted)."""
+        with self.lock:
+            ks.large_eager += 1
+            ks.large_rows += n
+
+    def staging(self, ks: Key) -> Stager:
+        """The device buffers large host batches of ``ks`` are copied into, in turns."""
+        with self.lock:
+            if ks.staging is None:
+                ks.staging = Stager(ks.device)
+            return ks.staging
 
     # ------------------------------------------------------------------ eager
 
@@ -337,7 +347,7 @@ class Engine:
     def reset(self):
         """Drop every graph and static buffer; the next calls capture again. The wait for the
         device's last replays happens outside the lock."""
-        self.worker.cancel()
+        self.capturer.cancel()
         with self.lock:
             held = self.store.detach()
             self.epoch = self.store.epoch
@@ -351,23 +361,15 @@ class Engine:
 
     def capture(self, f: Facts, background: bool = False) -> dict:
         """Capture every bucket of this call's key, largest first (``background``: on the worker)."""
-        from ..capture.capturer import capture_all
-
         with self.lock:
             ks = self.store.keys.get(f.key) or self.key_for(f)
             if type(ks) is Eager:
                 raise GraphwrapError(f"cannot capture: {ks}; pass a larger max_keys= or call reset()")
-            if background:
-                ks.warming = True
-                self.background_state = "capturing the plain forward"
-        sample = [t.to(ks.device, copy=True) for t in f.leaves]
-        if background:
-            self.worker.submit(capture_all, ks, sample, f.n, f.L, True)
-            return self.stats()
-        return capture_all(self, ks, sample, f.n, f.L, False)
+        got = self.capturer.capture_key(ks, [t.to(ks.device, copy=True) for t in f.leaves], f.n, f.L, background)
+        return self.stats() if background else got
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        return self.worker.wait(timeout)
+        return self.capturer.wait(timeout)
 
     def _larger(self, ks: Key, size: int, S) -> Optional[Bucket]:
         for s in self.grid.table(S).buckets:
@@ -385,29 +387,14 @@ class Engine:
     def hot(self, plan: Plan):
         """A plan of a bucket with shared compiled kernels reached the calls that make it worth
         tuning (the caller holds the lock)."""
-        from ..capture.tuning import tune_next
-
-        if self.compile_off is None:
-            self.worker.submit(tune_next)
+        self.capturer.hot()
 
     def grow(self, graph: Graph, later: bool = False):
         """Make another owned-output slot for ``graph`` (a call found every slot held). Its fill
         is a capture: made in this thread when no capture runs (the caller holds no lock of the
         engine's), else, or with ``later``, by the worker, so a call never waits for another
         module's capture or compile."""
-        from ..capture.capturer import add_slot
-        from ..process import CAPTURE_LOCK
-
-        if self.writes is not None:  # a slot's checks run the forward: not beside calls that write state
-            graph.ring.wanted = graph.ring.growing = False
-            return
-        if not later and CAPTURE_LOCK.acquire(blocking=False):
-            try:
-                add_slot(self, graph, self.epoch)
-            finally:
-                CAPTURE_LOCK.release()
-        else:
-            self.worker.submit(add_slot, graph, self.epoch)
+        self.capturer.grow(graph, later)
 
     # ------------------------------------------------------------------ streams
 
@@ -440,10 +427,10 @@ class Engine:
         """``count`` graphs of the bucket of a plan (``plan(facts)``), for one loop's sole use,
         captured as needed; None where ``gm(...)`` must serve the call (eager, chunked,
         sequences, not CUDA)."""
-        return lease_graphs(self, plan, count)
+        return self.capturer.lease(plan, count)
 
     def give_back(self, lease: Lease):
-        return_graphs(self, lease)
+        self.capturer.give_back(lease)
 
     # ------------------------------------------------------------------ stats
 

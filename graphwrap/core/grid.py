@@ -9,8 +9,8 @@ buckets alone. Pure Python: runs and is tested on a CPU.
 
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from .buckets import BucketTable
 from ..errors import GraphwrapError
+from .buckets import BucketTable
 
 DEFAULT_MAX_SEQ_LEN = 512
 DEFAULT_MAX_TOKENS = 16384

@@ -154,16 +154,3 @@ def fold(engine, ks: Key, b: Optional[Bucket]):
     for shape, plan in list(engine.fast.items()):
         if plan.key is ks and (b is None or plan.bucket is b):
             del engine.fast[shape]
-
-
-def swap(engine, ks: Key, old: Bucket, new: Bucket):
-    """``new`` serves ``old``'s batches from the next call, with its counts; plans are rebuilt
-    (loops holding the old graphs go on replaying them). The caller holds the lock."""
-    fold(engine, ks, old)
-    # The old graphs' memory stays in the pool (for later captures): still counted here.
-    new.pool_bytes += old.pool_bytes
-    new.capture_s += old.capture_s
-    new.compile_s += old.compile_s
-    for name in ("replays", "rows", "padded_rows", "tokens", "padded_tokens", "eager_calls"):
-        setattr(new, name, getattr(new, name) + getattr(old, name))
-    ks.buckets[old.point] = new

@@ -81,7 +81,7 @@ def engine_stats(engine) -> dict:
         "compile": _compile_stats(engine, every),
         "eager_calls": dict(engine.eager_counts),
         "module_changes": dict(engine.changes),
-        "writes_buffers": list(engine.writes or ()),
+        "writes_buffers": list(engine.capturer.writes or ()),
         "eager_by_choice": by_choice,
         "graph_pool_bytes": sum(k["pool_bytes"] for k in keys),
         "static_input_bytes": sum(k["static_input_bytes"] for k in keys),
@@ -98,19 +98,19 @@ def engine_stats(engine) -> dict:
 def _compile_stats(engine, every) -> Optional[dict]:
     if engine.compile_opts is None:
         return None
-    cf = engine.compiled
+    cf = engine.capturer.compiled
     return {
         "options": dict(engine.compile_opts),
-        "off": engine.compile_off,
+        "off": engine.capturer.compile_off,
         "graphs": cf.graphs if cf is not None else 0,
         "compile_s": sum(b["compile_s"] for b in every),
         "buckets_compiled": sum(bool(b["compiled"]) for b in every),
-        "background": engine.background_state,
-        "background_error": engine.background_error,
-        "per_size_graphs": engine.static_forward.graphs if engine.static_forward is not None else 0,
+        "background": engine.capturer.background_state,
+        "background_error": engine.capturer.background_error,
+        "per_size_graphs": engine.capturer.static_forward.graphs if engine.capturer.static_forward is not None else 0,
         "buckets_per_size": sum(b["kernels"] == "per-size" for b in every),
-        "tuning": "running" if engine.worker.busy() else "idle",
-        "tuning_error": engine.tuning_error,
+        "tuning": "running" if engine.capturer.worker.busy() else "idle",
+        "tuning_error": engine.capturer.tuning_error,
     }
 
 

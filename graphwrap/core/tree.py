@@ -20,9 +20,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.utils._pytree as _pytree
 
-from .state import INFERENCE_STATE, NOT_STATE, StateRef, state_reason
 from ..errors import GraphwrapError
 from ..process import DICT_TYPES_REBUILT, REBUILDS_SAME
+from .state import INFERENCE_STATE, NOT_STATE, StateRef, state_reason
 
 Tensor = torch.Tensor
 

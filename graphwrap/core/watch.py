@@ -27,8 +27,8 @@ from torch.nn.modules import module as _nn_module
 from torch.utils.hooks import RemovableHandle
 
 from .. import _compat
-from .reasons import Eager, Kind
 from ..process import GENERATION, WATCH_INSTALLED
+from .reasons import Eager, Kind
 
 Tensor = torch.Tensor
 _data_ptr = Tensor.data_ptr

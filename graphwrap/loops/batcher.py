@@ -17,10 +17,10 @@ from typing import Optional
 
 import torch
 
-from .calls import call
-from ..errors import GraphwrapError
-from .request_queue import Request, RequestQueue
 from ..core.tree import map_tensors
+from ..errors import GraphwrapError
+from .calls import call
+from .request_queue import Request, RequestQueue
 
 
 def _close_queue(q: RequestQueue):

@@ -17,7 +17,6 @@ import torch
 
 from ..core.plans import STALE
 from ..core.reasons import DROPPED, NOT_CAPTURED, Eager, capture_reason
-from .staging import Stager
 from ..core.tree import BATCHED, CONST, Tensor, unflatten_inputs
 
 logger = logging.getLogger("graphwrap")
@@ -77,8 +76,7 @@ def run_chunked(engine, plan, leaves, args, kwargs):
     if how == "eager":
         with engine.lock:
             staged.wait_all()
-            ks.large_eager += 1
-            ks.large_rows += n
+        engine.served_large(ks, n)
         a, k = unflatten_inputs(ks.spec, staged.leaves)
         out = engine.eager_run(a, k)
     else:
@@ -120,7 +118,7 @@ def _decide(engine, ks, staged, n, chunks, plans) -> str:
         logger.info("graphwrap: batches of %d chunks of %s run %s: %d chunked replays took %.3f ms, one eager "
                     "forward %.3f ms (batch of %d)", len(chunks), ks.label,
                     "eagerly" if how == "eager" else "as chunked replays", len(chunks), 1e3 * g, 1e3 * e, n)
-    ks.large[len(chunks)] = how
+    engine.chose_large(ks, len(chunks), how)
     return how
 
 
@@ -189,9 +187,7 @@ def _to_device(engine, ks, leaves, n, chunks, device) -> _Staged:
     host = [i for i, t in enumerate(leaves) if t.device != device]
     if not host or device.type != "cuda":
         return _Staged(leaves)
-    st = ks.staging
-    if st is None:
-        st = ks.staging = Stager(device)
+    st = engine.staging(ks)
     turn = st.take()
     copy_stream = engine.copy_stream(device)
     out = list(leaves)

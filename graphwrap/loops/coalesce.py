@@ -15,10 +15,10 @@ import torch
 
 from ..core.reasons import Eager, Kind
 from ..core.records import Member
+from ..core.tree import Tensor, flatten_outputs, map_tensors, unflatten_inputs
 from .calls import call
 from .joins import join_leaves, probe, split_outputs
 from .pipeline import Inputs, as_call, run_pipeline
-from ..core.tree import Tensor, flatten_outputs, map_tensors, unflatten_inputs
 
 
 def _groups(engine, items):

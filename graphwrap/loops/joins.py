@@ -48,7 +48,7 @@ class Joins:
         into one call), or the :class:`~graphwrap.core.reasons.Eager` reason it runs alone. A signature that runs eagerly for
         want of CUDA gets a key of its own here, so joining works the same on a CPU."""
         eng = self.engine
-        if eng.writes is not None:
+        if eng.capturer.writes is not None:
             return WRITES_STATE
         if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
             plan = eng.fast_plan(args[0])

@@ -25,12 +25,12 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .calls import call
-from ..errors import GraphwrapError
 from ..core.plans import cuda_sid as current_stream_id
 from ..core.reasons import Eager
-from .staging import Stager
 from ..core.tree import Tensor, map_tensors
+from ..errors import GraphwrapError
+from .calls import call
+from .staging import Stager
 
 set_stream = torch.cuda.set_stream
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device

@@ -19,12 +19,12 @@ from typing import Any, Deque, Dict, List, Optional
 import torch
 
 from ..core.records import Member
-from .calls import call
+from ..core.tree import map_tensors
 from ..errors import GraphwrapError
+from ..process import REQUEST_SEQ
+from .calls import call
 from .joins import join_leaves, plan_groups, probe, split_outputs
 from .staging import Stager
-from ..core.tree import map_tensors
-from ..process import REQUEST_SEQ
 
 _STATS_WINDOW = 100_000
 

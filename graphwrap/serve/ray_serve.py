@@ -26,12 +26,11 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch import nn
 
-from ..loops.batcher import Batcher
-from ..errors import GraphwrapError
-from ..module import GraphedModule
 from ..core.tree import map_tensors
+from ..errors import GraphwrapError
+from ..loops.batcher import Batcher
+from ..module import GraphedModule
 from .wire import Limits, RequestError, check_limits, parse_body, read_inputs, status_of, to_json
-
 
 MAX_ONGOING_REQUESTS = 256  # requests one replica holds at a time (Ray Serve's default is 5)
 

@@ -15,10 +15,10 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..loops.batcher import Batcher
-from ..errors import GraphwrapError
-from ..module import GraphedModule, options_of
 from ..core.tree import map_tensors
+from ..errors import GraphwrapError
+from ..loops.batcher import Batcher
+from ..module import GraphedModule, options_of
 
 
 class _Replica:
