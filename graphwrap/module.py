@@ -18,7 +18,6 @@ from .core.reasons import Eager, Kind
 from .core.records import release_store
 from .errors import GraphwrapError
 from .loops import decode
-from .loops.calls import call
 from .options import Options
 from .process import generate_lock
 
@@ -219,10 +218,10 @@ class GraphedModule(nn.Module):
         if (d["_forward_pre_hooks"] or d["_forward_hooks"] or d["_backward_pre_hooks"] or d["_backward_hooks"]
                 or d.get("_compiled_call_impl") is not None or any(_GLOBAL_HOOKS)):
             return _module_call(self, *args, **kwargs)
-        return call(d["_gw_engine"], args, kwargs)
+        return d["_gw_engine"].call(args, kwargs)
 
     def forward(self, *args, **kwargs):
-        return call(self.__dict__["_gw_engine"], args, kwargs)
+        return self.__dict__["_gw_engine"].call(args, kwargs)
 
     # ------------------------------------------------------------------ drop-in behaviour
 

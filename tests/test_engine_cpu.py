@@ -2,6 +2,7 @@
 outputs, stats, eager plans, the per-call checks, captures that never block other callers,
 sequence buckets, the memory budget and what a failed capture leaves."""
 
+import os
 import threading
 
 import pytest
@@ -274,3 +275,48 @@ def test_a_module_error_in_the_first_call_of_a_bucket_leaves_it_to_the_next_call
         gm(torch.randn(4, 4))
     b = gm.stats()["keys"][0]["buckets"][4]
     assert b["serves"] == "graph" and b["replays"] == 3 and gm.stats()["keys"][0]["eager_while_warming"] == 0
+
+
+def _graphwrap_files_of(gm, x):
+    """The graphwrap files whose Python code ``gm(x)`` runs, in order of first entry; the CPU
+    stand-in's replays (code of the tests' own, which run the forward again) are left out, as
+    a GPU replays in C++."""
+    import os
+    import sys
+
+    start, seen = sys._getframe(), []
+
+    def in_stand_in(frame):
+        f = frame.f_back
+        while f is not None and f is not start:
+            if os.sep + "tests" + os.sep in f.f_code.co_filename:
+                return True
+            f = f.f_back
+        return False
+
+    def profile(frame, event, arg):
+        name = frame.f_code.co_filename
+        if event == "call" and os.sep + "graphwrap" + os.sep in name and not in_stand_in(frame):
+            name = name.split(os.sep + "graphwrap" + os.sep, 1)[1]
+            if name not in seen:
+                seen.append(name)
+
+    sys.setprofile(profile)
+    try:
+        gm(x)
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.mark.parametrize("outputs", ["clone", "view"])
+def test_a_warm_call_runs_code_of_at_most_five_files(outputs):
+    # The common call, gm(x) of a shape seen before, stays a short path: the face, the engine's
+    # per-call checks, the plan and the output slots.
+    gm = _gm(nn.Linear(8, 8).eval(), outputs=outputs)
+    x = torch.randn(4, 8)
+    for _ in range(4):
+        gm(x)
+    files = _graphwrap_files_of(gm, x)
+    assert files[:3] == ["module.py", os.path.join("core", "engine.py"), os.path.join("core", "watch.py")], files
+    assert os.path.join("core", "plans.py") in files and len(files) <= 5, files

@@ -1,13 +1,13 @@
-"""The engine's side of a capture: :func:`capture_into` (a bucket's graph, captured off the
-engine's lock and installed under it), the job a bucket needs, what a failure means for the key
-and the bucket, the compiled forward to capture, owned-output slots, extra graphs for loops, and
-capturing every bucket of a key. The race against eager is in ``racing``, the memory budget in
-``budget``.
+"""The engine's side of a capture: the :class:`Capturer`, one per engine, which owns the capture
+state, and its work: :func:`capture_into` (a bucket's graph, captured off the engine's lock and
+installed under it), the job a bucket needs, what a failure means for the key and the bucket,
+the compiled forward to capture, owned-output slots, extra graphs for loops, and capturing
+every bucket of a key. The race against eager is in ``racing``, the memory budget in
+``budget``, per-size kernels in ``tuning``.
 
-Functions of the engine's records, run by the engine's plans (under its lock where they say so)
-and by the worker's jobs.
+The functions take the engine (its lock, store, grid and options) and run on the calling
+thread or as the worker's jobs, under the engine's lock where they say so.
 """
-
 import contextlib
 import logging
 import time

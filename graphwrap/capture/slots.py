@@ -217,3 +217,17 @@ def ring_for(static: Sequence[Any], kinds: Sequence[str], batch_dim: int, make_f
     if sum(t.numel() * t.element_size() for t in tensors) > MAX_SLOT_BYTES:
         return None
     return OutputRing(static, kinds, batch_dim, make_fill, seq_dims=seq_dims)
+
+
+def owned(graph, slot: Optional[Slot], outputs: List[Any], n: int, L: Optional[int]) -> List[Any]:
+    """The outputs of one run of ``graph``, owned by the caller: the forward run into ``slot`` (a
+    free slot of its ring, from ``ring.take``), or with None a replay and clones of ``outputs``
+    (``graph.outputs_for(n, L)``); the ring then wants another slot, made by the caller once it
+    let go of the engine's lock."""
+    if slot is not None:
+        slot.fill()  # the forward, writing straight into the slot
+        return slot.views(n, L)
+    graph.replay()
+    if graph.ring is not None:
+        graph.ring.want()
+    return [o.clone() if t else o for o, t in zip(outputs, graph.is_tensor)]

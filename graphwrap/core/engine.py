@@ -1,24 +1,33 @@
 """The engine: input signatures -> buckets -> captured graphs, and the plans that replay them.
 
-The loops (``gm(...)`` in ``calls``, ``pipeline``, ``coalesce``, ``batcher``) drive it through
-these names and nothing else:
+The loops (the direct call in ``calls``, ``pipeline``, ``coalesce``, the ``Batcher``'s queue,
+``decode``) drive it through these names and nothing else:
 
-- ``facts(args, kwargs)``: the call as the engine sees it (``signature.Facts``), or why it
-  runs eagerly (a :class:`~graphwrap.core.reasons.Eager`); ``fast_plan(x)``: the plan of ``gm(x)`` for one tensor of a shape seen before.
-- ``plan(facts)``: its :class:`~graphwrap.core.plans.Plan` (graph, eager, or chunked), its bucket
-  captured first if need be, outside the serving lock (others run that bucket eagerly meanwhile).
+- ``call(args, kwargs)``: ``gm(*args, **kwargs)``: a warm one-tensor call's plan, else the
+  direct-call loop (:func:`graphwrap.loops.calls.call_general`).
+- ``facts(args, kwargs)``: the call as the engine sees it (``signature.Facts``), or why it runs
+  eagerly (a :class:`~graphwrap.core.reasons.Eager`); ``fast_plan(x)``: the plan of ``gm(x)``
+  for one tensor of a shape seen before.
+- ``plan(facts)``, ``plan_rows(key, n, L, leaves)``: the :class:`~graphwrap.core.plans.Plan`
+  (graph, eager, or chunked), its bucket captured first if need be, outside the serving lock
+  (others run that bucket eagerly meanwhile).
 - ``run(plan, leaves)``: copy in, replay, outputs out, under the serving lock.
-- ``eager(args, kwargs, why)`` and ``eager_plan(plan, args, kwargs)``: the module itself, counted.
+- ``eager(args, kwargs, why)``, ``eager_plan(plan, args, kwargs)``, ``eager_run(args, kwargs)``:
+  the module itself, counted.
 - ``joins``: what joining requests needs (:class:`~graphwrap.loops.joins.Joins`: ``member``,
   ``run_joined``, ``set_join``, ``cost``, ``max_rows``).
+- ``chose_large``, ``served_large``, ``staging``: the direct call's records of batches above the
+  largest bucket.
 - ``lease(plan, count)`` and ``give_back(lease)``: graphs for one loop's sole use (pipeline).
 - ``capture(facts, background)``, ``wait()``, ``reset()``, ``stats()``, ``copy_stream(device)``,
-  ``order_stream(device)``; the attributes ``lock``, ``epoch``, ``grid``, ``clone``, ``batch_dim``.
+  ``order_stream(device)``; the attributes ``lock``, ``epoch``, ``grid``, ``clone``,
+  ``batch_dim``, ``backend``, ``module``.
 
-Nothing under ``lock`` captures, compiles, times or waits for the device: a capture marks its
-bucket, runs outside the lock and installs its graph under it.
+The engine maps keys to plans; its :class:`~graphwrap.capture.capturer.Capturer` is the only
+writer of capture state and of what serves a bucket. Nothing under ``lock`` captures, compiles,
+times or waits for the device: a capture claims its bucket, runs outside the lock and installs
+its graph under it.
 """
-
 import logging
 import threading
 from typing import Any, Dict, Optional
@@ -29,6 +38,7 @@ from .. import _compat
 from ..capture.backend import CudaBackend
 from ..capture.capturer import Capturer
 from ..errors import GraphwrapError
+from ..loops.calls import call_general
 from ..loops.joins import Joins
 from ..loops.staging import Stager
 from . import stats as _stats
@@ -86,6 +96,19 @@ class Engine:
         self.dims_checked = False
 
     # ------------------------------------------------------------------ per call
+
+    def call(self, args, kwargs):
+        """``gm(*args, **kwargs)``: the plan of one tensor of a shape seen before, where every
+        per-call check passes (a copy, a replay and the output), else the direct-call loop."""
+        if not kwargs and len(args) == 1:
+            x = args[0]
+            if type(x) is Tensor:
+                plan = self.fast_plan(x)
+                if plan is not None:
+                    out = plan.call1(x)
+                    if out is not STALE:
+                        return out
+        return call_general(self, args, kwargs)
 
     def fast_plan(self, x: Tensor) -> Optional[Plan]:
         """The plan for ``gm(x)`` with one tensor, if every per-call check passes; else None

@@ -10,6 +10,7 @@ from typing import Any, List, Optional
 
 import torch
 
+from ..capture.slots import owned
 from .reasons import Eager
 from .records import Bucket, Graph, Key, tally
 
@@ -105,7 +106,7 @@ class Plan:
                 else:
                     self.input.copy_(x)
                     self._count()
-                    outs = self.graph.owned(slot, self.outputs, self.n, self.L)
+                    outs = owned(self.graph, slot, self.outputs, self.n, self.L)
                     grow = slot is None and ring is not None and ring.claim()
         if grow:  # every slot was held: another is made, off the lock
             eng.grow(self.graph)
@@ -133,7 +134,7 @@ class Plan:
             self.replay()
             return self.outputs
         slot = self.ring.take(self.sid(self.device_index)) if self.ring is not None else None
-        return self.graph.owned(slot, self.outputs, self.n, self.L)
+        return owned(self.graph, slot, self.outputs, self.n, self.L)
 
 
 def plan_tally(plan) -> list:

@@ -95,19 +95,6 @@ class Graph:
                                       for o, k, s in zip(self.static_outputs, self.kinds, self.seq_dims)]
         return got
 
-    def owned(self, slot, outputs: List[Any], n: int, L: Optional[int]) -> List[Any]:
-        """The outputs of one run of this graph, owned by the caller: the forward run into
-        ``slot`` (a free slot of the ring, from ``ring.take``), or with None a replay and clones
-        of ``outputs`` (``outputs_for(n, L)``); the ring then wants another slot, made by the
-        caller once it let go of the engine's lock."""
-        if slot is not None:
-            slot.fill()  # the forward, writing straight into the slot
-            return slot.views(n, L)
-        self.replay()
-        if self.ring is not None:
-            self.ring.want()
-        return [o.clone() if t else o for o, t in zip(outputs, self.is_tensor)]
-
     def write(self, dsts, pads, leaves, L, non_blocking: bool = False):
         """Copy a call's inputs in, and the pad value where an earlier call left longer ones."""
         for d, s in zip(dsts, leaves):

@@ -19,7 +19,6 @@ import torch
 
 from ..core.tree import map_tensors
 from ..errors import GraphwrapError
-from .calls import call
 from .request_queue import Request, RequestQueue
 
 
@@ -191,7 +190,7 @@ class Batcher:
         t0 = time.perf_counter()
         value = error = None
         try:
-            value = call(self.engine, args, kwargs)
+            value = self.engine.call(args, kwargs)
             if not self.engine.clone:
                 value = map_tensors(torch.clone, value)
         except Exception as e:  # noqa: BLE001 - the request's own error, raised to its caller

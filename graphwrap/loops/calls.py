@@ -1,7 +1,7 @@
 """The direct call, ``gm(...)``: one call's inputs through the engine's plan, or eagerly.
 
-The common call, one tensor whose shape was seen before, is the plan's ``call1``: a copy, a
-replay and the output. A batch above the largest bucket of its length gets a graph of its own
+The common call, one tensor whose shape was seen before, is the plan's ``call1``, taken by
+``Engine.call`` before this loop: a copy, a replay and the output. A batch above the largest bucket of its length gets a graph of its own
 size class (the bucket grid continued, see ``BucketTable.size_for``) when the memory it needs
 is free; without that memory (and always for inputs with a sequence dimension, whose largest
 bucket is set by the token budget), it is served in chunks of at most the largest bucket, each a
@@ -17,22 +17,9 @@ import torch
 
 from ..core.plans import STALE
 from ..core.reasons import DROPPED, NOT_CAPTURED, Eager, capture_reason
-from ..core.tree import BATCHED, CONST, Tensor, unflatten_inputs
+from ..core.tree import BATCHED, CONST, unflatten_inputs
 
 logger = logging.getLogger("graphwrap")
-
-
-def call(engine, args, kwargs):
-    """``gm(*args, **kwargs)``."""
-    if not kwargs and len(args) == 1:
-        x = args[0]
-        if type(x) is Tensor:
-            plan = engine.fast_plan(x)
-            if plan is not None:
-                out = plan.call1(x)
-                if out is not STALE:
-                    return out
-    return call_general(engine, args, kwargs)
 
 
 def call_general(engine, args, kwargs):

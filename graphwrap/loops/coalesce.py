@@ -16,7 +16,6 @@ import torch
 from ..core.reasons import Eager, Kind
 from ..core.records import Member
 from ..core.tree import Tensor, flatten_outputs, map_tensors, unflatten_inputs
-from .calls import call
 from .joins import join_leaves, probe, split_outputs
 from .pipeline import Inputs, as_call, run_pipeline
 
@@ -60,7 +59,7 @@ def _probe(engine, group) -> None:
     """Run the group's items alone and joined; record whether joining gives each its own."""
     ks = group[0][2].key
     # outputs="view": each alone output is overwritten by the next call unless copied
-    alone = [call(engine, a, k) if engine.clone else map_tensors(torch.clone, call(engine, a, k))
+    alone = [engine.call(a, k) if engine.clone else map_tensors(torch.clone, engine.call(a, k))
              for a, k, _ in group]
     try:
         probe(engine, ks, [m.leaves for _, _, m in group], [m.n for _, _, m in group],

@@ -24,7 +24,6 @@ from typing import Optional
 import torch
 
 from ..errors import GraphwrapError
-from .calls import call
 
 logger = logging.getLogger("graphwrap")
 
@@ -315,7 +314,7 @@ def generate(engine, held: dict, module, args, kwargs):
     (``_gw_caches``) and the reasons already logged (``_gw_loop_notes``)."""
 
     def step(**kw):
-        return call(engine, (), kw)
+        return engine.call((), kw)
 
     check_room(args, kwargs)  # a cache the caller passes (graphwrap sizes its own)
     kwargs = static_cache(held, module, args, kwargs)

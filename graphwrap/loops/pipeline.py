@@ -25,11 +25,11 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from ..capture.slots import owned
 from ..core.plans import cuda_sid as current_stream_id
 from ..core.reasons import Eager
 from ..core.tree import Tensor, map_tensors
 from ..errors import GraphwrapError
-from .calls import call
 from .staging import Stager
 
 set_stream = torch.cuda.set_stream
@@ -161,7 +161,7 @@ def run_pipeline(engine, batches: Iterable[Any], to_host: bool = False) -> Itera
                 # Eager, a failed capture, a bucket that serves eagerly, a batch above the largest
                 # bucket, inputs with a sequence dimension: the direct call serves it, in order on
                 # the caller's stream.
-                out = call(engine, args, kwargs)
+                out = engine.call(args, kwargs)
                 if to_host:
                     out = map_tensors(_to_pinned_host, out)
                 entry = ("done", out)
@@ -274,7 +274,7 @@ def _issue_on(engine, lease, rep, srcs, n, events, to_host, host_out):
     # output can sit in memory that the next replay of another bucket uses for intermediates.
     sid = current_stream_id(lease.device.index)
     slot = rep.ring.take(sid) if rep.ring is not None else None
-    outs = rep.owned(slot, rep.outputs_for(n, None), n, None)  # a slot due is made by _issue off the lock
+    outs = owned(rep, slot, rep.outputs_for(n, None), n, None)  # a slot due is made by _issue off the lock
     _record(rep.replay_done, compute)
     if not to_host:
         return ("gpu", ks.out_spec, outs)

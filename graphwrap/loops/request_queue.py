@@ -22,7 +22,6 @@ from ..core.records import Member
 from ..core.tree import map_tensors
 from ..errors import GraphwrapError
 from ..process import REQUEST_SEQ
-from .calls import call
 from .joins import join_leaves, plan_groups, probe, split_outputs
 from .staging import Stager
 
@@ -287,7 +286,7 @@ class RequestQueue:
         owned = self.engine.clone
         for r in batch:
             try:
-                value = call(self.engine, r.args, r.kwargs)
+                value = self.engine.call(r.args, r.kwargs)
                 if not owned:  # outputs="view": views of static outputs that the next call overwrites
                     value = map_tensors(torch.clone, value)
             except Exception as e:  # noqa: BLE001 - the request's own error
