@@ -320,3 +320,17 @@ def test_a_warm_call_runs_code_of_at_most_five_files(outputs):
     files = _graphwrap_files_of(gm, x)
     assert files[:3] == ["module.py", os.path.join("core", "engine.py"), os.path.join("core", "watch.py")], files
     assert os.path.join("core", "plans.py") in files and len(files) <= 5, files
+
+
+class _DictIn(nn.Module):
+    def forward(self, d):
+        return d["S"] + d["x"]
+
+
+def test_a_dict_input_whose_first_key_is_S_is_graphed():
+    # Its keys ("S", "x") were once read as a state input: the call raised AttributeError.
+    gm = _gm(_DictIn().eval())
+    for n in (3, 5):
+        d = {"S": torch.randn(n, 2), "x": torch.randn(n, 2)}
+        assert_same(gm(d), d["S"] + d["x"])
+    assert gm.stats()["keys"][0]["status"] == "graphed"

@@ -98,3 +98,12 @@ def test_unbatched_inputs_run_as_the_module_runs_on_a_cpu():
     gm = GraphedModule(model)
     x, pos = torch.randn(3, 8), torch.randn(1)
     assert_same(gm(x, pos), model(x, pos).detach(), tol=0)
+
+
+def test_a_dict_input_whose_first_key_is_S_is_no_state():
+    # Keys are constants of a dict node; the readers of a spec never take them for a node of
+    # their own (a tuple of keys starting with "S" once read as a state input).
+    x = {"S": torch.zeros(3, 2), "x": torch.zeros(3, 2)}
+    f = _facts(Declarations(Takes()), x)
+    assert not f.state and f.n == 3 and [r[0] for r in f.roles] == [0, 0]
+    assert describe_key(f.spec, f.meta, None) == "({'S': Tensor[B, 2] float32 cpu, 'x': Tensor[B, 2] float32 cpu})"

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import GraphwrapError
 from .reasons import Eager, input_reason
-from .tree import UnsupportedInput, flatten_inputs
+from .tree import UnsupportedInput, count_tensors, flatten_inputs, render, states_in
 
 Tensor = torch.Tensor
 # A leaf's role: (batch dim or None, seq dim or None, pad value). Tuples: read on every call.
@@ -113,9 +113,9 @@ class Declarations:
         out = []
         for i, s in enumerate(spec_args):
             name = self.positional[i] if i < len(self.positional) else None
-            out += [(i, name)] * _count_leaves(s)
+            out += [(i, name)] * count_tensors(s)
         for k, s in spec_kw:
-            out += [(None, k)] * _count_leaves(s)
+            out += [(None, k)] * count_tensors(s)
         return out
 
     def _declare(self, spec) -> tuple:
@@ -231,18 +231,7 @@ class Declarations:
 
 def state_refs(spec) -> tuple:
     """The state inputs (``state.StateRef``) of a call's spec, in order."""
-    out = []
-
-    def walk(s):
-        if isinstance(s, tuple):
-            if s[:1] == ("S",):
-                out.append(s[1])
-                return
-            for c in s:
-                if isinstance(c, tuple):
-                    walk(c)
-    walk(spec)
-    return tuple(out)
+    return states_in(spec)
 
 
 def _state_names(state) -> frozenset:
@@ -263,29 +252,8 @@ def _state_names(state) -> frozenset:
 def _has_state(spec, memo: Dict[tuple, bool]) -> bool:
     got = memo.get(spec)
     if got is None:
-        got = memo[spec] = _any_state(spec)
+        got = memo[spec] = bool(states_in(spec))
     return got
-
-
-def _any_state(spec) -> bool:
-    if isinstance(spec, tuple):
-        if spec[:1] == ("S",):
-            return True
-        return any(_any_state(s) for s in spec if isinstance(s, tuple))
-    return False
-
-
-def _count_leaves(spec) -> int:
-    tag = spec[0]
-    if tag == "T":
-        return 1
-    if tag in ("C", "S"):
-        return 0
-    if tag in ("tuple", "list"):
-        return sum(_count_leaves(s) for s in spec[1])
-    if tag in ("dict", "defaultdict"):
-        return sum(_count_leaves(s) for s in spec[3])
-    return sum(_count_leaves(s) for s in spec[2])
 
 
 def _infer_batch(leaves, bd: int):
@@ -335,22 +303,15 @@ def describe_key(spec, meta, autocast) -> str:
     spec_args, spec_kw = spec
     it = iter(meta)
 
-    def one(s):
+    def leaf(s):
         tag = s[0]
         if tag == "T":
             shape, dtype, device = next(it)
             return f"Tensor[{', '.join(str(d) for d in shape)}] {str(dtype).replace('torch.', '')} {device}"
-        if tag == "C":
-            return repr(s[2])
-        if tag == "S":
-            return repr(s[1])
-        if tag in ("tuple", "list"):
-            inner = ", ".join(one(c) for c in s[1])
-            return f"({inner})" if tag == "tuple" else f"[{inner}]"
-        if tag in ("dict", "defaultdict"):
-            inner = "{" + ", ".join(f"{k!r}: {one(c)}" for k, c in zip(s[2], s[3])) + "}"
-            return inner if s[1] is dict else f"{s[1].__name__}({inner})"
-        return f"{s[1].__name__}(" + ", ".join(one(c) for c in s[2]) + ")"
+        return repr(s[2]) if tag == "C" else repr(s[1])
+
+    def one(s):
+        return render(s, leaf)
 
     parts = [one(s) for s in spec_args] + [f"{k}={one(s)}" for k, s in spec_kw]
     text = "(" + ", ".join(parts) + ")"

@@ -40,7 +40,13 @@ class UnsupportedInput(GraphwrapError):
         self.refused = refused
 
 
+# Spec nodes. A leaf is ("T",), a tensor input; ("L",), an output leaf; ("C", type, value), a
+# constant input; ("S", ref), a state input. A container is always (tag, type, keys, children,
+# extra): keys for mappings and dataclasses (None otherwise), extra a defaultdict's factory or a
+# registered type's (context, unflatten) (None otherwise). The flatteners below make nodes;
+# ``_build`` turns any node back into its object and ``fold`` is every other reader.
 _TENSOR = ("T",)
+_LEAF_TAGS = frozenset(("T", "L", "C", "S"))
 
 
 def _const_spec(x):
@@ -55,7 +61,7 @@ def _flatten(obj, leaves: List[Tensor], path: str):
         return _TENSOR
     t = type(obj)
     if t is tuple or t is list:
-        return (t.__name__, tuple(_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)))
+        return (t.__name__, t, None, tuple(_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)), None)
     if isinstance(obj, dict):
         keys = tuple(obj.keys())
         for k in keys:
@@ -68,11 +74,11 @@ def _flatten(obj, leaves: List[Tensor], path: str):
             raise UnsupportedInput(
                 f"input at {path} is a {t.__name__}, a dict type that {t.__name__}(items) does not rebuild"
             )
-        return ("dict", t, keys, children)
+        return ("dict", t, keys, children, None)
     if isinstance(obj, tuple):  # namedtuple and other tuple subclasses
-        return ("tuple+", t, tuple(_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)))
+        return ("tuple+", t, None, tuple(_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)), None)
     if isinstance(obj, list):
-        return ("list+", t, tuple(_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)))
+        return ("list+", t, None, tuple(_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)), None)
     if isinstance(obj, _CONSTANT_TYPES):
         return _const_spec(obj)
     why = state_reason(obj)
@@ -137,41 +143,101 @@ def _declared_state(obj, path: str):
     return ("S", ref)
 
 
-def _unflatten(spec, it):
-    tag = spec[0]
-    if tag == "T":
+def _build(node, it):
+    """The object a spec node stands for, its leaves taken in order from ``it``: the one builder
+    of input and output nodes."""
+    tag = node[0]
+    if tag == "T" or tag == "L":
         return next(it)
     if tag == "C":
-        return float("nan") if spec[2] == "nan" and spec[1] is float else spec[2]
+        return float("nan") if node[2] == "nan" and node[1] is float else node[2]
     if tag == "S":
-        return spec[1].obj
+        return node[1].obj
+    _, t, keys, children, extra = node
     if tag == "tuple":
-        return tuple(_unflatten(s, it) for s in spec[1])
+        return tuple([_build(c, it) for c in children])
     if tag == "list":
-        return [_unflatten(s, it) for s in spec[1]]
+        return [_build(c, it) for c in children]
     if tag == "dict":
-        _, t, keys, children = spec
-        d = {k: _unflatten(s, it) for k, s in zip(keys, children)}
+        d = {k: _build(c, it) for k, c in zip(keys, children)}
         return d if t is dict else t(d)
     if tag == "defaultdict":
-        _, t, keys, children, factory = spec
-        return t(factory, {k: _unflatten(s, it) for k, s in zip(keys, children)})
+        return t(extra, {k: _build(c, it) for k, c in zip(keys, children)})
     if tag == "tuple+":
-        _, t, children = spec
-        vals = [_unflatten(s, it) for s in children]
+        vals = [_build(c, it) for c in children]
         return t(*vals) if hasattr(t, "_fields") else t(vals)
     if tag == "list+":
-        _, t, children = spec
-        return t([_unflatten(s, it) for s in children])
-    raise AssertionError(f"unknown spec tag {tag!r}")
+        return t([_build(c, it) for c in children])
+    if tag == "dc" or tag == "dcmap":
+        return t(**{k: _build(c, it) for k, c in zip(keys, children)})
+    if tag == "pytree":
+        context, unflatten = extra
+        return unflatten([_build(c, it) for c in children], context.value)
+    raise AssertionError(f"unknown spec node {tag!r}")
+
+
+def fold(node, leaf: Callable, branch: Callable):
+    """Every reader of spec nodes but the builder: ``leaf(node)`` for a leaf, ``branch(node,
+    values)`` for a container with its children's values in order (left to right, bottom up)."""
+    if node[0] in _LEAF_TAGS:
+        return leaf(node)
+    return branch(node, [fold(c, leaf, branch) for c in node[3]])
+
+
+def count_tensors(node) -> int:
+    """The tensor inputs a spec node holds."""
+    return fold(node, lambda n: n[0] == "T", lambda n, vals: sum(vals))
+
+
+def states_in(spec) -> tuple:
+    """The state inputs (``state.StateRef``) of an input spec, in order."""
+    spec_args, spec_kw = spec
+    nodes = list(spec_args) + [s for _, s in spec_kw]
+    return tuple(r for s in nodes for r in fold(s, lambda n: (n[1],) if n[0] == "S" else (),
+                                                  lambda n, vals: tuple(x for v in vals for x in v)))
+
+
+def render(node, leaf: Callable[[tuple], str]) -> str:
+    """A spec node as text, each leaf as ``leaf(node)`` says, containers as Python writes them."""
+    def branch(n, vals):
+        tag, t, keys = n[0], n[1], n[2]
+        if tag == "tuple":
+            return "(" + ", ".join(vals) + ")"
+        if tag == "list":
+            return "[" + ", ".join(vals) + "]"
+        if keys is not None:
+            inner = "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(keys, vals)) + "}"
+            return inner if t is dict else f"{t.__name__}({inner})"
+        return f"{t.__name__}(" + ", ".join(vals) + ")"
+    return fold(node, leaf, branch)
+
+
+def _label(node, i: int) -> str:
+    """The path step from a container node to its child ``i``, for messages."""
+    tag, t, keys = node[0], node[1], node[2]
+    if tag == "dc":
+        return f".{keys[i]}"
+    if keys is not None:
+        return f"[{keys[i]!r}]"
+    if tag == "tuple+" and hasattr(t, "_fields"):
+        return f".{t._fields[i]}"
+    if tag == "pytree":
+        return f"<{t.__name__} child {i}>"
+    return f"[{i}]"
+
+
+def _paths(node, prefix: str) -> List[str]:
+    """The path of every leaf of an output node, in order."""
+    tails = fold(node, lambda n: [""], lambda n, vals: [_label(n, i) + p for i, v in enumerate(vals) for p in v])
+    return [prefix + p for p in tails]
 
 
 def unflatten_inputs(spec: tuple, leaves: Sequence[Tensor]) -> Tuple[tuple, dict]:
     """Rebuild ``(args, kwargs)`` from a spec and tensor leaves (the inverse of flatten_inputs)."""
     it = iter(leaves)
     spec_args, spec_kw = spec
-    args = tuple(_unflatten(s, it) for s in spec_args)
-    kwargs = {k: _unflatten(s, it) for k, s in spec_kw}
+    args = tuple(_build(s, it) for s in spec_args)
+    kwargs = {k: _build(s, it) for k, s in spec_kw}
     return args, kwargs
 
 
@@ -314,7 +380,7 @@ class OutputSpec:
     def rebuild(self, leaves: Sequence[Any]):
         if self.single:
             return leaves[0]
-        return _rebuild(self.node, iter(leaves))
+        return _build(self.node, iter(leaves))
 
     def __eq__(self, other):
         return isinstance(other, OutputSpec) and self.node == other.node
@@ -324,16 +390,12 @@ class OutputSpec:
 
     def describe(self, i: int) -> str:
         """A readable path to leaf ``i``, for messages."""
-        paths: List[str] = []
-        _paths(self.node, "out", paths)
+        paths = _paths(self.node, "out")
         return paths[i] if i < len(paths) else f"leaf {i}"
 
     def first_difference(self, other: "OutputSpec", name: str = "out") -> str:
         """The path of the first leaf of this spec that ``other`` lacks or has elsewhere."""
-        mine: List[str] = []
-        theirs: List[str] = []
-        _paths(self.node, name, mine)
-        _paths(other.node, name, theirs)
+        mine, theirs = _paths(self.node, name), _paths(other.node, name)
         for i, p in enumerate(mine):
             if i >= len(theirs) or theirs[i] != p:
                 return p
@@ -350,14 +412,14 @@ def _flatten_out(obj, leaves: list):
         return ("L",)
     t = type(obj)
     if t is tuple or t is list:
-        return (t.__name__, tuple(_flatten_out(v, leaves) for v in obj))
+        return (t.__name__, t, None, tuple(_flatten_out(v, leaves) for v in obj), None)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         if isinstance(obj, dict):
             # HF ModelOutput: a dataclass and an OrderedDict whose keys are the fields set.
             keys = tuple(obj.keys())
-            return ("dcmap", t, keys, tuple(_flatten_out(obj[k], leaves) for k in keys))
+            return ("dcmap", t, keys, tuple(_flatten_out(obj[k], leaves) for k in keys), None)
         names = tuple(_dataclass_fields(obj))
-        return ("dc", t, names, tuple(_flatten_out(getattr(obj, k), leaves) for k in names))
+        return ("dc", t, names, tuple(_flatten_out(getattr(obj, k), leaves) for k in names), None)
     if isinstance(obj, collections.defaultdict):  # its constructor takes the factory first
         keys = tuple(obj.keys())
         return ("defaultdict", t, keys, tuple(_flatten_out(obj[k], leaves) for k in keys), obj.default_factory)
@@ -368,62 +430,14 @@ def _flatten_out(obj, leaves: list):
     if node is not None:
         # A registered type: a model's cache object, say
         children, context, unflatten = node
-        return ("pytree", t, _Context(context), tuple(_flatten_out(v, leaves) for v in children), unflatten)
+        return ("pytree", t, None, tuple(_flatten_out(v, leaves) for v in children), (_Context(context), unflatten))
     if isinstance(obj, dict):
         keys = tuple(obj.keys())
-        return ("dict", t, keys, tuple(_flatten_out(obj[k], leaves) for k in keys))
+        return ("dict", t, keys, tuple(_flatten_out(obj[k], leaves) for k in keys), None)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return ("nt", t, tuple(_flatten_out(v, leaves) for v in obj))
+        return ("tuple+", t, None, tuple(_flatten_out(v, leaves) for v in obj), None)
     leaves.append(obj)
     return ("L",)
-
-
-def _rebuild(node, it):
-    tag = node[0]
-    if tag == "L":
-        return next(it)
-    if tag == "tuple":
-        return tuple(_rebuild(c, it) for c in node[1])
-    if tag == "list":
-        return [_rebuild(c, it) for c in node[1]]
-    if tag == "dict":
-        _, t, keys, children = node
-        d = {k: _rebuild(c, it) for k, c in zip(keys, children)}
-        return d if t is dict else t(d)
-    if tag == "defaultdict":
-        _, t, keys, children, factory = node
-        return t(factory, {k: _rebuild(c, it) for k, c in zip(keys, children)})
-    if tag in ("dcmap", "dc"):
-        _, t, keys, children = node
-        return t(**{k: _rebuild(c, it) for k, c in zip(keys, children)})
-    if tag == "nt":
-        _, t, children = node
-        return t(*(_rebuild(c, it) for c in children))
-    if tag == "pytree":
-        _, _t, context, children, unflatten = node
-        return unflatten([_rebuild(c, it) for c in children], context.value)
-    raise AssertionError(f"unknown output node {tag!r}")
-
-
-def _paths(node, prefix, out):
-    tag = node[0]
-    if tag == "L":
-        out.append(prefix)
-    elif tag in ("tuple", "list"):
-        for i, c in enumerate(node[1]):
-            _paths(c, f"{prefix}[{i}]", out)
-    elif tag in ("dict", "dcmap", "defaultdict"):
-        for k, c in zip(node[2], node[3]):
-            _paths(c, f"{prefix}[{k!r}]", out)
-    elif tag == "dc":
-        for k, c in zip(node[2], node[3]):
-            _paths(c, f"{prefix}.{k}", out)
-    elif tag == "nt":
-        for k, c in zip(node[1]._fields, node[2]):
-            _paths(c, f"{prefix}.{k}", out)
-    elif tag == "pytree":
-        for i, c in enumerate(node[3]):
-            _paths(c, f"{prefix}<{node[1].__name__} child {i}>", out)
 
 
 def flatten_outputs(out) -> Tuple[list, OutputSpec]:
