@@ -159,6 +159,8 @@ def _one(results, model, label, batch, device, quick, rounds):
             torch.cuda.synchronize()
             cold = time.perf_counter() - t0
             with torch.no_grad():
+                fn(1)  # the prompt alone, warm too (gm.generate sizes a cache of its own for it)
+            with torch.no_grad():
                 full, out = _timed(lambda: fn(NEW), rounds)
                 one, _ = _timed(lambda: fn(1), rounds)
         except Exception as e:  # noqa: BLE001 - a strategy that cannot run is reported
