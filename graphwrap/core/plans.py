@@ -90,7 +90,9 @@ class Plan:
                 eng.order_stream(self.device)
             if not self.clone:
                 self.input.copy_(x)
-                self._count()
+                self.calls += 1
+                if self.calls == self.tune_at:
+                    eng.hot(self)
                 self.replay()
                 if self.single_out:
                     return self.output
@@ -105,7 +107,9 @@ class Plan:
                     grow = ring.claim()
                 else:
                     self.input.copy_(x)
-                    self._count()
+                    self.calls += 1
+                    if self.calls == self.tune_at:
+                        eng.hot(self)
                     outs = owned(self.graph, slot, self.outputs, self.n, self.L)
                     grow = slot is None and ring is not None and ring.claim()
         if grow:  # every slot was held: another is made, off the lock
@@ -116,11 +120,6 @@ class Plan:
                     return eng.module(x)
             return eng.module(x)
         return outs[0] if self.single_out else self.rebuild(outs)
-
-    def _count(self):
-        self.calls += 1
-        if self.calls == self.tune_at:
-            self.engine.hot(self)
 
     def run(self, leaves, clone: bool = True) -> List[Any]:
         """Copy ``leaves`` in and replay; the flat outputs, owned with ``outputs="clone"`` unless
