@@ -19,9 +19,12 @@ The loops (the direct call in ``calls``, ``pipeline``, ``coalesce``, the ``Batch
 - ``chose_large``, ``served_large``, ``staging``: the direct call's records of batches above the
   largest bucket.
 - ``lease(plan, count)`` and ``give_back(lease)``: graphs for one loop's sole use (pipeline).
+- ``key(facts)``: a call's key, or why it runs eagerly (under ``lock``); ``writes``: the module
+  buffers the forward writes; ``grow(graph)``: another owned-output slot, off the call path.
 - ``capture(facts, background)``, ``wait()``, ``reset()``, ``stats()``, ``copy_stream(device)``,
   ``order_stream(device)``; the attributes ``lock``, ``epoch``, ``grid``, ``clone``,
-  ``batch_dim``, ``backend``, ``module``.
+  ``batch_dim``, ``backend``, ``module``, ``decl`` (the options' ``Declarations``), ``opts``,
+  ``eager_if_faster``.
 
 The engine maps keys to plans; its :class:`~graphwrap.capture.capturer.Capturer` is the only
 writer of capture state and of what serves a bucket. Nothing under ``lock`` captures, compiles,
@@ -163,11 +166,11 @@ class Engine:
         """The plan of a call: kept per key and size, made (and its bucket captured) on first use."""
         try:
             with self.lock:
-                ks = self.store.keys.get(f.key) or self.key_for(f)
+                ks = self.key(f)
         except _DeviceChanged:
             self.reset()
             with self.lock:
-                ks = self.store.keys.get(f.key) or self.key_for(f)
+                ks = self.key(f)
         if type(ks) is Eager:
             return Plan.eager_only(self, ks)
         plan = self.plan_rows(ks, f.n, f.L, f.leaves)
@@ -317,6 +320,15 @@ class Engine:
 
     # ------------------------------------------------------------------ keys
 
+    def key(self, f: Facts):
+        """The key of a call, made on first use, or why it runs eagerly. The caller holds the lock."""
+        return self.store.keys.get(f.key) or self.key_for(f)
+
+    @property
+    def writes(self) -> Optional[tuple]:
+        """The module buffers the forward writes, once a capture saw it (None: none seen)."""
+        return self.capturer.writes
+
     def key_for(self, f: Facts):
         """The key of a call (made on first use), or why it runs eagerly. The caller holds the lock."""
         store = self.store
@@ -385,7 +397,7 @@ class Engine:
     def capture(self, f: Facts, background: bool = False) -> dict:
         """Capture every bucket of this call's key, largest first (``background``: on the worker)."""
         with self.lock:
-            ks = self.store.keys.get(f.key) or self.key_for(f)
+            ks = self.key(f)
             if type(ks) is Eager:
                 raise GraphwrapError(f"cannot capture: {ks}; pass a larger max_keys= or call reset()")
         got = self.capturer.capture_key(ks, [t.to(ks.device, copy=True) for t in f.leaves], f.n, f.L, background)

@@ -48,7 +48,7 @@ class Joins:
         into one call), or the :class:`~graphwrap.core.reasons.Eager` reason it runs alone. A signature that runs eagerly for
         want of CUDA gets a key of its own here, so joining works the same on a CPU."""
         eng = self.engine
-        if eng.capturer.writes is not None:
+        if eng.writes is not None:
             return WRITES_STATE
         if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
             plan = eng.fast_plan(args[0])
@@ -58,7 +58,7 @@ class Joins:
         if type(f) is Eager:
             return self._eager_member(args, kwargs) if f.kind is Kind.NO_GRAPHS else f
         with eng.lock:
-            ks = eng.store.keys.get(f.key) or eng.key_for(f)
+            ks = eng.key(f)
         if type(ks) is Eager:
             return ks
         if ks.join_refused is None and any(r[0] is None for r in ks.roles):
