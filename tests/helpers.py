@@ -234,7 +234,7 @@ class RecomputeGraph:
 
 
 class RecomputeRecorder:
-    """The recorder of graphwrap.capture.recording, for the CPU: nothing to lock, no streams."""
+    """The recorder of graphwrap.capture.graph, for the CPU: nothing to lock, no streams."""
 
     def __init__(self):
         import contextlib

@@ -40,7 +40,7 @@ def test_default_buckets_random_sizes():
 
 def _settle():
     """Memory as it stands with no cuBLAS workspace held: each capture clears the workspaces
-    (see graphwrap.capture.recording), and the next GEMM on each stream makes its own again, so how
+    (see graphwrap.capture.graph), and the next GEMM on each stream makes its own again, so how
     many exist at a given moment says nothing about the graphs."""
     torch.cuda.synchronize()
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)

@@ -9,7 +9,7 @@ from helpers import MLP, HFOut, KVCache, NeedsAName, RecomputeRecorder, RowMixer
 from torch import nn
 
 from graphwrap.capture.checks import CaptureFailed, Scope, check_rebuild, shape_leaf, tile_rows
-from graphwrap.capture.recording import Job, capture_bucket
+from graphwrap.capture.graph import Job, capture_bucket
 from graphwrap.core.tree import BATCHED, WHOLE, flatten_inputs, flatten_outputs
 
 

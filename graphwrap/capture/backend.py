@@ -24,7 +24,7 @@ from .cuda import (
     record,
     timed_calls,
 )
-from .recording import CudaRecorder
+from .graph import CudaRecorder
 
 logger = logging.getLogger("graphwrap")
 

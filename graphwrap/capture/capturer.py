@@ -25,8 +25,8 @@ from ..process import CAPTURE_LOCK
 from .budget import budget_left, drop_least_used, large_budget, release_dropped
 from .checks import CaptureFailed, Scope
 from .compiled import CompiledForward, load_cache, save_cache, unavailable_reason
+from .graph import Job, capture_bucket
 from .racing import race
-from .recording import Job, capture_bucket
 from .slots import ring_for
 from .worker import Worker, stopping
 
