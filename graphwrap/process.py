@@ -3,8 +3,9 @@ engine (one GraphedModule) and goes with it.
 
 - Captures: one at a time in the process (``CAPTURE_LOCK``: a capture on one stream breaks
   work issued meanwhile on another), and the private streams they run on, per device.
-- Compiles: one compiled forward traced at a time (``COMPILE_LOCK``: Dynamo's state is
-  per process), and the numbers that give each compiled forward a code name of its own.
+- Compiles: one compiled forward run at a time (``COMPILE_LOCK``: each run raises Dynamo's
+  process-wide recompile limits while it lasts), and the numbers that give each compiled
+  forward a code name of its own.
 - The module watch: one counter (``GENERATION``) that PyTorch's global registration hooks and
   ``nn.Module.train`` bump, installed once (``WATCH_INSTALLED``).
 - Background workers: every engine's worker, and the flag set when the interpreter exits.

@@ -95,7 +95,10 @@ class Capturer:
             self.worker.submit(tune_next)
 
     def grow(self, graph: Graph, later: bool = False):
-        """Another owned-output slot for ``graph`` (see ``Engine.grow``)."""
+        """Another owned-output slot for ``graph``, whose slots were all held. Its fill is a
+        capture: made in this thread when no capture runs in the process (the caller holds no
+        lock of the engine's), else, or with ``later``, by the worker, so a call never waits for
+        another module's capture or compile."""
         if self.writes is not None:  # a slot's checks run the forward: not beside calls that write state
             graph.ring.wanted = graph.ring.growing = False
             return

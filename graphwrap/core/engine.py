@@ -419,16 +419,9 @@ class Engine:
 
     # ------------------------------------------------------------------ told by plans
 
-    def hot(self, plan: Plan):
-        """A plan of a bucket with shared compiled kernels reached the calls that make it worth
-        tuning (the caller holds the lock)."""
-        self.capturer.hot()
-
     def grow(self, graph: Graph, later: bool = False):
-        """Make another owned-output slot for ``graph`` (a call found every slot held). Its fill
-        is a capture: made in this thread when no capture runs (the caller holds no lock of the
-        engine's), else, or with ``later``, by the worker, so a call never waits for another
-        module's capture or compile."""
+        """Another owned-output slot for ``graph`` (a call found every slot held), made off the
+        call path (``Capturer.grow``: never waiting for another module's capture or compile)."""
         self.capturer.grow(graph, later)
 
     # ------------------------------------------------------------------ streams

@@ -92,7 +92,7 @@ class Plan:
                 self.input.copy_(x)
                 self.calls += 1
                 if self.calls == self.tune_at:
-                    eng.hot(self)
+                    eng.capturer.hot()
                 self.replay()
                 if self.single_out:
                     return self.output
@@ -109,7 +109,7 @@ class Plan:
                     self.input.copy_(x)
                     self.calls += 1
                     if self.calls == self.tune_at:
-                        eng.hot(self)
+                        eng.capturer.hot()
                     outs = owned(self.graph, slot, self.outputs, self.n, self.L)
                     grow = slot is None and ring is not None and ring.claim()
         if grow:  # every slot was held: another is made, off the lock
@@ -128,7 +128,7 @@ class Plan:
         self.graph.write(self.dsts, self.pads, leaves, self.L)
         self.calls += 1
         if self.calls == self.tune_at:
-            self.engine.hot(self)
+            self.engine.capturer.hot()
         if not (clone and self.clone):
             self.replay()
             return self.outputs
