@@ -258,8 +258,8 @@ def test_a_detached_store_holds_no_device():
 
     store = Store(lambda d: None)
     store.device, store.pool = torch.device("cuda", 0), object()
-    keys, pool, device = store.detach()
-    assert device == torch.device("cuda", 0) and pool is not None
+    keys, pool, device, dropped = store.detach()
+    assert device == torch.device("cuda", 0) and pool is not None and dropped == []
     assert store.device is None and store.pool is None and store.keys == {} and store.epoch == 1
 
 
@@ -334,3 +334,29 @@ def test_a_dict_input_whose_first_key_is_S_is_graphed():
         d = {"S": torch.randn(n, 2), "x": torch.randn(n, 2)}
         assert_same(gm(d), d["S"] + d["x"])
     assert gm.stats()["keys"][0]["status"] == "graphed"
+
+
+def test_deleting_the_module_lets_go_of_its_graphs_without_a_garbage_collection():
+    # The engine is in reference cycles (its parts point back at it), so it waits for the
+    # garbage collector; the graphs, their buffers and the plans that point at them must not.
+    import gc
+    import weakref
+
+    gm = _gm(MLP().eval(), buckets=[4, 8])
+    for n in (3, 3, 6):
+        gm(torch.randn(n, 32))
+    plan = gm.engine.fast_plan(torch.randn(3, 32))
+    assert plan is not None and plan.graph is not None, "the one-tensor path holds a plan"
+    static = weakref.ref(plan.graph.static_inputs[0])  # a graph's buffer
+    del plan
+    gc.disable()
+    try:
+        del gm
+        assert static() is None, "a graph's buffer outlived its GraphedModule until the next garbage collection"
+        gm = _gm(MLP().eval(), buckets=[4])
+        gm(torch.randn(3, 32))
+        static = weakref.ref(gm.engine.fast_plan(torch.randn(3, 32)).graph.static_inputs[0])
+        gm.reset()
+        assert static() is None, "a graph's buffer outlived reset() until the next garbage collection"
+    finally:
+        gc.enable()

@@ -57,7 +57,7 @@ def drop_least_used(engine, need: int, keep: Bucket) -> bool:
         return False
     for ks, b in taken:
         fold(engine, ks, b)
-        engine.capturer.dropped.extend(b.graphs)
+        engine.store.dropped.extend(b.graphs)
         b.graphs = []
         b.serves = Serves.NOTHING
         logger.info("graphwrap: bucket %s of %s dropped for max_pool_bytes (least used); captured again when needed",
@@ -68,7 +68,7 @@ def drop_least_used(engine, need: int, keep: Bucket) -> bool:
 def release_dropped(engine, device):
     """Free evicted graphs once the device is done with their last replays."""
     with engine.lock:
-        dropped, engine.capturer.dropped = engine.capturer.dropped, []
+        dropped, engine.store.dropped = engine.store.dropped, []
     if dropped:
         engine.backend.sync(device)
         del dropped

@@ -11,7 +11,7 @@ thread or as the worker's jobs, under the engine's lock where they say so.
 import contextlib
 import logging
 import time
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -38,10 +38,9 @@ class Capturer:
     serves it (``Bucket.serves``); one per engine.
 
     It holds the compiled forward (or why ``compile=`` was given up), the tuner's per-size
-    compile, the background worker and what it is doing, graphs dropped for the memory budget
-    until the device is done with them, and the module buffers the forward writes. The engine's
-    graph pool is ``engine.store.pool`` (in the store, so a finalizer frees it), written only
-    here. The engine calls the methods below; the functions of this module (and of ``budget``,
+    compile, the background worker and what it is doing, and the module buffers the forward
+    writes. The engine's graph pool and the graphs dropped for the memory budget are in
+    ``engine.store`` (so a finalizer frees them), written only here. The engine calls the methods below; the functions of this module (and of ``budget``,
     ``racing`` and ``tuning``) are their work, and take the engine for its lock, store and grid.
     """
 
@@ -52,7 +51,6 @@ class Capturer:
         self.compile_off: Optional[str] = None
         self.static_forward: Optional[CompiledForward] = None  # the tuner's per-size compile
         self.background_state = self.background_error = self.tuning_error = None
-        self.dropped: List[Graph] = []  # graphs evicted for the memory budget, freed after a device wait
         self.writes: Optional[tuple] = None  # the module buffers its forward writes, once a capture saw it
 
     def claim(self, ks: Key, size: int, S, may_capture: bool):

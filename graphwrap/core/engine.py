@@ -92,7 +92,7 @@ class Engine:
         self.watch = Watch(module)  # what the graphs depend on besides their inputs
         self.changes: Dict[str, int] = {}  # graphs dropped because the module changed, by what changed
         self.where: Any = None  # the device graphs run on, or why none; None: not known yet
-        self.fast: Dict[torch.Size, Plan] = {}  # full input shape -> plan, for gm(x) with one tensor
+        self.fast: Dict[torch.Size, Plan] = self.store.fast  # full input shape -> plan, for gm(x) with one tensor
         self._copy_streams: Dict[torch.device, Any] = {}
         self.capturer = Capturer(self)  # the only writer of capture state and of what serves a bucket
         self.joins = Joins(self)
@@ -386,7 +386,6 @@ class Engine:
         with self.lock:
             held = self.store.detach()
             self.epoch = self.store.epoch
-            self.fast.clear()
             self.watch.clear()
             self.last_stream = self.last_sid = None
             self.where = None

@@ -247,7 +247,9 @@ class Lease:
 
 
 class Store:
-    """The graphs and their buffers, apart from the engine so a finalizer can release them."""
+    """The graphs and their buffers, apart from the engine so a finalizer can release them: the
+    engine sits in reference cycles (its parts point back at it) and waits for the garbage
+    collector, while everything that holds a graph is here and goes when its module does."""
 
     def __init__(self, sync):
         self.keys: Dict[Any, Key] = {}
@@ -255,11 +257,15 @@ class Store:
         self.pool = None
         self.epoch = 0
         self.sync = sync
+        self.fast: Dict[Any, Any] = {}  # input shape -> plan of gm(x) with one tensor (the engine's table)
+        self.dropped: List[Graph] = []  # graphs evicted for the memory budget, freed after a device wait
 
     def detach(self):
-        """Let go of every key, graph and the pool (to be freed by :func:`drop`); a new epoch."""
-        held = (self.keys, self.pool, self.device)
+        """Let go of every key, plan, graph and the pool (to be freed by :func:`drop`); a new epoch."""
+        held = (self.keys, self.pool, self.device, self.dropped)
         self.keys, self.pool, self.device = {}, None, None  # the next key may be on another device
+        self.dropped = []
+        self.fast.clear()  # in place: the engine reads this very dict
         self.epoch += 1
         return held
 
@@ -270,10 +276,13 @@ class Store:
 def drop(held, sync):
     """Free what a store let go of, once the device is done with its last replays (a replay may
     still be running: its memory must not be handed out before it ends)."""
-    keys, pool, device = held
-    if keys and device is not None and device.type == "cuda" and torch.cuda.is_initialized():
+    keys, pool, device, dropped = held
+    if (keys or dropped) and device is not None and device.type == "cuda" and torch.cuda.is_initialized():
         sync(device)
+    for ks in keys.values():
+        ks.plans.clear()  # a plan points back at its key: the graphs would wait for the garbage collector
     keys.clear()
+    dropped.clear()
 
 
 def release_store(store: Store):
