@@ -2,7 +2,8 @@
 engine (one GraphedModule) and goes with it.
 
 - Captures: one at a time in the process (``CAPTURE_LOCK``: a capture on one stream breaks
-  work issued meanwhile on another), and the private streams they run on, per device.
+  work issued meanwhile on another), and the private streams warm-ups and checks run on, per
+  device; the capture streams of pools that are gone, for new pools (see ``capture.cuda.Pool``).
 - Compiles: one compiled forward run at a time (``COMPILE_LOCK``: each run raises Dynamo's
   process-wide recompile limits while it lasts), and the numbers that give each compiled
   forward a code name of its own.
@@ -27,6 +28,7 @@ import torch
 CAPTURE_LOCK = threading.RLock()
 SIDE_STREAMS: dict = {}  # device -> the private stream warm-ups and captures run on
 CHECK_STREAMS: dict = {}  # device -> the private stream checks at other shapes run on
+CAPTURE_STREAMS_FREE: dict = {}  # device -> private streams of pools that are gone, for new pools
 
 # ------------------------------------------------------------------ compiles
 COMPILE_LOCK = threading.RLock()

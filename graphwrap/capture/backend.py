@@ -20,7 +20,6 @@ from .cuda import (
     device_sync,
     first_line,
     is_invalidated,
-    own_cublas_workspace,
     record,
     timed_calls,
 )
@@ -90,15 +89,10 @@ def slot_graph(device: torch.device, pool: Pool, run, draws: bool, kinds, bases,
         with capture_session(device):
             # Once outside the capture (``warm``): this thread's cuBLAS handle is made here (a
             # thread other than the one that captured may not have run a matrix product yet), not
-            # in it. Then, as for every capture, the workspaces are cleared around it, so the one
-            # its matrix products keep the address of is allocated in the graph's pool.
+            # in it. The capture runs on the pool's stream (see cuda.Pool).
             if warm:
                 run()
-            own_cublas_workspace()
-            try:
-                record(g, pool.handle, device, draws, body)
-            finally:
-                own_cublas_workspace()
+            record(g, pool, device, draws, body)
     except Exception as e:
         raise CaptureFailed(f"the owned-output graph could not be captured: {type(e).__name__}: {first_line(e)}",
                             e, pool_lost=is_invalidated(e)) from e

@@ -6,20 +6,23 @@ import contextlib
 import ctypes
 import gc
 import logging
+import os
+import re
 import sys
+import threading
 import time
+import weakref
 
 import torch
 
 from .._compat import capture_begin, end_allocate_to_pool
-from ..process import CAPTURE_LOCK, CHECK_STREAMS, SIDE_STREAMS
+from ..process import CAPTURE_LOCK, CAPTURE_STREAMS_FREE, CHECK_STREAMS, SIDE_STREAMS
 
 logger = logging.getLogger("graphwrap")
 
 # One capture at a time in the process: a capture is process-wide state for PyTorch's
-# allocator and RNG. Warm-up and capture run on one side stream per device, shared by every
-# GraphedModule (each stream that runs a GEMM keeps a cuBLAS workspace for the process).
-_clear_cublas_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+# allocator and RNG. Warm-ups run on one side stream per device, shared by every GraphedModule;
+# captures run on a stream of their pool's own (see Pool).
 _GRAPHSAFE = all(hasattr(torch.Generator, n) for n in ("graphsafe_get_state", "graphsafe_set_state", "clone_state"))
 
 
@@ -123,19 +126,6 @@ def timed_calls(fn, k: int) -> float:
     return (time.perf_counter() - t0) / k
 
 
-def own_cublas_workspace():
-    """Make the next captured GEMM allocate its cuBLAS workspace inside the capture's pool.
-
-    A captured GEMM keeps the address of its stream's cuBLAS workspace. A workspace made
-    before the capture lives in the ordinary allocator, and whoever clears the workspaces
-    (torch.compile's CUDA graphs do, around each recording; so do many memory clean-ups) would
-    free it under the graph. Cleared before the capture, the workspace is allocated in the
-    graph's pool; cleared after it, no eager GEMM elsewhere uses that memory.
-    """
-    if _clear_cublas_workspaces is not None:
-        _clear_cublas_workspaces()
-
-
 @contextlib.contextmanager
 def no_gc_during_capture():
     """Hold Python's cyclic garbage collector off while this thread captures.
@@ -180,16 +170,33 @@ class NotBegun(RuntimeError):
     """A capture that could not begin (a pool still recording an earlier, failed capture)."""
 
 
-def record(graph, pool, device: torch.device, draws_random: bool, body):
-    """Capture what ``body()`` issues on the current stream into ``graph`` (in ``pool``); what it
+def record(graph, pool: "Pool", device: torch.device, draws_random: bool, body):
+    """Capture what ``body()`` issues into ``graph``, in ``pool`` and on the pool's capture stream
+    (ordered after the current stream's work, which waits for the capture's in turn); what it
     returns. The capture is ended whatever happens inside it, so a stream is never left
     capturing; if anything failed, the allocator and the generator are put back and the first
     error is raised (:class:`NotBegun` where the capture could not begin at all)."""
+    cur = torch.cuda.current_stream(device)
+    stream = pool.stream
+    stream.wait_stream(cur)
+    try:
+        with torch.cuda.stream(stream):
+            return _record(graph, pool.handle, device, draws_random, body)
+    finally:
+        cur.wait_stream(stream)
+        pool.threads.add(threading.get_ident())
+
+
+def _record(graph, handle, device: torch.device, draws_random: bool, body):
     err = out = None
     with no_gc_during_capture():
         try:
-            begin(graph, pool, device, draws_random)
+            begin(graph, handle, device, draws_random)
         except RuntimeError as e:
+            if draws_random or not _GRAPHSAFE:
+                # The default generator's state was put in capture mode before the capture could
+                # begin: every later draw in the process would fail. Close that phase.
+                ensure_generator_usable(device)
             raise NotBegun(first_line(e)) from e
         try:
             out = body()
@@ -200,7 +207,7 @@ def record(graph, pool, device: torch.device, draws_random: bool, body):
         except BaseException as e:  # noqa: BLE001
             err = err or e
     if err is not None:
-        after_failed_capture(device, pool, draws_random)
+        after_failed_capture(device, handle, draws_random)
         raise err
     if draws_random or not _GRAPHSAFE:  # the default generator took part in the capture
         ensure_generator_usable(device)
@@ -209,15 +216,21 @@ def record(graph, pool, device: torch.device, draws_random: bool, body):
 
 def _reset_rng_capture_state(device):
     """Close the RNG's capture phase after a failed capture: a small capture that succeeds runs
-    the generator's prologue and epilogue, which puts it back. It uses a pool of its own."""
+    the generator's prologue and epilogue, which puts it back. It uses a pool of its own, and
+    graphwrap's side stream (a capture on the default stream fails after the prologue, which
+    would leave the generator as it found it)."""
     t = torch.zeros(1, device=device)
     g = torch.cuda.CUDAGraph()
-    with no_gc_during_capture():
-        capture_begin(g, None)
-        try:
-            t.add_(1)
-        finally:
-            g.capture_end()
+    with CAPTURE_LOCK, no_gc_during_capture():
+        stream = side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            capture_begin(g, None)
+            try:
+                t.add_(1)
+            finally:
+                g.capture_end()
+        torch.cuda.current_stream(device).wait_stream(stream)
 
 
 def after_failed_capture(device, pool, draws_random: bool = True):
@@ -262,27 +275,61 @@ def ensure_generator_usable(device) -> bool:
 
 
 class Pool:
-    """A graph memory pool kept alive by a graph of its own.
+    """A graph memory pool, kept alive by a graph of its own, and the stream its captures run on.
 
     A private pool lives while some graph captured into it does. Graphs that are dropped (a
     capture that failed verification, a bucket evicted for the memory budget) could take the
     last one with them, and a capture into the pool's handle then fails inside PyTorch's
     allocator. The anchor, a one-kernel graph captured into the pool first, keeps it until the
     engine lets go of it.
+
+    The stream: a captured matrix product keeps the address of the cuBLAS workspace that
+    PyTorch keeps per (thread's handle, stream). Captured on a stream that runs eager work too
+    (the side stream's warm-ups), a graph would share that workspace with eager matrix products
+    issued there while the graph replays on another stream, and each would overwrite the
+    other's partial results. PyTorch's only way to drop a workspace (``_cuda_clearCublasWorkspaces``)
+    frees every thread's at once, under matrix products other threads are about to launch
+    (wrong results, seen on an H100). So each pool captures on a private stream that nothing
+    else runs work on: a thread's first capture there allocates its workspace inside the pool,
+    where only the pool's graphs, which never run at once, use it. The stream goes back to a
+    free list, for another pool, only once this pool and every graph captured into it are gone
+    (each graph record holds its pool), so two live pools never share a workspace.
     """
 
-    __slots__ = ("handle", "anchor", "_t")
+    __slots__ = ("handle", "anchor", "_t", "stream", "threads", "__weakref__")
 
     def __init__(self, device: torch.device):
         self.handle = torch.cuda.graph_pool_handle()
         self._t = torch.zeros(1, device=device)
         self.anchor = torch.cuda.CUDAGraph()
+        self.stream = _take_capture_stream(device)
+        self.threads: set = set()  # threads that captured here: each has its cuBLAS workspace in the pool
+        weakref.finalize(self, _give_back_capture_stream, device, self.stream)
         with CAPTURE_LOCK:
-            stream = side_stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.device(device), torch.cuda.stream(stream):
-                record(self.anchor, self.handle, device, False, lambda: self._t.add_(1))
-            torch.cuda.current_stream(device).wait_stream(stream)
+            record(self.anchor, self, device, False, lambda: self._t.add_(1))
+
+
+def _take_capture_stream(device: torch.device) -> torch.cuda.Stream:
+    with CAPTURE_LOCK:
+        free = CAPTURE_STREAMS_FREE.setdefault(device, [])
+        return free.pop() if free else private_stream(device)
+
+
+def _give_back_capture_stream(device: torch.device, stream) -> None:
+    with CAPTURE_LOCK:
+        CAPTURE_STREAMS_FREE.setdefault(device, []).append(stream)
+
+
+def workspace_bytes(device: torch.device) -> int:
+    """The size of a cuBLAS workspace PyTorch allocates (its default for the device's
+    architecture, or ``CUBLAS_WORKSPACE_CONFIG``'s sum)."""
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if config:
+        found = re.findall(r":([0-9]+):([0-9]+)", config)
+        if found:
+            return sum(int(a) * 1024 * int(b) for a, b in found)
+    major = torch.cuda.get_device_capability(device)[0]
+    return 4096 * 8 * 1024 if major in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
 def is_invalidated(e: BaseException) -> bool:

@@ -10,6 +10,7 @@ copy and refused.
 
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
@@ -37,8 +38,8 @@ from .cuda import (
     check_stream,
     first_line,
     is_invalidated,
-    own_cublas_workspace,
     record,
+    workspace_bytes,
 )
 
 Tensor = torch.Tensor
@@ -135,7 +136,7 @@ def capture_bucket(job: Job, recorder) -> Captured:
     _, Lr = rows_and_length(p.real, job.roles)
     hi = [Lr if sd is not None else 0 for _, sd, _ in job.roles]
     graph = Graph(g, g.replay, job.size, job.seq, job.roles, job.batch_dim, p.static_in, static_out, p.kinds,
-                  p.seq_dims, hi, run=run, draws=p.draws)
+                  p.seq_dims, hi, run=run, draws=p.draws, pool=pool if pool is not None else job.pool)
     got = Captured(graph, p.kinds, p.seq_dims, p.out_spec, capture_s=time.perf_counter() - t0,
                    pool_bytes=pool_bytes, pool=pool, **info)
     if job.verify:
@@ -221,7 +222,7 @@ def _warm_up(job: Job, recorder, static_in, info):
                 info["compiled_graphs"] = compiled.graphs - graphs0
         if job.budget_left is not None:
             info["pool_estimate"] = recorder.check_budget(job.device, _runner(job, static_in), job.size,
-                                                          job.budget_left)
+                                                          job.budget_left, job.pool)
             job.restore()
     except CaptureFailed:
         raise
@@ -278,17 +279,18 @@ class CudaRecorder:
         return out, mode.seen
 
     @staticmethod
-    def check_budget(device, run, size, budget_left) -> int:
-        """The pool bytes this bucket is estimated to need (one more warm-up's peak, with the
-        cuBLAS workspaces cleared first so the one the capture allocates counts); CaptureFailed
+    def check_budget(device, run, size, budget_left, pool=None) -> int:
+        """The pool bytes this bucket is estimated to need (one more warm-up's peak, and the
+        cuBLAS workspace a thread's first capture into the pool allocates there); CaptureFailed
         (Scope.BUDGET) if that is more than ``budget_left``."""
-        own_cublas_workspace()
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         run()
         torch.cuda.synchronize(device)
         need = torch.cuda.max_memory_allocated(device) - base + ALLOCATOR_SLACK
+        if pool is None or threading.get_ident() not in pool.threads:
+            need += workspace_bytes(device)
         if need > budget_left:
             err = CaptureFailed(f"bucket {size} needs about {need / 2**20:.1f} MiB of graph pool, "
                                 f"{max(budget_left, 0) / 2**20:.1f} MiB of max_pool_bytes are left", scope=Scope.BUDGET)
@@ -302,7 +304,7 @@ class CudaRecorder:
         new_pool = None
         for attempt in range(1, CAPTURE_TRIES + 1):
             try:
-                g, outs, grown = self._record_once(device, (new_pool or pool).handle, run, draws, size)
+                g, outs, grown = self._record_once(device, new_pool or pool, run, draws, size)
                 return g, outs, grown, new_pool
             except CaptureFailed as e:
                 if not is_invalidated(e) or attempt == CAPTURE_TRIES:
@@ -318,15 +320,12 @@ class CudaRecorder:
         torch.cuda.synchronize(device)
         reserved0 = torch.cuda.memory_reserved(device)
         graph = torch.cuda.CUDAGraph()
-        own_cublas_workspace()
         try:
             out = record(graph, pool, device, draws, run)
         except NotBegun as e:  # the pool is still recording an earlier, failed capture
             raise CaptureFailed(f"the capture could not begin: {e}", e, pool_lost=True) from e
         except BaseException as e:  # noqa: BLE001 - the forward's own failure inside the capture
             raise _failed(e, size) from e
-        finally:
-            own_cublas_workspace()
         return graph, out, torch.cuda.memory_reserved(device) - reserved0
 
     @staticmethod

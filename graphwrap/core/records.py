@@ -60,6 +60,7 @@ class Graph:
     run: Any = None  # the forward on the static inputs, as captured (for further captures of it)
     draws: bool = False  # whether the forward draws random numbers
     ring: Any = None  # owned-output slots (graphwrap.capture.slots)
+    pool: Any = None  # the capture.cuda.Pool it was captured in: held, so its capture stream is not handed on
     copy_done: Any = None  # the pipeline's events: last copy into the inputs, last replay
     replay_done: Any = None
     is_tensor: List[bool] = field(init=False)
