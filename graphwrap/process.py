@@ -7,8 +7,9 @@ engine (one GraphedModule) and goes with it.
 - Compiles: one compiled forward run at a time (``COMPILE_LOCK``: each run raises Dynamo's
   process-wide recompile limits while it lasts), and the numbers that give each compiled
   forward a code name of its own.
-- The module watch: one counter (``GENERATION``) that PyTorch's global registration hooks and
-  ``nn.Module.train`` bump, installed once (``WATCH_INSTALLED``).
+- The module watch: one counter (``GENERATION``) that PyTorch's global registration hooks,
+  ``nn.Module.train`` and attribute assignments on watched objects (``WATCHED``) bump, installed
+  once (``WATCH_INSTALLED``); per thread, whether graphwrap is running a forward itself.
 - Background workers: every engine's worker, and the flag set when the interpreter exits.
 - ``generate``: one lock per wrapped model (its static caches and its step are per model).
 - Caches of facts about types: which dict types rebuild from their items, which registered
@@ -37,6 +38,13 @@ COMPILE_IDS = itertools.count()
 # ------------------------------------------------------------------ the module watch
 GENERATION = [0]
 WATCH_INSTALLED: list = []
+# Modules and the plain objects they hold (a config) whose attributes graphs were captured with,
+# by identity (a user's __hash__ or __eq__ is never called): id -> (a weak reference to the
+# object, the names of the attributes its forward writes itself, which are not watched, and the
+# names the forward read at capture, which are).
+WATCHED: dict = {}
+# Per thread: how deep this thread is in runs of a forward that graphwrap makes (captures, checks).
+FORWARD_RUNS = threading.local()
 
 # ------------------------------------------------------------------ background workers
 EXITING = threading.Event()

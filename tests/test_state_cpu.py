@@ -161,7 +161,7 @@ def test_hooks_present_at_capture_are_captured_with_a_warning(gw_log):
                for r in gw_log.records)
 
 
-def test_plain_attributes_the_forward_reads_are_frozen_until_reset():
+def test_a_plain_attribute_the_forward_reads_needs_no_reset():
     class Scaled(nn.Module):
         def __init__(self):
             super().__init__()
@@ -176,9 +176,19 @@ def test_plain_attributes_the_forward_reads_are_frozen_until_reset():
     gm = _gm(model)
     x = torch.randn(2, 4)
     gm(x)
-    model.scale_output = False
-    gm.reset()  # the documented remedy: plain attributes are not watched
+    model.scale_output = False  # seen: captured again (it needed gm.reset() before)
     assert_same(gm(x), eager_answer(model, x))
+    assert list(gm.stats()["module_changes"]) == ["attribute 'scale_output' of the module changed from True to False"]
+
+
+def test_a_training_flag_assigned_directly_on_a_submodule_is_seen():
+    model = Net().eval()
+    gm = _gm(model)
+    x = torch.randn(3, 8)
+    gm(x)
+    model.drop.training = True  # not through train(): the assignment itself is counted
+    gm(x)
+    assert gm.stats()["eager_calls"] == {"submodule 'drop' is in training mode (call .eval() on it for graphs)": 1}
 
 
 def test_a_forward_that_counts_its_calls_counts_each_call_once(gw_log):

@@ -198,3 +198,27 @@ def test_a_cache_tensor_declared_as_state_is_written_by_the_graphs_where_it_live
             assert torch.allclose(mine, ref, atol=1e-6), p
     (key,) = gm.stats()["keys"]
     assert key["buckets"][1]["serves"] == "graph" and replays(gm) >= 10, key
+
+
+class _ScaledOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.scale_output = True
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y * 4 if self.scale_output else y
+
+
+def test_a_plain_attribute_changed_after_capture_is_seen_before_the_next_replay():
+    model = _ScaledOutput().to(DEV).eval()
+    gm = GraphedModule(model)
+    x = torch.randn(4, 32, device=DEV)
+    assert_same(gm(x), eager_answer(model, x))
+    model.scale_output = False  # the graph captured the branch that scales
+    for _ in range(5):
+        x = torch.randn(4, 32, device=DEV)
+        assert_same(gm(x), eager_answer(model, x))
+    assert gm.stats()["module_changes"] == {"attribute 'scale_output' of the module changed from True to False": 1}
+    assert replays(gm) >= 5

@@ -20,6 +20,7 @@ from ..core.plans import fold
 from ..core.records import Bucket, Graph, Key, Lease, Serves
 from ..core.state import Saved
 from ..core.tree import CONST, unflatten_inputs
+from ..core.watch import forward_runs, reads_recorded
 from ..errors import GraphwrapError
 from ..process import CAPTURE_LOCK
 from .budget import budget_left, drop_least_used, large_budget, release_dropped
@@ -136,7 +137,7 @@ def capture_into(engine, ks: Key, b: Bucket, leaves, n: int, L, forward=None, pl
     made outside ``torch.inference_mode``: inference tensors keep no version counter (the
     in-place checks read it) and refuse in-place writes outside that mode (every later call
     writes the static inputs)."""
-    with torch.inference_mode(False):
+    with torch.inference_mode(False), forward_runs():
         return _capture_into(engine, ks, b, leaves, n, L, forward, plain, timed, evict)
 
 
@@ -293,7 +294,8 @@ def make_job(engine, ks: Key, b: Bucket, leaves, n: int, L, plain: bool, forward
     warmup = engine.opts.warmup_iters if ks.kinds is None or compiled is not None else 1
     return Job(engine.module, compiled, device, store.pool, ks.spec, ks.roles, engine.batch_dim, real, b.size, b.seq,
                warmup, ks.autocast, engine.verify, ks.kinds, ks.seq_dims, ks.out_spec, budget,
-               guard=lambda: _guarded(engine, device), describe=names.__getitem__, pad_check=ks.exact is None)
+               guard=lambda: _guarded(engine, device), describe=names.__getitem__, pad_check=ks.exact is None,
+               observe=reads_recorded)
 
 
 def settle_failure(engine, ks: Key, b: Bucket, e: CaptureFailed, epoch: int, forward, may_evict: bool = True
@@ -455,7 +457,7 @@ def add_slot(engine, graph, epoch: int):
     """A worker job: one more owned-output slot for ``graph``, whose slots were all held."""
     slot = None
     if engine.epoch == epoch:
-        with torch.inference_mode(False):  # the slot's tensors are written by every later fill
+        with torch.inference_mode(False), forward_runs():  # the slot's tensors are written by every later fill
             slot = _checked_slot(engine, graph.static_inputs[0].device, graph, graph.ring)
     with engine.lock:
         graph.ring.wanted = graph.ring.growing = False

@@ -81,6 +81,8 @@ class Job:
     restore: Callable[[], None] = lambda: None
     state: Any = None  # the state.Saved behind ``restore``, if any
     fixed: bool = False  # a state input fixes the batch: the call's own shape, no other is run
+    # Around the reference run: notes which attributes of the module the forward reads (watch.reads_recorded).
+    observe: Callable[[], Any] = contextlib.nullcontext
 
 
 @dataclass(slots=True)
@@ -167,7 +169,8 @@ def _prepare(job: Job, recorder, info: dict) -> _Prepared:
     with torch.inference_mode(False), torch.no_grad(), autocast_without_cache(job.autocast):
         versions = [t._version for t in real]
         # The real rows alone, as eager runs them: the module's own errors surface here.
-        out, draws = recorder.watch_random(lambda: run_module(job.module, job.spec, real))
+        with job.observe():
+            out, draws = recorder.watch_random(lambda: run_module(job.module, job.spec, real))
         ref_real, spec_real = flatten_outputs(out)
         if job.state is not None:
             job.state.check_params()

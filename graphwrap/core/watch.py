@@ -13,12 +13,25 @@ training flag set through ``train()``/``eval()``), the id of the last hook handl
 held hooks at capture (a removal), and the tensors' addresses. Only when a counter moved is the
 tree read again and compared with the one the graphs were captured with.
 
-Not seen: a training flag assigned directly on a submodule (``m.drop.training = True``; the top
-module's flag is read on every call), hook tables edited by hand, and plain Python attributes
-the forward reads. Those are frozen into the graphs: call ``gm.reset()`` after changing them.
+Plain attributes: once graphs exist, the attributes the forward read in each capture's reference
+run (``reads_recorded``) are watched, on the module, its submodules and the plain objects they hold
+(a Hugging Face ``config``, and objects it holds in turn). ``nn.Module.__setattr__``, and
+``__setattr__`` of each watched object's class, bump the counter when one of them is assigned,
+so the per-call check stays the same few comparisons; the values are read and compared only
+then. Attributes the forward assigns itself (a cache or counter kept in
+Python), seen while graphwrap runs the forward at capture, are not watched: a replay runs no
+Python, so they keep the values the capture left.
+
+Not seen: hook tables edited by hand, lists and dicts changed in place
+(``model.opts["scale"] = 2``), and objects whose class cannot take a ``__setattr__`` (built-in and
+extension types). Those are frozen into the graphs: call ``gm.reset()`` after changing them.
 """
 
+import contextlib
 import functools
+import threading
+import types
+import weakref
 from typing import List, Optional
 
 import torch
@@ -27,7 +40,7 @@ from torch.nn.modules import module as _nn_module
 from torch.utils.hooks import RemovableHandle
 
 from .. import _compat
-from ..process import GENERATION, WATCH_INSTALLED
+from ..process import FORWARD_RUNS, GENERATION, WATCH_INSTALLED, WATCHED
 from .reasons import Eager, Kind
 
 Tensor = torch.Tensor
@@ -49,6 +62,191 @@ def _bump(*_args):
     GENERATION[0] += 1
 
 
+def _assigned(obj, name: str):
+    """An attribute of ``obj`` was assigned: a change of what graphs depend on if ``obj`` is
+    watched, unless the forward assigns it itself (learned while graphwrap runs the forward)."""
+    entry = WATCHED.get(id(obj))
+    if entry is None or entry[0]() is not obj:
+        return
+    if getattr(FORWARD_RUNS, "depth", 0):
+        entry[1].add(name)
+    elif name in entry[2] and name not in entry[1]:
+        GENERATION[0] += 1
+
+
+@contextlib.contextmanager
+def forward_runs():
+    """graphwrap runs the forward in this thread (a capture and its checks): attributes it
+    assigns meanwhile are the forward's own."""
+    FORWARD_RUNS.depth = getattr(FORWARD_RUNS, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        FORWARD_RUNS.depth -= 1
+
+
+def _counted_setattr(cls) -> bool:
+    """Wrap ``cls.__setattr__`` once so that assignments on watched instances are counted;
+    whether the class counts them (built-in and extension types cannot be wrapped)."""
+    if cls.__dict__.get("_graphwrap_counts_setattr", False):
+        return True
+    setattr_ = cls.__setattr__
+
+    @functools.wraps(setattr_)
+    def counted(self, name, value):
+        setattr_(self, name, value)
+        _assigned(self, name)
+    try:
+        cls.__setattr__ = counted
+        cls._graphwrap_counts_setattr = True
+    except (TypeError, AttributeError):
+        return False
+    return True
+
+
+_MODULE_OWN = frozenset(nn.Module().__dict__) | {"training"}  # nn.Module's bookkeeping; flags are read apart
+_SIMPLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+_NESTED = 2  # plain objects watched this deep below a module (a config, and the configs it holds)
+
+
+def _simple(v) -> bool:
+    if isinstance(v, _SIMPLE):
+        return True
+    return type(v) in (tuple, frozenset) and all(isinstance(x, _SIMPLE) for x in v)
+
+
+def _plain_object(v) -> bool:
+    """An object whose attributes a forward may read, watched like a module: instances of
+    Python classes with a ``__dict__`` (a config), not tensors, modules, functions or types."""
+    if isinstance(v, (Tensor, nn.Module, type)) or callable(v) or not hasattr(v, "__dict__"):
+        return False
+    return type(v).__module__ != "builtins"
+
+
+class Attrs:
+    """The plain attributes of one object when graphs were captured: simple values by value,
+    other objects by identity, plain objects held (to ``_NESTED`` levels) by their own attributes."""
+
+    __slots__ = ("obj", "items")
+
+    def __init__(self, obj, depth: int, seen: dict):
+        self.obj = obj
+        module = isinstance(obj, nn.Module)
+        items = []
+        for k, v in vars(obj).items():
+            if (module and k in _MODULE_OWN) or isinstance(v, (Tensor, nn.Module)):
+                continue
+            if _simple(v):
+                items.append((k, v, None))
+            elif depth < _NESTED and _plain_object(v) and _watch(v):
+                sub = seen.get(id(v))
+                if sub is None:
+                    sub = seen[id(v)] = Attrs(v, depth + 1, seen)
+                items.append((k, v, sub))
+            else:
+                items.append((k, v, None))
+        self.items = tuple(items)
+
+    def difference(self, now: "Attrs", where: str) -> Optional[str]:
+        watched = _watched_names(self.obj)
+        mine = {k: (v, sub) for k, v, sub in self.items if k in watched}
+        theirs = {k: (v, sub) for k, v, sub in now.items if k in watched}
+        for k in mine.keys() | theirs.keys():
+            if k not in mine or k not in theirs:
+                return f"attribute {k!r} of {where} was {'added' if k in theirs else 'deleted'}"
+            (a, sa), (b, sb) = mine[k], theirs[k]
+            if a is b or (_simple(a) and type(a) is type(b) and a == b) or _same_code(a, b):
+                if sa is not None and sb is not None:
+                    why = sa.difference(sb, f"{where}.{k}")
+                    if why is not None:
+                        return why
+                continue
+            return f"attribute {k!r} of {where} changed from {_short(a)} to {_short(b)}"
+        return None
+
+
+def _same_code(a, b) -> bool:
+    """Functions made again from the same code (a library that assigns a new closure per call,
+    as transformers' ``generate`` does with ``get_compiled_call``), or methods of them on the
+    same object, count as the same: what they run is the same code."""
+    if isinstance(a, types.FunctionType) and isinstance(b, types.FunctionType):
+        return a.__code__ is b.__code__
+    if isinstance(a, types.MethodType) and isinstance(b, types.MethodType):
+        return a.__self__ is b.__self__ and _same_code(a.__func__, b.__func__)
+    return False
+
+
+def _short(v) -> str:
+    text = repr(v) if _simple(v) else f"a {type(v).__name__}"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _watch(obj) -> bool:
+    """Count assignments on ``obj`` from now on; whether they can be counted."""
+    key = id(obj)
+    entry = WATCHED.get(key)
+    if entry is not None and entry[0]() is obj:
+        return True
+    try:
+        ref = weakref.ref(obj, lambda _r, key=key: _unwatch(key, _r))
+    except TypeError:  # not weakly referable: never watched
+        return False
+    if not isinstance(obj, nn.Module) and not _counted_setattr(type(obj)):
+        return False
+    WATCHED[key] = (ref, set(), set())
+    return True
+
+
+def _unwatch(key: int, ref):
+    entry = WATCHED.get(key)
+    if entry is not None and entry[0] is ref:
+        del WATCHED[key]
+
+
+def _watched_names(obj) -> frozenset:
+    """The attributes of ``obj`` the forward read at capture and does not assign itself."""
+    entry = WATCHED.get(id(obj))
+    return frozenset(entry[2] - entry[1]) if entry is not None and entry[0]() is obj else frozenset()
+
+
+@contextlib.contextmanager
+def reads_recorded():
+    """While it lasts, the attributes of watched objects that this thread reads are noted as
+    watched (the forward's reads, in a capture's reference run). Their classes'
+    ``__getattribute__`` is wrapped for that run only; captures take the capture lock, so two
+    never overlap."""
+    me = threading.get_ident()
+    classes = [nn.Module]
+    for ref, _written, _read in list(WATCHED.values()):
+        o = ref()
+        if o is not None and not isinstance(o, nn.Module) and type(o) not in classes:
+            classes.append(type(o))
+    undo = []
+    for cls in classes:
+        own = cls.__dict__.get("__getattribute__")
+        getattribute_ = cls.__getattribute__
+
+        def noting(self, name, _get=getattribute_):
+            if threading.get_ident() == me:
+                entry = WATCHED.get(id(self))
+                if entry is not None:
+                    entry[2].add(name)
+            return _get(self, name)
+        try:
+            cls.__getattribute__ = noting
+        except (TypeError, AttributeError):
+            continue
+        undo.append((cls, own))
+    try:
+        yield
+    finally:
+        for cls, own in reversed(undo):
+            if own is None:
+                del cls.__getattribute__
+            else:
+                cls.__getattribute__ = own
+
+
 def install_hooks():
     """PyTorch's global registration hooks, and ``nn.Module.train`` wrapped to bump the counter
     (once per process; the wrapper calls the original and returns what it returns)."""
@@ -64,6 +262,7 @@ def install_hooks():
             return train(self, mode)
         counted_train._graphwrap_counts = True
         nn.Module.train = counted_train
+    _counted_setattr(nn.Module)
     WATCH_INSTALLED.append(True)
 
 
@@ -71,15 +270,19 @@ class Tree:
     """The module tree as a forward sees it: its submodules, their training flags and forward
     hooks, and the default dtype."""
 
-    __slots__ = ("names", "modules", "flags", "hooks", "dtype")
+    __slots__ = ("names", "modules", "flags", "hooks", "dtype", "attrs")
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, attrs: bool = False):
         named = list(module.named_modules())
         self.names = tuple(n for n, _ in named)
         self.modules = tuple(m for _, m in named)
         self.flags = tuple(m.training for m in self.modules)
         self.hooks = tuple(tuple(tuple(getattr(m, t, {})) for t in HOOK_TABLES) for m in self.modules)
         self.dtype = _default_dtype()
+        self.attrs = None
+        if attrs:  # only where graphs exist or are about to: read once per change, not per call
+            seen: dict = {}
+            self.attrs = tuple(Attrs(m, 0, seen) if _watch(m) else None for m in self.modules)
 
     def name(self, i: int) -> str:
         return f"submodule {self.names[i]!r}" if self.names[i] else "the module"
@@ -115,6 +318,12 @@ class Tree:
             return f"a forward hook was added to or removed from {self.name(i)}"
         if self.dtype != now.dtype:
             return f"the default dtype changed from {self.dtype} to {now.dtype}"
+        if self.attrs is not None and now.attrs is not None:
+            for i, (a, b) in enumerate(zip(self.attrs, now.attrs)):
+                if a is not None and b is not None:
+                    why = a.difference(b, self.name(i))
+                    if why is not None:
+                        return why
         return None
 
 
@@ -161,10 +370,10 @@ class Watch:
             return "the module's parameters or buffers were replaced or moved"
         return None
 
-    def _refresh(self) -> Tree:
+    def _refresh(self, attrs: bool = False) -> Tree:
         self.gen, self.hid, self.dtype = GENERATION[0], RemovableHandle.next_id, _default_dtype()
         self.tensors = list(self.module.parameters()) + list(self.module.buffers())
-        tree = Tree(self.module)
+        tree = Tree(self.module, attrs or self.captured is not None)
         self.sized = tree.sized()
         why = tree.training()
         self.eager = None if why is None else Eager(why, Kind.GRAD)
@@ -173,7 +382,7 @@ class Watch:
     def record(self) -> Tree:
         """What the graphs are about to be captured with; the tensors kept alive, so no graph
         ever replays on freed memory."""
-        tree = self._refresh()
+        tree = self._refresh(attrs=True)
         self.captured = tree
         self.keepalive = list(self.tensors)
         self.ptr_list = [t.data_ptr() for t in self.tensors]
