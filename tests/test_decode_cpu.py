@@ -372,3 +372,38 @@ def test_generate_after_the_model_changes_dtype_uses_a_cache_of_the_new_one():
         assert torch.equal(gm.generate(**kw), model.generate(**kw))
     (cache,) = gm.__dict__["_gw_caches"].values()
     assert cache.layers[0].keys.dtype == torch.bfloat16
+
+
+def _encoder_decoders():
+    """Tiny random encoder-decoders of four families."""
+    common = dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128)
+    return {
+        "t5": lambda: tr.T5ForConditionalGeneration(tr.T5Config(
+            vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+            pad_token_id=0, eos_token_id=1)),
+        "bart": lambda: tr.BartForConditionalGeneration(tr.BartConfig(
+            **common, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)),
+        "marian": lambda: tr.MarianMTModel(tr.MarianConfig(
+            **common, pad_token_id=63, eos_token_id=2, decoder_start_token_id=63)),
+        "mbart": lambda: tr.MBartForConditionalGeneration(tr.MBartConfig(
+            **common, pad_token_id=1, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)),
+    }
+
+
+@pytest.mark.parametrize("family", ["t5", "bart", "marian", "mbart"])
+def test_encoder_decoders_with_a_static_cache_give_the_models_tokens(family):
+    """graphwrap gave them a plain StaticCache, which overflowed (an index error on a CPU, a size
+    mismatch on a GPU); transformers' own cache of two parts serves them, in its own loop, with
+    the reason."""
+    torch.manual_seed(0)
+    model = _encoder_decoders()[family]().eval()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    ids = torch.randint(3, 60, (2, 10))
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
+              do_sample=False)
+    with torch.no_grad():
+        want = model.generate(**kw, cache_implementation="static")
+    got = gm.generate(**kw, cache_implementation="static")
+    assert torch.equal(got, want)
+    assert any("EncoderDecoderCache" in why for why in gm.stats()["eager_calls"])

@@ -229,3 +229,19 @@ def test_generate_after_half_uses_a_cache_of_the_new_dtype():
     assert _same_or_tied(got, out.sequences, out.logits, 10)
     (cache,) = gm.__dict__["_gw_caches"].values()
     assert cache.layers[0].keys.dtype == torch.float16
+
+
+def test_an_encoder_decoder_with_a_static_cache_gives_the_models_tokens():
+    torch.manual_seed(0)
+    cfg = tr.BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128,
+                        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+                        forced_eos_token_id=None)
+    model = tr.BartForConditionalGeneration(cfg).cuda().eval()
+    gm = GraphedModule(model)
+    ids = torch.randint(3, 60, (2, 10), device="cuda")
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
+              do_sample=False)
+    with torch.no_grad():
+        want = model.generate(**kw, cache_implementation="static")
+    assert torch.equal(gm.generate(**kw, cache_implementation="static"), want)

@@ -355,6 +355,11 @@ def static_cache(held: dict, module, args, kwargs) -> dict:
         from transformers import StaticCache
     except ImportError:
         return kwargs
+    if getattr(getattr(module, "config", None), "is_encoder_decoder", False):
+        # Its decoder needs a cache of two parts (self-attention, and cross-attention over the
+        # encoder's output): transformers makes that from cache_implementation="static"; a plain
+        # StaticCache in its place overflowed on the first step past its length.
+        return kwargs
     need = ids.shape[1] + kwargs["max_new_tokens"]
     size = -(-need // 64) * 64
     caches = held.setdefault("_gw_caches", {})
