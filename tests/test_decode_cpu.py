@@ -407,3 +407,79 @@ def test_encoder_decoders_with_a_static_cache_give_the_models_tokens(family):
     got = gm.generate(**kw, cache_implementation="static")
     assert torch.equal(got, want)
     assert any("EncoderDecoderCache" in why for why in gm.stats()["eager_calls"])
+
+
+def _steps_seen(gm) -> int:
+    """Forward calls that reached graphwrap's engine: replayed, or run eagerly with a reason."""
+    return replays(gm) + sum(gm.stats()["eager_calls"].values())
+
+
+@pytest.mark.parametrize("request_kw", [
+    {},  # the default cache, which grows: transformers' loop
+    {"max_length": 20},
+    {"return_dict_in_generate": True},
+    {"streamer": "streamer"},
+], ids=["dynamic-cache", "max_length", "return_dict", "streamer"])
+def test_every_step_of_transformers_own_loop_reaches_graphwrap(request_kw):
+    """Under transformers 5.24 the cache keyword is ``cache``; graphwrap's hook looked for
+    ``past_key_values`` and 0 of 15 steps reached it, with no reason given."""
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    ids = torch.randint(1, 100, (1, 5))
+    kw = dict(input_ids=ids, do_sample=False, **request_kw)
+    if "max_length" not in kw:
+        kw["max_new_tokens"] = 15
+    if kw.get("streamer") == "streamer":
+        kw["streamer"] = tr.generation.streamers.BaseStreamer()
+        kw["streamer"].put = kw["streamer"].end = lambda *a, **k: None
+    with torch.no_grad():
+        want = model.generate(**kw)
+        got = gm.generate(**kw)
+    seqs = got.sequences if request_kw.get("return_dict_in_generate") else got
+    assert torch.equal(seqs, want.sequences if request_kw.get("return_dict_in_generate") else want)
+    assert _steps_seen(gm) == 14, "every step after the prompt's first token"
+    (how,) = gm.stats()["generate"]
+    assert how.startswith("transformers' loop, steps handed to graphwrap")
+
+
+def test_graphwraps_own_loop_keeps_a_2d_mask_and_the_installed_cache_keyword(recwarn):
+    """The kept inputs (a 2D mask the forward extends inside the graph) hold the cache under the
+    keyword this transformers uses; graphwrap passes no deprecated keyword of its own."""
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    ids = torch.randint(1, 100, (2, 5))
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
+    with torch.no_grad():
+        want = model.generate(**kw, cache_implementation="static")
+        got = gm.generate(**kw, cache_implementation="static")
+    assert torch.equal(got, want)
+    (key,) = [k["key"] for k in gm.stats()["keys"]]
+    assert "attention_mask=Tensor[2, 64]" in key, key
+    assert gm.stats()["generate"] == {"graphwrap's decode loop": 1}
+    assert not [w for w in recwarn if "past_key_values" in str(w.message) and "deprecated" in str(w.message)]
+
+
+def test_a_too_short_cache_is_refused_under_either_keyword():
+    from graphwrap.loops.decode import cache_keyword
+
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    ids = torch.randint(1, 100, (1, 5))
+    cache = tr.StaticCache(config=model.config, max_cache_len=8)
+    with torch.no_grad(), pytest.raises(GraphwrapError, match=r"holds 8 positions.*needs 15"):
+        gm.generate(input_ids=ids, max_new_tokens=10, do_sample=False, **{cache_keyword(model): cache})
+
+
+def test_beam_search_steps_that_never_reach_graphwrap_say_so():
+    """transformers' beam search calls the model itself, past every hook graphwrap uses: its
+    tokens are the model's, and stats() says no step reached graphwrap, and why."""
+    model = _gpt2()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    ids = torch.randint(1, 100, (1, 5))
+    kw = dict(input_ids=ids, max_new_tokens=6, do_sample=False, num_beams=2)
+    with torch.no_grad():
+        assert torch.equal(gm.generate(**kw), model.generate(**kw))
+    assert _steps_seen(gm) == 0
+    assert gm.stats()["generate"] == {
+        "transformers' loop, no step reached graphwrap: it called the model itself "
+        "(beam search or several sequences per prompt)": 1}

@@ -91,6 +91,7 @@ class Engine:
         self.last_stream = self.last_sid = None
         self.watch = Watch(module)  # what the graphs depend on besides their inputs
         self.changes: Dict[str, int] = {}  # graphs dropped because the module changed, by what changed
+        self.generates: Dict[str, int] = {}  # gm.generate calls, by how their decode steps were run
         self.where: Any = None  # the device graphs run on, or why none; None: not known yet
         self.fast: Dict[torch.Size, Plan] = self.store.fast  # full input shape -> plan, for gm(x) with one tensor
         self._copy_streams: Dict[torch.device, Any] = {}

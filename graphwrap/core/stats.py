@@ -81,6 +81,7 @@ def engine_stats(engine) -> dict:
         "compile": _compile_stats(engine, every),
         "eager_calls": dict(engine.eager_counts),
         "module_changes": dict(engine.changes),
+        "generate": dict(engine.generates),
         "writes_buffers": list(engine.capturer.writes or ()),
         "eager_by_choice": by_choice,
         "graph_pool_bytes": sum(k["pool_bytes"] for k in keys),

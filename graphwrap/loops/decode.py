@@ -14,7 +14,9 @@ finished are dropped (their tokens cut off, the random generator put back where 
 the tokens and their count are ``generate``'s own.
 
 Requests the loop does not serve (beams, streamers, returned scores, an assistant) are run by
-transformers' own loop, each step still handed to graphwrap (:meth:`GraphedModule.generate`).
+transformers' own loop: its greedy and sampling loops hand each step to graphwrap, beam search
+calls the model itself. ``stats()["generate"]`` counts how each call's steps ran
+(:meth:`GraphedModule.generate`).
 """
 
 import inspect
@@ -34,6 +36,24 @@ POLL_EVERY = 8
 NOT_SERVED = ("streamer", "assistant_model", "synced_gpus", "custom_generate", "prompt_lookup_num_tokens",
               "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
               "output_hidden_states", "prefill_chunk_size", "inputs_embeds", "tokenizer", "stop_strings")
+
+
+def cache_keyword(module) -> str:
+    """The keyword ``generate``, ``prepare_inputs_for_generation`` and the forward take the cache
+    by: ``cache`` from transformers 5.24 (``past_key_values`` still accepted there, with a
+    deprecation warning), ``past_key_values`` before."""
+    prepare = getattr(module, "prepare_inputs_for_generation", None)
+    try:
+        params = inspect.signature(prepare).parameters if prepare is not None else {}
+    except (TypeError, ValueError):
+        params = {}
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def given_cache(kwargs):
+    """The cache a ``generate`` call was given, by either keyword."""
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
 
 
 def unsupported(module) -> Optional[str]:
@@ -74,7 +94,7 @@ def check_room(args, kwargs):
     short for the prompt and ``max_new_tokens`` (its last steps would write past its end: an
     index error of the model's, on a GPU a device-side assert that ends the process's CUDA
     context)."""
-    cache, new = kwargs.get("past_key_values"), kwargs.get("max_new_tokens")
+    cache, new = given_cache(kwargs), kwargs.get("max_new_tokens")
     ids = kwargs.get("input_ids", args[0] if args else None)
     if cache is None or not isinstance(new, int) or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return
@@ -96,7 +116,7 @@ def check_room(args, kwargs):
         raise GraphwrapError(
             f"the cache passed to generate holds {length} positions, and this call needs {ids.shape[1] + new} "
             f"({ids.shape[1]} of input_ids and max_new_tokens={new}): pass a cache of max_cache_len >= "
-            f"{ids.shape[1] + new}, fewer max_new_tokens, or cache_implementation=\"static\" and no past_key_values "
+            f"{ids.shape[1] + new}, fewer max_new_tokens, or cache_implementation=\"static\" and no cache "
             "(graphwrap then sizes its own cache)")
 
 
@@ -172,8 +192,10 @@ class _Finished:
         return int(hit[0, 0]) if hit.numel() else None
 
 
-# What a decode step's inputs may hold for them to be kept from step to step.
-LEAN_KEYS = frozenset(("input_ids", "past_key_values", "attention_mask", "position_ids", "use_cache", "logits_to_keep"))
+# What a decode step's inputs may hold for them to be kept from step to step (the cache under
+# either keyword: see cache_keyword).
+LEAN_KEYS = frozenset(("input_ids", "past_key_values", "cache", "attention_mask", "position_ids", "use_cache",
+                       "logits_to_keep"))
 
 
 def lean_inputs(model, inputs: dict, model_kwargs: dict) -> Optional[dict]:
@@ -190,11 +212,14 @@ def lean_inputs(model, inputs: dict, model_kwargs: dict) -> Optional[dict]:
         return None  # masks of the model's own for generate, or inputs the loop does not know
     mask, mask2d = inputs.get("attention_mask"), model_kwargs.get("attention_mask")
     ids, pos = inputs.get("input_ids"), inputs.get("position_ids")
+    if mask2d is None and isinstance(mask, torch.Tensor) and mask.dim() == 4 and isinstance(ids, torch.Tensor):
+        # No padding: transformers 5.24 keeps no 2D mask then (5.17 kept one of ones).
+        mask2d = torch.ones(ids.shape[0], 1, dtype=torch.long, device=ids.device)
     if (not isinstance(mask, torch.Tensor) or not isinstance(mask2d, torch.Tensor) or mask.dim() != 4
             or mask2d.dim() != 2 or mask.shape[-1] < mask2d.shape[-1] or ids is None or ids.shape[-1] != 1
             or (pos is not None and pos.shape[-1] != 1)):
         return None
-    cache = inputs.get("past_key_values")
+    cache = given_cache(inputs)
     layers = getattr(cache, "layers", None) or []
     if not layers or any(getattr(layer, "is_sliding", True) for layer in layers):
         return None  # a sliding window reads the 2D mask of the whole sequence at its own offset
@@ -311,16 +336,20 @@ def _loop(model, step, input_ids, logits_processor, stopping_criteria, gen, mode
 
 def generate(engine, held: dict, module, args, kwargs):
     """``gm.generate``: ``held`` is the GraphedModule's ``__dict__``, which keeps its static caches
-    (``_gw_caches``) and the reasons already logged (``_gw_loop_notes``)."""
+    (``_gw_caches``) and the reasons already logged (``_gw_loop_notes``). How each call's steps
+    were run is counted in ``stats()["generate"]``."""
+    handed = [0]
 
     def step(**kw):
+        handed[0] += 1
         return engine.call((), kw)
 
+    name = cache_keyword(module)
     check_room(args, kwargs)  # a cache the caller passes (graphwrap sizes its own)
-    kwargs = static_cache(held, module, args, kwargs)
+    kwargs = static_cache(held, module, args, kwargs, name)
     why = unsupported(module) or request_unsupported(kwargs)
-    if why is None and not any(kwargs.get("past_key_values") is c for c in held.get("_gw_caches", {}).values()):
-        why = "the cache is not graphwrap's own (it comes with cache_implementation=\"static\" and no past_key_values)"
+    if why is None and not any(given_cache(kwargs) is c for c in held.get("_gw_caches", {}).values()):
+        why = "the cache is not graphwrap's own (it comes with cache_implementation=\"static\" and no cache given)"
     if why is None:
         kwargs = dict(kwargs, custom_generate=make_decode_loop(step))
     elif why not in held.setdefault("_gw_loop_notes", set()):
@@ -331,22 +360,49 @@ def generate(engine, held: dict, module, args, kwargs):
     d["get_compiled_call"] = lambda *_a, **_k: step
     # Every step with a cache goes to graphwrap (a growing one runs eagerly there, with the
     # reason); without a cache (use_cache=False) the model runs as generate runs it.
-    d["_valid_auto_compile_criteria"] = lambda model_kwargs, *_a, **_k: model_kwargs.get("past_key_values") is not None
+    d["_valid_auto_compile_criteria"] = lambda model_kwargs, *_a, **_k: given_cache(model_kwargs) is not None
     try:
-        return module.generate(*args, **kwargs)
+        out = module.generate(*args, **kwargs)
     finally:
         for k in ("get_compiled_call", "_valid_auto_compile_criteria"):
             d.pop(k, None)
         d.update(before)
+    _count(engine, held, why, handed[0], _new_tokens(out, args, kwargs), kwargs)
+    return out
 
 
-def static_cache(held: dict, module, args, kwargs) -> dict:
+def _new_tokens(out, args, kwargs) -> Optional[int]:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    seqs = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+    if not isinstance(ids, torch.Tensor) or not isinstance(seqs, torch.Tensor) or ids.dim() != 2 or seqs.dim() != 2:
+        return None
+    return seqs.shape[1] - ids.shape[1] if seqs.shape[0] >= ids.shape[0] else None
+
+
+def _count(engine, held: dict, why: Optional[str], handed: int, new: Optional[int], kwargs):
+    """Count how a ``generate`` call's steps were run; a call whose decode steps never reached
+    graphwrap says why (transformers ran them itself: beam search calls the model directly, and
+    a release that moves the hooks graphwrap uses would show here first)."""
+    if why is None:
+        how = "graphwrap's decode loop"
+    elif handed or not new or new <= 1 or kwargs.get("use_cache") is False:
+        how = f"transformers' loop, steps handed to graphwrap ({why})"
+    else:
+        how = f"transformers' loop, no step reached graphwrap: it called the model itself ({why})"
+        if how not in held.setdefault("_gw_loop_notes", set()):
+            held["_gw_loop_notes"].add(how)
+            logger.warning("graphwrap: generate ran %d new tokens in %s", new, how)
+    with engine.lock:
+        engine.generates[how] = engine.generates.get(how, 0) + 1
+
+
+def static_cache(held: dict, module, args, kwargs, name: str = "past_key_values") -> dict:
     """With ``cache_implementation="static"`` and no cache given: one static cache of this
     GraphedModule's own per batch size, device and the model's dtype, sized to a multiple of 64
     positions and reset before each ``generate``, so every later ``generate`` of that batch
     (any prompt length that fits) replays the graphs the first one captured."""
     ids = kwargs.get("input_ids", args[0] if args else None)
-    if (kwargs.get("cache_implementation") != "static" or kwargs.get("past_key_values") is not None
+    if (kwargs.get("cache_implementation") != "static" or given_cache(kwargs) is not None
             or kwargs.get("use_cache") is False
             or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or not isinstance(kwargs.get("max_new_tokens"), int)
             or kwargs.get("num_beams", 1) != 1 or kwargs.get("num_return_sequences", 1) != 1):
@@ -371,6 +427,6 @@ def static_cache(held: dict, module, args, kwargs) -> dict:
         cache = caches[key] = StaticCache(config=module.config, max_cache_len=size)
     else:
         cache.reset()
-    kwargs = dict(kwargs, past_key_values=cache)
+    kwargs = dict(kwargs, **{name: cache})
     kwargs.pop("cache_implementation")
     return kwargs
