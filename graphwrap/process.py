@@ -30,6 +30,8 @@ CAPTURE_LOCK = threading.RLock()
 SIDE_STREAMS: dict = {}  # device -> the private stream warm-ups and captures run on
 CHECK_STREAMS: dict = {}  # device -> the private stream checks at other shapes run on
 CAPTURE_STREAMS_FREE: dict = {}  # device -> private streams of pools that are gone, for new pools
+WORKSPACE_POOLS: dict = {}  # device -> the pool the capture streams' cuBLAS workspaces live in, for good
+WORKSPACES_PLACED: set = set()  # (cuBLAS handle, capture stream) whose workspace lies there; emptied by a clear
 
 # ------------------------------------------------------------------ compiles
 COMPILE_LOCK = threading.RLock()

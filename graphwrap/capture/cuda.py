@@ -4,19 +4,24 @@ device-wide waits that never meet a capture, and the state a failed capture leav
 
 import contextlib
 import ctypes
+import functools
 import gc
 import logging
-import os
-import re
 import sys
-import threading
 import time
 import weakref
 
 import torch
 
 from .._compat import capture_begin, end_allocate_to_pool
-from ..process import CAPTURE_LOCK, CAPTURE_STREAMS_FREE, CHECK_STREAMS, SIDE_STREAMS
+from ..process import (
+    CAPTURE_LOCK,
+    CAPTURE_STREAMS_FREE,
+    CHECK_STREAMS,
+    SIDE_STREAMS,
+    WORKSPACE_POOLS,
+    WORKSPACES_PLACED,
+)
 
 logger = logging.getLogger("graphwrap")
 
@@ -181,10 +186,11 @@ def record(graph, pool: "Pool", device: torch.device, draws_random: bool, body):
     stream.wait_stream(cur)
     try:
         with torch.cuda.stream(stream):
+            if not own_workspace(device):
+                pool.recycle[0] = False  # its workspace lies in this pool: the stream dies with it
             return _record(graph, pool.handle, device, draws_random, body)
     finally:
         cur.wait_stream(stream)
-        pool.threads.add(threading.get_ident())
 
 
 def _record(graph, handle, device: torch.device, draws_random: bool, body):
@@ -283,28 +289,23 @@ class Pool:
     allocator. The anchor, a one-kernel graph captured into the pool first, keeps it until the
     engine lets go of it.
 
-    The stream: a captured matrix product keeps the address of the cuBLAS workspace that
-    PyTorch keeps per (thread's handle, stream). Captured on a stream that runs eager work too
-    (the side stream's warm-ups), a graph would share that workspace with eager matrix products
-    issued there while the graph replays on another stream, and each would overwrite the
-    other's partial results. PyTorch's only way to drop a workspace (``_cuda_clearCublasWorkspaces``)
-    frees every thread's at once, under matrix products other threads are about to launch
-    (wrong results, seen on an H100). So each pool captures on a private stream that nothing
-    else runs work on: a thread's first capture there allocates its workspace inside the pool,
-    where only the pool's graphs, which never run at once, use it. The stream goes back to a
-    free list, for another pool, only once this pool and every graph captured into it are gone
-    (each graph record holds its pool), so two live pools never share a workspace.
+    The stream: captures run on a private stream of the pool's own, where no eager work runs,
+    so the cuBLAS workspace its graphs' matrix products use is theirs alone (see
+    :func:`own_workspace`). It goes back to a free list, for another pool, only once this pool
+    and every graph captured into it are gone (each graph record holds its pool): two live
+    pools never share a workspace, and the streams (and workspaces) in use stay as few as the
+    pools alive at once.
     """
 
-    __slots__ = ("handle", "anchor", "_t", "stream", "threads", "__weakref__")
+    __slots__ = ("handle", "anchor", "_t", "stream", "recycle", "__weakref__")
 
     def __init__(self, device: torch.device):
         self.handle = torch.cuda.graph_pool_handle()
         self._t = torch.zeros(1, device=device)
         self.anchor = torch.cuda.CUDAGraph()
         self.stream = _take_capture_stream(device)
-        self.threads: set = set()  # threads that captured here: each has its cuBLAS workspace in the pool
-        weakref.finalize(self, _give_back_capture_stream, device, self.stream)
+        self.recycle = [True]  # False once a capture's workspace landed in this pool
+        weakref.finalize(self, _give_back_capture_stream, device, self.stream, self.recycle)
         with CAPTURE_LOCK:
             record(self.anchor, self, device, False, lambda: self._t.add_(1))
 
@@ -315,21 +316,81 @@ def _take_capture_stream(device: torch.device) -> torch.cuda.Stream:
         return free.pop() if free else private_stream(device)
 
 
-def _give_back_capture_stream(device: torch.device, stream) -> None:
-    with CAPTURE_LOCK:
-        CAPTURE_STREAMS_FREE.setdefault(device, []).append(stream)
+def _give_back_capture_stream(device: torch.device, stream, recycle) -> None:
+    if recycle[0]:
+        with CAPTURE_LOCK:
+            CAPTURE_STREAMS_FREE.setdefault(device, []).append(stream)
 
 
-def workspace_bytes(device: torch.device) -> int:
-    """The size of a cuBLAS workspace PyTorch allocates (its default for the device's
-    architecture, or ``CUBLAS_WORKSPACE_CONFIG``'s sum)."""
-    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    if config:
-        found = re.findall(r":([0-9]+):([0-9]+)", config)
-        if found:
-            return sum(int(a) * 1024 * int(b) for a, b in found)
-    major = torch.cuda.get_device_capability(device)[0]
-    return 4096 * 8 * 1024 if major in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
+class _WorkspacePool:
+    """A private pool that lives as long as the process, for cuBLAS workspaces (one per device)."""
+
+    def __init__(self, device: torch.device):
+        self.handle = torch.cuda.graph_pool_handle()
+        self.anchor = torch.cuda.CUDAGraph()
+        self._t = torch.zeros(1, device=device)
+        _record(self.anchor, self.handle, device, False, lambda: self._t.add_(1))
+
+
+def own_workspace(device: torch.device) -> bool:
+    """Make sure the cuBLAS workspace of this thread on the current stream (a pool's capture
+    stream) lies in memory that is never given back.
+
+    A captured matrix product keeps the address of the workspace PyTorch keeps per (thread's
+    cuBLAS handle, stream). On a stream where eager work runs too, graphs would share it with
+    eager matrix products issued there while they replay, each overwriting the other's partial
+    results. The only way torch 2.11 offers to drop a workspace, ``_cuda_clearCublasWorkspaces``,
+    frees every thread's at once, under matrix products other threads are about to launch
+    (wrong results, seen on an H100): graphwrap never calls it. So the first matrix product on
+    each capture stream runs in a small capture into a pool of graphwrap's own that lives as
+    long as the process: the workspace is allocated there, every later capture on the stream
+    reuses it, and no ``empty_cache`` can free memory a graph still writes. If someone else
+    clears the workspaces, the next capture allocates one there again. Each (thread, capture
+    stream) that captured keeps one workspace (32 MiB on Hopper): memory that stays allocated,
+    bounded by the threads that capture and the pools alive at once. The caller holds the
+    capture lock and has made the capture stream current. Whether the workspace is placed."""
+    cur = torch.cuda.current_stream(device)
+    with torch.cuda.stream(side_stream(device)):
+        # This thread's cuBLAS handle, made here if need be: outside any capture (creating one
+        # inside fails), and on a stream other than the capture stream (asking for the handle
+        # sets up its workspace on the current stream, and this one must come from the pool).
+        handle = torch.cuda.current_blas_handle()
+    placed = (handle, cur.cuda_stream)
+    if placed in WORKSPACES_PLACED:
+        return True  # one small capture per new pair: each keeps other threads' draws out a moment
+    _watch_clears()
+    a = torch.ones(16, 16, device=device)
+    try:
+        wp = WORKSPACE_POOLS.get(device)
+        if wp is None:
+            wp = WORKSPACE_POOLS[device] = _WorkspacePool(device)
+        g = torch.cuda.CUDAGraph()
+        # mm takes cuBLAS's workspace, addmm with a bias cuBLASLt's (the same one unless
+        # TORCH_CUBLASLT_UNIFIED_WORKSPACE=0)
+        _record(g, wp.handle, device, False, lambda: (torch.mm(a, a), torch.addmm(a[0], a, a)))
+    except Exception as e:  # noqa: BLE001 - the capture then allocates the workspace in its own pool
+        WORKSPACE_POOLS.pop(device, None)  # a pool whose capture failed may refuse further ones
+        logger.warning("graphwrap: could not place the cuBLAS workspace of a capture stream in a pool of its own "
+                       "(%s: %s); captures on it keep theirs in their own pool", type(e).__name__, first_line(e))
+        return False
+    WORKSPACES_PLACED.add(placed)
+    return True
+
+
+def _watch_clears():
+    """Wrap ``torch._C._cuda_clearCublasWorkspaces`` once, so that a clear by anyone (torch.compile's
+    CUDA graphs clear around each recording) makes the next capture on each stream place its
+    workspace again."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None or getattr(clear, "_graphwrap_watches", False):
+        return
+
+    @functools.wraps(clear)
+    def cleared(*args, **kwargs):
+        WORKSPACES_PLACED.clear()
+        return clear(*args, **kwargs)
+    cleared._graphwrap_watches = True
+    torch._C._cuda_clearCublasWorkspaces = cleared
 
 
 def is_invalidated(e: BaseException) -> bool:

@@ -10,7 +10,6 @@ copy and refused.
 
 import contextlib
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
@@ -39,7 +38,6 @@ from .cuda import (
     first_line,
     is_invalidated,
     record,
-    workspace_bytes,
 )
 
 Tensor = torch.Tensor
@@ -283,17 +281,14 @@ class CudaRecorder:
 
     @staticmethod
     def check_budget(device, run, size, budget_left, pool=None) -> int:
-        """The pool bytes this bucket is estimated to need (one more warm-up's peak, and the
-        cuBLAS workspace a thread's first capture into the pool allocates there); CaptureFailed
-        (Scope.BUDGET) if that is more than ``budget_left``."""
+        """The pool bytes this bucket is estimated to need (one more warm-up's peak); CaptureFailed
+        (Scope.BUDGET) if that is more than ``budget_left``. ``pool``: the pool it goes to."""
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         run()
         torch.cuda.synchronize(device)
         need = torch.cuda.max_memory_allocated(device) - base + ALLOCATOR_SLACK
-        if pool is None or threading.get_ident() not in pool.threads:
-            need += workspace_bytes(device)
         if need > budget_left:
             err = CaptureFailed(f"bucket {size} needs about {need / 2**20:.1f} MiB of graph pool, "
                                 f"{max(budget_left, 0) / 2**20:.1f} MiB of max_pool_bytes are left", scope=Scope.BUDGET)
