@@ -167,3 +167,10 @@ def test_a_hugging_face_config_flag():
     assert got.hidden_states is not None and len(got.hidden_states) == len(want.hidden_states)
     assert [why for why in gm.stats()["module_changes"]] == [
         "attribute 'output_hidden_states' of the module.config changed from False to True"]
+
+
+def test_a_change_is_seen_under_inference_mode(gw_log):
+    model = Scaled().eval()
+    with torch.inference_mode():
+        _change_seen(model, _gm(model), lambda: setattr(model, "scale_output", False),
+                     "attribute 'scale_output' of the module changed from True to False", gw_log)
