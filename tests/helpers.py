@@ -246,7 +246,7 @@ class RecomputeRecorder:
         return fn(), False
 
     @staticmethod
-    def check_budget(device, run, size, budget_left, pool=None):
+    def check_budget(device, run, size, budget_left):
         from graphwrap.capture.checks import CaptureFailed, Scope
         from graphwrap.core.tree import flatten_outputs
 

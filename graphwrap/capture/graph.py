@@ -223,7 +223,7 @@ def _warm_up(job: Job, recorder, static_in, info):
                 info["compiled_graphs"] = compiled.graphs - graphs0
         if job.budget_left is not None:
             info["pool_estimate"] = recorder.check_budget(job.device, _runner(job, static_in), job.size,
-                                                          job.budget_left, job.pool)
+                                                          job.budget_left)
             job.restore()
     except CaptureFailed:
         raise
@@ -280,9 +280,10 @@ class CudaRecorder:
         return out, mode.seen
 
     @staticmethod
-    def check_budget(device, run, size, budget_left, pool=None) -> int:
+    def check_budget(device, run, size, budget_left) -> int:
         """The pool bytes this bucket is estimated to need (one more warm-up's peak); CaptureFailed
-        (Scope.BUDGET) if that is more than ``budget_left``. ``pool``: the pool it goes to."""
+        (Scope.BUDGET) if that is more than ``budget_left``. Capture streams keep their cuBLAS
+        workspaces in a pool of their own (cuda.own_workspace): none of it counts here."""
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
