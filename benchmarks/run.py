@@ -65,6 +65,9 @@ SUITES = {
                     "gm.generate, a graph by hand, compiled generate", "transformers eager loop, StaticCache: per token",
                     "the step captured by hand (one graph): per token",
                     lambda a: {"models": tuple(a.decode_models.split(","))}),
+    "generate": Suite("generate", "many generations at once: gm.generate from 64 threads (continuous batching), "
+                      "a closed loop, one at a time, padded by hand, transformers' generate_batch",
+                      options=lambda a: {"models": tuple(a.generate_models.split(","))}),
 }
 CPU_SUITE = Suite("run", "eager against graphwrap's eager fallback, on a CPU", "eager")
 
@@ -99,6 +102,7 @@ def main(argv=None):
     ap.add_argument("--serving-models", default="mlp,bert", help="models of the serving scenario: mlp, bert or both")
     ap.add_argument("--large-sizes", default="300,512,1280", help="batch sizes of the large scenario")
     ap.add_argument("--mixed-models", default="mlp,bert", help="models of the mixed scenario: mlp, bert or both")
+    ap.add_argument("--generate-models", default="gpt2,llama", help="models of the generate scenario")
     ap.add_argument("--decode-models", default="gpt2,llama", help="models of the decode scenario: gpt2, llama or both")
     ap.add_argument("--mixed-static-exact", action="store_true",
                     help="mixed MLP: also exact buckets with kernels compiled for each size (64 compiles a width)")

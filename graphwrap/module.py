@@ -9,17 +9,15 @@ import logging
 import weakref
 from typing import Optional, Sequence
 
-import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
 from .core.engine import Engine
 from .core.reasons import Eager, Kind
 from .core.records import release_store
+from .decoding import front
 from .errors import GraphwrapError
-from .loops import decode
 from .options import Options
-from .process import generate_lock
 
 logger = logging.getLogger("graphwrap")
 
@@ -111,6 +109,11 @@ class GraphedModule(nn.Module):
             padded or cut; the graphs are keyed on them (another tensor, or one allocated again,
             gets its own graphs) and write them as the module does. A call with state is served
             at its own shapes. transformers' static caches are state without this.
+        decode: the shared decode batch of :meth:`generate` (Hugging Face models): ``None`` or
+            ``True`` (default) for ``{"rows": 64, "max_len": min(the model's positions, 2048),
+            "max_queue": 4096}``, a dict of any of those, or ``False`` to give each call the
+            model in turn. ``rows``: sequences decoded at once; ``max_len``: positions a
+            sequence may take (prompt and new tokens); ``max_queue``: sequences waiting for a row.
 
     .. warning::
         With ``outputs="view"``, the returned tensors are overwritten by the next call of this
@@ -154,13 +157,15 @@ class GraphedModule(nn.Module):
         max_pool_bytes: Optional[int] = None,
         eager_if_faster: bool = True,
         state=None,
+        decode=None,
     ):
         if not isinstance(module, nn.Module):
             raise GraphwrapError(f"GraphedModule wraps an nn.Module, got {type(module).__name__}")
         if isinstance(module, GraphedModule):
             raise GraphwrapError("this module is a GraphedModule already; wrap its .module, or use it as it is")
         opts = Options(buckets, max_batch_size, batch_dim, seq_dim, seq_buckets, pad_values, max_tokens, warmup_iters,
-                       outputs, fallback, verify, max_keys, compile, max_pool_bytes, eager_if_faster, state).check()
+                       outputs, fallback, verify, max_keys, compile, max_pool_bytes, eager_if_faster, state,
+                       decode).check()
         super().__init__()
         self._gw_attach(module, opts)
 
@@ -187,7 +192,8 @@ class GraphedModule(nn.Module):
         # captures its own on its first calls, as a new GraphedModule would.
         state = {k: v for k, v in self.__dict__.items()
                  if k not in ("_gw_engine", "_gw_finalizer", "_parameters", "_buffers", "_modules",
-                              "_non_persistent_buffers_set", "_gw_caches", "_gw_loop_notes")}
+                              "_non_persistent_buffers_set", "_gw_caches", "_gw_loop_notes",
+                              "_gw_decode", "_gw_decode_why")}
         state["_gw_options"] = self.__dict__["_gw_options"].as_kwargs()
         return state
 
@@ -282,8 +288,10 @@ class GraphedModule(nn.Module):
     # ------------------------------------------------------------------ public API
 
     def reset(self):
-        """Drop every graph and static buffer; the next calls capture again."""
+        """Drop every graph and static buffer; the next calls capture again. The shared decode
+        batch (:meth:`generate`) finishes what it holds and is made again on the next call."""
         self.engine.reset()
+        front.close(self.__dict__)
 
     def capture(self, *args, background: bool = False, **kwargs):
         """Capture every bucket for the signature of these inputs now, largest first.
@@ -322,30 +330,53 @@ class GraphedModule(nn.Module):
         measured at capture), replays, real and padded rows, capture time, fallbacks.
 
         Also the eager calls by reason, the calls served eagerly by choice, and the memory the
-        graph pool and static inputs hold.
+        graph pool and static inputs hold; under ``"decode"``, the shared decode batch of
+        :meth:`generate` (its rows and cache, steps, rows per step, prefills, queue waits, time to
+        first token and per output token, and its step's graphs), or why there is none.
         """
-        return self.engine.stats()
+        out = self.engine.stats()
+        server = self.__dict__.get("_gw_decode")
+        if server is not None:
+            out["decode"] = dict(server.stats(), step=server.engine.stats(), prefill=server.prefill_engine.stats())
+        elif self.__dict__.get("_gw_decode_why") is not None:
+            out["decode"] = {"off": self.__dict__["_gw_decode_why"]}
+        return out
 
     def generate(self, *args, **kwargs):
-        """The wrapped model's ``generate`` (a Hugging Face model), with graphwrap's graphs on the
-        decode steps: ``gm.generate(**inputs, max_new_tokens=..., cache_implementation="static")``
-        gives ``model.generate``'s tokens, each step a replay.
+        """The wrapped model's ``generate`` (a Hugging Face model), its decode steps replayed by
+        graphs: ``gm.generate(**inputs, max_new_tokens=...)`` gives ``model.generate``'s tokens.
 
-        The prompt's forward (prefill) runs as ``generate`` runs it; every later step is handed to
-        graphwrap in place of ``generate``'s own compiled call (transformers' automatic compile is
-        not used). A static cache is state the graphs write in place, keyed by the cache object,
-        and fixes the batch: nothing is padded. With a cache that grows (``DynamicCache``, the
-        default without ``cache_implementation="static"``) the steps run eagerly, and the reason
-        says to use a static cache. Calls from several threads take turns: one ``generate`` at a
-        time runs on a model (they would share its cache and its step).
+        Calls from many threads share one decode batch (continuous batching): each sequence takes
+        a row of a KV cache graphwrap owns, its prompt's forward runs (joined with others that
+        wait), it joins the next step, and leaves when it ends (an end-of-sequence token,
+        ``max_new_tokens``), freeing its row. Each step is one replay over every live row.
+        Greedy and sampled decoding (``temperature``, ``top_k``, ``top_p``), ``repetition_penalty``,
+        ``min_new_tokens``, ``eos_token_id``, a left-padded batch of prompts and a ``streamer``
+        (one prompt) are served per sequence; sampled tokens come from noise seeded by torch's
+        default generator at the call, so ``torch.manual_seed`` before a call repeats its tokens
+        alone or in any batch (they are not ``model.generate``'s draws). A prompt longer than the
+        cache holds raises :class:`GraphwrapError`. Calls the batch cannot serve (beams, custom
+        processors, a cache passed in, a model whose attention the rows do not reproduce) run
+        the one-call loop, taking turns, with the reason in the log and ``stats()["generate"]``.
         """
-        module = self.module
-        if not callable(getattr(module, "generate", None)):
-            raise GraphwrapError(f"{type(module).__name__} has no generate(): it is not a Hugging Face generation model")
-        # Outside torch.inference_mode, where the caller is in it: the static cache is allocated
-        # by the prompt's forward, and inference tensors could not be written by a capture.
-        with generate_lock(module), torch.inference_mode(False):
-            return decode.generate(self.engine, self.__dict__, module, args, kwargs)
+        return front.generate(self, args, kwargs)
+
+    def submit_generate(self, *args, **kwargs):
+        """:meth:`generate` without waiting: a :class:`concurrent.futures.Future` of its output.
+        ``future.cancel()`` ends the call where it stands and frees its rows. A call the shared
+        batch does not serve runs now, in this thread, and the future returned is done."""
+        return front.submit(self, args, kwargs)
+
+    async def agenerate(self, *args, **kwargs):
+        """:meth:`generate` for asyncio: ``await gm.agenerate(...)``. Cancelling the task ends the
+        call and frees its rows; a full queue is waited for without blocking the event loop."""
+        return await front.agenerate(self, args, kwargs)
+
+    def close(self, cancel: bool = False, timeout: Optional[float] = None) -> bool:
+        """Close the shared decode batch of :meth:`generate`: calls queued and running finish
+        (``cancel=True``: those not started yet are cancelled); the next ``generate`` makes a
+        new batch. Whether its thread ended within ``timeout``."""
+        return front.close(self.__dict__, cancel=cancel, timeout=timeout)
 
     def pipeline(self, batches, *, to_host: bool = False, coalesce: bool = False):
         """Run the module over an iterable of inputs, copies hidden behind replays.

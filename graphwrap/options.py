@@ -36,6 +36,7 @@ class Options:
     max_pool_bytes: Optional[int] = None
     eager_if_faster: bool = True
     state: Any = None
+    decode: Any = None
 
     def check(self):
         """Raise GraphwrapError for an argument that cannot work, naming it and the fix."""
@@ -62,6 +63,7 @@ class Options:
             raise GraphwrapError("an Adaptive policy picks the largest bucket itself; leave max_batch_size unset")
         if self.seq_dim is None and (self.seq_buckets is not None or self.max_tokens is not None):
             raise GraphwrapError("seq_buckets= and max_tokens= bucket the sequence dimension: pass seq_dim= too")
+        _check_decode(self.decode)
         return self
 
     def as_kwargs(self) -> dict:
@@ -94,3 +96,13 @@ def _sizes(b) -> bool:
         return False
     sizes = list(b)
     return bool(sizes) and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1 for x in sizes)
+
+
+def _check_decode(value):
+    if value is None or value is True or value is False:
+        return
+    if not isinstance(value, dict) or set(value) - {"rows", "max_len", "max_queue"}:
+        raise GraphwrapError(f"decode must be True, False or a dict of rows=, max_len=, max_queue=; got {value!r}")
+    for k, v in value.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise GraphwrapError(f"decode[{k!r}] must be an int >= 1, got {v!r}")

@@ -47,7 +47,7 @@ def test_which_objects_are_state():
 @pytest.mark.parametrize("batch", [1, 3])
 def test_generate_gives_the_models_tokens_with_every_decode_step_replayed(batch):
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     for prompt in (5, 9):  # a second generate, another prompt: the same cache and graphs
         ids = torch.randint(1, 100, (batch, prompt))
         kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
@@ -64,7 +64,7 @@ def test_generate_gives_the_models_tokens_with_every_decode_step_replayed(batch)
 
 def test_sampling_gives_the_models_tokens_under_the_same_seed():
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     ids = torch.randint(1, 100, (2, 6))
     kw = dict(input_ids=ids, max_new_tokens=10, do_sample=True, top_k=20, temperature=0.8,
               cache_implementation="static")
@@ -78,7 +78,7 @@ def test_sampling_gives_the_models_tokens_under_the_same_seed():
 
 def test_a_growing_cache_runs_eagerly_and_says_to_use_a_static_one():
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model))
+    gm = on_cpu_graphs(GraphedModule(model, decode=False))
     ids = torch.randint(1, 100, (1, 5))
     with torch.no_grad():
         want = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
@@ -90,7 +90,7 @@ def test_a_growing_cache_runs_eagerly_and_says_to_use_a_static_one():
 
 def test_generate_leaves_the_model_as_it_was():
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model))
+    gm = on_cpu_graphs(GraphedModule(model, decode=False))
     ids = torch.randint(1, 100, (1, 5))
     with torch.no_grad():
         gm.generate(input_ids=ids, max_new_tokens=3, do_sample=False, cache_implementation="static")
@@ -101,7 +101,7 @@ def test_generate_leaves_the_model_as_it_was():
 
 def test_a_step_on_a_cache_of_another_batch_size_raises_the_models_own_error():
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     cache = tr.StaticCache(config=model.config, max_cache_len=32)
     with torch.no_grad():
         model(input_ids=torch.randint(1, 100, (2, 4)), past_key_values=cache, use_cache=True)
@@ -131,7 +131,7 @@ def test_rows_that_finish_early_give_the_models_tokens_length_and_random_state()
     """Steps run past the one after which every row had finished are dropped: the tokens, their
     count and the random generator afterwards are generate's own."""
     model = _small_vocab(eos=[5, 6])
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     lengths = set()
     for seed in range(8):
         for batch in (1, 2):
@@ -162,7 +162,7 @@ def test_left_padded_prompts_and_an_end_token_with_the_mask_built_inside_the_gra
     """Each step hands the model the 2D mask over the whole cache, and the forward builds the
     4D mask that generate builds on the host: one key for every step, generate's tokens."""
     model = make(eos=7)
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     ids = torch.randint(1, 7, (3, 6))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
@@ -178,7 +178,7 @@ def test_requests_the_loop_does_not_serve_run_transformers_loop_with_the_steps_g
     """A streamer needs each token on the host as it comes: transformers' own loop serves it,
     each step still a replay, and the log says why."""
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     ids = torch.randint(1, 100, (1, 5))
     seen = []
 
@@ -207,7 +207,7 @@ def test_outputs_held_across_steps_never_make_slots_that_run_the_step_again():
     be a capture that runs the step (and writes the cache) beside the calls. Outputs are cloned
     instead, and the cache stays the model's."""
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     mine, ref = (tr.StaticCache(config=model.config, max_cache_len=32) for _ in range(2))
     ids = torch.randint(1, 100, (2, 4))
     held = []
@@ -228,7 +228,7 @@ def test_outputs_held_across_steps_never_make_slots_that_run_the_step_again():
 
 def test_a_cache_too_short_for_the_request_is_refused_before_any_step():
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     cache = tr.StaticCache(config=model.config, max_cache_len=8)
     ids = torch.randint(1, 100, (1, 5))
     with torch.no_grad(), pytest.raises(GraphwrapError, match=r"holds 8 positions.*needs 15.*max_cache_len >= 15"):
@@ -243,7 +243,7 @@ def test_a_step_past_the_end_of_the_cache_raises_the_models_own_error():
     """On a GPU the model's own error is a device-side assert, eager or graphed alike; generate
     never gets there (its cache is sized for the request, or a short one is refused)."""
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     for who in (model, gm):
         cache = tr.StaticCache(config=model.config, max_cache_len=8)
         with torch.no_grad():
@@ -254,7 +254,7 @@ def test_a_step_past_the_end_of_the_cache_raises_the_models_own_error():
 
 def test_generate_from_several_threads_takes_turns_and_gives_each_its_tokens():
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     prompts = [torch.randint(1, 100, (2, 5 + i % 3)) for i in range(6)]
     kw = dict(max_new_tokens=8, do_sample=False, cache_implementation="static")
     with torch.no_grad():
@@ -279,7 +279,7 @@ def test_generate_under_inference_mode_and_after_it():
     """The prompt's forward allocates the static cache: graphwrap runs generate outside
     inference_mode, so the cache is one its captures can write."""
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     ids = torch.randint(1, 100, (2, 6))
     kw = dict(input_ids=ids, max_new_tokens=10, do_sample=False, cache_implementation="static")
     with torch.inference_mode():
@@ -291,7 +291,7 @@ def test_generate_under_inference_mode_and_after_it():
 
 def test_a_cache_made_under_inference_mode_runs_eagerly_with_the_reason():
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     caches = [tr.StaticCache(config=model.config, max_cache_len=32) for _ in range(2)]
     prompt = torch.randint(1, 100, (1, 4))
     with torch.inference_mode():
@@ -307,7 +307,7 @@ def test_a_cache_made_under_inference_mode_runs_eagerly_with_the_reason():
 
 def test_generate_sees_weights_replaced_after_capture():
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     ids = torch.randint(1, 100, (1, 6))
     kw = dict(input_ids=ids, max_new_tokens=10, do_sample=False, cache_implementation="static")
     with torch.no_grad():
@@ -333,7 +333,7 @@ def test_a_sliding_window_cache_that_keeps_its_position_in_python_runs_eagerly(k
         pytest.skip("this transformers has no Mistral or Gemma2")
     torch.manual_seed(0)
     model = _sliding(kind).eval()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     ids = torch.randint(1, 100, (2, 6))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
@@ -351,7 +351,7 @@ def test_other_generate_arguments_give_the_models_tokens(extra):
     """Logits processors run as generate runs them; without a cache the model runs as generate
     runs it (no cache of graphwrap's is made); a max_length in place of max_new_tokens."""
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     kw = dict(input_ids=torch.randint(1, 100, (2, 6)), max_new_tokens=8, do_sample=False,
               cache_implementation="static")
     kw.update(extra)
@@ -363,7 +363,7 @@ def test_other_generate_arguments_give_the_models_tokens(extra):
 
 def test_generate_after_the_model_changes_dtype_uses_a_cache_of_the_new_one():
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     kw = dict(input_ids=torch.randint(1, 100, (2, 6)), max_new_tokens=8, do_sample=False,
               cache_implementation="static")
     with torch.no_grad():
@@ -398,7 +398,7 @@ def test_encoder_decoders_with_a_static_cache_give_the_models_tokens(family):
     the reason."""
     torch.manual_seed(0)
     model = _encoder_decoders()[family]().eval()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     ids = torch.randint(3, 60, (2, 10))
     kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
               do_sample=False)
@@ -424,7 +424,7 @@ def test_every_step_of_transformers_own_loop_reaches_graphwrap(request_kw):
     """Under transformers 5.24 the cache keyword is ``cache``; graphwrap's hook looked for
     ``past_key_values`` and 0 of 15 steps reached it, with no reason given."""
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     ids = torch.randint(1, 100, (1, 5))
     kw = dict(input_ids=ids, do_sample=False, **request_kw)
     if "max_length" not in kw:
@@ -446,7 +446,7 @@ def test_graphwraps_own_loop_keeps_a_2d_mask_and_the_installed_cache_keyword(rec
     """The kept inputs (a 2D mask the forward extends inside the graph) hold the cache under the
     keyword this transformers uses; graphwrap passes no deprecated keyword of its own."""
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     ids = torch.randint(1, 100, (2, 5))
     kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
     with torch.no_grad():
@@ -463,7 +463,7 @@ def test_a_too_short_cache_is_refused_under_either_keyword():
     from graphwrap.loops.decode import cache_keyword
 
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     ids = torch.randint(1, 100, (1, 5))
     cache = tr.StaticCache(config=model.config, max_cache_len=8)
     with torch.no_grad(), pytest.raises(GraphwrapError, match=r"holds 8 positions.*needs 15"):
@@ -474,7 +474,7 @@ def test_beam_search_steps_that_never_reach_graphwrap_say_so():
     """transformers' beam search calls the model itself, past every hook graphwrap uses: its
     tokens are the model's, and stats() says no step reached graphwrap, and why."""
     model = _gpt2()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     ids = torch.randint(1, 100, (1, 5))
     kw = dict(input_ids=ids, max_new_tokens=6, do_sample=False, num_beams=2)
     with torch.no_grad():

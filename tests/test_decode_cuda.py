@@ -41,7 +41,7 @@ def _same_or_tied(got, want, scores, prompt, tol=1e-3):
 @pytest.mark.parametrize("batch", [1, 4])
 def test_generate_gives_the_models_tokens_each_decode_step_a_replay(batch):
     model = _gpt2()
-    gm = GraphedModule(model)
+    gm = GraphedModule(model, decode=False)
     for prompt in (12, 20):
         ids = torch.randint(2, 1000, (batch, prompt), device=DEV)
         kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
@@ -60,7 +60,7 @@ def test_generate_gives_the_models_tokens_each_decode_step_a_replay(batch):
 
 def test_sampled_tokens_are_the_models_under_the_same_seed():
     model = _gpt2()
-    gm = GraphedModule(model)
+    gm = GraphedModule(model, decode=False)
     ids = torch.randint(2, 1000, (2, 10), device=DEV)
     kw = dict(input_ids=ids, max_new_tokens=12, do_sample=True, top_k=50, top_p=0.9, temperature=0.7,
               cache_implementation="static")
@@ -109,7 +109,7 @@ def test_compile_true_puts_compiled_kernels_in_the_decode_graphs():
     model's tokens, and no per-size tuning (its captures and timings would run the step beside
     the calls that write the cache)."""
     model = _gpt2()
-    gm = GraphedModule(model, compile=True)
+    gm = GraphedModule(model, compile=True, decode=False)
     kw = _greedy_request()
     with torch.no_grad():
         out = model.generate(**kw, disable_compile=True, output_logits=True, return_dict_in_generate=True)
@@ -149,7 +149,7 @@ def test_rows_that_finish_early_on_the_gpu_give_the_models_tokens_length_and_ran
                         eos_token_id=[5, 6], pad_token_id=0)
     torch.manual_seed(0)
     model = tr.GPT2LMHeadModel(cfg).to(DEV).eval()
-    gm = GraphedModule(model)
+    gm = GraphedModule(model, decode=False)
     lengths = set()
     with torch.no_grad():
         for seed in range(6):
@@ -174,7 +174,7 @@ def test_a_cache_on_another_device_raises_the_models_own_error():
     model = _gpt2()
     on_cpu = _gpt2().cpu()
     on_cpu.load_state_dict(model.state_dict())
-    gm = GraphedModule(model)
+    gm = GraphedModule(model, decode=False)
     left = []
     for who in (model, gm):
         cache = tr.StaticCache(config=model.config, max_cache_len=32)
@@ -189,7 +189,7 @@ def test_a_cache_on_another_device_raises_the_models_own_error():
 
 def test_generate_under_inference_mode_on_the_gpu():
     model = _gpt2()
-    gm = GraphedModule(model)
+    gm = GraphedModule(model, decode=False)
     kw = _greedy_request()
     with torch.no_grad():
         out = model.generate(**kw, disable_compile=True, output_logits=True, return_dict_in_generate=True)
@@ -206,7 +206,7 @@ def test_a_sliding_window_cache_runs_eagerly_on_the_gpu_with_generates_tokens():
     cfg = tr.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=100, sliding_window=8, pad_token_id=0)
     model = tr.MistralForCausalLM(cfg).to(DEV).eval()
-    gm = GraphedModule(model)
+    gm = GraphedModule(model, decode=False)
     ids = torch.randint(1, 100, (2, 6), device=DEV)
     kw = dict(input_ids=ids, max_new_tokens=20, do_sample=False, cache_implementation="static")
     with torch.no_grad():
@@ -219,7 +219,7 @@ def test_a_sliding_window_cache_runs_eagerly_on_the_gpu_with_generates_tokens():
 
 def test_generate_after_half_uses_a_cache_of_the_new_dtype():
     model = _gpt2()
-    gm = GraphedModule(model)
+    gm = GraphedModule(model, decode=False)
     kw = _greedy_request()
     with torch.no_grad():
         gm.generate(**kw)
@@ -238,7 +238,7 @@ def test_an_encoder_decoder_with_a_static_cache_gives_the_models_tokens():
                         pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
                         forced_eos_token_id=None)
     model = tr.BartForConditionalGeneration(cfg).cuda().eval()
-    gm = GraphedModule(model)
+    gm = GraphedModule(model, decode=False)
     ids = torch.randint(3, 60, (2, 10), device="cuda")
     kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
               do_sample=False)

@@ -1,0 +1,11 @@
+"""Many generations at once: concurrent ``gm.generate`` calls share one decode step.
+
+- :mod:`.settings`: what a ``generate`` call asks for, per sequence, or why the batch cannot serve it.
+- :mod:`.scheduler`: which sequence holds which row of the cache, what is queued, when each ends
+  (plain Python: no tensors).
+- :mod:`.rows`: the KV cache of rows (one row per sequence, each with its own length) and the
+  windows of it a step attends over.
+- :mod:`.sampling`: each row's next token under its own settings.
+- :mod:`.step`: the prompt's forward (prefill) and the decode step, through graphwrap's engine.
+- :mod:`.server`: the thread that runs the steps and hands each request its tokens.
+"""

@@ -1,0 +1,73 @@
+"""Whether the cache of rows gives a model what its own cache gives it.
+
+Before the shared batch serves a model, two short prompts of different lengths are decoded a
+few steps both ways, eagerly: through the rows (joined prefill, per-row lengths, the 4-D mask
+over a window) and alone through the model's own cache. A model whose attention, positions or
+cache the rows do not reproduce (a sliding window, positions of its own, a cache of another
+kind) is left to the one-call loop, with the reason.
+"""
+
+from typing import Optional
+
+import torch
+
+from .rows import RowStore
+from .step import DecodeStep, PrefillStep, Prompts, cache_layout
+
+STEPS = 4
+
+
+def probe(model, device) -> Optional[str]:
+    """None where the rows reproduce the model's own decoding, else why not."""
+    try:
+        return _probe(model, torch.device(device))
+    except Exception as e:  # noqa: BLE001 - a model the rows cannot drive at all
+        return f"decoding through graphwrap's cache of rows failed ({type(e).__name__}: {e})"
+
+
+def _probe(model, device) -> Optional[str]:
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    if vocab < 2:
+        return "the model's config has no vocab_size"
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (3, 6)]
+    keys, values = cache_layout(model, device)
+    if keys is None:
+        return "the model's own cache has no per-layer keys and values of full attention (a sliding window?)"
+    store = RowStore(4, 32, device)
+    store.allocate(keys, values)
+    step, prefill = DecodeStep(model), PrefillStep(model)
+    rows = [1, 0]
+    with torch.no_grad():
+        logits = prefill(*Prompts(4, 32, store.scratch).inputs(prompts, rows, (3, 8), device),
+                         store.prompt_window(8))[:2]
+        got = [logits[[1, 0]].float()]  # by row
+        want, caches = [], []
+        for p in prompts:
+            out = model(input_ids=torch.tensor([p], device=device), use_cache=True, return_dict=True)
+            want.append(out.logits[0, -1].float())
+            caches.append(out.past_key_values)
+        ids = torch.zeros((2, 1), dtype=torch.long, device=device)
+        for _ in range(STEPS):
+            ref = torch.stack(want[::-1])  # rows 0, 1 hold prompts 1, 0
+            why = _differ(got[-1], ref, model)
+            if why is not None:
+                return why
+            ids[:, 0] = ref.argmax(-1)
+            got.append(step(ids, store.window(32)).float())
+            for i, (p, c) in enumerate(zip(prompts, caches)):
+                tok = ids[1 - i:2 - i]
+                out = model(input_ids=tok, past_key_values=c, use_cache=True, return_dict=True)
+                want[i] = out.logits[0, -1].float()
+        return _differ(got[-1], torch.stack(want[::-1]), model)
+
+
+def _differ(got: torch.Tensor, want: torch.Tensor, model) -> Optional[str]:
+    p = next(model.parameters())
+    tol = 1e-3 if p.dtype == torch.float32 else 5e-2
+    scale = float(want.abs().max()) or 1.0
+    err = float((got - want).abs().max())
+    if err > tol * scale:
+        return (f"decoding through graphwrap's cache of rows differs from the model's own cache (max error {err:.3g} "
+                f"on logits of scale {scale:.3g})")
+    return None

@@ -1,0 +1,168 @@
+"""Each row's next token under its own settings, for a whole step at once.
+
+The settings live on the device, one entry per row of the cache, written when a sequence takes
+its row. The processors are transformers' (``repetition_penalty``, ``min_new_tokens`` /
+``min_length``, then ``temperature``, ``top_k``, ``top_p``), applied per row; greedy rows take
+the highest score, sampled rows the highest score plus Gumbel noise (the same distribution as
+drawing from the softmax). The noise is a hash of the sequence's seed, its position and the
+token id, not a draw from a generator shared by every row, so a seeded sequence makes the same
+tokens alone and in any batch, wherever its logits are the same.
+"""
+
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import torch
+
+from .settings import SeqSettings
+
+Tensor = torch.Tensor
+M32 = 0xFFFFFFFF
+MAX_EOS = 4  # end-of-sequence ids kept per row on the device (more: the rest checked on the host)
+
+
+def hash32(x: Tensor) -> Tensor:
+    """A 32-bit integer mix (in int64, values kept below 2**32)."""
+    x = x & M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)
+
+
+def gumbel(seed: Tensor, position: Tensor, vocab: int) -> Tensor:
+    """Noise ``[n, vocab]`` from each row's seed and position (reproducible by construction)."""
+    key = hash32(hash32(seed) ^ ((position * 0x9E3779B9) & M32))
+    ids = torch.arange(vocab, device=seed.device, dtype=torch.long)
+    bits = hash32(key[:, None] ^ ((ids[None, :] * 0x85EBCA6B) & M32))
+    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(u))
+
+
+@dataclass
+class Active:
+    """What the live rows use, known on the host, so a step runs only the work it needs."""
+
+    sample: bool = False
+    penalty: bool = False
+    min_new: bool = False
+    top_k: int = 0  # the largest top_k of a sampled row (0: none)
+    top_p: bool = False
+
+    @staticmethod
+    def of(settings: Sequence[SeqSettings]) -> "Active":
+        a = Active()
+        for s in settings:
+            a.penalty |= s.penalty != 1.0
+            a.min_new |= s.min_new > 0 and bool(s.eos)
+            if s.sample:
+                a.sample = True
+                a.top_k = max(a.top_k, s.top_k)
+                a.top_p |= s.top_p < 1.0
+        return a
+
+
+class RowSettings:
+    """Per-row settings on the device, and the step's sampler."""
+
+    def __init__(self, rows: int, max_len: int, device: torch.device):
+        d = torch.device(device)
+        self.device = d
+        self.temperature = torch.ones(rows, device=d)
+        self.top_k = torch.zeros(rows, dtype=torch.long, device=d)
+        self.top_p = torch.ones(rows, device=d)
+        self.penalty = torch.ones(rows, device=d)
+        self.min_new = torch.zeros(rows, dtype=torch.long, device=d)
+        self.prompt_len = torch.zeros(rows, dtype=torch.long, device=d)
+        self.sample = torch.zeros(rows, dtype=torch.bool, device=d)
+        self.seed = torch.zeros(rows, dtype=torch.long, device=d)
+        self.eos = torch.full((rows, MAX_EOS), -1, dtype=torch.long, device=d)
+        self.history = None  # [rows, max_len] token ids, made when a row first needs a penalty
+        self.max_len = max_len
+
+    def write(self, rows: List[int], settings: List[SeqSettings], prompts: List[List[int]], seeds: List[int]):
+        """Set the settings of newly admitted rows (and their prompts, where a penalty needs them)."""
+        idx = _to(torch.tensor(rows, dtype=torch.long), self.device)
+        columns = (
+            (self.temperature, [s.temperature for s in settings], torch.float32),
+            (self.top_k, [s.top_k for s in settings], torch.long),
+            (self.top_p, [s.top_p for s in settings], torch.float32),
+            (self.penalty, [s.penalty for s in settings], torch.float32),
+            (self.min_new, [s.min_new for s in settings], torch.long),
+            (self.prompt_len, [len(p) for p in prompts], torch.long),
+            (self.sample, [s.sample for s in settings], torch.bool),
+            (self.seed, [x & 0x7FFFFFFF for x in seeds], torch.long),
+            (self.eos, [(list(s.eos[:MAX_EOS]) + [-1] * MAX_EOS)[:MAX_EOS] for s in settings], torch.long),
+        )
+        for dest, values, dtype in columns:
+            dest.index_copy_(0, idx, _to(torch.tensor(values, dtype=dtype), self.device))
+        if any(s.penalty != 1.0 for s in settings):
+            if self.history is None:
+                self.history = torch.zeros((self.temperature.shape[0], self.max_len), dtype=torch.long,
+                                           device=self.device)
+            for r, s, p in zip(rows, settings, prompts):
+                if s.penalty != 1.0:
+                    self.history[r, :len(p)] = _to(torch.tensor(p, dtype=torch.long), self.device)
+
+    def next_tokens(self, logits: Tensor, rows, lengths: Tensor, active: Active) -> Tensor:
+        """The next token of each of ``rows`` (an int ``n``: the first ``n`` rows; else a tensor
+        of row indices) from their logits ``[len(rows), vocab]``; ``lengths`` are the rows'
+        lengths now (the position the new token takes)."""
+        sel = slice(0, rows) if isinstance(rows, int) else rows
+        scores = logits.float()
+        if active.penalty:
+            scores = self._penalise(scores, sel, lengths)
+        if active.min_new:
+            scores = self._hold_eos(scores, sel, lengths)
+        greedy = scores.argmax(-1)
+        if not active.sample:
+            tokens = greedy
+        else:
+            tokens = torch.where(self.sample[sel], self._sample(scores, sel, lengths, active), greedy)
+        if self.history is not None:
+            index = torch.arange(rows, device=tokens.device) if isinstance(rows, int) else rows
+            self.history[index, lengths.clamp(max=self.max_len - 1)] = tokens
+        return tokens
+
+    def _penalise(self, scores: Tensor, sel, lengths: Tensor) -> Tensor:
+        hist = self.history[sel]
+        seen = torch.arange(hist.shape[1], device=scores.device)[None, :] < lengths[:, None]
+        hist = torch.where(seen, hist, hist[:, :1])  # unseen positions repeat the first token
+        got = scores.gather(1, hist)
+        p = self.penalty[sel][:, None]
+        got = torch.where(got < 0, got * p, got / p)
+        return scores.scatter(1, hist, got)
+
+    def _hold_eos(self, scores: Tensor, sel, lengths: Tensor) -> Tensor:
+        hold = (lengths - self.prompt_len[sel]) < self.min_new[sel]
+        eos = self.eos[sel]
+        ok = (eos >= 0) & hold[:, None]
+        ids = eos.clamp(min=0)
+        got = scores.gather(1, ids)
+        return scores.scatter(1, ids, torch.where(ok, torch.full_like(got, float("-inf")), got))
+
+    def _sample(self, scores: Tensor, sel, lengths: Tensor, active: Active) -> Tensor:
+        scores = scores / self.temperature[sel][:, None]
+        neg = torch.full((), float("-inf"), device=scores.device)
+        if active.top_k:
+            kmax = min(active.top_k, scores.shape[1])
+            top = scores.topk(kmax, dim=-1).values
+            given = self.top_k[sel]
+            kth = top.gather(1, (given.clamp(min=1, max=kmax) - 1)[:, None])
+            kth = torch.where(given[:, None] > 0, kth, neg)
+            scores = torch.where(scores < kth, neg, scores)
+        if active.top_p:
+            ordered, order = scores.sort(dim=-1, descending=False)
+            cum = ordered.softmax(dim=-1).cumsum(dim=-1)
+            drop = cum <= (1 - self.top_p[sel][:, None])
+            drop[:, -1] = False
+            scores = scores.scatter(1, order, torch.where(drop, neg, ordered))
+        return (scores + gumbel(self.seed[sel], lengths, scores.shape[1])).argmax(-1)
+
+
+def _to(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on ``device`` without waiting for the device (through pinned memory)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,134 @@
+"""Which sequence holds which row of the cache, what waits, and when each sequence ends.
+
+Plain Python, no tensors: the server asks it what to admit and which rows a step covers, tells
+it what each step produced, and does the GPU work those decisions need. A row is taken by a
+sequence when its prompt is admitted and given back when the sequence is done launching steps
+(it has all the tokens it may make, or it ended early); a step covers rows ``[0, n)`` with
+``n`` a row bucket above the highest live row, and attends over ``span`` positions, a bucket
+above the longest live row. Rows are handed out lowest first, so live rows stay low.
+"""
+
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, List, Optional, Sequence, Tuple
+
+from .settings import SeqSettings
+
+
+@dataclass(eq=False)
+class Seq:
+    """One sequence of a call: its prompt, settings, tokens made so far and where it is."""
+
+    call: object
+    index: int  # its row in the call's input_ids
+    prompt: List[int]
+    settings: SeqSettings
+    tokens: List[int] = field(default_factory=list)
+    row: Optional[int] = None
+    length: int = 0  # positions of the cache written (host's mirror of the row's length)
+    launched: int = 0  # tokens whose computation has been queued on the device
+    done: bool = False
+    seed: int = 0  # of its sampling noise
+    submitted: float = field(default_factory=time.perf_counter)
+    first_at: Optional[float] = None
+    last_at: Optional[float] = None
+
+    @property
+    def needs_steps(self) -> bool:
+        """Whether tokens beyond those already queued are wanted."""
+        return not self.done and self.launched < self.settings.max_new
+
+
+def buckets_upto(limit: int, first: Sequence[int]) -> List[int]:
+    """``first`` then steps of half the last power of two, up to and including ``limit``."""
+    out = [b for b in first if b < limit]
+    if not out:
+        return [limit]
+    b = out[-1]
+    while b < limit:
+        p = 1 << (b.bit_length() - 1)
+        b += max(p // 2, 1)
+        out.append(min(b, limit))
+    if not out or out[-1] != limit:
+        out.append(limit)
+    return sorted(set(out))
+
+
+def bucket_of(x: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if b >= x:
+            return b
+    raise ValueError(f"{x} is above the largest bucket {buckets[-1]}")
+
+
+class Scheduler:
+    """The rows of the cache and the queue of sequences waiting for one."""
+
+    def __init__(self, rows: int, max_len: int, row_buckets: Sequence[int], span_buckets: Sequence[int]):
+        self.rows, self.max_len = rows, max_len
+        self.row_buckets, self.span_buckets = list(row_buckets), list(span_buckets)
+        self.free: List[int] = list(range(rows))
+        heapq.heapify(self.free)
+        self.queue: Deque[Seq] = deque()
+        self.holders: List[Optional[Seq]] = [None] * rows
+
+    def enqueue(self, seqs: Sequence[Seq]):
+        self.queue.extend(seqs)
+
+    def admit(self, limit: Optional[int] = None) -> List[Seq]:
+        """Queued sequences given a free row each, oldest first (at most ``limit``)."""
+        out = []
+        while self.queue and self.free and (limit is None or len(out) < limit):
+            s = self.queue.popleft()
+            if s.done:
+                continue
+            s.row = heapq.heappop(self.free)
+            self.holders[s.row] = s
+            s.length = len(s.prompt)
+            out.append(s)
+        return out
+
+    def live(self) -> List[Seq]:
+        return [s for s in self.holders if s is not None and s.needs_steps]
+
+    def step_shape(self, live: Sequence[Seq]) -> Tuple[int, int]:
+        """``(rows, span)`` of the next step over ``live`` (every row below the highest, and
+        positions up to the longest plus the one this step writes)."""
+        n = bucket_of(max(s.row for s in live) + 1, self.row_buckets)
+        span = bucket_of(max(s.length for s in live) + 1, self.span_buckets)
+        return n, span
+
+    def launched(self, seqs: Sequence[Seq]):
+        """A step (or a prompt's forward) was queued for ``seqs``: one more token each."""
+        for s in seqs:
+            s.launched += 1
+
+    def advanced(self, seqs: Sequence[Seq]):
+        """The step wrote one position of each of ``seqs``' rows."""
+        for s in seqs:
+            s.length += 1
+
+    def retire(self) -> List[int]:
+        """Rows whose sequences want no further step: given back (the caller releases them on
+        the device before the next step)."""
+        out = []
+        for r, s in enumerate(self.holders):
+            if s is not None and not s.needs_steps:
+                self.holders[r] = None
+                s.row = None
+                heapq.heappush(self.free, r)
+                out.append(r)
+        return out
+
+    def drop_queued(self, pred) -> List[Seq]:
+        """Take queued sequences for which ``pred`` holds out of the queue."""
+        gone = [s for s in self.queue if pred(s)]
+        if gone:
+            self.queue = deque(s for s in self.queue if not pred(s))
+        return gone
+
+    @property
+    def busy(self) -> int:
+        return self.rows - len(self.free)

@@ -1,0 +1,170 @@
+"""What a ``generate`` call asks of the shared decode batch, per sequence, or why the batch
+cannot serve it (the call then runs as before, taking its turn on the model).
+
+The generation settings are transformers' own, merged as ``generate`` merges them
+(``_prepare_generation_config``: the model's defaults, a ``generation_config`` passed, the
+keywords). The batch serves greedy and sampled decoding with ``temperature``, ``top_k``,
+``top_p``, ``repetition_penalty``, ``min_new_tokens``/``min_length``, ``eos_token_id`` and
+``max_new_tokens``/``max_length``, a left-padded ``attention_mask``, several prompts per call
+and a ``streamer`` for a call of one prompt. Any other setting that changes the tokens (beams,
+``no_repeat_ngram_size``, custom processors, ...) leaves the call to transformers' loop.
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple, Union
+
+import torch
+
+# Settings the batch applies itself.
+SERVED = frozenset(("max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k",
+                    "top_p", "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id",
+                    "decoder_start_token_id", "cache_implementation", "transformers_version", "_from_model_config",
+                    "_commit_hash", "compile_config", "disable_compile", "cache_config", "max_cache_len",
+                    "continuous_batching_config", "early_stopping", "length_penalty", "num_assistant_tokens",
+                    "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind",
+                    "target_lookbehind", "max_matching_ngram_size", "is_assistant", "generation_kwargs"))
+# Values of other settings that change nothing.
+NEUTRAL = (None, False, 0, 1, 1.0, 0.0, (), [], {})
+# generate() keywords (not generation settings) the batch takes.
+MODEL_KWARGS = frozenset(("attention_mask", "streamer"))
+CACHE_IMPLEMENTATIONS = (None, "static", "dynamic")
+
+
+@dataclass(slots=True)
+class SeqSettings:
+    """One sequence's decoding settings, as transformers would apply them."""
+
+    max_new: int
+    min_new: int = 0
+    eos: Tuple[int, ...] = ()
+    pad: Optional[int] = None
+    sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    penalty: float = 1.0
+
+
+@dataclass(slots=True)
+class CallPlan:
+    """A ``generate`` call the batch serves: its prompts (padding taken off) and settings."""
+
+    input_ids: torch.Tensor  # as given (its padding kept: the output starts with it)
+    prompts: List[List[int]]
+    settings: SeqSettings
+    streamer: object = None
+    extra: dict = field(default_factory=dict)
+
+
+def plan_call(model, args, kwargs) -> Union[CallPlan, str]:
+    """The call as the batch serves it, or why the batch does not."""
+    kwargs = dict(kwargs)
+    ids = kwargs.pop("input_ids", None)
+    if ids is None:
+        ids = kwargs.pop("inputs", None)
+    if args:
+        if ids is not None or len(args) > 1:
+            return "positional arguments besides input_ids"
+        ids = args[0]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.long, torch.int32, torch.int64):
+        return "input_ids is not a 2-D tensor of token ids"
+    if ids.shape[0] < 1 or ids.shape[1] < 1:
+        return "an empty input_ids"
+    for name in ("past_key_values", "cache"):
+        if kwargs.get(name) is not None:
+            return f"{name}= is given (the batch decodes into a cache of its own)"
+    for name in ("logits_processor", "stopping_criteria"):
+        if kwargs.pop(name, None):
+            return f"{name}= is given"
+    try:
+        gen, rest = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
+    except Exception as e:  # noqa: BLE001 - transformers' own generate reports a bad setting best
+        return f"the generation settings did not merge ({type(e).__name__}: {e})"
+    unknown = sorted(k for k, v in rest.items() if k not in MODEL_KWARGS and v is not None)
+    if unknown:
+        return f"{unknown[0]}= is given"
+    why = _unserved(gen)
+    if why is not None:
+        return why
+    streamer = rest.get("streamer")
+    if streamer is not None and ids.shape[0] != 1:
+        return "a streamer with more than one prompt"
+    settings = _settings(gen, ids.shape[1])
+    if isinstance(settings, str):
+        return settings
+    prompts = _prompts(ids, rest.get("attention_mask"), settings)
+    if isinstance(prompts, str):
+        return prompts
+    return CallPlan(ids, prompts, settings, streamer)
+
+
+def _unserved(gen) -> Optional[str]:
+    if gen.cache_implementation not in CACHE_IMPLEMENTATIONS:
+        return f"cache_implementation={gen.cache_implementation!r}"
+    if gen.use_cache is False:
+        return "use_cache=False"
+    for key, value in sorted(gen.to_dict().items()):
+        if key in SERVED or key == "use_cache":
+            continue
+        if isinstance(value, (list, tuple, dict)) and not value:
+            continue
+        if not isinstance(value, (list, tuple, dict)) and value in NEUTRAL:
+            continue
+        return f"{key}={value!r} is not served by the shared decode batch"
+    return None
+
+
+def _settings(gen, width: int) -> Union[SeqSettings, str]:
+    max_new = gen.max_new_tokens if gen.max_new_tokens is not None else (gen.max_length or 20) - width
+    if not isinstance(max_new, int) or max_new < 1:
+        return f"max_new_tokens={max_new} (nothing to generate)"
+    min_new = max(gen.min_new_tokens or 0, (gen.min_length or 0) - width)
+    eos = gen.eos_token_id
+    eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    if isinstance(gen.eos_token_id, torch.Tensor):
+        eos = tuple(int(e) for e in gen.eos_token_id.reshape(-1).tolist())
+    pad = gen.pad_token_id if gen.pad_token_id is not None else (eos[0] if eos else None)
+    s = SeqSettings(max_new=max_new, min_new=max(0, min_new), eos=eos, pad=pad, sample=bool(gen.do_sample))
+    if gen.repetition_penalty is not None and gen.repetition_penalty != 1.0:
+        if not gen.repetition_penalty > 0:
+            return f"repetition_penalty={gen.repetition_penalty}"
+        s.penalty = float(gen.repetition_penalty)
+    if s.sample:
+        t, k, p = gen.temperature, gen.top_k, gen.top_p
+        if t is not None and t != 1.0:
+            if not t > 0:
+                return f"temperature={t}"
+            s.temperature = float(t)
+        if k is not None and k != 0:
+            if k < 0:
+                return f"top_k={k}"
+            s.top_k = int(k)
+        if p is not None and p != 1.0:
+            if not 0 < p < 1:
+                return f"top_p={p}"
+            s.top_p = float(p)
+    return s
+
+
+def _prompts(ids: torch.Tensor, mask, s: SeqSettings) -> Union[List[List[int]], str]:
+    """Each row's tokens without its left padding (where no mask is given, transformers takes
+    the pad token for padding, unless it is also an end-of-sequence token)."""
+    rows = ids.tolist()
+    if mask is None:
+        if s.pad is not None and s.pad not in s.eos and any(s.pad in r for r in rows):
+            keep = [[t != s.pad for t in r] for r in rows]
+        else:
+            return rows
+    else:
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(ids.shape):
+            return "an attention_mask that is not 2-D of input_ids' shape"
+        keep = [[bool(v) for v in r] for r in mask.tolist()]
+    prompts = []
+    for r, k in zip(rows, keep):
+        start = k.index(True) if True in k else len(k)
+        if not all(k[start:]):
+            return "an attention_mask that is not left padding (zeros, then ones)"
+        if start == len(k):
+            return "a row of input_ids that is all padding"
+        prompts.append(r[start:])
+    return prompts

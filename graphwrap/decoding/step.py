@@ -1,0 +1,148 @@
+"""The prompt's forward (prefill) and the decode step of the shared batch.
+
+The step is a module of its own (:class:`DecodeStep`) that graphwrap's engine captures like any
+other: its inputs are the rows' next tokens ``[n, 1]`` and a window of the cache of rows (state
+the graph writes in place: a key per window, never copied or padded); inside, it builds each
+row's mask and position from the rows' lengths, runs the model over the window and moves the
+live rows' lengths on. One graph per (row bucket, span bucket); nothing in a step depends on
+the host but which graph replays.
+
+Prompts are joined into one forward (:class:`PrefillStep`), right-padded to a (rows, width)
+bucket, written straight into the rows they took (a row's padded positions are masked, and
+written over by its first steps), one graph per bucket as well.
+"""
+
+from typing import List, Tuple
+
+import torch
+from torch import nn
+
+from ..loops.decode import cache_keyword
+from .rows import row_mask
+from .scheduler import bucket_of, buckets_upto
+
+Tensor = torch.Tensor
+
+
+class DecodeStep(nn.Module):
+    """One decode step of every row of a window: ``[n, 1]`` next tokens -> ``[n, vocab]`` logits."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.cache_name = cache_keyword(model)
+        self.training = model.training  # not train(): that would set the model's own flags
+
+    def forward(self, input_ids: Tensor, rows) -> Tensor:
+        n = input_ids.shape[0]
+        lengths = rows.lengths[:n]
+        mask = row_mask(lengths, rows.span, _mask_dtype(self.model))
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=lengths[:, None].clone(),
+                         use_cache=True, return_dict=True, **{self.cache_name: rows})
+        rows.lengths[:n] += rows.live[:n]
+        return out.logits[:, -1]
+
+
+def _mask_dtype(model) -> torch.dtype:
+    p = next(model.parameters(), None)
+    return p.dtype if p is not None and p.dtype.is_floating_point else torch.float32
+
+
+class PrefillStep(nn.Module):
+    """A joined forward of right-padded prompts into their rows: ``[k, width]`` token ids, each
+    prompt's length and row -> each prompt's last logits ``[k, vocab]``. Padding prompts (length
+    1) write the scratch row."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.cache_name = cache_keyword(model)
+        self.training = model.training
+
+    def forward(self, input_ids: Tensor, lengths: Tensor, slots: Tensor, rows) -> Tensor:
+        k, width = input_ids.shape
+        rows.slots[:k].copy_(slots)
+        mask = prompt_mask(lengths, width, _mask_dtype(self.model))
+        pos = torch.arange(width, device=input_ids.device)[None, :].expand(k, width)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         return_dict=True, **{self.cache_name: rows})
+        rows.lengths.index_copy_(0, slots, lengths)
+        rows.live.index_fill_(0, slots, 1)
+        return out.logits[torch.arange(k, device=input_ids.device), lengths - 1]
+
+
+class Prompts:
+    """How waiting prompts are joined: by length, at most ``max_rows`` and ``max_tokens`` (padded)
+    a forward, each forward's shape a (rows, width) bucket."""
+
+    def __init__(self, rows: int, max_len: int, scratch: int, max_rows: int = 16, max_tokens: int = 4096):
+        self.row_buckets = buckets_upto(min(max_rows, rows), (1, 2, 4, 8, 16))
+        self.width_buckets = buckets_upto(max_len, (16, 32, 64, 128, 256))
+        self.max_tokens, self.scratch = max_tokens, scratch
+
+    def shape(self, prompts: List[List[int]]) -> Tuple[int, int]:
+        return bucket_of(len(prompts), self.row_buckets), bucket_of(max(len(p) for p in prompts), self.width_buckets)
+
+    def groups(self, prompts: List[List[int]]) -> List[List[int]]:
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        out, cur = [], []
+        for i in order:
+            cand = cur + [i]
+            if cur and (len(cand) > self.row_buckets[-1]
+                        or _padded(self.shape([prompts[j] for j in cand])) > self.max_tokens):
+                out.append(cur)
+                cand = [i]
+            cur = cand
+        if cur:
+            out.append(cur)
+        return out
+
+    def inputs(self, prompts: List[List[int]], rows: List[int], shape: Tuple[int, int], device):
+        """Host-built ``(input_ids, lengths, slots)`` of one forward, padded to ``shape``, on ``device``."""
+        k, width = shape
+        ids = torch.zeros((k, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        lengths = torch.ones(k, dtype=torch.long)
+        lengths[:len(prompts)] = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        slots = torch.full((k,), self.scratch, dtype=torch.long)
+        slots[:len(rows)] = torch.tensor(rows, dtype=torch.long)
+        return tuple(_to(t, device) for t in (ids, lengths, slots))
+
+
+def _padded(shape: Tuple[int, int]) -> int:
+    return shape[0] * shape[1]
+
+
+def cache_layout(model, device):
+    """One eager forward of one token: the model's own cache's per-layer keys and values, whose
+    shapes and dtypes the rows take (None where it has no such layers)."""
+    with torch.no_grad():
+        out = model(input_ids=torch.ones((1, 1), dtype=torch.long, device=device), use_cache=True, return_dict=True)
+    return _layers(getattr(out, "past_key_values", None))
+
+
+def prompt_mask(lengths: Tensor, P: int, dtype: torch.dtype) -> Tensor:
+    """The additive 4-D mask ``[k, 1, P, P]`` of right-padded prompts: causal, and no row sees a
+    padded key. Given as 4-D, the model uses it as it is: a 2-D padding mask made a boolean mask
+    that cost the attention kernels a wait for the GPU on every layer."""
+    pos = torch.arange(P, device=lengths.device)
+    seen = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])
+    zero = torch.zeros((), dtype=dtype, device=lengths.device)
+    return torch.where(seen, zero, torch.finfo(dtype).min)[:, None]
+
+
+def _layers(cache):
+    layers = getattr(cache, "layers", None)
+    if not layers or any(getattr(lay, "keys", None) is None for lay in layers):
+        return None, None
+    if any(getattr(lay, "is_sliding", False) for lay in layers):
+        return None, None
+    return [lay.keys for lay in layers], [lay.values for lay in layers]
+
+
+def _to(t: Tensor, device) -> Tensor:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,127 @@
+"""The shared decode batch on a GPU: concurrent gm.generate calls whose steps replay graphs,
+against model.generate alone (fp32, TF32 off: equal), sampling seeded alike alone and batched,
+errors, cancelling, compile=True."""
+
+import threading
+
+import pytest
+import torch
+
+from graphwrap import GraphedModule, GraphwrapError
+
+pytestmark = pytest.mark.cuda
+DEV = "cuda"
+tr = pytest.importorskip("transformers", reason="needs transformers, which no extra installs: pip install transformers")
+SHARED = "graphwrap's shared decode batch"
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def _model(kind="gpt2"):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = tr.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000, n_positions=512, bos_token_id=1,
+                            eos_token_id=None, pad_token_id=0)
+    else:
+        cfg = tr.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512, bos_token_id=1,
+                             eos_token_id=None, pad_token_id=0)
+    return tr.AutoModelForCausalLM.from_config(cfg).to(DEV).eval()
+
+
+def _requests(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(3, 60, (n,), generator=g).tolist()
+    news = torch.randint(5, 40, (n,), generator=g).tolist()
+    return [(torch.randint(2, 1000, (1, p), generator=g).to(DEV), k) for p, k in zip(lens, news)]
+
+
+def _threads(fn, n):
+    out, errors = [None] * n, []
+
+    def run(i):
+        try:
+            out[i] = fn(i)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_32_concurrent_calls_replay_shared_steps_and_get_generates_tokens(kind):
+    model = _model(kind)
+    gm = GraphedModule(model)
+    reqs = _requests(32)
+    for _ in range(2):  # the second pass replays what the first captured
+        got = _threads(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False), 32)
+    with torch.no_grad():
+        for (ids, k), out in zip(reqs, got):
+            assert torch.equal(out, model.generate(input_ids=ids, max_new_tokens=k, do_sample=False))
+    st = gm.stats()
+    d = st["decode"]
+    assert st["generate"] == {SHARED: 64} and d["rows_per_step"] > 4 and d["rows_busy"] == 0
+    step = d["step"]
+    graphed = [k for k in step["keys"] if k["status"] == "graphed"]
+    assert graphed and not step["eager_calls"], (step["keys"], step["eager_calls"])
+    replays = sum(b["replays"] for k in step["keys"] for b in k["buckets"].values())
+    assert replays >= d["steps"] // 2, (replays, d["steps"])
+    gm.close()
+
+
+def test_sampling_with_a_seed_repeats_alone_and_in_a_full_batch():
+    model = _model()
+    gm = GraphedModule(model)
+    kw = dict(max_new_tokens=20, do_sample=True, temperature=0.8, top_k=40, top_p=0.95)
+    ids = torch.randint(2, 1000, (1, 9), device=DEV)
+    torch.manual_seed(3)
+    alone = gm.generate(input_ids=ids, **kw)
+    others = [gm.submit_generate(input_ids=r, **kw) for r, _ in _requests(16, seed=1)]
+    torch.manual_seed(3)
+    batched = gm.submit_generate(input_ids=ids, **kw)
+    assert torch.equal(batched.result(timeout=120), alone)
+    for f in others:
+        f.result(timeout=120)
+
+
+def test_a_bad_request_fails_alone_and_cancelling_frees_rows():
+    model = _model()
+    gm = GraphedModule(model, decode={"rows": 8, "max_len": 256})
+    reqs = _requests(12, seed=2)
+    futs = [gm.submit_generate(input_ids=ids, max_new_tokens=k, do_sample=False) for ids, k in reqs]
+    with pytest.raises(GraphwrapError, match="outside the model's vocabulary"):
+        gm.generate(input_ids=torch.tensor([[5, 100000]], device=DEV), max_new_tokens=3)
+    with pytest.raises(GraphwrapError, match="positions of the decode cache"):
+        gm.generate(input_ids=torch.randint(2, 1000, (1, 200), device=DEV), max_new_tokens=100)
+    long = gm.submit_generate(input_ids=reqs[0][0], max_new_tokens=200, do_sample=False)
+    assert long.cancel()
+    with torch.no_grad():
+        for (ids, k), f in zip(reqs, futs):
+            assert torch.equal(f.result(timeout=120), model.generate(input_ids=ids, max_new_tokens=k, do_sample=False))
+    assert gm.close(timeout=60)
+    assert gm.stats().get("decode") is None or gm.stats()["decode"]["rows_busy"] == 0
+
+
+def test_compile_true_serves_the_shared_batch_with_compiled_steps():
+    model = _model()
+    gm = GraphedModule(model, compile=True)
+    reqs = _requests(8, seed=4)
+    got = _threads(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False), 8)
+    with torch.no_grad():
+        same = sum(torch.equal(out, model.generate(input_ids=ids, max_new_tokens=k, do_sample=False))
+                   for (ids, k), out in zip(reqs, got))
+    assert same >= 7, f"{same} of 8 equal (Inductor's kernels round differently: at most one near tie)"
+    assert gm.stats()["decode"]["done"] == 8
+    gm.close()
