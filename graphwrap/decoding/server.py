@@ -9,10 +9,12 @@ finished (an end-of-sequence token) has its row given back one step late; the to
 step made for it is dropped.
 """
 
+import atexit
 import collections
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Deque, List, Optional
@@ -27,6 +29,17 @@ from .settings import CallPlan
 from .step import Prompts, cache_layout
 
 logger = logging.getLogger("graphwrap")
+_RUNNING: "weakref.WeakSet" = weakref.WeakSet()  # servers whose thread runs: closed at exit
+
+
+@atexit.register
+def _close_at_exit():
+    # The thread must not be inside torch while the interpreter tears torch down (the process
+    # then aborts): each batch finishes what it holds and its thread ends first.
+    for server in list(_RUNNING):
+        server.close(cancel=True, timeout=10.0)
+
+
 KEEP = 10_000  # latencies kept for the percentiles in stats()
 AHEAD = 2  # steps queued on the device before the host reads the oldest
 CAPTURE_AFTER = 16  # steps a shape is wanted, served by a larger captured one, before it is captured
@@ -120,6 +133,7 @@ class DecodeServer:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="graphwrap-decode", daemon=True)
                 self.thread.start()
+                _RUNNING.add(self)
             self.cond.notify_all()
         fut.add_done_callback(self._on_done)
         return fut
