@@ -295,3 +295,13 @@ def test_the_scheduler_hands_out_low_rows_and_sizes_steps_by_bucket():
     assert bucket_of(5, [1, 2, 4, 8]) == 8
     with pytest.raises(ValueError):
         bucket_of(9, [1, 2, 4, 8])
+
+
+def test_a_call_under_inference_mode_gets_the_same_tokens():
+    model = _model()
+    gm = GraphedModule(model)
+    with torch.inference_mode():
+        ids = torch.tensor([[5, 6, 7]])
+        out = gm.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, _alone(model, [5, 6, 7], max_new_tokens=6))
+    assert gm.stats()["generate"] == {SHARED: 1}

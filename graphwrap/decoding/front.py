@@ -55,7 +55,10 @@ def server_of(held: dict, module) -> Tuple[object, Optional[str]]:
         server = held.get("_gw_decode")
         if server is not None and server.broken is None and not server.closed:
             return server, None
-        server, why = _make(held, module)
+        # Outside inference mode, where the caller is in it: the rows are written in place by
+        # the decode thread, which inference tensors forbid.
+        with torch.inference_mode(False):
+            server, why = _make(held, module)
         if why is not None:
             held["_gw_decode_why"] = why
             logger.info("graphwrap: generate calls take turns on the model, one at a time (%s)", why)
