@@ -124,8 +124,8 @@ def cache_layout(model, device):
 
 def prompt_mask(lengths: Tensor, P: int, dtype: torch.dtype) -> Tensor:
     """The additive 4-D mask ``[k, 1, P, P]`` of right-padded prompts: causal, and no row sees a
-    padded key. Given as 4-D, the model uses it as it is: a 2-D padding mask made a boolean mask
-    that cost the attention kernels a wait for the GPU on every layer."""
+    padded key. Given 4-D, the model uses it as it is, as it does the decode step's mask (no
+    release's own mask code in between; the probe checks both)."""
     pos = torch.arange(P, device=lengths.device)
     seen = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])
     zero = torch.zeros((), dtype=dtype, device=lengths.device)
