@@ -418,3 +418,23 @@ class TensorCache(nn.Module):
         scores = self.q(x) @ cache.transpose(1, 2)
         mask = torch.arange(cache.shape[1], device=x.device) <= pos[-1]
         return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ cache
+
+
+def thread_results(fn, n: int) -> list:
+    """``fn(i)`` for i in range(n), each in a thread of its own, all at once; the results in
+    order (a thread's exception fails the caller)."""
+    out, errors = [None] * n, []
+
+    def run(i):
+        try:
+            out[i] = fn(i)
+        except Exception as e:  # noqa: BLE001 - raised below, in the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return out

@@ -3,10 +3,10 @@ against model.generate alone, per-sequence settings, errors, cancelling and clos
 scheduler's decisions. Needs transformers (skipped with the reason without it)."""
 
 import asyncio
-import threading
 
 import pytest
 import torch
+from helpers import thread_results
 
 from graphwrap import GraphedModule, GraphwrapError
 from graphwrap.decoding.scheduler import Scheduler, Seq, bucket_of, buckets_upto
@@ -38,24 +38,6 @@ def _alone(model, prompt, **kw):
         return model.generate(input_ids=torch.tensor([prompt]), do_sample=kw.pop("do_sample", False), **kw)
 
 
-def _threads(fn, n):
-    out, errors = [None] * n, []
-
-    def run(i):
-        try:
-            out[i] = fn(i)
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errors, errors
-    return out
-
-
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_concurrent_calls_share_steps_and_each_gets_model_generates_tokens(kind):
     model = _model(kind)
@@ -63,7 +45,7 @@ def test_concurrent_calls_share_steps_and_each_gets_model_generates_tokens(kind)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 101, (n,), generator=g).tolist() for n in (5, 11, 3, 7, 9, 2, 14, 6)]
     news = [10 + 3 * i for i in range(len(prompts))]
-    got = _threads(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i], do_sample=False), 8)
+    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i], do_sample=False), 8)
     for p, n, out in zip(prompts, news, got):
         assert torch.equal(out, _alone(model, p, max_new_tokens=n))
     st = gm.stats()
@@ -95,7 +77,7 @@ def test_end_of_sequence_ends_a_row_and_pads_it_as_generate_does():
     model.generation_config.eos_token_id = eos
     gm = GraphedModule(model)
     prompts = [[5, 6, 7], [9, 3]]
-    got = _threads(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=12, do_sample=False), 2)
+    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=12, do_sample=False), 2)
     for p, out in zip(prompts, got):
         assert torch.equal(out, _alone(model, p, max_new_tokens=12))
     assert got[0].shape[1] == 3 + probe.index(eos) + 1, "it ended at its end-of-sequence token"
@@ -113,7 +95,7 @@ def test_per_sequence_settings_match_generate(kw):
     model.generation_config.eos_token_id = probe[1]
     gm = GraphedModule(model)
     prompts = [[5, 6, 7], [9, 3, 4, 4], [7]]
-    got = _threads(lambda i: gm.generate(torch.tensor([prompts[i]]), do_sample=False,
+    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), do_sample=False,
                                          **dict({"max_new_tokens": 12}, **kw) if "max_length" not in kw else kw), 3)
     for p, out in zip(prompts, got):
         want = _alone(model, p, **(dict({"max_new_tokens": 12}, **kw) if "max_length" not in kw else kw))

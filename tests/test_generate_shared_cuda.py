@@ -2,10 +2,9 @@
 against model.generate alone (fp32, TF32 off: equal), sampling seeded alike alone and batched,
 errors, cancelling, compile=True."""
 
-import threading
-
 import pytest
 import torch
+from helpers import thread_results
 
 from graphwrap import GraphedModule, GraphwrapError
 
@@ -42,31 +41,13 @@ def _requests(n, seed=0):
     return [(torch.randint(2, 1000, (1, p), generator=g).to(DEV), k) for p, k in zip(lens, news)]
 
 
-def _threads(fn, n):
-    out, errors = [None] * n, []
-
-    def run(i):
-        try:
-            out[i] = fn(i)
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errors, errors
-    return out
-
-
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_32_concurrent_calls_replay_shared_steps_and_get_generates_tokens(kind):
     model = _model(kind)
     gm = GraphedModule(model)
     reqs = _requests(32)
     for _ in range(2):  # the second pass replays what the first captured
-        got = _threads(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False), 32)
+        got = thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False), 32)
     with torch.no_grad():
         for (ids, k), out in zip(reqs, got):
             assert torch.equal(out, model.generate(input_ids=ids, max_new_tokens=k, do_sample=False))
@@ -118,7 +99,7 @@ def test_compile_true_serves_the_shared_batch_with_compiled_steps():
     model = _model()
     gm = GraphedModule(model, compile=True)
     reqs = _requests(8, seed=4)
-    got = _threads(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False), 8)
+    got = thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False), 8)
     with torch.no_grad():
         same = sum(torch.equal(out, model.generate(input_ids=ids, max_new_tokens=k, do_sample=False))
                    for (ids, k), out in zip(reqs, got))

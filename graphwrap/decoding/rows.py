@@ -74,6 +74,15 @@ class RowStore:
         return w
 
 
+def to_device(t: Tensor, device) -> Tensor:
+    """A host tensor on ``device`` without waiting for the device (through pinned memory; a
+    pageable copy would wait for every step queued)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def row_mask(lengths: Tensor, span: int, dtype: torch.dtype) -> Tensor:
     """The additive 4-D mask ``[n, 1, 1, span]`` of a step: position ``j`` of row ``b`` is seen
     where ``j <= lengths[b]`` (its written keys and the one this step writes)."""

@@ -14,6 +14,7 @@ from typing import List, Sequence
 
 import torch
 
+from .rows import to_device
 from .settings import SeqSettings
 
 Tensor = torch.Tensor
@@ -83,7 +84,7 @@ class RowSettings:
 
     def write(self, rows: List[int], settings: List[SeqSettings], prompts: List[List[int]], seeds: List[int]):
         """Set the settings of newly admitted rows (and their prompts, where a penalty needs them)."""
-        idx = _to(torch.tensor(rows, dtype=torch.long), self.device)
+        idx = to_device(torch.tensor(rows, dtype=torch.long), self.device)
         columns = (
             (self.temperature, [s.temperature for s in settings], torch.float32),
             (self.top_k, [s.top_k for s in settings], torch.long),
@@ -96,14 +97,14 @@ class RowSettings:
             (self.eos, [(list(s.eos[:MAX_EOS]) + [-1] * MAX_EOS)[:MAX_EOS] for s in settings], torch.long),
         )
         for dest, values, dtype in columns:
-            dest.index_copy_(0, idx, _to(torch.tensor(values, dtype=dtype), self.device))
+            dest.index_copy_(0, idx, to_device(torch.tensor(values, dtype=dtype), self.device))
         if any(s.penalty != 1.0 for s in settings):
             if self.history is None:
                 self.history = torch.zeros((self.temperature.shape[0], self.max_len), dtype=torch.long,
                                            device=self.device)
             for r, s, p in zip(rows, settings, prompts):
                 if s.penalty != 1.0:
-                    self.history[r, :len(p)] = _to(torch.tensor(p, dtype=torch.long), self.device)
+                    self.history[r, :len(p)] = to_device(torch.tensor(p, dtype=torch.long), self.device)
 
     def next_tokens(self, logits: Tensor, rows, lengths: Tensor, active: Active) -> Tensor:
         """The next token of each of ``rows`` (an int ``n``: the first ``n`` rows; else a tensor
@@ -159,10 +160,3 @@ class RowSettings:
             drop[:, -1] = False
             scores = scores.scatter(1, order, torch.where(drop, neg, ordered))
         return (scores + gumbel(self.seed[sel], lengths, scores.shape[1])).argmax(-1)
-
-
-def _to(t: Tensor, device: torch.device) -> Tensor:
-    """A host tensor on ``device`` without waiting for the device (through pinned memory)."""
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)

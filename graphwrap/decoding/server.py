@@ -22,7 +22,7 @@ from typing import Deque, List, Optional
 import torch
 
 from ..errors import GraphwrapError
-from .rows import RowStore
+from .rows import RowStore, to_device
 from .sampling import Active, RowSettings
 from .scheduler import Scheduler, Seq, buckets_upto
 from .settings import CallPlan
@@ -261,7 +261,7 @@ class DecodeServer:
         logits = self.prefill_engine.call(inputs, {"rows": self.store.prompt_window(shape[2])})[:len(seqs)]
         self.settings.write(rows, [s.settings for s in seqs], prompts, [s.seed for s in seqs])
         self.active = Active.of([s.settings for s in self.sched.holders if s is not None])
-        index = _index(rows, self.device)
+        index = to_device(torch.tensor(rows, dtype=torch.long), self.device)
         tokens = self.settings.next_tokens(logits, index, self.store.lengths[index], self.active)
         self.next_ids[index, 0] = tokens
         self._queue(seqs, list(range(len(seqs))), tokens)
@@ -368,7 +368,7 @@ class DecodeServer:
     def _retire(self):
         rows = self.sched.retire()
         if rows:
-            self.store.release(_index(rows, self.device))
+            self.store.release(to_device(torch.tensor(rows, dtype=torch.long), self.device))
             self.active = Active.of([s.settings for s in self.sched.holders if s is not None])
             with self.cond:
                 self.cond.notify_all()
@@ -434,11 +434,6 @@ def _percentiles(xs) -> dict:
         return {"p50": None, "p99": None}
     xs = sorted(xs)
     return {"p50": 1e3 * xs[len(xs) // 2], "p99": 1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
-
-
-def _index(rows: List[int], device) -> torch.Tensor:
-    t = torch.tensor(rows, dtype=torch.long)
-    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
 
 def _vocab(model) -> int:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..loops.decode import cache_keyword
-from .rows import row_mask
+from .rows import row_mask, to_device
 from .scheduler import bucket_of, buckets_upto
 
 Tensor = torch.Tensor
@@ -107,7 +107,7 @@ class Prompts:
         lengths[:len(prompts)] = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         slots = torch.full((k,), self.scratch, dtype=torch.long)
         slots[:len(rows)] = torch.tensor(rows, dtype=torch.long)
-        return tuple(_to(t, device) for t in (ids, lengths, slots))
+        return tuple(to_device(t, device) for t in (ids, lengths, slots))
 
 
 def _padded(shape: Tuple[int, int]) -> int:
@@ -139,10 +139,3 @@ def _layers(cache):
     if any(getattr(lay, "is_sliding", False) for lay in layers):
         return None, None
     return [lay.keys for lay in layers], [lay.values for lay in layers]
-
-
-def _to(t: Tensor, device) -> Tensor:
-    device = torch.device(device)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
