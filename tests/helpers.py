@@ -423,18 +423,11 @@ class TensorCache(nn.Module):
 def thread_results(fn, n: int) -> list:
     """``fn(i)`` for i in range(n), each in a thread of its own, all at once; the results in
     order (a thread's exception fails the caller)."""
-    out, errors = [None] * n, []
+    out = [None] * n
 
-    def run(i):
-        try:
-            out[i] = fn(i)
-        except Exception as e:  # noqa: BLE001 - raised below, in the caller
-            errors.append(e)
+    def work(i):
+        out[i] = fn(i)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(work, n)
     assert not errors, errors
     return out
