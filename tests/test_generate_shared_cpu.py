@@ -179,6 +179,31 @@ def test_plans_name_what_the_batch_cannot_serve():
     assert (s.sample, s.temperature, s.top_k, s.top_p) == (True, 0.5, 50, 0.8), "transformers' default top_k"
 
 
+def test_merged_settings_are_kept_while_the_models_generation_config_is_unchanged(monkeypatch):
+    model = _model()
+    merges = []
+    real = model._prepare_generation_config
+    monkeypatch.setattr(model, "_prepare_generation_config", lambda *a, **kw: merges.append(kw) or real(*a, **kw))
+    ids = torch.tensor([[5, 6, 7]])
+    for _ in range(3):
+        assert plan_call(model, (ids,), dict(max_new_tokens=4, do_sample=False)).settings.max_new == 4
+    assert len(merges) == 1, "merged once, then kept"
+    assert plan_call(model, (ids,), dict(max_new_tokens=5, do_sample=False)).settings.max_new == 5
+    assert len(merges) == 2, "other settings: merged again"
+    model.generation_config.eos_token_id = 9
+    assert plan_call(model, (ids,), dict(max_new_tokens=4, do_sample=False)).settings.eos == (9,)
+    assert len(merges) == 3, "the model's generation config changed: merged again"
+    for _ in range(2):  # not plain values: merged every call
+        plan_call(model, (ids,), dict(max_new_tokens=4, eos_token_id=torch.tensor([7])))
+    assert len(merges) == 5
+    assert "no_repeat_ngram_size" in plan_call(model, (ids,), dict(max_new_tokens=4, no_repeat_ngram_size=2))
+    assert "no_repeat_ngram_size" in plan_call(model, (ids,), dict(max_new_tokens=4, no_repeat_ngram_size=2))
+    assert len(merges) == 6, "a reason is kept too"
+    assert plan_call(model, (ids,), dict(max_new_tokens=4, do_sample=True, top_k=1)).settings.top_k == 1
+    assert plan_call(model, (ids,), dict(max_new_tokens=4, do_sample=1, top_k=True)).settings.top_k == 1
+    assert len(merges) == 8, "True and 1 are different keys"
+
+
 def test_bad_requests_get_clear_errors_and_the_others_are_served():
     model = _model()
     gm = GraphedModule(model, decode={"max_len": 32})
