@@ -65,46 +65,45 @@ class Active:
 
 
 class RowSettings:
-    """Per-row settings on the device, and the step's sampler."""
+    """Per-row settings on the device, and the step's sampler.
+
+    The settings are two tables, one row each per row of the cache (floats: temperature,
+    top_p, repetition penalty; integers: top_k, min_new_tokens, the prompt's length, whether it
+    samples, its seed, its end-of-sequence ids), so that admitting sequences writes them with
+    one copy to the device each; the names below are views of their columns."""
 
     def __init__(self, rows: int, max_len: int, device: torch.device):
         d = torch.device(device)
         self.device = d
-        self.temperature = torch.ones(rows, device=d)
-        self.top_k = torch.zeros(rows, dtype=torch.long, device=d)
-        self.top_p = torch.ones(rows, device=d)
-        self.penalty = torch.ones(rows, device=d)
-        self.min_new = torch.zeros(rows, dtype=torch.long, device=d)
-        self.prompt_len = torch.zeros(rows, dtype=torch.long, device=d)
-        self.sample = torch.zeros(rows, dtype=torch.bool, device=d)
-        self.seed = torch.zeros(rows, dtype=torch.long, device=d)
-        self.eos = torch.full((rows, MAX_EOS), -1, dtype=torch.long, device=d)
+        self.floats = torch.ones((rows, 3), device=d)
+        self.longs = torch.zeros((rows, 5 + MAX_EOS), dtype=torch.long, device=d)
+        self.longs[:, 5:] = -1
+        self.temperature, self.top_p, self.penalty = self.floats.unbind(1)
+        self.top_k, self.min_new, self.prompt_len, self.sample, self.seed = self.longs[:, :5].unbind(1)
+        self.eos = self.longs[:, 5:]
         self.history = None  # [rows, max_len] token ids, made when a row first needs a penalty
         self.max_len = max_len
 
-    def write(self, rows: List[int], settings: List[SeqSettings], prompts: List[List[int]], seeds: List[int]):
-        """Set the settings of newly admitted rows (and their prompts, where a penalty needs them)."""
-        idx = to_device(torch.tensor(rows, dtype=torch.long), self.device)
-        columns = (
-            (self.temperature, [s.temperature for s in settings], torch.float32),
-            (self.top_k, [s.top_k for s in settings], torch.long),
-            (self.top_p, [s.top_p for s in settings], torch.float32),
-            (self.penalty, [s.penalty for s in settings], torch.float32),
-            (self.min_new, [s.min_new for s in settings], torch.long),
-            (self.prompt_len, [len(p) for p in prompts], torch.long),
-            (self.sample, [s.sample for s in settings], torch.bool),
-            (self.seed, [x & 0x7FFFFFFF for x in seeds], torch.long),
-            (self.eos, [(list(s.eos[:MAX_EOS]) + [-1] * MAX_EOS)[:MAX_EOS] for s in settings], torch.long),
-        )
-        for dest, values, dtype in columns:
-            dest.index_copy_(0, idx, to_device(torch.tensor(values, dtype=dtype), self.device))
+    def write(self, rows: List[int], settings: List[SeqSettings], prompts: List[List[int]],
+              seeds: List[int]) -> Tensor:
+        """Set the settings of newly admitted rows (and their prompts, where a penalty needs
+        them); the rows' indices on the device."""
+        longs = torch.tensor([[r, s.top_k, s.min_new, len(p), int(s.sample), seed & 0x7FFFFFFF]
+                              + (list(s.eos[:MAX_EOS]) + [-1] * MAX_EOS)[:MAX_EOS]
+                              for r, s, p, seed in zip(rows, settings, prompts, seeds)], dtype=torch.long)
+        floats = torch.tensor([[s.temperature, s.top_p, s.penalty] for s in settings], dtype=torch.float32)
+        longs, floats = to_device(longs, self.device), to_device(floats, self.device)
+        idx = longs[:, 0]
+        self.longs.index_copy_(0, idx, longs[:, 1:])
+        self.floats.index_copy_(0, idx, floats)
         if any(s.penalty != 1.0 for s in settings):
             if self.history is None:
-                self.history = torch.zeros((self.temperature.shape[0], self.max_len), dtype=torch.long,
+                self.history = torch.zeros((self.floats.shape[0], self.max_len), dtype=torch.long,
                                            device=self.device)
             for r, s, p in zip(rows, settings, prompts):
                 if s.penalty != 1.0:
                     self.history[r, :len(p)] = to_device(torch.tensor(p, dtype=torch.long), self.device)
+        return idx
 
     def next_tokens(self, logits: Tensor, rows, lengths: Tensor, active: Active) -> Tensor:
         """The next token of each of ``rows`` (an int ``n``: the first ``n`` rows; else a tensor
@@ -120,7 +119,7 @@ class RowSettings:
         if not active.sample:
             tokens = greedy
         else:
-            tokens = torch.where(self.sample[sel], self._sample(scores, sel, lengths, active), greedy)
+            tokens = torch.where(self.sample[sel] != 0, self._sample(scores, sel, lengths, active), greedy)
         if self.history is not None:
             index = torch.arange(rows, device=tokens.device) if isinstance(rows, int) else rows
             self.history[index, lengths.clamp(max=self.max_len - 1)] = tokens

@@ -68,6 +68,7 @@ class InFlight:
     rows: List[int]
     host: torch.Tensor
     event: object
+    buf: Optional[torch.Tensor] = None  # the pinned buffer ``host`` is a view of
 
 
 class DecodeServer:
@@ -94,6 +95,7 @@ class DecodeServer:
         self.thread: Optional[threading.Thread] = None
         self.cancelled: List[Call] = []
         self.inflight: Deque[InFlight] = collections.deque()
+        self.spare: List[tuple] = []  # (pinned buffer, event) pairs read and free again
         self.active = Active()
         self.counts = collections.Counter()
         self.spent = collections.Counter()  # seconds of the thread's turns, by part
@@ -259,10 +261,9 @@ class DecodeServer:
         shape = self.shapes.pick(("prefill",) + self.prompts.shape(prompts), self.stream is not None)
         inputs = self.prompts.inputs(prompts, rows, shape[1:], self.device)
         logits = self.prefill_engine.call(inputs, {"rows": self.store.prompt_window(shape[2])})[:len(seqs)]
-        self.settings.write(rows, [s.settings for s in seqs], prompts, [s.seed for s in seqs])
+        index = self.settings.write(rows, [s.settings for s in seqs], prompts, [s.seed for s in seqs])
         self.active = Active.of([s.settings for s in self.sched.holders if s is not None])
-        index = to_device(torch.tensor(rows, dtype=torch.long), self.device)
-        tokens = self.settings.next_tokens(logits, index, self.store.lengths[index], self.active)
+        tokens = self.settings.next_tokens(logits, index, inputs[1][:len(seqs)], self.active)
         self.next_ids[index, 0] = tokens
         self._queue(seqs, list(range(len(seqs))), tokens)
         self.sched.launched(seqs)
@@ -289,13 +290,16 @@ class DecodeServer:
 
     def _queue(self, seqs: List[Seq], at: List[int], tokens: torch.Tensor):
         if self.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            # Pinned buffers and events are kept and used again once read (a fresh pinned
+            # tensor and event each step cost host time the step does not have).
+            buf, event = self.spare.pop() if self.spare else (
+                torch.empty(self.rows, dtype=torch.long, pin_memory=True), torch.cuda.Event())
+            host = buf[:tokens.shape[0]]
             host.copy_(tokens, non_blocking=True)
-            event = torch.cuda.Event()
             event.record()
         else:
-            host, event = tokens, None
-        self.inflight.append(InFlight(seqs, at, host, event))
+            buf, host, event = None, tokens, None
+        self.inflight.append(InFlight(seqs, at, host, event, buf))
 
     def _read(self, keep: int):
         """Hand out the tokens of every step but the last ``keep`` (and of any already done)."""
@@ -309,6 +313,8 @@ class DecodeServer:
                 self.spent["read_wait"] += time.perf_counter() - t0
             self.inflight.popleft()
             tokens = f.host.tolist()
+            if f.buf is not None:
+                self.spare.append((f.buf, f.event))
             now = time.perf_counter()
             for s, at in zip(f.seqs, f.rows):
                 if not s.done:

@@ -98,16 +98,18 @@ class Prompts:
         return out
 
     def inputs(self, prompts: List[List[int]], rows: List[int], shape: Tuple[int, int], device):
-        """Host-built ``(input_ids, lengths, slots)`` of one forward, padded to ``shape``, on ``device``."""
+        """``(input_ids, lengths, slots)`` of one forward, padded to ``shape``, on ``device``
+        (built on the host and copied in one piece)."""
         k, width = shape
-        ids = torch.zeros((k, width), dtype=torch.long)
+        host = torch.zeros((k, width + 2), dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-        lengths = torch.ones(k, dtype=torch.long)
-        lengths[:len(prompts)] = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        slots = torch.full((k,), self.scratch, dtype=torch.long)
-        slots[:len(rows)] = torch.tensor(rows, dtype=torch.long)
-        return tuple(to_device(t, device) for t in (ids, lengths, slots))
+            host[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        host[:, width] = 1
+        host[:len(prompts), width] = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        host[:, width + 1] = self.scratch
+        host[:len(rows), width + 1] = torch.tensor(rows, dtype=torch.long)
+        t = to_device(host, device)
+        return t[:, :width], t[:, width], t[:, width + 1]
 
 
 def _padded(shape: Tuple[int, int]) -> int:
