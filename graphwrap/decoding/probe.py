@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from .attention import folding
 from .rows import RowStore
 from .step import DecodeStep, PrefillStep, Prompts, cache_layout
 
@@ -54,7 +55,8 @@ def _probe(model, device) -> Optional[str]:
             if why is not None:
                 return why
             ids[:, 0] = ref.argmax(-1)
-            got.append(step(ids, store.window(32)).float())
+            with folding(model):
+                got.append(step(ids, store.window(32)).float())
             for i, (p, c) in enumerate(zip(prompts, caches)):
                 tok = ids[1 - i:2 - i]
                 out = model(input_ids=tok, past_key_values=c, use_cache=True, return_dict=True)

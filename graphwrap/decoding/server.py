@@ -22,6 +22,7 @@ from typing import Deque, List, Optional
 import torch
 
 from ..errors import GraphwrapError
+from .attention import folding
 from .rows import RowStore, to_device
 from .sampling import Active, RowSettings
 from .scheduler import Scheduler, Seq, buckets_upto
@@ -104,6 +105,7 @@ class DecodeServer:
         self.waits: Deque[float] = collections.deque(maxlen=KEEP)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.shapes = Shapes()
+        self.fold = folding(model)  # grouped key heads: the step's attention without repeating them
 
     # ------------------------------------------------------------------ callers
 
@@ -273,7 +275,8 @@ class DecodeServer:
     def _step(self, live: List[Seq]):
         _, n, span = self.shapes.pick(("step",) + self.sched.step_shape(live), self.stream is not None)
         try:
-            logits = self.engine.call((self.next_ids[:n],), {"rows": self.store.window(span)})
+            with self.fold:
+                logits = self.engine.call((self.next_ids[:n],), {"rows": self.store.window(span)})
             tokens = self.settings.next_tokens(logits, n, self.store.lengths[:n], self.active)
         except Exception as e:  # noqa: BLE001 - the step serves every live row: each fails with it
             logger.exception("graphwrap: a decode step failed; its %d sequences fail with the error", len(live))

@@ -1,0 +1,106 @@
+"""Grouped-query attention of a decode step without repeating keys and values.
+
+transformers' ``sdpa`` attention repeats each key and value head once per query head of its
+group whenever an attention mask is given (PyTorch's fused kernels take a mask and grouped
+heads together only through the slow reference kernel). A decode step always has a mask (each
+row its own length), so at 64 rows a 1.1B Llama step wrote and read its whole window of keys
+eight times over. With one query position per row there is a cheaper equivalent: the ``G``
+query heads that share a key head become ``G`` query positions of that key head, all under the
+row's one mask, and the fused kernels run as they are.
+
+:func:`folding` sets the model's attention to that function around the calls the shared batch
+makes (its captures and any eager step); where the fold does not apply (more than one query
+position, a mask per head, a position bias) the function is transformers' ``sdpa`` itself, so
+a caller that runs the model meanwhile, on another thread, gets ``sdpa``'s answers either way.
+"""
+
+import threading
+from typing import Optional
+
+import torch
+from torch.nn import functional as F
+
+NAME = "graphwrap_folded_sdpa"
+_REGISTERED = threading.Lock()
+_DONE = []
+
+
+def folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: Optional[float] = None,
+                is_causal=None, position_bias=None, **kwargs):
+    """transformers' attention-function signature: ``query [b, hq, q, d]``, ``key``/``value``
+    ``[b, hkv, k, d]`` -> ``([b, q, hq, d], None)``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not _folds(module, query, key, attention_mask, position_bias, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, position_bias=position_bias, **kwargs)
+    b, hq, _, d = query.shape
+    hkv = key.shape[1]
+    q = query.reshape(b, hkv, hq // hkv, d)  # a key head's query heads as its query positions
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(b, hq, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _folds(module, query, key, mask, position_bias, kwargs) -> bool:
+    groups = getattr(module, "num_key_value_groups", 1)
+    return (isinstance(groups, int) and groups > 1 and query.shape[2] == 1 and key.shape[1] * groups == query.shape[1]
+            and isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1
+            and position_bias is None and not kwargs.get("output_attentions", False))
+
+
+def _register() -> bool:
+    with _REGISTERED:
+        if not _DONE:
+            try:
+                from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+                from transformers.modeling_utils import AttentionInterface
+            except ImportError:
+                _DONE.append(False)
+            else:
+                AttentionInterface.register(NAME, folded_sdpa)
+                AttentionMaskInterface.register(NAME, sdpa_mask)
+                _DONE.append(True)
+        return _DONE[0]
+
+
+def grouped(model) -> bool:
+    """Whether ``model`` runs ``sdpa`` attention with grouped key heads, which the fold serves."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or getattr(config, "sub_configs", None):
+        return False
+    return any(isinstance(getattr(m, "num_key_value_groups", None), int) and m.num_key_value_groups > 1
+               for m in model.modules())
+
+
+class folding:
+    """Within the block, ``model``'s attention is :func:`folded_sdpa` (where :func:`grouped`).
+
+    The name is written straight into the config's own field, not through its setter: each
+    step enters the block, and an assignment through the class would tell graphwrap's watch of
+    the module that an attribute changed, which costs a full look at the module (milliseconds
+    for a 22-layer model) every step. Every capture of the step runs inside the block, so the
+    graphs are captured with the folded attention and the watch sees the same value at every
+    step; an implementation the user sets (``set_attn_implementation``) is not ``sdpa``, so
+    the block leaves it, and the watch sees the change."""
+
+    def __init__(self, model):
+        config = getattr(model, "config", None)
+        self.config = config if grouped(model) and _settable(config) and _register() else None
+        self.set = False
+
+    def __enter__(self):
+        self.set = self.config is not None and vars(self.config).get(FIELD) == "sdpa"
+        if self.set:
+            object.__setattr__(self.config, FIELD, NAME)
+        return self
+
+    def __exit__(self, *exc):
+        if self.set and vars(self.config).get(FIELD) == NAME:
+            object.__setattr__(self.config, FIELD, "sdpa")
+
+
+FIELD = "_attn_implementation_internal"  # what transformers' config property reads
+
+
+def _settable(config) -> bool:
+    return isinstance(getattr(type(config), "_attn_implementation", None), property) and FIELD in vars(config)

@@ -1,0 +1,108 @@
+"""The decode step's grouped-query attention without repeated keys (graphwrap/decoding/attention.py):
+equal to transformers' sdpa where it folds, sdpa itself where it does not, set and restored on
+the model only around the batch's own calls, and used by the shared batch of a Llama whose
+tokens stay model.generate's. Needs transformers (skipped with the reason without it)."""
+
+import pytest
+import torch
+from helpers import thread_results
+
+from graphwrap import GraphedModule
+from graphwrap.decoding import attention
+
+tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, groups):
+        super().__init__()
+        self.num_key_value_groups = groups
+
+
+def _qkv(b, hkv, groups, q, k, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, hkv * groups, q, d, generator=g), torch.randn(b, hkv, k, d, generator=g),
+            torch.randn(b, hkv, k, d, generator=g))
+
+
+def _row_mask(b, k, seed=1):
+    lengths = torch.randint(1, k + 1, (b,), generator=torch.Generator().manual_seed(seed))
+    seen = torch.arange(k)[None, :] < lengths[:, None]
+    return torch.where(seen, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
+
+
+@pytest.mark.parametrize("groups,hkv", [(2, 2), (4, 1), (8, 4)])
+def test_folded_attention_equals_sdpa_for_one_query_position_per_row(groups, hkv):
+    q, k, v = _qkv(5, hkv, groups, 1, 19)
+    mask = _row_mask(5, 19)
+    got, _ = attention.folded_sdpa(_Attn(groups), q, k, v, mask, scaling=0.3)
+    want, _ = sdpa_attention_forward(_Attn(groups), q, k, v, mask, scaling=0.3)
+    assert got.shape == want.shape == (5, 1, hkv * groups, 8)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_folding_counts_only_where_it_applies(monkeypatch):
+    calls = []
+    real = attention.F.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda q, *a, **kw: calls.append(q.shape) or real(q, *a, **kw))
+    q, k, v = _qkv(3, 2, 4, 1, 7)
+    attention.folded_sdpa(_Attn(4), q, k, v, _row_mask(3, 7))
+    assert calls == [(3, 2, 4, 8)], "the 4 query heads of each key head as 4 query positions"
+    # No fold (sdpa's own path, which repeats the keys): a prompt, a mask per head, no groups.
+    q5, k5, v5 = _qkv(3, 2, 4, 5, 7)
+    mask5 = torch.zeros(3, 1, 5, 7)
+    for args in ((_Attn(4), q5, k5, v5, mask5), (_Attn(4), q, k, v, torch.zeros(3, 8, 1, 7)),
+                 (_Attn(1), *_qkv(3, 8, 1, 1, 7), _row_mask(3, 7))):
+        got, _ = attention.folded_sdpa(*args)
+        want, _ = sdpa_attention_forward(*args)
+        torch.testing.assert_close(got, want)
+    assert len(calls) == 7 and all(shape[1] == 8 for shape in calls[1:]), "each query head on its own"
+
+
+def _llama(heads=4, kv=2):
+    torch.manual_seed(0)
+    cfg = tr.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
+                         num_key_value_heads=kv, vocab_size=101, max_position_embeddings=128, bos_token_id=1,
+                         pad_token_id=0)
+    return tr.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def test_folding_is_set_only_inside_the_block_and_only_for_grouped_sdpa_models():
+    model = _llama()
+    assert attention.grouped(model)
+    with attention.folding(model):
+        assert model.config._attn_implementation == attention.NAME
+    assert model.config._attn_implementation == "sdpa"
+    assert not attention.grouped(_llama(kv=4)), "no groups: nothing to fold"
+    eager = tr.AutoModelForCausalLM.from_config(_llama().config, attn_implementation="eager").eval()
+    assert not attention.grouped(eager)
+    with attention.folding(eager):
+        assert eager.config._attn_implementation == "eager"
+    # The model's own forward, with the fold set, gives sdpa's logits.
+    ids = torch.randint(2, 101, (2, 6))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        with attention.folding(model):
+            got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want)
+
+
+def test_a_grouped_llamas_shared_batch_folds_its_steps_and_keeps_generates_tokens(monkeypatch):
+    model = _llama(heads=8, kv=2)
+    folds = []
+    real = attention._folds
+    monkeypatch.setattr(attention, "_folds", lambda *a: folds.append(1) or True if real(*a) else False)
+    gm = GraphedModule(model)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 101, (n,), generator=g).tolist() for n in (4, 9, 2, 12)]
+    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=6 + i, do_sample=False), 4)
+    for i, (p, out) in enumerate(zip(prompts, got)):
+        with torch.no_grad():
+            want = model.generate(input_ids=torch.tensor([p]), max_new_tokens=6 + i, do_sample=False)
+        assert torch.equal(out, want)
+    assert gm.stats()["generate"] == {"graphwrap's shared decode batch": 4}
+    assert folds, "the decode steps ran the folded attention"
+    assert model.config._attn_implementation == "sdpa"
+    gm.close()
