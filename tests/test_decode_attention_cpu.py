@@ -106,3 +106,27 @@ def test_a_grouped_llamas_shared_batch_folds_its_steps_and_keeps_generates_token
     assert folds, "the decode steps ran the folded attention"
     assert model.config._attn_implementation == "sdpa"
     gm.close()
+
+
+def test_the_models_own_generate_on_another_thread_keeps_its_tokens_while_the_batch_folds():
+    model = _llama(heads=8, kv=2)
+    g = torch.Generator().manual_seed(5)
+    mine = torch.randint(2, 101, (2, 7), generator=g)
+    with torch.no_grad():
+        want = model.generate(input_ids=mine, attention_mask=torch.ones_like(mine), max_new_tokens=8,
+                              do_sample=False)
+    gm = GraphedModule(model)
+    prompts = [torch.randint(2, 101, (n,), generator=g).tolist() for n in (4, 9, 2, 12, 5, 3)]
+
+    def work(i):
+        if i == 0:  # the user's own eager generate, again and again, beside the batch's steps
+            with torch.no_grad():
+                return [model.generate(input_ids=mine, attention_mask=torch.ones_like(mine), max_new_tokens=8,
+                                       do_sample=False) for _ in range(15)]
+        return [gm.generate(torch.tensor([prompts[(i + j) % 6]]), max_new_tokens=12, do_sample=False)
+                for j in range(3)]
+
+    got = thread_results(work, 4)
+    assert all(torch.equal(out, want) for out in got[0])
+    assert model.config._attn_implementation == "sdpa"
+    gm.close()
