@@ -42,23 +42,23 @@ def test_folded_attention_equals_sdpa_for_one_query_position_per_row(groups, hkv
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_folding_counts_only_where_it_applies(monkeypatch):
-    calls = []
-    real = attention.F.scaled_dot_product_attention
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
-                        lambda q, *a, **kw: calls.append(q.shape) or real(q, *a, **kw))
+def test_it_folds_one_query_position_and_leaves_everything_else_to_sdpa(monkeypatch):
+    import transformers.integrations.sdpa_attention as sdpa_module
+
+    handed = []
+    monkeypatch.setattr(sdpa_module, "sdpa_attention_forward",
+                        lambda *a, **kw: handed.append(a[1].shape) or sdpa_attention_forward(*a, **kw))
     q, k, v = _qkv(3, 2, 4, 1, 7)
     attention.folded_sdpa(_Attn(4), q, k, v, _row_mask(3, 7))
-    assert calls == [(3, 2, 4, 8)], "the 4 query heads of each key head as 4 query positions"
-    # No fold (sdpa's own path, which repeats the keys): a prompt, a mask per head, no groups.
+    assert handed == [], "one query position per row under one mask: folded"
+    # Not folded (transformers' sdpa itself): a prompt, a mask per head, no groups.
     q5, k5, v5 = _qkv(3, 2, 4, 5, 7)
-    mask5 = torch.zeros(3, 1, 5, 7)
-    for args in ((_Attn(4), q5, k5, v5, mask5), (_Attn(4), q, k, v, torch.zeros(3, 8, 1, 7)),
-                 (_Attn(1), *_qkv(3, 8, 1, 1, 7), _row_mask(3, 7))):
+    cases = ((_Attn(4), q5, k5, v5, torch.zeros(3, 1, 5, 7)), (_Attn(4), q, k, v, torch.zeros(3, 8, 1, 7)),
+             (_Attn(1), *_qkv(3, 8, 1, 1, 7), _row_mask(3, 7)))
+    for args in cases:
         got, _ = attention.folded_sdpa(*args)
-        want, _ = sdpa_attention_forward(*args)
-        torch.testing.assert_close(got, want)
-    assert len(calls) == 7 and all(shape[1] == 8 for shape in calls[1:]), "each query head on its own"
+        torch.testing.assert_close(got, sdpa_attention_forward(*args)[0])
+    assert [tuple(s) for s in handed] == [(3, 8, 5, 8), (3, 8, 1, 8), (3, 8, 1, 8)]
 
 
 def _llama(heads=4, kv=2):
@@ -69,7 +69,8 @@ def _llama(heads=4, kv=2):
     return tr.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 
-def test_folding_is_set_only_inside_the_block_and_only_for_grouped_sdpa_models():
+def test_folding_is_set_only_inside_the_block_and_only_for_grouped_sdpa_models(monkeypatch):
+    monkeypatch.setattr(attention, "sdpa_folds", lambda: False)  # as on transformers before 5.24
     model = _llama()
     assert attention.grouped(model)
     with attention.folding(model):
@@ -89,7 +90,10 @@ def test_folding_is_set_only_inside_the_block_and_only_for_grouped_sdpa_models()
     torch.testing.assert_close(got, want)
 
 
-def test_a_grouped_llamas_shared_batch_folds_its_steps_and_keeps_generates_tokens(monkeypatch):
+@pytest.mark.parametrize("own", [False, True], ids=["graphwraps_fold", "transformers_own_if_it_has_one"])
+def test_a_grouped_llamas_shared_batch_folds_its_steps_and_keeps_generates_tokens(monkeypatch, own):
+    if not own:
+        monkeypatch.setattr(attention, "sdpa_folds", lambda: False)  # as on transformers before 5.24
     model = _llama(heads=8, kv=2)
     folds = []
     real = attention._folds
@@ -103,12 +107,13 @@ def test_a_grouped_llamas_shared_batch_folds_its_steps_and_keeps_generates_token
             want = model.generate(input_ids=torch.tensor([p]), max_new_tokens=6 + i, do_sample=False)
         assert torch.equal(out, want)
     assert gm.stats()["generate"] == {"graphwrap's shared decode batch": 4}
-    assert folds, "the decode steps ran the folded attention"
+    assert bool(folds) == (not attention.sdpa_folds()), "graphwrap's fold runs where transformers has none"
     assert model.config._attn_implementation == "sdpa"
     gm.close()
 
 
-def test_the_models_own_generate_on_another_thread_keeps_its_tokens_while_the_batch_folds():
+def test_the_models_own_generate_on_another_thread_keeps_its_tokens_while_the_batch_folds(monkeypatch):
+    monkeypatch.setattr(attention, "sdpa_folds", lambda: False)  # as on transformers before 5.24
     model = _llama(heads=8, kv=2)
     g = torch.Generator().manual_seed(5)
     mine = torch.randint(2, 101, (2, 7), generator=g)

@@ -12,6 +12,8 @@ row's one mask, and the fused kernels run as they are.
 makes (its captures and any eager step); where the fold does not apply (more than one query
 position, a mask per head, a position bias) the function is transformers' ``sdpa`` itself, so
 a caller that runs the model meanwhile, on another thread, gets ``sdpa``'s answers either way.
+transformers 5.24's own ``sdpa`` folds the same way (``pack_gqa``); with it, the model's
+attention is left as it is.
 """
 
 import threading
@@ -85,7 +87,7 @@ class folding:
 
     def __init__(self, model):
         config = getattr(model, "config", None)
-        self.config = config if grouped(model) and _settable(config) and _register() else None
+        self.config = config if grouped(model) and not sdpa_folds() and _settable(config) and _register() else None
         self.set = False
 
     def __enter__(self):
@@ -100,6 +102,16 @@ class folding:
 
 
 FIELD = "_attn_implementation_internal"  # what transformers' config property reads
+
+
+def sdpa_folds() -> bool:
+    """Whether this transformers' own sdpa folds a single query position's grouped heads
+    (``pack_gqa``, from transformers 5.24): then the model's own attention is used as it is."""
+    try:
+        from transformers.integrations import sdpa_attention
+    except ImportError:
+        return False
+    return hasattr(sdpa_attention, "pack_gqa")
 
 
 def _settable(config) -> bool:
