@@ -180,3 +180,21 @@ def test_outputs_that_rebuild_pass_and_others_are_caught():
 
     with pytest.raises(CaptureFailed, match="cannot be rebuilt from its parts: TypeError"):
         check_rebuild(*reversed(flatten_outputs(Strict(h=t))))
+
+
+def test_the_random_draw_check_tells_draws_apart_without_loading_dynamo():
+    # A fresh interpreter: whether the check imports torch._dynamo (3 to 4 s of a first capture
+    # on a GPU machine) can only be seen where nothing loaded it before.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from graphwrap.capture.graph import CudaRecorder\n"
+        "lin = torch.nn.Linear(4, 4)\n"
+        "_, plain = CudaRecorder.watch_random(lambda: lin(torch.ones(2, 4)))\n"
+        "_, drop = CudaRecorder.watch_random(lambda: torch.nn.functional.dropout(lin(torch.ones(2, 4)), 0.5, True))\n"
+        "_, rand = CudaRecorder.watch_random(lambda: lin(torch.randn(2, 4)))\n"
+        "print(plain, drop, rand, 'torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "True", "True", "False"], out.stdout + out.stderr

@@ -10,6 +10,7 @@ copy and refused.
 
 import contextlib
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
@@ -253,9 +254,29 @@ class _SeededOps(torch.utils._python_dispatch.TorchDispatchMode):
         self.seen = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.seen and _SEEDED in getattr(func, "tags", ()):
-            self.seen = True
-        return func(*args, **(kwargs or {}))
+        return _note_seeded(self, func, types, args, kwargs)
+
+
+class _SeededOpsNoDynamo(_SeededOps):
+    """The same, its ``__torch_dispatch__`` left unwrapped by PyTorch's lazy Dynamo guard.
+
+    PyTorch wraps a dispatch mode's handler so that Dynamo skips it, and the wrapper imports
+    ``torch._dynamo`` on its first call: 3 to 4 s of a process's first capture on the H100
+    machine, for a forward that compiles nothing. Where Dynamo is not loaded, nothing is being
+    compiled, and this class is used instead."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # its own: the parent's is wrapped
+        return _note_seeded(self, func, types, args, kwargs)
+
+
+def _note_seeded(mode, func, types, args, kwargs):
+    if not mode.seen and _SEEDED in getattr(func, "tags", ()):
+        mode.seen = True
+    return func(*args, **(kwargs or {}))
 
 
 _SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
@@ -274,7 +295,8 @@ class CudaRecorder:
         """``(fn(), whether it drew random numbers)``; True where that cannot be told."""
         if _SEEDED is None:
             return fn(), True
-        mode = _SeededOps()
+        plain = "torch._dynamo" not in sys.modules and hasattr(_SeededOps, "_should_skip_dynamo")
+        mode = _SeededOpsNoDynamo() if plain else _SeededOps()
         with mode:
             out = fn()
         return out, mode.seen
