@@ -284,20 +284,26 @@ def _graphwrap_files_of(gm, x):
     import os
     import sys
 
+    import graphwrap
+
+    # By the package's and the tests' own folders (a checkout may sit in a folder named
+    # "graphwrap" or under one named "tests").
+    package = os.path.dirname(os.path.abspath(graphwrap.__file__)) + os.sep
+    tests = os.path.dirname(os.path.abspath(__file__)) + os.sep
     start, seen = sys._getframe(), []
 
     def in_stand_in(frame):
         f = frame.f_back
         while f is not None and f is not start:
-            if os.sep + "tests" + os.sep in f.f_code.co_filename:
+            if os.path.abspath(f.f_code.co_filename).startswith(tests):
                 return True
             f = f.f_back
         return False
 
     def profile(frame, event, arg):
-        name = frame.f_code.co_filename
-        if event == "call" and os.sep + "graphwrap" + os.sep in name and not in_stand_in(frame):
-            name = name.split(os.sep + "graphwrap" + os.sep, 1)[1]
+        name = os.path.abspath(frame.f_code.co_filename)
+        if event == "call" and name.startswith(package) and not in_stand_in(frame):
+            name = name[len(package):]
             if name not in seen:
                 seen.append(name)
 
