@@ -323,6 +323,9 @@ class GraphedModule(nn.Module):
         """Wait for a ``capture(..., background=True)`` to finish, and for the per-size kernels
         of the buckets that have served calls (``compile=``'s ``static="auto"``); whether both
         are done within ``timeout`` (True if nothing ran)."""
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                    or not timeout >= 0):
+            raise GraphwrapError(f"wait(timeout=) takes seconds (a number >= 0) or None, got {timeout!r}")
         return self.engine.wait(timeout)
 
     def stats(self) -> dict:

@@ -44,6 +44,9 @@ class Options:
             raise GraphwrapError(f'outputs must be "clone" or "view", got {self.outputs!r}')
         if self.fallback not in ("eager", "raise"):
             raise GraphwrapError(f'fallback must be "eager" or "raise", got {self.fallback!r}')
+        for name in ("verify", "eager_if_faster"):
+            if not isinstance(getattr(self, name), bool):
+                raise GraphwrapError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("warmup_iters", "max_keys"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -213,7 +213,8 @@ def test_large_requests_are_served_alone_and_bad_arguments_refused():
     xs = [torch.randn(9, 32), torch.randn(1, 32)]
     for x, got in zip(xs, _gather(b, [((x,), {}) for x in xs])):
         assert_same(got, eager_answer(model, x), TOL)
-    for bad in ({"max_delay_ms": -1}, {"max_batch_size": 0}, {"max_queue": 0}):
+    for bad in ({"max_delay_ms": -1}, {"max_delay_ms": float("inf")}, {"max_delay_ms": float("nan")},
+                {"max_batch_size": 0}, {"max_queue": 0}):
         with pytest.raises(GraphwrapError):
             Batcher(GraphedModule(model), **bad)
     with pytest.raises(GraphwrapError, match="GraphedModule"):

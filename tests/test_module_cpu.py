@@ -129,11 +129,37 @@ def test_non_tensor_inputs_run_eagerly_with_a_reason():
         ({"buckets": [0, 4]}, "a list of batch sizes"),
         ({"buckets": []}, "a list of batch sizes"),
         ({"max_batch_size": 0}, "max_batch_size must be an int >= 1"),
+        ({"verify": "yes"}, "verify must be True or False"),
+        ({"verify": None}, "verify must be True or False"),
+        ({"eager_if_faster": "no"}, "eager_if_faster must be True or False"),
+        ({"seq_dim": {"nope": 1}}, r"seq_dim names the input 'nope', which MLP.forward does not take: its inputs are \['x'\]"),
+        ({"batch_dim": {"nope": 0}}, "batch_dim names the input 'nope'"),
+        ({"seq_dim": 1, "pad_values": {"nope": 1}}, "pad_values names the input 'nope'"),
+        ({"state": "nope"}, "state names the input 'nope'"),
+        ({"state": 3}, "state names input position 3, which MLP.forward does not take: it takes 1 positional"),
+        ({"seq_dim": 1, "seq_buckets": []}, "seq_buckets must be .* a non-empty list of lengths"),
+        ({"seq_dim": 1, "seq_buckets": [0, 8]}, "seq_buckets must be"),
     ],
 )
 def test_bad_arguments_say_why(kwargs, words):
     with pytest.raises(GraphwrapError, match=words):
         GraphedModule(MLP(), **kwargs)
+
+
+def test_names_are_checked_only_against_what_the_forward_takes():
+    class Kw(nn.Module):
+        def forward(self, x, **extra):
+            return x
+
+    class Star(nn.Module):
+        def forward(self, *xs):
+            return xs[0]
+
+    GraphedModule(Kw(), seq_dim={"anything": 1})  # **extra takes any name
+    GraphedModule(Star(), state=[3])  # *xs takes any position
+    GraphedModule(MLP(), batch_dim={0: 0, "x": 0})
+    with pytest.raises(GraphwrapError, match="wait.*seconds"):
+        GraphedModule(MLP()).wait("x")
 
 
 def test_wrapping_a_non_module_fails_clearly():

@@ -42,6 +42,13 @@ def test_a_factory_builds_each_replica_and_bad_arguments_are_refused():
         Replicas(lambda d: 3, devices=["cpu"])
     with pytest.raises(GraphwrapError, match="nn.Module or a factory"):
         Replicas(3, devices=["cpu"])
+    with pytest.raises(GraphwrapError, match=r"devices must be a list of devices, such as .*got 'cpu'"):
+        Replicas(MLP(), devices="cpu")
+    with pytest.raises(GraphwrapError, match="'gpu0' is not a device"):
+        Replicas(MLP(), devices=["gpu0"])
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(GraphwrapError, match=f"cuda:{count} is not here .*sees {count} CUDA devices"):
+        Replicas(MLP(), devices=[f"cuda:{count}"])
 
 
 def test_requests_go_to_the_replica_with_the_fewest_in_flight():

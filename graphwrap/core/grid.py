@@ -50,7 +50,11 @@ class Grid:
             raise GraphwrapError(f'seq_buckets={seq!r} is not a list of lengths or a policy: use "default", '
                                  '"exact" or a list of lengths')
         else:
-            self.seq = BucketTable(seq)
+            lengths = list(seq) if hasattr(seq, "__iter__") and not isinstance(seq, (bytes, dict)) else None
+            if not lengths or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in lengths):
+                raise GraphwrapError(f'seq_buckets must be "default", "exact" or a non-empty list of lengths >= 1, '
+                                     f"such as [32, 64, 128], got {seq!r}")
+            self.seq = BucketTable(lengths)
         self.max_len = self.seq.max
         self._tables: Dict[Optional[int], BucketTable] = {None: batch}
 

@@ -67,6 +67,27 @@ def _positional_names(module) -> Tuple[str, ...]:
     return tuple(p.name for p in params if p.kind in kinds)
 
 
+def _check_inputs(module, option: str, keys: list):
+    """GraphwrapError for a key of ``option`` that names no input of ``module.forward`` (a name
+    it has no parameter of, a position past its positional ones), where its signature says."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return
+    P = inspect.Parameter
+    names = [p.name for p in params if p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)]
+    positional = [p.name for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    any_name = any(p.kind == P.VAR_KEYWORD for p in params)
+    any_position = any(p.kind == P.VAR_POSITIONAL for p in params)
+    for k in keys:
+        if isinstance(k, str) and not any_name and k not in names:
+            raise GraphwrapError(f"{option} names the input {k!r}, which {type(module).__name__}.forward does not "
+                                 f"take: its inputs are {names}")
+        if isinstance(k, int) and (k < 0 or (not any_position and k >= len(positional))):
+            raise GraphwrapError(f"{option} names input position {k}, which {type(module).__name__}.forward does not "
+                                 f"take: it takes {len(positional)} positional inputs ({positional})")
+
+
 class Declarations:
     """The batch and sequence dims and pad values declared for a module's inputs.
 
@@ -89,6 +110,10 @@ class Declarations:
         self.batch_dim, self.seq_dim, self.pad_values = batch_dim, seq_dim, pad_values
         self.default_bd = batch_dim if isinstance(batch_dim, int) else 0
         self.positional = _positional_names(module)
+        for option, value in (("batch_dim", batch_dim), ("seq_dim", seq_dim), ("pad_values", pad_values)):
+            if isinstance(value, dict):
+                _check_inputs(module, option, list(value))
+        _check_inputs(module, "state", sorted(self.state, key=str))
         self.simple = isinstance(batch_dim, int) and seq_dim is None  # the common case, checked fast
         self.has_seq = seq_dim is not None
         self._declared: Dict[tuple, tuple] = {}  # spec -> per leaf (bd or _INFER-marked, sd, pad)

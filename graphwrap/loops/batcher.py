@@ -68,8 +68,9 @@ class Batcher:
         engine = getattr(gm, "engine", None)
         if engine is None:
             raise GraphwrapError(f"Batcher serves a graphwrap.GraphedModule, got {type(gm).__name__}")
-        if not isinstance(max_delay_ms, (int, float)) or isinstance(max_delay_ms, bool) or max_delay_ms < 0:
-            raise GraphwrapError(f"max_delay_ms must be a number >= 0, got {max_delay_ms!r}")
+        if (not isinstance(max_delay_ms, (int, float)) or isinstance(max_delay_ms, bool)
+                or not 0 <= max_delay_ms < float("inf")):
+            raise GraphwrapError(f"max_delay_ms must be a finite number >= 0, got {max_delay_ms!r}")
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool)
                                            or max_batch_size < 1):
             raise GraphwrapError(f"max_batch_size must be a positive int, got {max_batch_size!r}")

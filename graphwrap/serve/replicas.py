@@ -49,7 +49,7 @@ class Replicas:
         if devices is None:
             n = torch.cuda.device_count() if torch.cuda.is_available() else 0
             devices = [f"cuda:{i}" for i in range(n)] or ["cpu"]
-        devices = [torch.device(d) for d in devices]
+        devices = _devices(devices)
         if not devices:
             raise GraphwrapError("Replicas needs at least one device")
         if len(set(devices)) != len(devices):
@@ -159,3 +159,21 @@ class Replicas:
     def __repr__(self):
         return f"Replicas(devices={[str(d) for d in self.devices]})"
 
+
+def _devices(given) -> List[torch.device]:
+    """``devices=`` as torch devices; GraphwrapError for a string, a bad name, or a CUDA device
+    this process does not have."""
+    if isinstance(given, (str, torch.device)) or not hasattr(given, "__iter__"):
+        raise GraphwrapError(f"devices must be a list of devices, such as [\"cuda:0\", \"cuda:1\"], got {given!r}")
+    out = []
+    for d in given:
+        try:
+            dev = torch.device(d)
+        except (RuntimeError, TypeError) as e:
+            raise GraphwrapError(f"devices: {d!r} is not a device ({e})") from None
+        if dev.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if (dev.index or 0) >= count:
+                raise GraphwrapError(f"devices: {dev} is not here (this process sees {count} CUDA devices)")
+        out.append(dev)
+    return out
