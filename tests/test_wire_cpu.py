@@ -179,8 +179,12 @@ def test_the_server_answers_each_status_and_keeps_serving():
     assert _answer(server, b"{oops")[0] == 400
     status, body = _answer(server, {"inputs": [[0.0] * 4] * 9})
     assert status == 413 and "max_rows=8" in body["error"]
-    status, body = _answer(server, {"inputs": [[float("nan")] * 4]})
-    assert status == 422 and "NaN in the input" in body["error"]
+    for bad in (b'{"inputs": [[NaN, 0, 0, 0]]}', b'{"inputs": [[Infinity, 0, 0, 0]]}', b'{"inputs": [[1e400, 0, 0, 0]]}'):
+        status, body = _answer(server, bad)  # numbers JSON has not: refused before the module
+        assert status == 400 and "holds NaN or infinite numbers" in body["error"], body
+    lenient = Server(NoNaN, limits={"non_finite": True})
+    status, body = _answer(lenient, {"inputs": [[float("nan")] * 4]})
+    assert status == 422 and "NaN in the input" in body["error"], "taken, and refused by the model itself"
     status, body = _answer(server, {"inputs": [[0.0] * 5]})  # a wrong width
     assert status == 422 and "shapes cannot be multiplied" in body["error"]
     status, body = _answer(server, {"inputs": [[1e7] * 4]})
@@ -188,8 +192,8 @@ def test_the_server_answers_each_status_and_keeps_serving():
     status, body = _answer(server, {"inputs": x})  # still serving
     assert status == 200 and len(body["outputs"]) == 2
     s = server.stats()
-    assert s["http_status"] == {200: 2, 400: 1, 413: 1, 422: 2, 500: 1}
-    assert s["batcher"]["requests"] == 5  # the 400 and 413 never reached the module
+    assert s["http_status"] == {200: 2, 400: 4, 413: 1, 422: 1, 500: 1}
+    assert s["batcher"]["requests"] == 4  # the 400s and the 413 never reached the module
 
 
 class _Get(_Request):
@@ -236,3 +240,46 @@ def test_named_inputs_preprocess_and_postprocess():
     out = asyncio.run(server.infer(**enc))
     torch.testing.assert_close(out, want_pooled := mean_pool(model(**enc), enc).detach())
     assert out.device.type == "cpu" and want_pooled.shape == (2, 8)
+
+
+def test_server_arguments_are_checked_before_any_replica_starts():
+    from graphwrap.serve.ray_serve import Server, check_args, deployment
+
+    model = torch.nn.Linear(4, 2)
+    for make in (Server, deployment):
+        with pytest.raises(GraphwrapError, match="factory must be a function that builds the model, got Linear"):
+            make(model)
+    bad = [
+        (dict(limits={"bogus": 1}), r"limits takes \['max_body_bytes'.*got \['bogus'\]"),
+        (dict(limits={"id_bounds": [1]}), "id_bounds must be a dict of input name"),
+        (dict(limits=3), "limits must be"),
+        (dict(graphed={"outputs": "x"}), 'outputs must be "clone" or "view"'),
+        (dict(graphed={"bogus": 1}), r"graphed takes .*got \['bogus'\]"),
+        (dict(batcher={"delay": 1}), r"batcher takes .*got \['delay'\]"),
+        (dict(dtypes={None: "float17"}), "dtypes\\[None\\] must be a torch dtype or one of"),
+        (dict(dtypes={3: torch.float16}), "dtypes keys are input names"),
+    ]
+    for kwargs, words in bad:
+        with pytest.raises(GraphwrapError, match=words):
+            check_args(lambda: model, kwargs.get("graphed"), kwargs.get("batcher"), kwargs.get("limits"),
+                       kwargs.get("dtypes"))
+    limits, dtypes = check_args(lambda: model, {"outputs": "view"}, {"max_delay_ms": 1}, {"max_rows": 8},
+                                {None: "float16", "mask": torch.int64})
+    assert limits.max_rows == 8 and dtypes == {None: torch.float16, "mask": torch.int64}
+
+
+def test_bodies_json_cannot_hold_well_are_400_in_jsons_own_words():
+    from graphwrap.serve import Server
+
+    server = Server(NoNaN)
+    status, body = _answer(server, b"[" * 100_000)
+    assert status == 400 and "nests arrays or objects too deeply" in body["error"]
+    for inputs, words in ((None, "a JSON null"), ("abc", "a JSON string"), ({"x": {"y": 1}}, "a JSON object"),
+                          (3, "a JSON number")):
+        status, body = _answer(server, {"inputs": inputs})
+        assert status == 400 and words in body["error"], (inputs, body)
+    status, body = _answer(server, [1, 2])
+    assert status == 400 and "the body is a JSON array" in body["error"]
+    ids = Server(Embedder)
+    status, body = _answer(ids, {"inputs": {"input_ids": [[1e30, 2]]}})
+    assert status == 400 and "outside int64's range" in body["error"] and "-9223372036854775808, " in body["error"]

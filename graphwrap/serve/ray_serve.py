@@ -1,6 +1,7 @@
 """Ray Serve: a deployment that serves a model through graphwrap on each replica's GPU.
 
-``pip install -e ".[serve]" in a checkout``; Ray is imported here only, when :func:`deployment` is called.
+``pip install "graphwrap[serve]"`` (or ``pip install "ray[serve]"``); Ray is imported here only,
+when :func:`deployment` is called.
 
 Ray Serve routes requests to replicas, scales them and restarts them; each replica builds the
 model on its GPU, wraps it in a :class:`graphwrap.GraphedModule`, captures every bucket when it
@@ -20,6 +21,7 @@ the outputs with their tensors on the CPU; ``handle.stats.remote()`` returns the
 """
 
 import dataclasses
+import inspect
 import time
 from typing import Any, Callable, Dict, Optional
 
@@ -30,7 +32,8 @@ from ..core.tree import map_tensors
 from ..errors import GraphwrapError
 from ..loops.batcher import Batcher
 from ..module import GraphedModule
-from .wire import Limits, RequestError, check_limits, parse_body, read_inputs, status_of, to_json
+from ..options import Options
+from .wire import DTYPES, Limits, RequestError, check_limits, parse_body, read_inputs, status_of, to_json
 
 MAX_ONGOING_REQUESTS = 256  # requests one replica holds at a time (Ray Serve's default is 5)
 
@@ -58,8 +61,7 @@ class Server:
                  batcher: Optional[dict] = None, preprocess: Optional[Callable] = None,
                  postprocess: Optional[Callable] = None, limits=None, dtypes: Optional[Dict] = None):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.limits = limits if isinstance(limits, Limits) else Limits(**(limits or {}))
-        self.dtypes = dict(dtypes or {})
+        self.limits, self.dtypes = check_args(factory, graphed, batcher, limits, dtypes)
         self.preprocess, self.postprocess = preprocess, postprocess
         model = factory()
         if not isinstance(model, nn.Module):
@@ -106,7 +108,7 @@ class Server:
             except Exception as e:  # noqa: BLE001 - what preprocess cannot read is the client's error
                 raise RequestError(400, f"preprocess: {type(e).__name__}: {e}") from None
         else:
-            args, kwargs = read_inputs(body, self.dtypes)
+            args, kwargs = read_inputs(body, self.dtypes, self.limits.non_finite)
         return await self.infer(*args, **kwargs)
 
     async def infer(self, *args, **kwargs) -> Any:
@@ -121,6 +123,46 @@ class Server:
         return {"device": str(self.device), "batcher": self.batcher.stats(), "graphs": self.gm.stats(),
                 "http_status": dict(self.answered),
                 "metrics": self.metrics.names() if self.metrics is not None else []}
+
+
+def check_args(factory, graphed, batcher, limits, dtypes):
+    """``(limits, dtypes)`` as a :class:`Server` keeps them; GraphwrapError, naming the argument
+    and the fix, for one that could not work (checked before any replica starts)."""
+    if isinstance(factory, nn.Module) or not callable(factory):
+        raise GraphwrapError(f"factory must be a function that builds the model, got {type(factory).__name__}: pass "
+                             "e.g. lambda: MyModel(), so that each replica builds its own")
+    for name, given, fields in (("graphed", graphed, _fields(GraphedModule.__init__)),
+                                ("batcher", batcher, _fields(Batcher.__init__))):
+        if given is not None and not isinstance(given, dict):
+            raise GraphwrapError(f"{name} must be a dict of keyword arguments, got {given!r}")
+        unknown = sorted(set(given or {}) - fields)
+        if unknown:
+            raise GraphwrapError(f"{name} takes {sorted(fields)}, got {unknown}")
+    if graphed:
+        Options(**{k: v for k, v in graphed.items() if k != "module"}).check()
+    if limits is not None and not isinstance(limits, (Limits, dict)):
+        raise GraphwrapError(f"limits must be a graphwrap.serve.wire.Limits or a dict of its fields, got {limits!r}")
+    if isinstance(limits, dict):
+        unknown = sorted(set(limits) - {f.name for f in dataclasses.fields(Limits)})
+        if unknown:
+            raise GraphwrapError(f"limits takes {[f.name for f in dataclasses.fields(Limits)]}, got {unknown}")
+        limits = Limits(**limits)
+    if dtypes is not None and not isinstance(dtypes, dict):
+        raise GraphwrapError(f"dtypes must be a dict of input name (None for one array) to dtype, got {dtypes!r}")
+    chosen = {}
+    for name, dtype in (dtypes or {}).items():
+        if name is not None and not isinstance(name, str):
+            raise GraphwrapError(f"dtypes keys are input names, or None for one array, got {name!r}")
+        if isinstance(dtype, str) and dtype in DTYPES:
+            dtype = DTYPES[dtype]
+        if not isinstance(dtype, torch.dtype):
+            raise GraphwrapError(f"dtypes[{name!r}] must be a torch dtype or one of {sorted(DTYPES)}, got {dtype!r}")
+        chosen[name] = dtype
+    return limits or Limits(), chosen
+
+
+def _fields(init) -> set:
+    return {p for p in inspect.signature(init).parameters if p not in ("self", "gm", "module")}
 
 
 def with_config_bounds(limits: Limits, model: nn.Module) -> Limits:
@@ -240,10 +282,11 @@ def deployment(factory: Callable[[], nn.Module], *, sample=None, name: str = "gr
             defaults to :data:`MAX_ONGOING_REQUESTS` (256) rather than Ray's 5, so that the
             replica's Batcher sees enough requests to join.
     """
+    check_args(factory, graphed, batcher, limits, dtypes)  # here, not in each replica as it starts
     try:
         from ray import serve
     except ImportError as e:
-        raise GraphwrapError('graphwrap.serve needs Ray Serve: pip install -e ".[serve]" in a checkout') from e
+        raise GraphwrapError('graphwrap.serve needs Ray Serve: pip install "graphwrap[serve]" (or "ray[serve]")') from e
     if num_gpus is None:
         num_gpus = 1 if torch.cuda.is_available() else 0
     actor = dict(deployment_options.pop("ray_actor_options", None) or {})

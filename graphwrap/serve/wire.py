@@ -52,12 +52,18 @@ class Limits:
     # CUDA context unusable, so it is checked on the host first. The server fills in
     # ``input_ids`` and ``token_type_ids`` from a Hugging Face model's config where not given.
     id_bounds: Optional[Mapping[str, int]] = None
+    # Whether inputs may hold NaN and infinities (JSON has no such numbers; Python's parser takes
+    # NaN, Infinity and numbers past float64 such as 1e400): refused with 400 unless True.
+    non_finite: bool = False
 
     def __post_init__(self):
         for name in ("max_body_bytes", "max_rows", "max_length"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise GraphwrapError(f"{name} must be an int >= 1, got {v!r}")
+        if self.id_bounds is not None and not isinstance(self.id_bounds, Mapping):
+            raise GraphwrapError(f"id_bounds must be a dict of input name to the number of ids its embedding "
+                                 f"holds, such as {{'input_ids': 30522}}, got {self.id_bounds!r}")
         for name, v in (self.id_bounds or {}).items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise GraphwrapError(f"id_bounds[{name!r}] must be an int >= 1, got {v!r}")
@@ -89,14 +95,17 @@ def parse_body(raw: bytes, limits: Limits) -> dict:
         body = json.loads(text)
     except ValueError as e:
         raise RequestError(400, f"the body is not JSON: {e}") from None
+    except RecursionError:
+        raise RequestError(400, "the body nests arrays or objects too deeply to parse") from None
     if not isinstance(body, dict):
-        raise RequestError(400, f"the body is a JSON {type(body).__name__}, not an object with \"inputs\"")
+        raise RequestError(400, f"the body is a JSON {_json_type(body)}, not an object with \"inputs\"")
     return body
 
 
-def read_inputs(body: dict, dtypes: Mapping[Optional[str], Any]) -> Tuple[tuple, Dict[str, torch.Tensor]]:
+def read_inputs(body: dict, dtypes: Mapping[Optional[str], Any],
+                non_finite: bool = False) -> Tuple[tuple, Dict[str, torch.Tensor]]:
     """``(args, kwargs)`` of the module from a body's ``"inputs"``; 400 where they are not arrays
-    of numbers."""
+    of numbers (or hold NaN or infinities, unless ``non_finite``)."""
     if "inputs" not in body:
         raise RequestError(400, 'the body has no "inputs": send {"inputs": [[...]]} or {"inputs": {"name": [[...]]}}')
     inputs = body["inputs"]
@@ -108,9 +117,9 @@ def read_inputs(body: dict, dtypes: Mapping[Optional[str], Any]) -> Tuple[tuple,
             raise RequestError(400, '"dtypes" must be an object of input names to dtype names')
         kwargs = {}
         for name, value in inputs.items():
-            kwargs[name] = _tensor(value, name, dtype_for(name, asked.get(name), dtypes))
+            kwargs[name] = _tensor(value, name, dtype_for(name, asked.get(name), dtypes), non_finite)
         return (), kwargs
-    return (_tensor(inputs, None, dtype_for(None, body.get("dtype"), dtypes)),), {}
+    return (_tensor(inputs, None, dtype_for(None, body.get("dtype"), dtypes), non_finite),), {}
 
 
 def check_limits(args, kwargs, limits: Limits, seq_dim=None):
@@ -184,9 +193,7 @@ def _finite(v):
     return _NOT_FINITE.get(v, v)
 
 
-def _tensor(value, name: Optional[str], dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(value, (str, bytes)) or value is None or isinstance(value, dict):
-        raise RequestError(400, f"{_what(name)} is a JSON {type(value).__name__}, not an array of numbers")
+def _tensor(value, name: Optional[str], dtype: torch.dtype, non_finite: bool = False) -> torch.Tensor:
     if not isinstance(value, list):
         raise RequestError(400, f"{_what(name)} is a JSON {_json_type(value)}, not an array of numbers")
     try:
@@ -195,14 +202,27 @@ def _tensor(value, name: Optional[str], dtype: torch.dtype) -> torch.Tensor:
         raise RequestError(400, f"{_what(name)} is not a rectangular array of numbers: {e}") from None
     if t.numel() == 0:
         raise RequestError(400, f"{_what(name)} is empty (shape {list(t.shape)}): send at least one row of numbers")
+    if t.is_floating_point() and not non_finite and not bool(torch.isfinite(t).all()):
+        raise RequestError(400, f"{_what(name)} holds NaN or infinite numbers (NaN, Infinity, or past float64, such "
+                                "as 1e400), which JSON has none of; the server takes them with limits={'non_finite': "
+                                "True}")
     if t.is_floating_point() and not dtype.is_floating_point and not bool((t == t.round()).all()):
         raise RequestError(400, f"{_what(name)} holds numbers that are not integers, and its dtype is "
                                 f"{str(dtype).replace('torch.', '')}")
+    if not dtype.is_floating_point and dtype != torch.bool and t.dtype != dtype:
+        info = torch.iinfo(dtype)
+        if bool((t < info.min).any()) or bool((t > info.max).any()):
+            raise RequestError(400, f"{_what(name)} holds numbers outside {str(dtype).replace('torch.', '')}'s range "
+                                    f"[{info.min}, {info.max}]")
     return t.to(dtype)
 
 
 def _json_type(value) -> str:
-    return {bool: "boolean", int: "number", float: "number", str: "string"}.get(type(value), type(value).__name__)
+    """JSON's name for the type of a parsed value."""
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(value), type(value).__name__)
 
 
 def _what(name: Optional[str]) -> str:
