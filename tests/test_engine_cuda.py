@@ -6,7 +6,7 @@ import torch
 from helpers import MLP, assert_same, eager_answer
 from torch import nn
 
-import graphwrap.capture.capturer
+import graphwrap.capture.work
 from graphwrap import GraphedModule
 
 pytestmark = pytest.mark.cuda
@@ -73,7 +73,7 @@ def _eager_wins(engine, ks, b):
 
 
 def test_a_bucket_that_eager_beats_is_served_eagerly(monkeypatch):
-    monkeypatch.setattr(graphwrap.capture.capturer, "race", _eager_wins)
+    monkeypatch.setattr(graphwrap.capture.work, "race", _eager_wins)
     model = MLP().to(DEV).eval()
     gm = GraphedModule(model, buckets=[4, 8])
     for n in (1, 3, 4, 6, 20):

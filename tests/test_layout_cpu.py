@@ -23,12 +23,13 @@ def _target(name: str, path: pathlib.Path, level: int, module) -> str:
 
 
 def _imports():
-    """Module -> the graphwrap modules it imports when it is imported (module level only)."""
+    """Module -> the graphwrap modules it imports, at module level or inside a function (an import
+    deferred into a function still ties the two modules into one)."""
     mods = {name: (path, tree) for name, path, tree in _modules()}
     graph = {}
     for name, (path, tree) in mods.items():
         deps = set()
-        for node in tree.body:
+        for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level:
                 target = _target(name, path, node.level, node.module)
                 subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in mods]

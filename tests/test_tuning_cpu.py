@@ -119,7 +119,7 @@ def test_per_size_kernels_that_win_are_swapped_in_and_the_compile_cache_saved(mo
     error is recorded and the compile cache is written."""
     from types import SimpleNamespace
 
-    from graphwrap.capture import capturer as capturing
+    from graphwrap.capture import work as capturing
 
     monkeypatch.setattr(tuning, "HOT_CALLS", 16)
     eng, ks, b = _engine_with_buckets()

@@ -6,12 +6,12 @@ positions of a padded replay must equal eager on the real rows at the real lengt
 raises :class:`CaptureFailed` with a scope that says what it rules out.
 """
 
-import enum
 from typing import Any, List, Optional, Sequence
 
 import torch
 
 from ..core.compare import CROSS_SHAPE_TOL, SAME_SHAPE_TOL, compare_leaves
+from ..core.failures import CaptureFailed, Scope  # noqa: F401 - defined in core, which reads them; raised here
 from ..core.records import cut
 from ..core.tree import (
     BATCHED,
@@ -23,31 +23,6 @@ from ..core.tree import (
 )
 
 Tensor = torch.Tensor
-
-
-class Scope(enum.Enum):
-    """What a failed capture rules out."""
-
-    KEY = "key"  # every bucket of the signature would fail the same way (a host sync, rows mixed)
-    BUCKET = "bucket"  # only this size (out of memory)
-    BUDGET = "budget"  # the bucket would take the graph pool over its budget
-    COMPILE = "compile"  # the compiled forward (the plain forward may still capture)
-    SEQ = "seq"  # padding along the sequence changes results: lengths are served exactly
-    STATE = "state"  # the forward writes module buffers and the bucket pads the call
-
-
-class CaptureFailed(Exception):
-    """A bucket could not be captured or did not verify; ``scope`` (a :class:`Scope`) says
-    what that rules out."""
-
-    def __init__(self, reason: str, cause: Optional[BaseException] = None, scope: Scope = Scope.KEY,
-                 pool_lost: bool = False):
-        super().__init__(reason)
-        self.reason = reason
-        self.cause = cause
-        self.scope = scope
-        self.pool_lost = pool_lost  # the pool cannot take further captures
-        self.pool_estimate = 0  # Scope.BUDGET: the bytes the bucket was estimated to need
 
 
 def tile_rows(x: Tensor, rows: int, size: int, batch_dim: int) -> Tensor:

@@ -18,9 +18,9 @@ from typing import Callable, Iterable, Optional, Tuple
 
 from ..core.records import Bucket, Serves
 from ..core.stats import counts_of
-from .capturer import capture_into, save_compile_cache, swap
 from .compiled import CompiledForward, static_options
 from .racing import time_turns
+from .work import capture_into, save_compile_cache, swap
 
 logger = logging.getLogger("graphwrap")
 HOT_CALLS = 16  # calls a bucket serves before its own kernels are worth a compile

@@ -13,6 +13,8 @@ from typing import List, Optional, Set, Tuple
 
 import torch
 
+from .failures import CaptureFailed
+
 Tensor = torch.Tensor
 
 
@@ -55,7 +57,6 @@ class Saved:
         """Raise CaptureFailed if the forward changed numbers a state input keeps in Python (a
         sliding-window cache's position as an int): a graph would replay them frozen, so such
         calls run eagerly. Call after a run, before :meth:`restore` puts them back."""
-        from ..capture.checks import CaptureFailed
 
         changed = sorted({f"{type(h).__name__}.{a}" for h, a, v in self.host
                           if getattr(h, a, v) is not v and getattr(h, a, v) != v} | self.host_written)
@@ -66,7 +67,6 @@ class Saved:
     def check_params(self):
         """Raise CaptureFailed if the forward wrote into its parameters (they are not copied, so
         not put back: such a module runs eagerly; the run that found it stays)."""
-        from ..capture.checks import CaptureFailed
 
         written = [name for name, p, v in self.params if p._version != v]
         if written:
