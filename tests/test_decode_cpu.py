@@ -325,10 +325,9 @@ def _sliding(kind):
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma2"])
-def test_a_sliding_window_cache_that_keeps_its_position_in_python_runs_eagerly(kind):
-    """A sliding-window layer counts its position in a Python int as well: a graph would replay
-    that number frozen (generate gave other tokens from the third step on). Such steps run
-    eagerly, with the reason, and give generate's tokens."""
+def test_a_sliding_window_replays_with_graphwraps_ring_and_masks(kind):
+    """graphwrap's own cache keeps a window as a ring whose position lives on the device, and
+    the loop keeps the masks: every step replays, with generate's tokens (past the window)."""
     if not hasattr(tr, "MistralForCausalLM") or not hasattr(tr, "Gemma2ForCausalLM"):
         pytest.skip("this transformers has no Mistral or Gemma2")
     torch.manual_seed(0)
@@ -340,6 +339,28 @@ def test_a_sliding_window_cache_that_keeps_its_position_in_python_runs_eagerly(k
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, cache_implementation="static")
     with torch.no_grad():
         assert torch.equal(gm.generate(**kw), model.generate(**kw))
+    assert gm.stats()["eager_calls"] == {} and replays(gm) >= 18
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_a_sliding_window_cache_that_keeps_its_position_in_python_runs_eagerly(kind):
+    """transformers' own sliding-window layer (in a cache the caller passes) counts its position
+    in a Python int as well: a graph would replay that number frozen (generate gave other tokens
+    from the third step on). Such steps run eagerly, with the reason, and give generate's
+    tokens."""
+    if not hasattr(tr, "MistralForCausalLM") or not hasattr(tr, "Gemma2ForCausalLM"):
+        pytest.skip("this transformers has no Mistral or Gemma2")
+    torch.manual_seed(0)
+    model = _sliding(kind).eval()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
+    ids = torch.randint(1, 100, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    with torch.no_grad():
+        want = model.generate(**kw, past_key_values=tr.StaticCache(config=model.config, max_cache_len=32))
+        got = gm.generate(**kw, past_key_values=tr.StaticCache(config=model.config, max_cache_len=32))
+    assert torch.equal(got, want)
     (reason,) = gm.stats()["eager_calls"]
     assert "cumulative_length_int" in reason and "frozen" in reason and replays(gm) == 0
 

@@ -199,22 +199,80 @@ def test_generate_under_inference_mode_on_the_gpu():
     assert gm.stats()["eager_calls"] == {} and replays(gm) >= 10
 
 
-def test_a_sliding_window_cache_runs_eagerly_on_the_gpu_with_generates_tokens():
-    if not hasattr(tr, "MistralForCausalLM"):
-        pytest.skip("this transformers has no Mistral")
+_SMALL = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, pad_token_id=0)
+
+
+def _family(name):
+    """A small model of a family that decoded eagerly before (fp32), by transformers' class names."""
+    configs = {
+        "mistral": ("MistralConfig", "MistralForCausalLM", dict(_SMALL, sliding_window=8)),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_SMALL, sliding_window=8)),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_SMALL, sliding_window=8)),
+        "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(vocab_size=100, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                                                         pad_token_id=0)),
+        "falcon": ("FalconConfig", "FalconForCausalLM", dict(vocab_size=100, hidden_size=64, num_hidden_layers=2,
+                                                             num_attention_heads=4, pad_token_id=0)),
+        "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=100, hidden_size=64, n_layer=2, n_head=4,
+                                                          pad_token_id=0)),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_SMALL, num_local_experts=4, num_experts_per_tok=2)),
+        "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(_SMALL, num_experts=4, num_experts_per_tok=2,
+                                                                     moe_intermediate_size=32,
+                                                                     shared_expert_intermediate_size=64)),
+    }
+    config, model, kw = configs[name]
+    if not hasattr(tr, model):
+        pytest.skip(f"this transformers has no {model}")
     torch.manual_seed(0)
-    cfg = tr.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=100, sliding_window=8, pad_token_id=0)
-    model = tr.MistralForCausalLM(cfg).to(DEV).eval()
+    return getattr(tr, model)(getattr(tr, config)(**kw)).to(DEV).eval()
+
+
+@pytest.fixture
+def exact():
+    """fp32 matrix products without TF32, so a graph's tokens can be compared with eager's exactly."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3", "gptj", "falcon", "bloom", "mixtral", "qwen2_moe"])
+def test_families_that_decoded_eagerly_replay_every_step_with_generates_tokens(name, exact):
+    """Sliding windows of 8 positions past their length (40 new tokens), models whose forward
+    made tensors of Python numbers, mixtures of experts: two left-padded prompts, tokens equal
+    model.generate's, every decode step a replay."""
+    model = _family(name)
     gm = GraphedModule(model, decode=False)
-    ids = torch.randint(1, 100, (2, 6), device=DEV)
-    kw = dict(input_ids=ids, max_new_tokens=20, do_sample=False, cache_implementation="static")
-    with torch.no_grad():
-        out = model.generate(**kw, disable_compile=True, output_logits=True, return_dict_in_generate=True)
-        got = gm.generate(**kw)
-    assert _same_or_tied(got, out.sequences, out.logits, 6)
-    (reason,) = gm.stats()["eager_calls"]
-    assert "cumulative_length_int" in reason and replays(gm) == 0
+    for prompt in (6, 13):
+        ids = torch.randint(1, 100, (2, prompt), device=DEV)
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        with torch.no_grad():
+            want = model.generate(**kw)
+            got = gm.generate(**kw, cache_implementation="static")
+        assert torch.equal(got, want), name
+    s = gm.stats()
+    print(f"\n{name}: {replays(gm)} replays, eager {s['eager_calls']}, {s['generate']}")
+    assert s["eager_calls"] == {} and replays(gm) >= 2 * 39 - 2
+
+
+def test_tensors_of_python_numbers_made_in_a_capture_keep_their_values_over_replays():
+    """A forward that makes tensors from Python numbers on the GPU (a scalar, a list, a list
+    index) is captured; each replay gives what eager gives, long after the capture."""
+    class Literal(nn.Module):
+        def forward(self, x):
+            scale = torch.tensor(0.5, device=x.device)
+            shift = torch.tensor([1.0, 2.0, 3.0, 4.0], device=x.device)
+            return (x[..., [3, 0]] * scale, x * scale + shift)
+
+    m = Literal().to(DEV).eval()
+    gm = GraphedModule(m, buckets=[4])
+    for _ in range(3):
+        x = torch.randn(3, 4, device=DEV)
+        for got, want in zip(gm(x), m(x)):
+            assert torch.equal(got, want)
+    assert replays(gm) >= 2 and gm.stats()["eager_calls"] == {}
 
 
 def test_generate_after_half_uses_a_cache_of_the_new_dtype():

@@ -31,6 +31,7 @@ from .checks import (
     run_module,
     shape_inputs,
 )
+from .constants import with_constants
 from .cuda import (
     NotBegun,
     Pool,
@@ -156,7 +157,9 @@ def _runner(job: Job, static_in):
     def run():
         with torch.inference_mode(False), torch.no_grad(), autocast_without_cache(autocast):
             return run_module(forward, spec, static_in)
-    return run
+    # The plain forward's tensors of Python numbers are made on the device while it is captured;
+    # a compiled forward is left alone (a mode would change what its guards see).
+    return with_constants(run) if job.forward is None else run
 
 
 def _prepare(job: Job, recorder, info: dict) -> _Prepared:

@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 
 from ..errors import GraphwrapError
+from .experts import batched_experts
+from .window import RingMasks, is_ring, ring_unsupported, use_rings
 
 logger = logging.getLogger("graphwrap")
 
@@ -199,22 +201,34 @@ LEAN_KEYS = frozenset(("input_ids", "past_key_values", "cache", "attention_mask"
 
 
 def lean_inputs(model, inputs: dict, model_kwargs: dict) -> Optional[dict]:
-    """The first decode step's inputs, to be kept for every step; None where the model's own
-    preparation must run each step.
+    """The first decode step's inputs, kept for every step (:func:`_lean`); None where the
+    model's own preparation must run each step."""
+    got = _lean(model, inputs, model_kwargs)
+    return got[0] if got is not None else None
+
+
+def _lean(model, inputs: dict, model_kwargs: dict):
+    """``(inputs, the column of the new token in their 2D mask)``, or None.
 
     ``prepare_inputs_for_generation`` turns the 2D mask into a 4D mask over the whole static
-    cache each step, on the host. Given the 2D mask extended with ones to the cache's length
-    instead, the model's forward builds that same mask itself, inside the graph: each step then
-    changes the new tokens and, where the model takes them, positions one further. Only for a
-    cache of full-attention layers whose 4D mask spans it whole: a sliding window reads the 2D
-    mask of the whole sequence at an offset of its own."""
+    cache each step, on the host. Given the 2D mask extended to the cache's length instead, the
+    model's forward builds that same mask itself, inside the graph: each step then changes the
+    new tokens, the mask's column of the new position (:meth:`_StepInputs.next` sets it; the
+    columns past it stay 0, so a model whose attention is not causal reads no empty slot) and,
+    where the model takes them, positions one further. Only for a cache of full-attention layers
+    whose 4D mask spans it whole: a sliding window reads the 2D mask of the whole sequence at an
+    offset of its own."""
     if hasattr(model, "create_masks_for_generate") or not set(inputs) <= LEAN_KEYS:
         return None  # masks of the model's own for generate, or inputs the loop does not know
     mask, mask2d = inputs.get("attention_mask"), model_kwargs.get("attention_mask")
     ids, pos = inputs.get("input_ids"), inputs.get("position_ids")
     if mask2d is None and isinstance(mask, torch.Tensor) and mask.dim() == 4 and isinstance(ids, torch.Tensor):
-        # No padding: transformers 5.24 keeps no 2D mask then (5.17 kept one of ones).
-        mask2d = torch.ones(ids.shape[0], 1, dtype=torch.long, device=ids.device)
+        # No padding: transformers 5.24 keeps no 2D mask then (5.17 kept one of ones): every
+        # position the cache holds, and the new token's, is real.
+        seen = getattr(given_cache(inputs), "get_seq_length", lambda: None)()
+        if seen is None:
+            return None
+        mask2d = torch.ones(ids.shape[0], int(seen) + 1, dtype=torch.long, device=ids.device)
     if (not isinstance(mask, torch.Tensor) or not isinstance(mask2d, torch.Tensor) or mask.dim() != 4
             or mask2d.dim() != 2 or mask.shape[-1] < mask2d.shape[-1] or ids is None or ids.shape[-1] != 1
             or (pos is not None and pos.shape[-1] != 1)):
@@ -231,35 +245,70 @@ def lean_inputs(model, inputs: dict, model_kwargs: dict) -> Optional[dict]:
         return None  # the 4D mask does not span the whole cache
     rows, length = mask2d.shape
     lean = dict(inputs)
-    lean["attention_mask"] = torch.cat([mask2d, mask2d.new_ones(rows, mask.shape[-1] - length)], dim=1)
-    return lean
+    lean["attention_mask"] = torch.cat([mask2d, mask2d.new_zeros(rows, mask.shape[-1] - length)], dim=1)
+    return lean, length - 1
 
 
 class _StepInputs:
     """The inputs of each decode step: the model's own preparation once, then kept and moved
-    on by one token (:func:`lean_inputs`), or prepared every step."""
+    on by one token (:func:`lean_inputs`, or the loop's own masks over a cache with ring
+    layers: :mod:`.window`), or prepared every step."""
 
     def __init__(self, model, model_kwargs: dict):
         self.model, self.kwargs = model, model_kwargs
         self.lean = None  # None: not known yet; False: prepared every step
+        self.masks = None  # window.RingMasks, over a cache with ring layers
+        self.rings = [layer for layer in getattr(given_cache(model_kwargs), "layers", None) or [] if is_ring(layer)]
 
     def after(self, outputs):
         """Note a forward's outputs (the cache, and the mask and positions one token longer)."""
         if not self.lean:
             self.kwargs = self.model._update_model_kwargs_for_generation(outputs, self.kwargs, is_encoder_decoder=False)
 
+    @property
+    def graphed(self) -> bool:
+        """Whether the steps may go to graphwrap's engine: a cache with ring layers only with the
+        loop's masks (without them its steps read the position on the host: the model runs them)."""
+        return not self.rings or self.masks is not None
+
     def next(self, input_ids, tokens) -> dict:
         if self.lean:
             self.lean["input_ids"] = tokens[:, None]
             if "position_ids" in self.lean:
                 self.lean["position_ids"] = self.lean["position_ids"] + 1
+            if self.masks is not None:
+                self.masks.step()
+            else:  # the new token's column of the 2D mask (lean_inputs)
+                self.column += 1
+                self.lean["attention_mask"][:, self.column] = 1
             return self.lean
         inputs = self.model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **self.kwargs)
         if self.lean is None:
-            self.lean = lean_inputs(self.model, inputs, self.kwargs) or False
+            if self.rings:
+                self.lean = self._ring_inputs(inputs) or False
+            else:
+                self.lean, self.column = _lean(self.model, inputs, self.kwargs) or (False, None)
             if self.lean:
                 return self.lean
         return inputs
+
+    def _ring_inputs(self, inputs: dict) -> Optional[dict]:
+        mask2d, ids = self.kwargs.get("attention_mask"), inputs.get("input_ids")
+        if (not set(inputs) <= LEAN_KEYS or not isinstance(ids, torch.Tensor) or ids.shape[-1] != 1
+                or not isinstance(mask2d, torch.Tensor) or mask2d.dim() != 2
+                or mask2d.shape[1] - 1 != int(self.rings[0].cumulative_length)):
+            return None
+        cache = given_cache(inputs)
+        config = self.model.config
+        self.masks = RingMasks(cache, mask2d, self.model.dtype, config._attn_implementation,
+                               per_type=len(self.rings) < len(cache.layers))
+        for layer in self.rings:
+            layer.ring_masks = True
+        return dict(inputs, attention_mask=self.masks.inputs())
+
+    def close(self):
+        for layer in self.rings:
+            layer.ring_masks = False
 
 
 def make_decode_loop(step):
@@ -268,6 +317,7 @@ def make_decode_loop(step):
     def graphwrap_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
         why = _mode_unsupported(model, generation_config)
         if why is not None:  # generate() prepared a request its own loop serves
+            plain_instead(model, model_kwargs)
             from transformers.generation.utils import GENERATION_MODES_MAPPING
 
             method = getattr(type(model), GENERATION_MODES_MAPPING[generation_config.get_generation_mode()])
@@ -279,6 +329,14 @@ def make_decode_loop(step):
 
 
 def _loop(model, step, input_ids, logits_processor, stopping_criteria, gen, model_kwargs):
+    inputs = _StepInputs(model, model_kwargs)
+    try:
+        return _steps(model, step, input_ids, logits_processor, stopping_criteria, gen, inputs)
+    finally:
+        inputs.close()
+
+
+def _steps(model, step, input_ids, logits_processor, stopping_criteria, gen, inputs):
     device = input_ids.device
     prompt, rows = input_ids.shape[1], input_ids.shape[0]
     pad = getattr(gen, "_pad_token_tensor", None)
@@ -293,12 +351,12 @@ def _loop(model, step, input_ids, logits_processor, stopping_criteria, gen, mode
     rng = _Rng(device) if criteria and gen.do_sample else None
     unfinished = torch.ones(rows, dtype=torch.bool, device=device)
 
-    inputs = _StepInputs(model, model_kwargs)
-    outputs = model._prefill(input_ids, gen, model_kwargs)
+    outputs = model._prefill(input_ids, gen, inputs.kwargs)
     tokens = None
     while True:
         if tokens is not None:
-            outputs = step(**inputs.next(input_ids, tokens), return_dict=True)
+            kw = inputs.next(input_ids, tokens)
+            outputs = (step if inputs.graphed else model)(**kw, return_dict=True)
         inputs.after(outputs)
         logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
         del outputs
@@ -332,6 +390,36 @@ def _loop(model, step, input_ids, logits_processor, stopping_criteria, gen, mode
     return input_ids
 
 
+def takes_cache(module, name: str) -> bool:
+    """Whether ``generate`` gives this model a transformers cache under ``name``: its forward
+    takes one, and transformers does not keep it apart (a model with a cache of its own)."""
+    supports = getattr(module, "_supports_default_dynamic_cache", None)
+    if callable(supports) and not supports():
+        return False
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or "past_key_values" in params
+
+
+def plain_instead(model, model_kwargs: dict) -> None:
+    """Where transformers' own loop takes a request graphwrap's loop was to run: a plain static
+    cache of the same length in place of one with ring layers (its loop builds its own masks)."""
+    for name in ("cache", "past_key_values"):
+        cache = model_kwargs.get(name)
+        if any(is_ring(layer) for layer in getattr(cache, "layers", None) or []):
+            from transformers import StaticCache
+
+            length = max(layer.max_cache_len for layer in cache.layers)
+            model_kwargs[name] = StaticCache(config=model.config, max_cache_len=length)
+
+
+def text_config(module):
+    config = module.config
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 # ------------------------------------------------------------------ gm.generate
 
 def generate(engine, held: dict, module, args, kwargs):
@@ -339,15 +427,20 @@ def generate(engine, held: dict, module, args, kwargs):
     (``_gw_caches``) and the reasons already logged (``_gw_loop_notes``). How each call's steps
     were run is counted in ``stats()["generate"]``."""
     handed = [0]
+    if "_gw_experts" not in held:  # a mixture of experts' steps run a graph-safe implementation
+        held["_gw_experts"] = batched_experts(module)
+    experts = held["_gw_experts"]
 
     def step(**kw):
         handed[0] += 1
-        return engine.call((), kw)
+        with experts:
+            return engine.call((), kw)
 
     name = cache_keyword(module)
     check_room(args, kwargs)  # a cache the caller passes (graphwrap sizes its own)
-    kwargs = static_cache(held, module, args, kwargs, name)
     why = unsupported(module) or request_unsupported(kwargs)
+    # Ring layers for sliding windows only where graphwrap's loop runs the steps (window.py).
+    kwargs = static_cache(held, module, args, kwargs, name, rings=why is None)
     if why is None and not any(given_cache(kwargs) is c for c in held.get("_gw_caches", {}).values()):
         why = "the cache is not graphwrap's own (it comes with cache_implementation=\"static\" and no cache given)"
     if why is None:
@@ -396,11 +489,12 @@ def _count(engine, held: dict, why: Optional[str], handed: int, new: Optional[in
         engine.generates[how] = engine.generates.get(how, 0) + 1
 
 
-def static_cache(held: dict, module, args, kwargs, name: str = "past_key_values") -> dict:
+def static_cache(held: dict, module, args, kwargs, name: str = "past_key_values", rings: bool = False) -> dict:
     """With ``cache_implementation="static"`` and no cache given: one static cache of this
     GraphedModule's own per batch size, device and the model's dtype, sized to a multiple of 64
     positions and reset before each ``generate``, so every later ``generate`` of that batch
-    (any prompt length that fits) replays the graphs the first one captured."""
+    (any prompt length that fits) replays the graphs the first one captured. With ``rings``,
+    its sliding-window layers are rings (:mod:`.window`) where the model allows them."""
     ids = kwargs.get("input_ids", args[0] if args else None)
     if (kwargs.get("cache_implementation") != "static" or given_cache(kwargs) is not None
             or kwargs.get("use_cache") is False
@@ -411,6 +505,8 @@ def static_cache(held: dict, module, args, kwargs, name: str = "past_key_values"
         from transformers import StaticCache
     except ImportError:
         return kwargs
+    if not takes_cache(module, name):
+        return kwargs  # a model without a cache of transformers' kind: generate does as it does
     if getattr(getattr(module, "config", None), "is_encoder_decoder", False):
         # Its decoder needs a cache of two parts (self-attention, and cross-attention over the
         # encoder's output): transformers makes that from cache_implementation="static"; a plain
@@ -419,12 +515,15 @@ def static_cache(held: dict, module, args, kwargs, name: str = "past_key_values"
     need = ids.shape[1] + kwargs["max_new_tokens"]
     size = -(-need // 64) * 64
     caches = held.setdefault("_gw_caches", {})
-    key = (ids.shape[0], size, ids.device, getattr(module, "dtype", None))
+    rings = rings and ring_unsupported(module) is None
+    key = (ids.shape[0], size, ids.device, getattr(module, "dtype", None), rings)
     cache = caches.get(key)
     if cache is None:
         for old in [k for k in caches if (k[0], k[2]) == (key[0], key[2]) and k[3] != key[3]]:
             del caches[old]  # the model's dtype changed: a cache of the old one is no use
         cache = caches[key] = StaticCache(config=module.config, max_cache_len=size)
+        if rings:
+            use_rings(cache, text_config(module), size)
     else:
         cache.reset()
     kwargs = dict(kwargs, **{name: cache})
