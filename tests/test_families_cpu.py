@@ -205,3 +205,23 @@ def test_with_constants_runs_as_it_is_outside_a_capture():
     calls = []
     run = with_constants(lambda: calls.append(torch.tensor([1.0, 2.0])) or 7)
     assert run() == 7 and run.kept == [] and len(calls) == 1
+
+
+def test_a_cache_with_recurrent_layers_runs_eagerly_with_the_reason():
+    """NemotronH (Mamba layers beside attention): its replayed steps gave other tokens than eager
+    on an H100, so a cache with recurrent layers is not graphed; generate's tokens, the reason."""
+    from helpers import on_cpu_graphs, replays
+
+    if not hasattr(tr, "NemotronHForCausalLM"):
+        pytest.skip("this transformers has no NemotronH")
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import families
+
+    model = families.build("nemotron_h", "causal", "NemotronHForCausalLM", "cpu")
+    gm = on_cpu_graphs(GraphedModule(model, decode=False, eager_if_faster=False))
+    kw = dict(families.inputs(model, "causal", "cpu"), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(gm.generate(**kw, cache_implementation="static"), model.generate(**kw))
+    assert replays(gm) == 0 and any("recurrent" in r for r in gm.stats()["eager_calls"])

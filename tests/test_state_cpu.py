@@ -319,3 +319,44 @@ def test_state_inputs_under_inference_mode_and_after_the_weights_change():
         assert_same(got, want)
         assert torch.equal(mine, ref), p
     assert replays(gm) >= 3
+
+
+class _FlagLayer:
+    def __init__(self):
+        self.keys = torch.zeros(2, 4)
+        self.has_previous_state = {0: False}  # a dict of host flags, as transformers' linear-attention layers keep
+
+
+class _FlagCache:
+    is_compileable = True
+
+    def __init__(self):
+        self.layers = [_FlagLayer()]
+
+
+class FirstWriteThenAdd(nn.Module):
+    """Its first call writes the state, later ones add to it: which, a flag in a dict decides."""
+
+    def forward(self, x, cache):
+        layer = cache.layers[0]
+        if not layer.has_previous_state[0]:
+            layer.keys.copy_(x)
+            layer.has_previous_state[0] = True
+        else:
+            layer.keys.add_(x)
+        return layer.keys * 1
+
+
+def test_a_state_flag_kept_in_a_dict_is_watched_like_a_number():
+    """A graph would replay the branch its capture took: the flag the first call flips sits in a
+    dict (not an attribute), and is watched the same way: those calls run eagerly, with the
+    reason, and every call gives eager's answer."""
+    gm = _gm(FirstWriteThenAdd().eval())
+    mine, ref = _FlagCache(), _FlagCache()
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 4)
+            assert torch.equal(gm(x, mine), FirstWriteThenAdd()(x, ref))
+            assert torch.equal(mine.layers[0].keys, ref.layers[0].keys)
+    reasons = list(gm.stats()["eager_calls"])
+    assert any("has_previous_state[0]" in r for r in reasons), reasons

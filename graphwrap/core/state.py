@@ -25,7 +25,7 @@ class Saved:
 
     def __init__(self, module: torch.nn.Module, states=()):
         named = list(module.named_buffers())
-        self.host = []  # (holder, attribute, value): the numbers a state input keeps in Python
+        self.host = []  # HostNumber: the numbers a state input keeps in Python
         for i, ref in enumerate(states):  # state inputs: a static cache's tensors
             named += [(f"{type(ref.obj).__name__}[{j}]", t) for j, t in enumerate(state_tensors(ref.obj))]
             self.host += state_numbers(ref.obj)
@@ -47,19 +47,17 @@ class Saved:
                     t.copy_(saved)
                 self.written.add(name)
                 self.items[i] = (name, t, t._version, saved)
-        for holder, attr, value in self.host:
-            now = getattr(holder, attr, value)
-            if now is not value and now != value:
-                self.host_written.add(f"{type(holder).__name__}.{attr}")
-                setattr(holder, attr, value)
+        for number in self.host:
+            if number.moved():
+                self.host_written.add(number.name)
+                number.put_back()
 
     def check_host_state(self):
         """Raise CaptureFailed if the forward changed numbers a state input keeps in Python (a
         sliding-window cache's position as an int): a graph would replay them frozen, so such
         calls run eagerly. Call after a run, before :meth:`restore` puts them back."""
 
-        changed = sorted({f"{type(h).__name__}.{a}" for h, a, v in self.host
-                          if getattr(h, a, v) is not v and getattr(h, a, v) != v} | self.host_written)
+        changed = sorted({n.name for n in self.host if n.moved()} | self.host_written)
         if changed:
             raise CaptureFailed(f"the forward changes numbers its state keeps in Python ({', '.join(changed[:3])}): a "
                                 "graph would replay them frozen, so these calls run eagerly")
@@ -96,9 +94,19 @@ def state_reason(obj) -> Optional[str]:
         compileable = False
     if not compileable:
         return DYNAMIC_CACHE
+    if any(_recurrent(layer) for layer in layers):
+        return RECURRENT
     if not all(getattr(layer, "is_initialized", True) for layer in layers):
         return NOT_ALLOCATED
     return None
+
+
+def _recurrent(layer) -> bool:
+    return any(c.__name__ == "LinearAttentionCacheLayerMixin" for c in type(layer).__mro__)
+
+
+RECURRENT = ("a cache with recurrent (Mamba or linear-attention) layers runs eagerly: graphs of NemotronH's steps "
+             "gave other tokens than eager on an H100, a cause not yet found")
 
 
 NOT_STATE = "not state"
@@ -143,13 +151,47 @@ def state_tensors(obj, depth: int = 3) -> List[Tensor]:
 _NUMBERS = (int, float, bool, str, type(None))
 
 
-def state_numbers(obj) -> List[tuple]:
-    """``(holder, attribute, value)`` for the plain numbers (and strings, None) a state input
-    and its layers keep as attributes: what a forward could change on the host, out of a
-    graph's sight."""
+class HostNumber:
+    """A plain number (or string, None) a state input keeps in Python: an attribute, or an
+    entry of a dict attribute (a layer's ``has_previous_state`` by index), as it was."""
+
+    __slots__ = ("holder", "key", "value", "item", "name")
+
+    def __init__(self, holder, key, value, item: bool, name: str):
+        self.holder, self.key, self.value, self.item, self.name = holder, key, value, item, name
+
+    def now(self):
+        if self.item:
+            return self.holder.get(self.key, self.value)
+        return getattr(self.holder, self.key, self.value)
+
+    def moved(self) -> bool:
+        now = self.now()
+        return now is not self.value and now != self.value
+
+    def put_back(self) -> None:
+        if self.item:
+            self.holder[self.key] = self.value
+        else:
+            setattr(self.holder, self.key, self.value)
+
+
+def state_numbers(obj) -> List[HostNumber]:
+    """The plain numbers (and strings, None) a state input and its layers keep as attributes,
+    or as values of dict attributes: what a forward could change on the host, out of a graph's
+    sight."""
     holders = [obj] + [x for x in (getattr(obj, "layers", None) or []) if hasattr(x, "__dict__")]
-    return [(h, a, v) for h in holders if hasattr(h, "__dict__") and not isinstance(h, Tensor)
-            for a, v in vars(h).items() if isinstance(v, _NUMBERS)]
+    out = []
+    for h in holders:
+        if not hasattr(h, "__dict__") or isinstance(h, Tensor):
+            continue
+        for a, v in vars(h).items():
+            if isinstance(v, _NUMBERS):
+                out.append(HostNumber(h, a, v, False, f"{type(h).__name__}.{a}"))
+            elif isinstance(v, dict) and len(v) <= 64:
+                out += [HostNumber(v, k, x, True, f"{type(h).__name__}.{a}[{k!r}]")
+                        for k, x in v.items() if isinstance(x, _NUMBERS)]
+    return out
 
 
 class StateRef:
