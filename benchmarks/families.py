@@ -221,7 +221,7 @@ def verdict_cpu(row) -> str:
     if not row.get("built"):
         return "not built"
     if not row.get("eager_generate", True):
-        return "model.generate fails"
+        return f"model.generate fails ({row.get('why', '').removeprefix('model.generate failed: ')[:90]})"
     if "failed" in row:
         if row.get("static_generate", "ok") != "ok":
             return f"transformers' own static cache fails too ({row['static_generate'][:90]})"

@@ -67,3 +67,20 @@ def test_bench_help_names_the_command_users_type():
                        timeout=120, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.startswith("usage: python -m graphwrap bench")
     assert "``" not in r.stdout
+
+
+def test_the_family_table_is_the_one_its_script_makes_from_the_recorded_runs():
+    """docs/families.md is generated (benchmarks/families.py --table) from the two JSON files a
+    CPU and a GPU run wrote: a figure in it and its source cannot disagree."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("families", root / "benchmarks" / "families.py")
+    families = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(families)
+    runs = root / "benchmarks" / "results" / "families-2026-11-24"
+    cpu, gpu = (json.loads((runs / f).read_text()) for f in ("cpu.json", "cuda.json"))
+    assert (root / "docs" / "families.md").read_text() == families.table(cpu, gpu)
+    assert gpu["device"].startswith("NVIDIA") and cpu["device"] == "cpu"

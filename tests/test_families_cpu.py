@@ -22,7 +22,10 @@ def _model(config, model, attention="sdpa", **kw):
         pytest.skip(f"this transformers has no {model}")
     torch.manual_seed(0)
     m = getattr(tr, model)(getattr(tr, config)(**kw)).eval()
-    m.set_attn_implementation(attention)
+    try:
+        m.set_attn_implementation(attention)
+    except ValueError as e:  # an attention this transformers does not offer for the model
+        pytest.skip(f"this transformers: {str(e).splitlines()[0][:100]}")
     return m
 
 
@@ -219,7 +222,14 @@ def test_a_cache_with_recurrent_layers_runs_eagerly_with_the_reason():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import families
 
-    model = families.build("nemotron_h", "causal", "NemotronHForCausalLM", "cpu")
+    try:
+        model = families.build("nemotron_h", "causal", "NemotronHForCausalLM", "cpu")
+    except Exception as e:  # noqa: BLE001 - this transformers' config does not make it small
+        pytest.skip(f"NemotronH is not built from a small config here: {type(e).__name__}: {e}")
+    try:
+        tr.StaticCache(config=model.config, max_cache_len=8)
+    except Exception as e:  # noqa: BLE001 - transformers 5.14 makes no static cache of it
+        pytest.skip(f"this transformers makes no static cache of NemotronH: {type(e).__name__}: {e}")
     gm = on_cpu_graphs(GraphedModule(model, decode=False, eager_if_faster=False))
     kw = dict(families.inputs(model, "causal", "cpu"), max_new_tokens=12, min_new_tokens=12, do_sample=False)
     with torch.no_grad():
