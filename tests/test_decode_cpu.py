@@ -324,10 +324,8 @@ def _sliding(kind):
     return tr.Gemma2ForCausalLM(tr.Gemma2Config(head_dim=16, **small))
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
-def test_a_sliding_window_replays_with_graphwraps_ring_and_masks(kind):
-    """graphwrap's own cache keeps a window as a ring whose position lives on the device, and
-    the loop keeps the masks: every step replays, with generate's tokens (past the window)."""
+def _sliding_request(kind):
+    """A windowed model, its GraphedModule on the CPU stand-in for graphs, two left-padded prompts."""
     if not hasattr(tr, "MistralForCausalLM") or not hasattr(tr, "Gemma2ForCausalLM"):
         pytest.skip("this transformers has no Mistral or Gemma2")
     torch.manual_seed(0)
@@ -336,6 +334,14 @@ def test_a_sliding_window_replays_with_graphwraps_ring_and_masks(kind):
     ids = torch.randint(1, 100, (2, 6))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
+    return model, gm, ids, mask
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_a_sliding_window_replays_with_graphwraps_ring_and_masks(kind):
+    """graphwrap's own cache keeps a window as a ring whose position lives on the device, and
+    the loop keeps the masks: every step replays, with generate's tokens (past the window)."""
+    model, gm, ids, mask = _sliding_request(kind)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, cache_implementation="static")
     with torch.no_grad():
         assert torch.equal(gm.generate(**kw), model.generate(**kw))
@@ -348,14 +354,7 @@ def test_a_sliding_window_cache_that_keeps_its_position_in_python_runs_eagerly(k
     in a Python int as well: a graph would replay that number frozen (generate gave other tokens
     from the third step on). Such steps run eagerly, with the reason, and give generate's
     tokens."""
-    if not hasattr(tr, "MistralForCausalLM") or not hasattr(tr, "Gemma2ForCausalLM"):
-        pytest.skip("this transformers has no Mistral or Gemma2")
-    torch.manual_seed(0)
-    model = _sliding(kind).eval()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
-    ids = torch.randint(1, 100, (2, 6))
-    mask = torch.ones_like(ids)
-    mask[0, :2] = 0
+    model, gm, ids, mask = _sliding_request(kind)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
     with torch.no_grad():
         want = model.generate(**kw, past_key_values=tr.StaticCache(config=model.config, max_cache_len=32))

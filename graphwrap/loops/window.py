@@ -46,7 +46,6 @@ class _Ring:
     ``[batch, heads, W, dim]`` keys and values and keeps ``cumulative_length`` on the device)."""
 
     is_sliding = True
-    is_compileable = True
 
     def __init__(self, max_cache_len: int, sliding_window: int, **kwargs):
         super(_CLASS[0], self).__init__(max_cache_len=min(max_cache_len, sliding_window))
