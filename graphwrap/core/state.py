@@ -9,6 +9,7 @@ and the engine serves such a module without padding, chunking or joining request
 which would write state the eager call does not).
 """
 
+import functools
 from typing import List, Optional, Set, Tuple
 
 import torch
@@ -82,9 +83,16 @@ NOT_ALLOCATED = ("the static cache is not allocated yet (its first call allocate
 
 def state_reason(obj) -> Optional[str]:
     """Whether an input object is state the forward reads and writes in place: None for a cache
-    of fixed tensors (a transformers static cache: ``is_compileable``, every layer allocated),
-    a reason to run eagerly for a cache that cannot be (growing, or not allocated yet), and
+    of fixed tensors (a transformers static cache: ``is_compileable``, every layer allocated;
+    an encoder-decoder's pair of them, one for self-attention and one for cross-attention), a
+    reason to run eagerly for a cache that cannot be (growing, or not allocated yet), and
     ``NOT_STATE`` for any other object."""
+    parts = cache_parts(obj)
+    if parts is not None:
+        why = [state_reason(p) for p in parts]
+        if NOT_STATE in why:
+            return NOT_STATE
+        return next((w for w in why if w is not None), None)
     layers = getattr(obj, "layers", None)
     if not isinstance(layers, list) or not hasattr(type(obj), "is_compileable"):
         return NOT_STATE
@@ -101,8 +109,23 @@ def state_reason(obj) -> Optional[str]:
     return None
 
 
+def cache_parts(obj) -> Optional[tuple]:
+    """An encoder-decoder cache's two caches (self-attention, cross-attention); None for any
+    other object. The cross-attention cache is written once, by the prompt's forward, and read
+    by every step after it (the cache's ``is_updated`` flags say so: they are watched)."""
+    own = getattr(obj, "self_attention_cache", None), getattr(obj, "cross_attention_cache", None)
+    if any(p is None or not isinstance(getattr(p, "layers", None), list) for p in own):
+        return None
+    return own
+
+
 def _recurrent(layer) -> bool:
-    return any(c.__name__ == "LinearAttentionCacheLayerMixin" for c in type(layer).__mro__)
+    return _recurrent_type(type(layer))
+
+
+@functools.lru_cache(maxsize=None)
+def _recurrent_type(t: type) -> bool:  # asked on every call, of each layer: once per type
+    return any(c.__name__ == "LinearAttentionCacheLayerMixin" for c in t.__mro__)
 
 
 RECURRENT = ("a cache with recurrent (Mamba or linear-attention) layers runs eagerly: graphs of NemotronH's steps "
@@ -119,7 +142,8 @@ def state_tensors(obj, depth: int = 3) -> List[Tensor]:
     them, ``depth`` levels down), each once, in a fixed order. A transformers cache's are read
     straight from its layers' attributes (keys, values, the position counter): this runs on
     every call."""
-    layers = getattr(obj, "layers", None)
+    parts = cache_parts(obj)
+    layers = [x for p in parts for x in p.layers] if parts is not None else getattr(obj, "layers", None)
     if isinstance(layers, list) and layers:
         fast = [v for layer in layers for v in vars(layer).values() if isinstance(v, Tensor)]
         if fast:
@@ -180,7 +204,8 @@ def state_numbers(obj) -> List[HostNumber]:
     """The plain numbers (and strings, None) a state input and its layers keep as attributes,
     or as values of dict attributes: what a forward could change on the host, out of a graph's
     sight."""
-    holders = [obj] + [x for x in (getattr(obj, "layers", None) or []) if hasattr(x, "__dict__")]
+    caches = [obj, *(cache_parts(obj) or ())]
+    holders = caches + [x for c in caches for x in (getattr(c, "layers", None) or []) if hasattr(x, "__dict__")]
     out = []
     for h in holders:
         if not hasattr(h, "__dict__") or isinstance(h, Tensor):
