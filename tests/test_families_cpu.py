@@ -204,6 +204,24 @@ def test_tensors_and_data_of_other_kinds_are_left_to_the_function():
     assert plain_numbers([[1, 2.5], (True, 3)]) and not plain_numbers([1, "a"]) and not plain_numbers(list(range(5000)))
 
 
+def test_arange_from_a_position_on_the_device_reads_nothing_back():
+    """``torch.arange(past, past + n)`` with ``past`` a 0-d tensor on the device: eager reads both
+    bounds back (on a meta tensor, which holds no values, that raises); inside the mode the same
+    values come from ``past + arange(n)``, read nowhere. Other bounds are left as they are."""
+    past = torch.tensor(5, device="meta")
+    with pytest.raises(RuntimeError):
+        torch.arange(past, past + 3)
+    with HostConstants([], device_type="meta", pin=False):
+        made = [torch.arange(past, past + 3, dtype=torch.long, device="meta"), torch.arange(past, 3 + past)]
+    assert [(t.shape, t.dtype) for t in made] == [((3,), torch.long)] * 2
+    at = torch.tensor(5)
+    with HostConstants([], device_type="cpu", pin=False):
+        got = [torch.arange(at, at + 3, dtype=torch.float32), torch.arange(at, at + 0), torch.arange(at, at + 2),
+               torch.arange(torch.tensor(1), at + 2)]  # not at's own sum: the function's own
+    assert torch.equal(got[0], torch.tensor([5.0, 6.0, 7.0])) and got[1].numel() == 0
+    assert torch.equal(got[2], torch.tensor([5, 6])) and torch.equal(got[3], torch.arange(1, 7))
+
+
 def test_with_constants_runs_as_it_is_outside_a_capture():
     calls = []
     run = with_constants(lambda: calls.append(torch.tensor([1.0, 2.0])) or 7)

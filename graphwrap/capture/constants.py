@@ -13,8 +13,15 @@ device instead: one value filled by a kernel, several copied from a pinned buffe
 graph keeps (its replays copy from it again, and nothing writes it). Only plain Python numbers
 are taken so: a CPU tensor (an input, a buffer, anything computed) is left to fail as before,
 and the call then runs eagerly.
+
+It also serves ``torch.arange(past, past + n)`` where ``past`` is a number a forward holds on the
+device (a static cache's position) and ``n`` a Python int: eager reads both bounds back to the
+host, which a capture refuses; the same values are ``past + torch.arange(n)``, which a graph
+records and each replay computes from the position it holds then (BART-style learned positions
+in MVP, LED, TrOCR, RoFormer). Only a bound that the forward made as ``past + n`` is taken so.
 """
 
+import weakref
 from typing import List
 
 import torch
@@ -24,6 +31,7 @@ Tensor = torch.Tensor
 MAX_NUMBERS = 4096  # a larger literal is not a constant of the kind this serves
 _MAKERS = (torch.tensor, torch.as_tensor)
 _GET, _SET = torch._C.TensorBase.__getitem__, torch._C.TensorBase.__setitem__
+_ADDS = (torch.add, Tensor.add, Tensor.__add__, Tensor.__radd__)
 
 
 def plain_numbers(data, limit: int = MAX_NUMBERS) -> bool:
@@ -54,6 +62,7 @@ class HostConstants(TorchFunctionMode):
     def __init__(self, kept: List[Tensor], device_type: str = "cuda", pin: bool = True):
         super().__init__()
         self.kept = kept
+        self.sums = {}  # past + n: {id(that sum): (a weak reference to it, past, n)} (never ==: a tensor's is elementwise)
         self.device_type, self.pin = device_type, pin  # another device and no pinning: the CPU tests
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -68,7 +77,32 @@ class HostConstants(TorchFunctionMode):
             index = self.indices(args[1], args[0].device)
             if index is not args[1]:
                 args = (args[0], index) + tuple(args[2:])
+        elif func is torch.arange and len(args) == 2 and id(args[1]) in self.sums:
+            ref, past, n = self.sums[id(args[1])]
+            if ref() is args[1] and args[0] is past:
+                return self.arange(past, n, **kwargs)
+        elif func in _ADDS and len(args) == 2 and not kwargs:
+            out = func(*args)
+            self.note_sum(out, *args)
+            return out
         return func(*args, **kwargs)
+
+    def note_sum(self, out, a, b):
+        """Keep ``out`` as ``past + n`` where one operand is a 0-d integer tensor on the device and
+        the other a Python int."""
+        past, n = (a, b) if isinstance(a, Tensor) else (b, a)
+        if (isinstance(past, Tensor) and isinstance(n, int) and not isinstance(n, bool) and past.dim() == 0
+                and past.device.type == self.device_type and not past.is_floating_point()
+                and past.dtype != torch.bool and isinstance(out, Tensor)):
+            self.sums[id(out)] = (weakref.ref(out), past, n)
+
+    def arange(self, past: Tensor, n: int, dtype=None, device=None, **rest):
+        """``torch.arange(past, past + n)``'s values, made on the device without reading ``past``."""
+        if rest.get("requires_grad") or rest.get("out") is not None or rest.get("layout") not in (None, torch.strided):
+            raise RuntimeError("arange over a position on the device: only dtype= and device= are served")
+        device = torch.device(device) if device is not None else past.device
+        steps = torch.arange(max(n, 0), device=device, dtype=torch.long)
+        return (past.to(device=device, dtype=torch.long) + steps).to(dtype or past.dtype)
 
     def indices(self, index, device):
         """``index`` with each list of ints made a device tensor (the same selection)."""
