@@ -412,21 +412,110 @@ def _encoder_decoders():
 
 
 @pytest.mark.parametrize("family", ["t5", "bart", "marian", "mbart"])
-def test_encoder_decoders_with_a_static_cache_give_the_models_tokens(family):
-    """graphwrap gave them a plain StaticCache, which overflowed (an index error on a CPU, a size
-    mismatch on a GPU); transformers' own cache of two parts serves them, in its own loop, with
-    the reason."""
+def test_encoder_decoders_replay_every_step_over_a_cache_of_graphwraps_own(family):
+    """The encoder runs once per request; every decode step replays, over a self-attention and
+    a cross-attention cache that graphwrap keeps: a second request of the same lengths replays
+    the graphs the first captured, a third of another encoder length gets a cache of its own."""
     torch.manual_seed(0)
     model = _encoder_decoders()[family]().eval()
     gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
-    ids = torch.randint(3, 60, (2, 10))
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
-              do_sample=False)
+    for i, length in enumerate((10, 10, 7)):
+        ids = torch.randint(3, 60, (2, length))
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
+                  do_sample=False)
+        with torch.no_grad():
+            want = model.generate(**kw, cache_implementation="static")
+        got = gm.generate(**kw, cache_implementation="static")
+        assert torch.equal(got, want)
+        assert replays(gm) == 19 * (i + 1), "every step but the prompt's replays"
+        assert gm.stats()["eager_calls"] == {}
+    assert gm.stats()["generate"] == {"graphwrap's decode loop": 3}
+    caches = gm.__dict__["_gw_caches"]
+    assert sorted(k[3] for k in caches) == [7, 10], "one cache per encoder length"
+    assert len(gm.stats()["keys"]) == 2
+
+
+def test_an_encoder_decoders_own_caches_are_bounded_by_max_keys(gw_log):
+    torch.manual_seed(0)
+    model = _encoder_decoders()["bart"]().eval()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False, max_keys=2))
+    for length in (5, 6, 7):
+        ids = torch.randint(3, 60, (1, length))
+        kw = dict(input_ids=ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        with torch.no_grad():
+            want = model.generate(**kw)
+        assert torch.equal(gm.generate(**kw, cache_implementation="static"), want)
+    assert len(gm.__dict__["_gw_caches"]) == 2
+    assert any("max_keys" in why for why in gm.stats()["eager_calls"]), gm.stats()["eager_calls"]
+
+
+def test_whisper_decodes_input_features_in_graphwraps_loop():
+    """Whisper's own generate hands custom_generate on to transformers', and its preparation
+    hands next_sequence_length on: its steps replay, prepared by the model each step."""
+    cfg = tr.WhisperConfig(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+                           max_source_positions=32, max_target_positions=64, pad_token_id=0, bos_token_id=1,
+                           eos_token_id=2, decoder_start_token_id=1, suppress_tokens=[], begin_suppress_tokens=[])
+    torch.manual_seed(0)
+    model = tr.WhisperForConditionalGeneration(cfg).eval()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
+    features = torch.randn(2, 16, 64)
+    kw = dict(input_features=features, max_new_tokens=12, min_new_tokens=12, do_sample=False)
     with torch.no_grad():
-        want = model.generate(**kw, cache_implementation="static")
+        want = model.generate(**kw)
     got = gm.generate(**kw, cache_implementation="static")
     assert torch.equal(got, want)
-    assert any("EncoderDecoderCache" in why for why in gm.stats()["eager_calls"])
+    assert gm.stats()["generate"] == {"graphwrap's decode loop": 1}
+    assert replays(gm) == 11
+
+
+def test_an_encoder_decoder_cache_is_state_its_cross_flags_watched():
+    """Both of its caches' tensors are the state; its is_updated flags (host bools the prompt's
+    forward sets) are among the numbers watched; a growing part is refused with the reason."""
+    from graphwrap.core.state import state_numbers, state_tensors
+
+    torch.manual_seed(0)
+    model = _encoder_decoders()["bart"]().eval()
+    cfg = model.config
+    cache = tr.EncoderDecoderCache(tr.StaticCache(config=cfg, max_cache_len=16), tr.StaticCache(config=cfg, max_cache_len=6))
+    assert state_reason(cache) == NOT_ALLOCATED
+    ids = torch.randint(3, 60, (1, 6))
+    with torch.no_grad():
+        model(input_ids=ids, decoder_input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    assert state_reason(cache) is None
+    tensors = state_tensors(cache)
+    assert len(tensors) == 2 * 2 * 3, "keys, values and the position of each layer of both caches"
+    assert {t.shape[2] for t in tensors if t.dim() == 4} == {16, 6}
+    flags = [n for n in state_numbers(cache) if n.name.startswith("EncoderDecoderCache.is_updated")]
+    assert len(flags) == 2 and all(n.value is True for n in flags)
+    grows = tr.EncoderDecoderCache(tr.DynamicCache(), tr.DynamicCache())
+    assert state_reason(grows) == DYNAMIC_CACHE
+
+
+def test_a_preparation_passing_next_sequence_length_on_is_recognised():
+    from graphwrap.loops.decode import _takes_next_length
+
+    class Base:
+        def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, **kwargs):
+            return kwargs
+
+    class HandsOn(Base):
+        def prepare_inputs_for_generation(self, input_ids, **kwargs):
+            kwargs["extra"] = 1
+            return super().prepare_inputs_for_generation(input_ids, **kwargs)
+
+    class Keeps(Base):
+        def prepare_inputs_for_generation(self, input_ids, **kwargs):
+            return dict(kwargs, input_ids=input_ids)  # next_sequence_length would reach the forward
+
+    class Fixed(Base):
+        def prepare_inputs_for_generation(self, input_ids, attention_mask=None):
+            return super().prepare_inputs_for_generation(input_ids)
+
+    assert _takes_next_length(Base().prepare_inputs_for_generation)
+    assert _takes_next_length(HandsOn().prepare_inputs_for_generation)
+    assert not _takes_next_length(Keeps().prepare_inputs_for_generation)
+    assert not _takes_next_length(Fixed().prepare_inputs_for_generation)
 
 
 def _steps_seen(gm) -> int:
@@ -500,6 +589,38 @@ def test_beam_search_steps_that_never_reach_graphwrap_say_so():
     with torch.no_grad():
         assert torch.equal(gm.generate(**kw), model.generate(**kw))
     assert _steps_seen(gm) == 0
+    # beam search the model's own generation config asks for (FSMT's does): said the same way
+    model.generation_config.num_beams = 2
+    del kw["num_beams"]
+    with torch.no_grad():
+        assert torch.equal(gm.generate(**kw, cache_implementation="static"), model.generate(**kw))
+    assert _steps_seen(gm) == 0
     assert gm.stats()["generate"] == {
         "transformers' loop, no step reached graphwrap: it called the model itself "
-        "(beam search or several sequences per prompt)": 1}
+        "(beam search or several sequences per prompt)": 2}
+
+
+def test_logits_processors_run_as_transformers_list_runs_them():
+    """The loop reads each processor's signature once, not every step: the same scores, and a
+    list with a processor that wants more arguments keeps the list's own call and error."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinLengthLogitsProcessor,
+        TemperatureLogitsWarper,
+    )
+
+    from graphwrap.loops.decode import processing
+
+    procs = LogitsProcessorList([MinLengthLogitsProcessor(5, eos_token_id=2), TemperatureLogitsWarper(0.7)])
+    ids, scores = torch.randint(0, 10, (2, 3)), torch.randn(2, 10)
+    fast = processing(procs)
+    assert fast is not procs and torch.equal(fast(ids, scores), procs(ids, scores))
+
+    class WantsMore:
+        def __call__(self, input_ids, scores, cur_len):
+            return scores
+
+    picky = LogitsProcessorList([TemperatureLogitsWarper(0.7), WantsMore()])
+    assert processing(picky) is picky
+    with pytest.raises(ValueError, match="required parameters"):
+        processing(picky)(ids, scores)

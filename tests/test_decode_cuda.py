@@ -289,17 +289,44 @@ def test_generate_after_half_uses_a_cache_of_the_new_dtype():
     assert cache.layers[0].keys.dtype == torch.float16
 
 
-def test_an_encoder_decoder_with_a_static_cache_gives_the_models_tokens():
+def _seq2seq(name):
     torch.manual_seed(0)
-    cfg = tr.BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128,
-                        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
-                        forced_eos_token_id=None)
-    model = tr.BartForConditionalGeneration(cfg).cuda().eval()
+    common = dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)
+    if name == "t5":
+        model = tr.T5ForConditionalGeneration(tr.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                          num_heads=4, decoder_start_token_id=0, pad_token_id=0,
+                                                          eos_token_id=1))
+    elif name in ("bart", "mvp"):  # MVP's positions: torch.arange over the cache's position (constants.py)
+        config, cls = (tr.BartConfig, tr.BartForConditionalGeneration) if name == "bart" else (
+            tr.MvpConfig, tr.MvpForConditionalGeneration)
+        model = cls(config(**common, max_position_embeddings=128, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                           decoder_start_token_id=2, forced_eos_token_id=None))
+    else:
+        model = tr.WhisperForConditionalGeneration(tr.WhisperConfig(
+            **common, num_mel_bins=16, max_source_positions=32, max_target_positions=64, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, suppress_tokens=[], begin_suppress_tokens=[]))
+    return model.to(DEV).eval()
+
+
+@pytest.mark.parametrize("name", ["t5", "bart", "mvp", "whisper"])
+def test_encoder_decoders_replay_every_step_with_generates_tokens(name, exact):
+    """The encoder once per request, every decoder step a replay over graphwrap's own cache of
+    two parts; a second request of the same lengths replays the first one's graphs."""
+    model = _seq2seq(name)
     gm = GraphedModule(model, decode=False)
-    ids = torch.randint(3, 60, (2, 10), device="cuda")
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
-              do_sample=False)
-    with torch.no_grad():
-        want = model.generate(**kw, cache_implementation="static")
-    assert torch.equal(gm.generate(**kw, cache_implementation="static"), want)
+    for i in range(2):
+        if name == "whisper":
+            kw = dict(input_features=torch.randn(2, 16, 64, device=DEV))
+        else:
+            ids = torch.randint(3, 60, (2, 10), device=DEV)
+            kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+        kw.update(max_new_tokens=20, min_new_tokens=20, do_sample=False)
+        with torch.no_grad():
+            want = model.generate(**kw)
+            got = gm.generate(**kw, cache_implementation="static")
+        assert torch.equal(got, want), name
+    s = gm.stats()
+    print(f"\n{name}: {replays(gm)} replays, eager {s['eager_calls']}, {s['generate']}")
+    assert s["eager_calls"] == {} and replays(gm) >= 2 * 19 - 2
+    assert len(s["keys"]) == 1, "the second request replays the first one's graphs"

@@ -75,6 +75,8 @@ def _make(held: dict, module):
     why = decode.unsupported(module)
     if why is not None:
         return None, why
+    if getattr(module.config, "is_encoder_decoder", False):
+        return None, "an encoder-decoder model (the shared batch serves decoder-only models)"
     from .probe import probe
     from .server import DecodeServer
     from .step import DecodeStep, PrefillStep

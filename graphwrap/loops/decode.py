@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from ..errors import GraphwrapError
+from . import seq2seq
 from .experts import batched_experts
 from .window import RingMasks, is_ring, ring_unsupported, use_rings
 
@@ -67,16 +68,43 @@ def unsupported(module) -> Optional[str]:
     mixin = getattr(gen_utils, "GenerationMixin", None)
     if mixin is None or not isinstance(module, mixin):
         return "not a Hugging Face generation model"
-    if "custom_generate" not in inspect.signature(module.generate).parameters:
+    if not _takes_custom_generate(module, mixin):
         return "this transformers has no custom_generate (a callable decoding loop needs 4.56 or newer)"
     for name in ("_prefill", "_update_model_kwargs_for_generation", "prepare_inputs_for_generation"):
         if not callable(getattr(module, name, None)):
             return f"this transformers' models have no {name}()"
-    if "next_sequence_length" not in inspect.signature(module.prepare_inputs_for_generation).parameters:
+    if not _takes_next_length(module.prepare_inputs_for_generation):
         return "this transformers' prepare_inputs_for_generation() takes no next_sequence_length"
-    if getattr(module.config, "is_encoder_decoder", False):
-        return "an encoder-decoder model"
     return None
+
+
+def _takes_next_length(prepare) -> bool:
+    """Whether a model's ``prepare_inputs_for_generation`` takes ``next_sequence_length``: as a
+    parameter, or in ``**kwargs`` it hands on to transformers' own (Whisper's adds decoder
+    positions first). An override that keeps its ``**kwargs`` for the forward does not."""
+    try:
+        params = inspect.signature(prepare).parameters
+    except (TypeError, ValueError):
+        return False
+    if "next_sequence_length" in params:
+        return True
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return False
+    try:
+        source = inspect.getsource(prepare)
+    except (OSError, TypeError):
+        return False
+    return "super().prepare_inputs_for_generation(" in source and "**kwargs" in source.split("super().", 1)[1]
+
+
+def _takes_custom_generate(module, mixin) -> bool:
+    """Whether ``generate`` takes ``custom_generate``: as a parameter, or through the ``**kwargs``
+    of a model's own ``generate`` that hands them to transformers' (Whisper's)."""
+    params = inspect.signature(module.generate).parameters
+    if "custom_generate" in params:
+        return True
+    passes = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return passes and "custom_generate" in inspect.signature(mixin.generate).parameters
 
 
 def request_unsupported(kwargs) -> Optional[str]:
@@ -100,6 +128,8 @@ def check_room(args, kwargs):
     ids = kwargs.get("input_ids", args[0] if args else None)
     if cache is None or not isinstance(new, int) or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return
+    if getattr(cache, "cross_attention_cache", None) is not None:
+        return  # an encoder-decoder's: input_ids are the encoder's, not what its self-attention holds
     if getattr(cache, "is_compileable", False) is not True:
         return  # a cache that grows
     if any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", None) or []):
@@ -129,9 +159,33 @@ def _mode_unsupported(model, gen) -> Optional[str]:
         return "return_dict_in_generate"
     if getattr(gen, "prefill_chunk_size", None) is not None:
         return "chunked prefill"
-    if model.config.is_encoder_decoder:
-        return "an encoder-decoder model"
     return None
+
+
+def processing(processors):
+    """``processors(input_ids, scores)``, as transformers' list calls it: each processor in turn,
+    which the list does after reading each processor's signature again every step, on the
+    host. Read once here; a list whose processors want more than the two arguments keeps its
+    own call (and its error)."""
+    try:
+        calls = list(processors)
+        plain = all(len(inspect.signature(p.__call__).parameters) <= 2 for p in calls)
+    except (TypeError, ValueError):
+        return processors
+    if not plain or type(processors).__call__ is not _list_call():
+        return processors
+
+    def process(input_ids, scores):
+        for p in calls:
+            scores = p(input_ids, scores)
+        return scores
+    return process
+
+
+def _list_call():
+    from transformers.generation.logits_process import LogitsProcessorList
+
+    return LogitsProcessorList.__call__
 
 
 class _Rng:
@@ -256,14 +310,22 @@ class _StepInputs:
 
     def __init__(self, model, model_kwargs: dict):
         self.model, self.kwargs = model, model_kwargs
-        self.lean = None  # None: not known yet; False: prepared every step
+        self.seq2seq = seq2seq.is_seq2seq(model)
+        # An override of the preparation that takes next_sequence_length only in **kwargs (it adds
+        # inputs of its own, then hands on to transformers'): prepared every step, never kept.
+        prepare = getattr(model, "prepare_inputs_for_generation", None)
+        own = "next_sequence_length" in inspect.signature(prepare).parameters if prepare is not None else False
+        # (An encoder-decoder's steps are kept only where they hold nothing but the tokens, the
+        # cache and the encoder's output and mask: seq2seq.LeanSteps.)
+        self.lean = None if own or self.seq2seq else False  # None: not known yet; False: prepared every step
         self.masks = None  # window.RingMasks, over a cache with ring layers
         self.rings = [layer for layer in getattr(given_cache(model_kwargs), "layers", None) or [] if is_ring(layer)]
 
     def after(self, outputs):
         """Note a forward's outputs (the cache, and the mask and positions one token longer)."""
         if not self.lean:
-            self.kwargs = self.model._update_model_kwargs_for_generation(outputs, self.kwargs, is_encoder_decoder=False)
+            self.kwargs = self.model._update_model_kwargs_for_generation(outputs, self.kwargs,
+                                                                         is_encoder_decoder=self.seq2seq)
 
     @property
     def graphed(self) -> bool:
@@ -272,6 +334,8 @@ class _StepInputs:
         return not self.rings or self.masks is not None
 
     def next(self, input_ids, tokens) -> dict:
+        if self.lean and self.seq2seq:  # seq2seq.LeanSteps
+            return self.lean.next(tokens)
         if self.lean:
             self.lean["input_ids"] = tokens[:, None]
             if "position_ids" in self.lean:
@@ -284,7 +348,11 @@ class _StepInputs:
             return self.lean
         inputs = self.model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **self.kwargs)
         if self.lean is None:
-            if self.rings:
+            if self.seq2seq:
+                self.lean = seq2seq.LeanSteps.make(self.model, inputs, input_ids.shape[1]) or False
+                if self.lean:
+                    return self.lean.inputs
+            elif self.rings:
                 self.lean = self._ring_inputs(inputs) or False
             else:
                 self.lean, self.column = _lean(self.model, inputs, self.kwargs) or (False, None)
@@ -311,18 +379,26 @@ class _StepInputs:
             layer.ring_masks = False
 
 
-def make_decode_loop(step):
-    """A ``custom_generate`` callable whose decode steps are ``step(**model_inputs)``."""
+def make_decode_loop(step, own_cache=None, declined=None):
+    """A ``custom_generate`` callable whose decode steps are ``step(**model_inputs)``;
+    ``own_cache(model, model_kwargs)`` may put a cache of graphwrap's own in place of the one
+    ``generate`` made (an encoder-decoder's: :mod:`.seq2seq`). A request it hands to
+    transformers' own loop (beam search the model's generation config asks for, say) appends
+    the reason to ``declined``."""
 
     def graphwrap_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
         why = _mode_unsupported(model, generation_config)
         if why is not None:  # generate() prepared a request its own loop serves
+            if declined is not None:
+                declined.append(why)
             plain_instead(model, model_kwargs)
             from transformers.generation.utils import GENERATION_MODES_MAPPING
 
             method = getattr(type(model), GENERATION_MODES_MAPPING[generation_config.get_generation_mode()])
             return method(model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                           generation_config=generation_config, **model_kwargs)
+        if own_cache is not None:
+            own_cache(model, model_kwargs)
         return _loop(model, step, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
     return graphwrap_decode
@@ -350,6 +426,7 @@ def _steps(model, step, input_ids, logits_processor, stopping_criteria, gen, inp
     finished = _Finished(device) if criteria else None
     rng = _Rng(device) if criteria and gen.do_sample else None
     unfinished = torch.ones(rows, dtype=torch.bool, device=device)
+    process = processing(logits_processor)
 
     outputs = model._prefill(input_ids, gen, inputs.kwargs)
     tokens = None
@@ -360,7 +437,7 @@ def _steps(model, step, input_ids, logits_processor, stopping_criteria, gen, inp
         inputs.after(outputs)
         logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
         del outputs
-        scores = logits_processor(input_ids, logits)
+        scores = process(input_ids, logits)
         if gen.do_sample:
             if rng is not None:
                 rng.save()
@@ -441,10 +518,15 @@ def generate(engine, held: dict, module, args, kwargs):
     why = unsupported(module) or request_unsupported(kwargs)
     # Ring layers for sliding windows only where graphwrap's loop runs the steps (window.py).
     kwargs = static_cache(held, module, args, kwargs, name, rings=why is None)
-    if why is None and not any(given_cache(kwargs) is c for c in held.get("_gw_caches", {}).values()):
+    own = None
+    if seq2seq.is_seq2seq(module) and kwargs.get("cache_implementation") == "static" and given_cache(kwargs) is None:
+        def own(model, model_kwargs):  # the encoder's length is known once generate has run it
+            seq2seq.own_cache(held, model, model_kwargs, engine.max_keys)
+    elif why is None and not any(given_cache(kwargs) is c for c in held.get("_gw_caches", {}).values()):
         why = "the cache is not graphwrap's own (it comes with cache_implementation=\"static\" and no cache given)"
+    declined = []
     if why is None:
-        kwargs = dict(kwargs, custom_generate=make_decode_loop(step))
+        kwargs = dict(kwargs, custom_generate=make_decode_loop(step, own, declined))
     elif why not in held.setdefault("_gw_loop_notes", set()):
         held["_gw_loop_notes"].add(why)
         logger.info("graphwrap: generate runs transformers' own loop, each step handed to graphwrap (%s)", why)
@@ -460,7 +542,7 @@ def generate(engine, held: dict, module, args, kwargs):
         for k in ("get_compiled_call", "_valid_auto_compile_criteria"):
             d.pop(k, None)
         d.update(before)
-    _count(engine, held, why, handed[0], _new_tokens(out, args, kwargs), kwargs)
+    _count(engine, held, why or (declined[0] if declined else None), handed[0], _new_tokens(out, args, kwargs), kwargs)
     return out
 
 
@@ -507,10 +589,10 @@ def static_cache(held: dict, module, args, kwargs, name: str = "past_key_values"
         return kwargs
     if not takes_cache(module, name):
         return kwargs  # a model without a cache of transformers' kind: generate does as it does
-    if getattr(getattr(module, "config", None), "is_encoder_decoder", False):
+    if seq2seq.is_seq2seq(module):
         # Its decoder needs a cache of two parts (self-attention, and cross-attention over the
-        # encoder's output): transformers makes that from cache_implementation="static"; a plain
-        # StaticCache in its place overflowed on the first step past its length.
+        # encoder's output, whose length is known once generate has run the encoder): the
+        # decode loop puts graphwrap's own in place of the one generate makes (seq2seq.py).
         return kwargs
     need = ids.shape[1] + kwargs["max_new_tokens"]
     size = -(-need // 64) * 64
