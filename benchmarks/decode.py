@@ -3,6 +3,8 @@
 GPT-2 (124M, its base config) and a Llama-shaped 1.1B model (22 layers, 2048 wide, 32 query and
 4 key-value heads), and with ``--decode-models mistral`` the same shape as Mistral with a 64-token
 sliding window (it passes within the 160 positions decoded), random weights, fp16, a 32-token prompt, 128 new tokens, batch 1 and 8.
+With ``--decode-models whisper``, an encoder-decoder: Whisper's base shape (6 + 6 layers, 512
+wide, 74M parameters), 30 s of audio features (80 x 3000), the encoder once, 128 new tokens.
 Strategies, each in this process: transformers' eager loop with its StaticCache
 (``generate(cache_implementation="static", disable_compile=True)``); ``gm.generate`` with default
 settings; the decode step captured by hand in one CUDA graph (argmax outside); and, without
@@ -52,6 +54,13 @@ def _by_hand(model, ids, new, compiled=False):
     def step():
         return forward(input_ids=static_ids, past_key_values=cache, use_cache=True).logits
 
+    return _captured(prefill, step, static_ids, ids, new)
+
+
+def _captured(prefill, step, static_ids, ids, new):
+    """``run(n)``: ``prefill()`` writes the first token into ``static_ids``, the step's input;
+    then each of ``n - 1`` steps is one replay of ``step()``, captured after warm-up on a side
+    stream, and the argmax of its logits is copied into ``static_ids``."""
     with torch.no_grad():
         prefill()
         s = torch.cuda.Stream()
@@ -80,6 +89,7 @@ MODELS = {
     "gpt2": "GPT-2 124M",
     "llama": "Llama-shaped 1.1B (22 layers, 2048 wide, 32/4 heads)",
     "mistral": "Mistral-shaped 1.1B (the Llama shape, a 64-token sliding window)",
+    "whisper": "Whisper-base-shaped 74M (30 s of audio features)",
 }
 
 
@@ -87,6 +97,11 @@ def _model(name, device):
     import transformers
 
     torch.manual_seed(0)
+    if name == "whisper":
+        cfg = transformers.WhisperConfig(d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
+                                         decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048,
+                                         suppress_tokens=[], begin_suppress_tokens=[])
+        return transformers.WhisperForConditionalGeneration(cfg).to(device).half().eval()
     if name == "gpt2":
         cfg = transformers.GPT2Config()
         cfg.pad_token_id = cfg.eos_token_id
@@ -101,15 +116,42 @@ def _model(name, device):
     return model.to(device).half().eval()
 
 
+def _by_hand_seq2seq(model, features, new):
+    """An encoder-decoder's steps as :func:`_by_hand`'s: the encoder and the first step eagerly
+    (the first writes the cross-attention cache), then each step one replay; argmax outside."""
+    import transformers
+
+    b = features.shape[0]
+    start = torch.full((b, 1), model.config.decoder_start_token_id, dtype=torch.long, device=features.device)
+    with torch.no_grad():
+        encoded = model.get_encoder()(features)
+    cfg = model.config
+    cache = transformers.EncoderDecoderCache(transformers.StaticCache(config=cfg, max_cache_len=new + 1),
+                                             transformers.StaticCache(config=cfg, max_cache_len=encoded[0].shape[1]))
+    static_ids = torch.zeros(b, 1, dtype=torch.long, device=features.device)
+
+    def prefill():
+        cache.reset()
+        enc = model.get_encoder()(features)
+        out = model(encoder_outputs=enc, decoder_input_ids=start, past_key_values=cache, use_cache=True)
+        static_ids.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
+        return static_ids.clone()
+
+    def step():
+        return model(encoder_outputs=encoded, decoder_input_ids=static_ids, past_key_values=cache, use_cache=True).logits
+
+    return _captured(prefill, step, static_ids, start, new)
+
+
 def _first_differences(out, want, logits):
     """Rows whose tokens differ from eager's, and at each one's first difference, how far apart
     eager's two best logits were, in fp16 units in the last place of the best (random weights make
     near ties, which kernels that round differently break the other way)."""
-    if out.shape != want.shape:
+    if out.shape[0] != want.shape[0] or min(out.shape[1], want.shape[1]) < NEW:
         return out.shape[0], [float("inf")]
     ties = []
     for r in range(out.shape[0]):
-        diff = (out[r, PROMPT:] != want[r, PROMPT:]).nonzero()
+        diff = (out[r, -NEW:] != want[r, -NEW:]).nonzero()
         if diff.numel():
             step = int(diff[0])
             top = logits[step][r].float().topk(2).values
@@ -130,35 +172,44 @@ def run(results, device, quick: bool, repeats: int, models=("gpt2", "llama")):
 
 def _one(results, model, label, batch, device, quick, rounds):
     g = torch.Generator().manual_seed(batch)
-    ids = torch.randint(3, model.config.vocab_size, (batch, PROMPT), generator=g).to(device)
-    mask = torch.ones_like(ids)
-    common = dict(input_ids=ids, attention_mask=mask, do_sample=False)
+    seq2seq = model.config.is_encoder_decoder
+    if seq2seq:  # 30 s of audio features; min_new_tokens: random weights can end a row early
+        features = torch.randn(batch, model.config.num_mel_bins, 3000, generator=g).to(device).half()
+        inputs = dict(input_features=features)
+    else:
+        ids = torch.randint(3, model.config.vocab_size, (batch, PROMPT), generator=g).to(device)
+        inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+    def common(n):
+        return dict(inputs, do_sample=False, max_new_tokens=n, **(dict(min_new_tokens=n) if seq2seq else {}))
+
     strategies = {
         "transformers eager loop, StaticCache": lambda n: model.generate(
-            **common, max_new_tokens=n, cache_implementation="static", disable_compile=True),
+            **common(n), cache_implementation="static", disable_compile=True),
     }
     gm = GraphedModule(model)
-    strategies["gm.generate, default settings"] = lambda n: gm.generate(
-        **common, max_new_tokens=n, cache_implementation="static")
-    if not getattr(model.config, "sliding_window", None):
+    strategies["gm.generate, default settings"] = lambda n: gm.generate(**common(n), cache_implementation="static")
+    if seq2seq:
+        hand = _by_hand_seq2seq(model, features, NEW)
+        strategies["the step captured by hand (one graph)"] = lambda n: hand(n)
+    elif not getattr(model.config, "sliding_window", None):
         # transformers' window layer keeps its position in a Python int as well: a graph captured
         # by hand replays it frozen (on the H100 a device-side assert that ended the process)
         hand = _by_hand(model, ids, NEW)
         strategies["the step captured by hand (one graph)"] = lambda n: hand(n)
     if not quick:
         strategies["transformers generate, compiled (static cache)"] = lambda n: model.generate(
-            **common, max_new_tokens=n, cache_implementation="static")
+            **common(n), cache_implementation="static")
         gmc = GraphedModule(model, compile=True)
-        strategies["gm.generate, compile=True"] = lambda n: gmc.generate(
-            **common, max_new_tokens=n, cache_implementation="static")
-        if not getattr(model.config, "sliding_window", None):
+        strategies["gm.generate, compile=True"] = lambda n: gmc.generate(**common(n), cache_implementation="static")
+        if not getattr(model.config, "sliding_window", None) and not seq2seq:
             hand_c = _by_hand(model, ids, NEW, compiled=True)
             strategies["the step captured by hand, Inductor's kernels inside"] = lambda n: hand_c(n)
     with torch.no_grad():
-        ref = model.generate(**common, max_new_tokens=NEW, cache_implementation="static", disable_compile=True,
+        ref = model.generate(**common(NEW), cache_implementation="static", disable_compile=True,
                              output_logits=True, return_dict_in_generate=True)
     want = ref.sequences
-    case = f"{label} fp16, batch {batch}, prompt {PROMPT}, {NEW} new tokens"
+    case = f"{label} fp16, batch {batch}, " + ("" if seq2seq else f"prompt {PROMPT}, ") + f"{NEW} new tokens"
     for name, fn in strategies.items():
         try:
             t0 = time.perf_counter()
@@ -175,7 +226,8 @@ def _one(results, model, label, batch, device, quick, rounds):
             results.add("decode", case, name, [], "ms", None, None, error=f"{type(e).__name__}: {e}"[:200])
             print(f"  [{case}] {name}: FAILED {type(e).__name__}: {e}", flush=True)
             continue
-        same = float((out[:, PROMPT:] == want[:, PROMPT:]).float().mean()) if out.shape == want.shape else 0.0
+        comparable = out.shape[0] == want.shape[0] and min(out.shape[1], want.shape[1]) >= NEW
+        same = float((out[:, -NEW:] == want[:, -NEW:]).float().mean()) if comparable else 0.0
         rows, ties = _first_differences(out, want, ref.logits)
         per_token = [(f - o) / (NEW - 1) for f, o in zip(full, one)]
         results.add("decode", case, f"{name}: per token", per_token, "ms", cold, None,

@@ -108,8 +108,15 @@ def inputs(model, kind, device):
         ids[r, width - n:] = torch.randint(2, VOCAB, (n,), generator=g)
         mask[r, width - n:] = 1
     if kind == "speech":
-        bins = getattr(model.config, "num_mel_bins", 16)
-        frames = 2 * getattr(model.config, "max_source_positions", 32)
+        import inspect
+
+        if "input_values" in inspect.signature(model.forward).parameters:  # raw audio (Moonshine)
+            return dict(input_values=torch.randn(rows, 16000, generator=g).to(device))
+        cfg = model.config
+        bins = getattr(cfg, "num_mel_bins", None) or getattr(cfg, "input_feat_per_channel", 16)
+        frames = 2 * min(getattr(cfg, "max_source_positions", 32), 32)
+        if "input_feat_per_channel" in vars(cfg):  # Speech2Text: (rows, frames, features)
+            return dict(input_features=torch.randn(rows, frames, bins, generator=g).to(device))
         return dict(input_features=torch.randn(rows, bins, frames, generator=g).to(device))
     return dict(input_ids=ids.to(device), attention_mask=mask.to(device))
 
@@ -181,6 +188,8 @@ def run(device, only=None, start: int = 0, rows_out=None) -> dict:
         row["seconds"] = round(time.perf_counter() - t0, 2)
         rows.append(row)
         print(json.dumps(row), file=rows_out or sys.stderr, flush=True)
+        if rows_out is not None:  # where the run got to, should it be cut short
+            print(f"{t} ({kind}): {row['seconds']} s", file=sys.stderr, flush=True)
         if device.type == "cuda" and "CUDA error" in json.dumps(row):
             break  # this process can use the GPU no more
     return dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -188,8 +197,9 @@ def run(device, only=None, start: int = 0, rows_out=None) -> dict:
                 date=datetime.date.today().isoformat(), rows=rows)
 
 
-def run_isolated(device, only=None) -> dict:
-    """:func:`run` in child processes, a new one after each that a family broke."""
+def run_isolated(device, only=None, progress=None) -> dict:
+    """:func:`run` in child processes, a new one after each that a family broke;
+    ``progress(rows so far)`` after each child."""
     import os
     import subprocess
     import tempfile
@@ -208,6 +218,8 @@ def run_isolated(device, only=None) -> dict:
         if only:
             return dict(head or {}, rows=got)
         rows += got
+        if progress is not None:
+            progress(dict(head or {}, rows=rows))
         if code != 0 and len(rows) < len(names) and not any("CUDA error" in json.dumps(r) for r in got[-1:]):
             t, kind, cls = names[len(rows)]  # the process died in this family
             rows.append(dict(family=t, kind=kind, model=cls, built=False, why=f"the process died (exit {code})"))
@@ -293,7 +305,11 @@ def main(argv=None):
         return
     device = torch.device(a.device)
     if device.type == "cuda" and a.rows is None:
-        out = run_isolated(device, a.only)
+        def progress(part):  # a run cut short keeps what it did
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(part, f, indent=1)
+        out = run_isolated(device, a.only, progress)
     else:
         with open(a.rows, "w") if a.rows else contextlib.nullcontext() as rows_out:
             out = run(device, a.only, a.start, rows_out)

@@ -103,7 +103,7 @@ def main(argv=None):
     ap.add_argument("--large-sizes", default="300,512,1280", help="batch sizes of the large scenario")
     ap.add_argument("--mixed-models", default="mlp,bert", help="models of the mixed scenario: mlp, bert or both")
     ap.add_argument("--generate-models", default="gpt2,llama", help="models of the generate scenario")
-    ap.add_argument("--decode-models", default="gpt2,llama", help="models of the decode scenario, comma-separated: gpt2, llama, mistral")
+    ap.add_argument("--decode-models", default="gpt2,llama", help="models of the decode scenario, comma-separated: gpt2, llama, mistral, whisper")
     ap.add_argument("--mixed-static-exact", action="store_true",
                     help="mixed MLP: also exact buckets with kernels compiled for each size (64 compiles a width)")
     ap.add_argument("--device-time", action="store_true",

@@ -80,7 +80,7 @@ def test_the_family_table_is_the_one_its_script_makes_from_the_recorded_runs():
     spec = importlib.util.spec_from_file_location("families", root / "benchmarks" / "families.py")
     families = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(families)
-    runs = root / "benchmarks" / "results" / "families-2026-11-24"
+    runs = root / "benchmarks" / "results" / "families-2026-11-24-encdec"
     cpu, gpu = (json.loads((runs / f).read_text()) for f in ("cpu.json", "cuda.json"))
     assert (root / "docs" / "families.md").read_text() == families.table(cpu, gpu)
     assert gpu["device"].startswith("NVIDIA") and cpu["device"] == "cpu"
