@@ -624,3 +624,29 @@ def test_logits_processors_run_as_transformers_list_runs_them():
     assert processing(picky) is picky
     with pytest.raises(ValueError, match="required parameters"):
         processing(picky)(ids, scores)
+
+
+def test_an_encoder_decoder_under_inference_mode_and_from_threads():
+    """Calls as users make them: under torch.inference_mode(), and from four threads at once
+    (they take turns on the model); each gets the model's tokens, the steps replay."""
+    torch.manual_seed(0)
+    model = _encoder_decoders()["bart"]().eval()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
+    prompts = [torch.randint(3, 60, (2, 8)) for _ in range(4)]
+    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    with torch.no_grad():
+        want = [model.generate(input_ids=p, **kw) for p in prompts]
+    with torch.inference_mode():
+        assert torch.equal(gm.generate(input_ids=prompts[0], **kw, cache_implementation="static"), want[0])
+    got = [None] * 4
+
+    def run(i):
+        with torch.no_grad():
+            got[i] = gm.generate(input_ids=prompts[i], **kw, cache_implementation="static")
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert replays(gm) == 5 * 9 and gm.stats()["eager_calls"] == {}
