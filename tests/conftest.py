@@ -25,6 +25,16 @@ def _seed_and_clean():
 
 
 @pytest.fixture
+def fp32_exact():
+    """TF32 off (matrix products and cuDNN): fp32 graph and eager then agree to rounding, so a
+    graph's tokens can be compared with eager's exactly and a wrong answer stands out."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.fixture
 def gw_log(caplog):
     caplog.set_level(logging.INFO, logger="graphwrap")
     return caplog

@@ -38,15 +38,6 @@ class Deep(nn.Module):
         return x
 
 
-@pytest.fixture
-def fp32_exact():
-    """TF32 off: graph and eager then agree to rounding, and a wrong answer stands out."""
-    was = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = was
-
-
 def _call_and_check(gm, m, data, done, seed: int, threads: int = 8, extra: int = 20, tol: float = 1e-4,
                     max_rows: int = 256):
     """``threads`` threads call ``gm`` with random row counts until ``done()`` and ``extra`` more

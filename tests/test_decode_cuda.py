@@ -227,17 +227,8 @@ def _family(name):
     return getattr(tr, model)(getattr(tr, config)(**kw)).to(DEV).eval()
 
 
-@pytest.fixture
-def exact():
-    """fp32 matrix products without TF32, so a graph's tokens can be compared with eager's exactly."""
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
 @pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3", "gptj", "falcon", "bloom", "mixtral", "qwen2_moe"])
-def test_families_that_decoded_eagerly_replay_every_step_with_generates_tokens(name, exact):
+def test_families_that_decoded_eagerly_replay_every_step_with_generates_tokens(name, fp32_exact):
     """Sliding windows of 8 positions past their length (40 new tokens), models whose forward
     made tensors of Python numbers, mixtures of experts: two left-padded prompts, tokens equal
     model.generate's, every decode step a replay."""
@@ -310,7 +301,7 @@ def _seq2seq(name):
 
 
 @pytest.mark.parametrize("name", ["t5", "bart", "mvp", "whisper"])
-def test_encoder_decoders_replay_every_step_with_generates_tokens(name, exact):
+def test_encoder_decoders_replay_every_step_with_generates_tokens(name, fp32_exact):
     """The encoder once per request, every decoder step a replay over graphwrap's own cache of
     two parts; a second request of the same lengths, under inference_mode, replays the first
     one's graphs."""

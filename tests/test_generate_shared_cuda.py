@@ -9,18 +9,10 @@ from helpers import thread_results
 from graphwrap import GraphedModule, GraphwrapError
 from graphwrap.decoding import attention
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fp32_exact")]
 DEV = "cuda"
 tr = pytest.importorskip("transformers", reason="needs transformers, which no extra installs: pip install transformers")
 SHARED = "graphwrap's shared decode batch"
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def _model(kind="gpt2"):
