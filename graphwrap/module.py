@@ -5,9 +5,10 @@ in a parent module) and hands every call to the engine (:mod:`graphwrap.core.eng
 direct-call loop (:mod:`graphwrap.loops.calls`).
 """
 
+import concurrent.futures
 import logging
 import weakref
-from typing import Optional, Sequence
+from typing import Any, Iterable, Iterator, Literal, Optional, Tuple
 
 from torch import nn
 from torch.nn.modules import module as _nn_module
@@ -17,7 +18,7 @@ from .core.reasons import Eager, Kind
 from .core.records import release_store
 from .decoding import front
 from .errors import GraphwrapError
-from .options import Options
+from .options import Buckets, CompileArg, DecodeArg, Dims, Options, PadValues, SeqBuckets, StateArg
 
 logger = logging.getLogger("graphwrap")
 
@@ -141,24 +142,24 @@ class GraphedModule(nn.Module):
         self,
         module: nn.Module,
         *,
-        buckets: Optional[Sequence[int]] = None,
+        buckets: Buckets = None,
         max_batch_size: Optional[int] = None,
-        batch_dim=0,
-        seq_dim=None,
-        seq_buckets=None,
-        pad_values=0,
+        batch_dim: Dims = 0,
+        seq_dim: Dims = None,
+        seq_buckets: SeqBuckets = None,
+        pad_values: PadValues = 0,
         max_tokens: Optional[int] = None,
         warmup_iters: int = 3,
-        outputs: str = "clone",
-        fallback: str = "eager",
+        outputs: Literal["clone", "view"] = "clone",
+        fallback: Literal["eager", "raise"] = "eager",
         verify: bool = True,
         max_keys: int = 16,
-        compile=None,
+        compile: CompileArg = None,
         max_pool_bytes: Optional[int] = None,
         eager_if_faster: bool = True,
-        state=None,
-        decode=None,
-    ):
+        state: StateArg = None,
+        decode: DecodeArg = None,
+    ) -> None:
         if not isinstance(module, nn.Module):
             raise GraphwrapError(f"GraphedModule wraps an nn.Module, got {type(module).__name__}")
         if isinstance(module, GraphedModule):
@@ -226,7 +227,7 @@ class GraphedModule(nn.Module):
             return _module_call(self, *args, **kwargs)
         return d["_gw_engine"].call(args, kwargs)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.__dict__["_gw_engine"].call(args, kwargs)
 
     # ------------------------------------------------------------------ drop-in behaviour
@@ -242,7 +243,8 @@ class GraphedModule(nn.Module):
         return self.__dict__["_gw_engine"]
 
     @property
-    def buckets(self):
+    def buckets(self) -> Tuple[int, ...]:
+        """The batch-size buckets, smallest first."""
         return self.engine.grid.batch.buckets
 
     def __getattr__(self, name):
@@ -280,20 +282,20 @@ class GraphedModule(nn.Module):
         self.module._apply(fn, *args, **kwargs)
         return self
 
-    def train(self, mode: bool = True):
+    def train(self, mode: bool = True) -> "GraphedModule":
         self.module.train(mode)
         self.training = mode
         return self
 
     # ------------------------------------------------------------------ public API
 
-    def reset(self):
+    def reset(self) -> None:
         """Drop every graph and static buffer; the next calls capture again. The shared decode
         batch (:meth:`generate`) finishes what it holds and is made again on the next call."""
         self.engine.reset()
         front.close(self.__dict__)
 
-    def capture(self, *args, background: bool = False, **kwargs):
+    def capture(self, *args: Any, background: bool = False, **kwargs: Any) -> dict:
         """Capture every bucket for the signature of these inputs now, largest first.
 
         The inputs serve as samples: buckets smaller than their batch take its first rows,
@@ -345,7 +347,7 @@ class GraphedModule(nn.Module):
             out["decode"] = {"off": self.__dict__["_gw_decode_why"]}
         return out
 
-    def generate(self, *args, **kwargs):
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's ``generate`` (a Hugging Face model), its decode steps replayed by
         graphs: ``gm.generate(**inputs, max_new_tokens=...)`` gives ``model.generate``'s tokens.
 
@@ -364,13 +366,13 @@ class GraphedModule(nn.Module):
         """
         return front.generate(self, args, kwargs)
 
-    def submit_generate(self, *args, **kwargs):
+    def submit_generate(self, *args: Any, **kwargs: Any) -> "concurrent.futures.Future[Any]":
         """:meth:`generate` without waiting: a :class:`concurrent.futures.Future` of its output.
         ``future.cancel()`` ends the call where it stands and frees its rows. A call the shared
         batch does not serve runs now, in this thread, and the future returned is done."""
         return front.submit(self, args, kwargs)
 
-    async def agenerate(self, *args, **kwargs):
+    async def agenerate(self, *args: Any, **kwargs: Any) -> Any:
         """:meth:`generate` for asyncio: ``await gm.agenerate(...)``. Cancelling the task ends the
         call and frees its rows; a full queue is waited for without blocking the event loop."""
         return await front.agenerate(self, args, kwargs)
@@ -381,7 +383,7 @@ class GraphedModule(nn.Module):
         new batch. Whether its thread ended within ``timeout``."""
         return front.close(self.__dict__, cancel=cancel, timeout=timeout)
 
-    def pipeline(self, batches, *, to_host: bool = False, coalesce: bool = False):
+    def pipeline(self, batches: Iterable[Any], *, to_host: bool = False, coalesce: bool = False) -> Iterator[Any]:
         """Run the module over an iterable of inputs, copies hidden behind replays.
 
         Yields one output per batch, in order, each what ``gm(...)`` returns for it. An item

@@ -3,13 +3,23 @@ module is rebuilt from."""
 
 import numbers
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 from .capture.compiled import compile_options
 from .core.buckets import Adaptive, BucketTable
 from .core.grid import Grid
 from .core.signature import Declarations
 from .errors import GraphwrapError
+
+# What each option of GraphedModule takes (its docstring says what each value means).
+InputName = Union[str, int]  # an input by keyword name or position
+Buckets = Union[None, Literal["default", "exact"], Adaptive, Sequence[int]]
+SeqBuckets = Union[None, Literal["default", "exact"], Sequence[int]]
+Dims = Union[None, int, Mapping[InputName, Optional[int]]]
+PadValues = Union[int, float, bool, Mapping[InputName, Union[int, float, bool]]]
+CompileArg = Union[None, bool, Mapping[str, Any]]
+StateArg = Union[None, InputName, Sequence[InputName]]
+DecodeArg = Union[None, bool, Mapping[str, int]]
 
 # With a sequence dimension, the default largest batch bucket: each sequence bucket multiplies
 # the graphs, and requests of text are a few rows (the Batcher joins them up to this).
@@ -98,7 +108,7 @@ def _sizes(b) -> bool:
     if isinstance(b, (str, bytes, dict)) or not hasattr(b, "__iter__"):
         return False
     sizes = list(b)
-    return bool(sizes) and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1 for x in sizes)
+    return bool(sizes) and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and int(x) >= 1 for x in sizes)
 
 
 def _check_decode(value):

@@ -46,7 +46,7 @@ def drop_least_used(engine, need: int, keep: Bucket) -> bool:
                 calls = sum(p.calls for p in ks.plans.values() if p.bucket is b) + b.replays + b.eager_calls
                 live.append((calls, b.size * (b.seq or 1), ks, b))
     live.sort(key=lambda t: (t[0], t[1]))
-    left = budget_left(engine)
+    left = budget - sum(_held(b) for ks in engine.store.keys.values() for b in ks.buckets.values())
     taken = []
     for _, _, ks, b in live:
         if left >= need:

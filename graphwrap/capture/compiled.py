@@ -23,7 +23,7 @@ torch and GPU then skips Inductor's code generation and Triton's compilation.
 import logging
 import os
 import types
-from typing import Optional
+from typing import Optional, Set
 
 import torch
 
@@ -189,7 +189,7 @@ class CompiledForward:
     def __init__(self, module: torch.nn.Module, opts: dict):
         self.opts = opts
         self.graphs = 0  # FX graphs compiled so far
-        self.shapes = set()  # (key, bucket) that ran compiled code, kept by GraphedModule
+        self.shapes: Set[tuple] = set()  # (key, bucket) that ran compiled code, kept by GraphedModule
         self.batch = opts["dynamic"] == "batch"
         self.dynamic = opts["dynamic"] is not False  # one compile may serve several shapes
         dynamic = None if self.batch else opts["dynamic"]  # "batch": dims marked dynamic, the rest static

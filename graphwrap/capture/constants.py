@@ -22,7 +22,7 @@ in MVP, LED, TrOCR, RoFormer). Only a bound that the forward made as ``past + n`
 """
 
 import weakref
-from typing import List
+from typing import Any, Callable, Dict, List
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -62,7 +62,7 @@ class HostConstants(TorchFunctionMode):
     def __init__(self, kept: List[Tensor], device_type: str = "cuda", pin: bool = True):
         super().__init__()
         self.kept = kept
-        self.sums = {}  # past + n: {id(that sum): (a weak reference to it, past, n)} (never ==: a tensor's is elementwise)
+        self.sums: Dict[int, tuple] = {}  # past + n: {id(that sum): (a weak reference to it, past, n)} (never ==: a tensor's is elementwise)
         self.device_type, self.pin = device_type, pin  # another device and no pinning: the CPU tests
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -129,13 +129,17 @@ class HostConstants(TorchFunctionMode):
 def with_constants(run):
     """``run`` whose Python-number tensors are made on the device while a capture records it
     (:class:`HostConstants`); outside a capture it runs as it is. The returned callable holds
-    the pinned buffers its captures read."""
-    kept: List[Tensor] = []
+    the pinned buffers its captures read (``.kept``)."""
+    return _CapturedRun(run)
 
-    def captured_run():
+
+class _CapturedRun:
+    def __init__(self, run: Callable[[], Any]):
+        self.run = run
+        self.kept: List[Tensor] = []
+
+    def __call__(self):
         if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-            return run()
-        with HostConstants(kept):
-            return run()
-    captured_run.kept = kept
-    return captured_run
+            return self.run()
+        with HostConstants(self.kept):
+            return self.run()

@@ -389,7 +389,7 @@ def _watch_clears():
     def cleared(*args, **kwargs):
         WORKSPACES_PLACED.clear()
         return clear(*args, **kwargs)
-    cleared._graphwrap_watches = True
+    setattr(cleared, "_graphwrap_watches", True)  # a mark on a function torch owns
     torch._C._cuda_clearCublasWorkspaces = cleared
 
 

@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -120,7 +120,7 @@ def capture_bucket(job: Job, recorder) -> Captured:
     exceptions on the real rows through unchanged (eager would raise them too).
     """
     t0 = time.perf_counter()
-    info = {}
+    info: Dict[str, Any] = {}
     with recorder.session(job.device):
         p = _prepare(job, recorder, info)
         run = _runner(job, p.static_in)
@@ -198,14 +198,15 @@ def _prepare(job: Job, recorder, info: dict) -> _Prepared:
             # Never padded, so nothing is cut: every output is returned whole, and no other shape
             # is run to tell which are batched (a cache of a fixed batch refuses any other).
             kinds = [WHOLE if isinstance(o, Tensor) else CONST for o in ref_pad]
-            seq_dims = [()] * len(ref_pad)
+            seq_dims: List[tuple] = [()] * len(ref_pad)
         elif job.kinds is None:
             job.restore()
             kinds, seq_dims = output_kinds(job.module, job.spec, job.roles, real, ref_real, ref_pad, job.size,
                                            job.seq, job.batch_dim, spec_pad)
             job.restore()
         else:
-            kinds, seq_dims = job.kinds, job.seq_dims
+            kinds = job.kinds
+            seq_dims = job.seq_dims if job.seq_dims is not None else [()] * len(kinds)
     return _Prepared(static_in, real, ref_real, ref_pad, kinds, seq_dims, spec_pad, draws, writes)
 
 

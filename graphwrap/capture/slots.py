@@ -18,7 +18,7 @@ the call clones, and a new slot is made off the call path (its copy graph is a c
 
 import logging
 import sys
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -27,7 +27,8 @@ from ..core.tree import CONST
 
 logger = logging.getLogger("graphwrap")
 # The number of strong references to a storage (torch._C, used by torch.compile's CUDA graphs).
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
+# None where torch has none: then no Slot is made (available()).
+_use_count: Callable[[int], int] = getattr(torch._C, "_storage_Use_Count", None)  # type: ignore[assignment]
 _refcount = sys.getrefcount
 MAX_SLOTS = 4
 # Outputs larger than this (all of one graph's, in bytes) are cloned: the copy then costs far
@@ -75,10 +76,10 @@ class Slot:
         self.kinds, self.seq_dims = kinds, seq_dims
         self.batch_dim = batch_dim
         self.static = static  # the static outputs: constants are handed out as they are
-        self.handed = {}  # (n, L) -> the outputs handed out (tensors made once)
-        self.ref_counts = {}  # (n, L) -> their Python reference counts while only the slot holds them
-        self.last = None  # the outputs handed out last, and their reference counts when free
-        self.last_refs = None
+        self.handed: Dict[tuple, List[Any]] = {}  # (n, L) -> the outputs handed out (tensors made once)
+        self.ref_counts: Dict[tuple, List[int]] = {}  # (n, L) -> their reference counts while only the slot holds them
+        self.last: Optional[List[Any]] = None  # the outputs handed out last, and their reference counts when free
+        self.last_refs: List[int] = []
         self._count_uses()
 
     def _count_uses(self):

@@ -1,6 +1,6 @@
 """Batch-size buckets: which captured size serves a batch, and how an oversized batch is split."""
 
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import GraphwrapError
 
@@ -149,7 +149,8 @@ BucketSpec = Union[None, str, Sequence[int], Adaptive]
 class BucketTable:
     """Maps a batch size to its bucket in constant time (one list index)."""
 
-    def __init__(self, buckets: Optional[Sequence[int]] = None, max_batch_size: Optional[int] = None):
+    def __init__(self, buckets: Union[None, Literal["default", "exact"], Sequence[int]] = None,
+                 max_batch_size: Optional[int] = None):
         top = DEFAULT_MAX_BATCH_SIZE if max_batch_size is None else max_batch_size
         if buckets is None or (isinstance(buckets, str) and buckets == "default"):
             buckets = default_buckets(top)

@@ -33,7 +33,7 @@ its graph under it.
 """
 import logging
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -64,7 +64,8 @@ SINGLE_TENSOR_SPEC = flatten_inputs((torch.empty(0),), {})[1]
 autocast_on = torch._C.is_autocast_enabled  # CUDA autocast on, in one C call (torch >= 2.1)
 grad_on = torch.is_grad_enabled
 EXACT_LENGTHS = 32  # graphs per exact length of a key whose padding is refused, then eager
-_current_device = getattr(torch._C, "_cuda_getDevice", None)
+# None on a torch built without CUDA: then no plan's device is "cuda".
+_current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", None)  # type: ignore[assignment]
 _GLOBAL_PRE, _GLOBAL_POST = GLOBAL_TABLES  # torch.nn's global forward hook tables (mutated in place)
 
 
@@ -377,7 +378,8 @@ class Engine:
                     rows, pad = sum(k * v for k, v in hist.items()), padded_rows(buckets, hist)
                     logger.info("graphwrap: adaptive buckets %s from %d calls; %.1f%% of their rows would be padding",
                                 buckets, adaptive.seen, 100.0 * pad / (rows + pad))
-        return Eager(f"adaptive buckets: counting batch sizes over the first {self.policy.warmup_calls} calls",
+        counted = self.policy.warmup_calls if self.policy is not None else 0
+        return Eager(f"adaptive buckets: counting batch sizes over the first {counted} calls",
                      Kind.LIMIT)
 
     def reset(self):
@@ -401,7 +403,7 @@ class Engine:
             if type(ks) is Eager:
                 raise GraphwrapError(f"cannot capture: {ks}; pass a larger max_keys= or call reset()")
         got = self.capturer.capture_key(ks, [t.to(ks.device, copy=True) for t in f.leaves], f.n, f.L, background)
-        return self.stats() if background else got
+        return self.stats() if background or got is None else got
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         return self.capturer.wait(timeout)

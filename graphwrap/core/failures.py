@@ -2,7 +2,7 @@
 the engine's state and records, so it sits below both."""
 
 import enum
-from typing import Optional
+from typing import Optional, Set
 
 
 class Scope(enum.Enum):
@@ -28,3 +28,4 @@ class CaptureFailed(Exception):
         self.scope = scope
         self.pool_lost = pool_lost  # the pool cannot take further captures
         self.pool_estimate = 0  # Scope.BUDGET: the bytes the bucket was estimated to need
+        self.written: Set[str] = set()  # Scope.STATE: the buffers the forward writes

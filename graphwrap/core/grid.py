@@ -68,7 +68,7 @@ class Grid:
         """The batch buckets at sequence bucket ``S``: those within the token budget."""
         t = self._tables.get(S)
         if t is None:
-            top = max(1, self.max_tokens // S) if self.max_tokens else self.batch.max
+            top = max(1, self.max_tokens // S) if self.max_tokens and S else self.batch.max
             kept = [b for b in self.batch.buckets if b <= top] or [self.batch.buckets[0]]
             t = self._tables[S] = BucketTable(kept)
         return t

@@ -6,7 +6,7 @@ those and nothing else. An ``eager`` plan runs the module instead: its bucket me
 faster (``reason`` None) or cannot be served by a graph (``reason`` says why).
 """
 
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -16,7 +16,8 @@ from .records import Bucket, Graph, Key, tally
 
 Tensor = torch.Tensor
 # (stream id, device index, device type) of the current stream, without building a Stream.
-cuda_sid = getattr(torch._C, "_cuda_getCurrentStream", None)
+# None on a torch built without CUDA (then no plan's device is "cuda").
+cuda_sid: Callable[[int], Any] = getattr(torch._C, "_cuda_getCurrentStream", None)  # type: ignore[assignment]
 STALE = object()  # what Plan.call1 returns when its graphs were dropped meanwhile
 _grad_on = torch.is_grad_enabled
 NO_BUCKET = Bucket(0)  # the bucket of a plan that serves no bucket (eager, chunked)
@@ -32,6 +33,17 @@ class Plan:
     __slots__ = ("engine", "key", "bucket", "graph", "n", "L", "size", "replay", "dsts", "pads", "outputs",
                  "is_tensor", "clone", "single_out", "rebuild", "eager", "chunked", "reason", "calls", "device",
                  "device_index", "input", "output", "dtype", "dev", "epoch", "ring", "sid", "tune_at", "held_eager")
+    # What a plan that replays holds. An eager or chunked plan holds None in each (it returns
+    # before it would read them).
+    graph: Graph
+    replay: Callable[[], None]
+    dsts: list
+    pads: list
+    outputs: List[Tensor]
+    is_tensor: List[bool]
+    input: Tensor
+    output: Tensor
+    rebuild: Callable[[List[Any]], Any]  # the key's output structure from flat outputs
 
     def __init__(self, engine, key: Optional[Key], n: int, L: Optional[int], bucket: Bucket,
                  reason: Optional[Eager] = None, eager: bool = False, graph: Optional[Graph] = None,
@@ -50,10 +62,10 @@ class Plan:
         self.device_index = device.index if device.index is not None else -1
         self.sid = cuda_sid if device.type == "cuda" and cuda_sid is not None else no_stream
         self.dtype, self.dev = key.single if key is not None and key.single is not None else (None, None)
-        self.rebuild = key.out_spec.rebuild if key is not None and key.out_spec is not None else None
+        self.rebuild = key.out_spec.rebuild if key is not None and key.out_spec is not None else None  # type: ignore[assignment]
         if self.eager or chunked:
-            self.graph = self.replay = self.dsts = self.pads = self.outputs = self.is_tensor = None
-            self.input = self.output = self.ring = None
+            self.graph = self.replay = self.dsts = self.pads = self.outputs = self.is_tensor = None  # type: ignore[assignment]
+            self.input = self.output = self.ring = None  # type: ignore[assignment]
             self.single_out = self.held_eager = False
             return
         g = self.graph = graph if graph is not None else bucket.graphs[0]
@@ -68,7 +80,7 @@ class Plan:
         self.is_tensor = g.is_tensor
         self.input = self.dsts[0]
         self.output = self.outputs[0]
-        self.single_out = key.out_spec.single and g.is_tensor[0]
+        self.single_out = key is not None and key.out_spec is not None and key.out_spec.single and g.is_tensor[0]
 
     @classmethod
     def eager_only(cls, engine, reason: Eager) -> "Plan":
@@ -100,7 +112,7 @@ class Plan:
             else:
                 ring = self.ring
                 slot = ring.take(sid) if ring is not None else None
-                if slot is None and self.held_eager:
+                if slot is None and self.held_eager and ring is not None:
                     self.bucket.eager_held_calls += 1
                     outs = None
                     ring.want()

@@ -81,6 +81,7 @@ class Graph:
             for i, (t, (bd, sd, pad)) in enumerate(zip(self.static_inputs, self.roles)):
                 d = t if bd is None or n == self.size else t.narrow(bd, 0, n)
                 if sd is not None:
+                    assert L is not None  # a sequence input: every call of its key has a length
                     d = d.narrow(sd, 0, L)
                     pads.append((i, t.narrow(sd, L, t.shape[sd] - L), pad))
                 dsts.append(d)
@@ -182,7 +183,7 @@ def tally(b: "Bucket", calls: int, n: int, L: Optional[int], eager: bool, chosen
     where eager was chosen as faster)."""
     if eager:
         return [0, calls * n if chosen else 0, 0, 0, 0, calls]
-    padded_tokens = calls * (b.size * b.seq - n * L) if L is not None else 0
+    padded_tokens = calls * (b.size * b.seq - n * L) if L is not None and b.seq is not None else 0
     return [calls, calls * n, calls * (b.size - n), calls * n * L if L is not None else 0, padded_tokens, 0]
 
 

@@ -135,7 +135,7 @@ class Declarations:
     def _owners(self, spec) -> List[Tuple[Optional[int], Optional[str]]]:
         """(position, name) of the top-level input each leaf belongs to."""
         spec_args, spec_kw = spec
-        out = []
+        out: List[Tuple[Optional[int], Optional[str]]] = []
         for i, s in enumerate(spec_args):
             name = self.positional[i] if i < len(self.positional) else None
             out += [(i, name)] * count_tensors(s)

@@ -9,8 +9,7 @@ and the engine serves such a module without padding, chunking or joining request
 which would write state the eager call does not).
 """
 
-import functools
-from typing import List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -119,13 +118,15 @@ def cache_parts(obj) -> Optional[tuple]:
     return own
 
 
+_RECURRENT: Dict[type, bool] = {}  # asked on every call, of each layer: once per type
+
+
 def _recurrent(layer) -> bool:
-    return _recurrent_type(type(layer))
-
-
-@functools.lru_cache(maxsize=None)
-def _recurrent_type(t: type) -> bool:  # asked on every call, of each layer: once per type
-    return any(c.__name__ == "LinearAttentionCacheLayerMixin" for c in t.__mro__)
+    t = type(layer)
+    got = _RECURRENT.get(t)
+    if got is None:
+        got = _RECURRENT[t] = any(c.__name__ == "LinearAttentionCacheLayerMixin" for c in t.__mro__)
+    return got
 
 
 RECURRENT = ("a cache with recurrent (Mamba or linear-attention) layers runs eagerly: graphs of NemotronH's steps "

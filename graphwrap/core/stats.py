@@ -124,9 +124,9 @@ def cost(engine, ks: Key, rows: int, L: Optional[int]) -> float:
     b = ks.buckets.get((size, S))
     if b is not None and b.graph_us is not None:
         return b.graph_us if b.serves is Serves.GRAPH else (b.eager_us or b.graph_us)
-    timed = [x for x in ks.buckets.values() if x.graph_us is not None]
+    timed = [(x.graph_us, x.size * (x.seq or 1)) for x in ks.buckets.values() if x.graph_us is not None]
     tokens = size * (S or 1)
     if not timed:
         return 50.0 + tokens
-    per_token = max(x.graph_us / (x.size * (x.seq or 1)) for x in timed)
-    return min(x.graph_us for x in timed) + per_token * tokens
+    per_token = max(us / n for us, n in timed)
+    return min(us for us, _ in timed) + per_token * tokens

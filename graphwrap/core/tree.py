@@ -103,7 +103,7 @@ def _dict_type_rebuilds(t: type) -> bool:
     if ok is None:
         try:
             probe = t({"graphwrap": 1})
-            ok = type(probe) is t and dict(probe) == {"graphwrap": 1}
+            ok = type(probe) is t and dict(probe) == {"graphwrap": 1}  # type: ignore[call-overload]
         except Exception:  # noqa: BLE001 - whatever the constructor raises
             ok = False
         DICT_TYPES_REBUILT[t] = ok

@@ -32,7 +32,7 @@ import functools
 import threading
 import types
 import weakref
-from typing import List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -132,7 +132,7 @@ class Attrs:
     def __init__(self, obj, depth: int, seen: dict):
         self.obj = obj
         module = isinstance(obj, nn.Module)
-        items = []
+        items: List[Tuple[str, Any, Optional[Attrs]]] = []
         for k, v in vars(obj).items():
             if (module and k in _MODULE_OWN) or isinstance(v, (Tensor, nn.Module)):
                 continue
@@ -188,7 +188,7 @@ def _watch(obj) -> bool:
     if entry is not None and entry[0]() is obj:
         return True
     try:
-        ref = weakref.ref(obj, lambda _r, key=key: _unwatch(key, _r))
+        ref = weakref.ref(obj, functools.partial(_unwatch, key))
     except TypeError:  # not weakly referable: never watched
         return False
     if not isinstance(obj, nn.Module) and not _counted_setattr(type(obj)):
@@ -233,7 +233,7 @@ def reads_recorded():
                     entry[2].add(name)
             return _get(self, name)
         try:
-            cls.__getattribute__ = noting
+            cls.__getattribute__ = noting  # type: ignore[method-assign]
         except (TypeError, AttributeError):
             continue
         undo.append((cls, own))
@@ -260,8 +260,8 @@ def install_hooks():
         def counted_train(self, mode: bool = True):
             GENERATION[0] += 1
             return train(self, mode)
-        counted_train._graphwrap_counts = True
-        nn.Module.train = counted_train
+        setattr(counted_train, "_graphwrap_counts", True)
+        nn.Module.train = counted_train  # type: ignore[method-assign]
     _counted_setattr(nn.Module)
     WATCH_INSTALLED.append(True)
 

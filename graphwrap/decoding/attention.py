@@ -17,14 +17,14 @@ attention is left as it is.
 """
 
 import threading
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch.nn import functional as F
 
 NAME = "graphwrap_folded_sdpa"
 _REGISTERED = threading.Lock()
-_DONE = []
+_DONE: List[bool] = []  # whether the function is registered, decided once
 
 
 def folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: Optional[float] = None,

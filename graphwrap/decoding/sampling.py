@@ -10,7 +10,7 @@ tokens alone and in any batch, wherever its logits are the same.
 """
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -81,7 +81,7 @@ class RowSettings:
         self.temperature, self.top_p, self.penalty = self.floats.unbind(1)
         self.top_k, self.min_new, self.prompt_len, self.sample, self.seed = self.longs[:, :5].unbind(1)
         self.eos = self.longs[:, 5:]
-        self.history = None  # [rows, max_len] token ids, made when a row first needs a penalty
+        self.history: Optional[Tensor] = None  # [rows, max_len] token ids, made when a row first needs a penalty
         self.max_len = max_len
 
     def write(self, rows: List[int], settings: List[SeqSettings], prompts: List[List[int]],
@@ -126,6 +126,7 @@ class RowSettings:
         return tokens
 
     def _penalise(self, scores: Tensor, sel, lengths: Tensor) -> Tensor:
+        assert self.history is not None  # made when a row's settings first asked for a penalty
         hist = self.history[sel]
         seen = torch.arange(hist.shape[1], device=scores.device)[None, :] < lengths[:, None]
         hist = torch.where(seen, hist, hist[:, :1])  # unseen positions repeat the first token

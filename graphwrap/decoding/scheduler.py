@@ -12,7 +12,7 @@ import heapq
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import Any, Deque, List, Optional, Sequence, Tuple, cast
 
 from .settings import SeqSettings
 
@@ -21,7 +21,7 @@ from .settings import SeqSettings
 class Seq:
     """One sequence of a call: its prompt, settings, tokens made so far and where it is."""
 
-    call: object
+    call: Any  # the server's Call (this module knows no tensors and no futures)
     index: int  # its row in the call's input_ids
     prompt: List[int]
     settings: SeqSettings
@@ -79,7 +79,7 @@ class Scheduler:
 
     def admit(self, limit: Optional[int] = None) -> List[Seq]:
         """Queued sequences given a free row each, oldest first (at most ``limit``)."""
-        out = []
+        out: List[Seq] = []
         while self.queue and self.free and (limit is None or len(out) < limit):
             s = self.queue.popleft()
             if s.done:
@@ -96,7 +96,7 @@ class Scheduler:
     def step_shape(self, live: Sequence[Seq]) -> Tuple[int, int]:
         """``(rows, span)`` of the next step over ``live`` (every row below the highest, and
         positions up to the longest plus the one this step writes)."""
-        n = bucket_of(max(s.row for s in live) + 1, self.row_buckets)
+        n = bucket_of(max(cast(int, s.row) for s in live) + 1, self.row_buckets)
         span = bucket_of(max(s.length for s in live) + 1, self.span_buckets)
         return n, span
 

@@ -17,7 +17,7 @@ import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Deque, List, Optional
+from typing import Counter, DefaultDict, Deque, List, Optional, Set, cast
 
 import torch
 
@@ -68,8 +68,13 @@ class InFlight:
     seqs: List[Seq]
     rows: List[int]
     host: torch.Tensor
-    event: object
+    event: Optional[torch.cuda.Event]
     buf: Optional[torch.Tensor] = None  # the pinned buffer ``host`` is a view of
+
+
+def _rows(seqs: List[Seq]) -> List[int]:
+    """The rows of sequences that hold one (every sequence admitted)."""
+    return cast(List[int], [s.row for s in seqs])
 
 
 class DecodeServer:
@@ -98,8 +103,8 @@ class DecodeServer:
         self.inflight: Deque[InFlight] = collections.deque()
         self.spare: List[tuple] = []  # (pinned buffer, event) pairs read and free again
         self.active = Active()
-        self.counts = collections.Counter()
-        self.spent = collections.Counter()  # seconds of the thread's turns, by part
+        self.counts: Counter[str] = collections.Counter()
+        self.spent: DefaultDict[str, float] = collections.defaultdict(float)  # seconds of the thread's turns, by part
         self.ttft: Deque[float] = collections.deque(maxlen=KEEP)
         self.tpot: Deque[float] = collections.deque(maxlen=KEEP)
         self.waits: Deque[float] = collections.deque(maxlen=KEEP)
@@ -258,7 +263,7 @@ class DecodeServer:
                         self._fail(s, e1)
 
     def _prefill(self, seqs: List[Seq]):
-        rows = [s.row for s in seqs]
+        rows = _rows(seqs)
         prompts = [s.prompt for s in seqs]
         shape = self.shapes.pick(("prefill",) + self.prompts.shape(prompts), self.stream is not None)
         inputs = self.prompts.inputs(prompts, rows, shape[1:], self.device)
@@ -284,7 +289,7 @@ class DecodeServer:
                 self._fail(s, e)
             return
         self.next_ids[:n, 0] = tokens
-        self._queue(live, [s.row for s in live], tokens)
+        self._queue(live, _rows(live), tokens)
         self.sched.launched(live)
         self.sched.advanced(live)
         self.counts["steps"] += 1
@@ -410,9 +415,9 @@ class Shapes:
     capture. Shapes are ``(kind, rows, positions)``."""
 
     def __init__(self):
-        self.ready = set()
-        self.wanted = collections.Counter()
-        self.covered = collections.Counter()
+        self.ready: Set[tuple] = set()
+        self.wanted: Counter[tuple] = collections.Counter()
+        self.covered: Counter[tuple] = collections.Counter()
 
     def pick(self, shape: tuple, graphs: bool) -> tuple:
         if not graphs or shape in self.ready:

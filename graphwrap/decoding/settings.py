@@ -13,7 +13,7 @@ and a ``streamer`` for a call of one prompt. Any other setting that changes the 
 import copy
 import weakref
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
@@ -26,7 +26,7 @@ SERVED = frozenset(("max_new_tokens", "max_length", "min_new_tokens", "min_lengt
                     "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind",
                     "target_lookbehind", "max_matching_ngram_size", "is_assistant", "generation_kwargs"))
 # Values of other settings that change nothing.
-NEUTRAL = (None, False, 0, 1, 1.0, 0.0, (), [], {})
+NEUTRAL: Tuple[object, ...] = (None, False, 0, 1, 1.0, 0.0, (), [], {})
 # generate() keywords (not generation settings) the batch takes.
 MODEL_KWARGS = frozenset(("attention_mask", "streamer"))
 CACHE_IMPLEMENTATIONS = (None, "static", "dynamic")
@@ -56,7 +56,7 @@ class CallPlan:
     input_ids: torch.Tensor  # as given (its padding kept: the output starts with it)
     prompts: List[List[int]]
     settings: SeqSettings
-    streamer: object = None
+    streamer: Any = None
     extra: dict = field(default_factory=dict)
 
 

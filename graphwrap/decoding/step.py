@@ -85,7 +85,8 @@ class Prompts:
 
     def groups(self, prompts: List[List[int]]) -> List[List[int]]:
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        out, cur = [], []
+        out: List[List[int]] = []
+        cur: List[int] = []
         for i in order:
             cand = cur + [i]
             if cur and (len(cand) > self.row_buckets[-1]

@@ -13,7 +13,7 @@ import concurrent.futures
 import threading
 import time
 import weakref
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -64,7 +64,7 @@ class Batcher:
     """
 
     def __init__(self, gm, *, max_delay_ms: float = 0.0, max_batch_size: Optional[int] = None,
-                 max_queue: int = 4096):
+                 max_queue: int = 4096) -> None:
         engine = getattr(gm, "engine", None)
         if engine is None:
             raise GraphwrapError(f"Batcher serves a graphwrap.GraphedModule, got {type(gm).__name__}")
@@ -88,7 +88,7 @@ class Batcher:
 
     # ------------------------------------------------------------------ callers
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         q = self._q
         idle = False
         if not self.max_delay:  # a lone request's path: straight to the module, no queue
@@ -117,7 +117,8 @@ class Batcher:
             raise req.error
         return req.value
 
-    def submit(self, *args, block: bool = True, timeout: Optional[float] = None, **kwargs) -> concurrent.futures.Future:
+    def submit(self, *args: Any, block: bool = True, timeout: Optional[float] = None,
+               **kwargs: Any) -> "concurrent.futures.Future[Any]":
         """Queue a request and return at once; its Future holds the result. Past ``max_queue``
         waiting requests this blocks (``block=False``: raises :class:`GraphwrapError`;
         ``timeout``: raises after it). ``block`` and ``timeout`` are the batcher's own: the
@@ -129,7 +130,7 @@ class Batcher:
                 self._q.hand_over()  # nobody waits in this thread: the worker serves
         return req.future
 
-    async def acall(self, *args, **kwargs):
+    async def acall(self, *args: Any, **kwargs: Any) -> Any:
         """The result of the request, for asyncio code; the event loop serves the queue."""
         loop = asyncio.get_running_loop()
         req = Request(args, kwargs, self.engine.joins.member(args, kwargs))
@@ -145,7 +146,7 @@ class Batcher:
             loop.call_soon(self._q.serve_in_loop, loop)
         return await req.future
 
-    def close(self, timeout: Optional[float] = 60.0):
+    def close(self, timeout: Optional[float] = 60.0) -> None:
         """Refuse new requests and serve every queued one; those still queued after ``timeout``
         seconds (a serving event loop that stopped, say) fail with :class:`GraphwrapError`."""
         q = self._q
@@ -170,10 +171,10 @@ class Batcher:
         from .request_queue import deliver
         deliver(stranded)
 
-    def __enter__(self):
+    def __enter__(self) -> "Batcher":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
     def stats(self) -> dict:

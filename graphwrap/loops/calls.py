@@ -12,6 +12,7 @@ the copies overlap the replays; the host waits only for the copies that read its
 
 import logging
 import time
+from typing import Dict, List
 
 import torch
 
@@ -85,7 +86,7 @@ def _decide(engine, ks, staged, n, chunks, plans) -> str:
     else:
         counts = [p.calls for p in plans]  # the timing runs are not calls: stats leave them out
         a, k = unflatten_inputs(ks.spec, staged.leaves)
-        times = {"graph": [], "eager": []}
+        times: Dict[str, List[float]] = {"graph": [], "eager": []}
         for _ in range(2):
             for name in times:
                 engine.backend.sync()

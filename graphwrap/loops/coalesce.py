@@ -9,7 +9,7 @@ signature are joined only once a probe showed that joining gives each item what 
 """
 
 import collections
-from typing import Any, Iterable, Iterator
+from typing import Any, Deque, Iterable, Iterator, List
 
 import torch
 
@@ -22,7 +22,8 @@ from .pipeline import Inputs, as_call, run_pipeline
 
 def _groups(engine, items):
     """Lists of ``(args, kwargs, member)`` for consecutive items that may go into one call."""
-    group, rows, key, longest = [], 0, None, None
+    group: List[Any] = []
+    rows, key, longest = 0, None, None
     for item in items:
         args, kwargs = ((item,), {}) if type(item) is Tensor else as_call(item)
         m = engine.joins.member(args, kwargs)
@@ -70,14 +71,14 @@ def _probe(engine, group) -> None:
 
 
 def run_coalesced(engine, batches: Iterable[Any], to_host: bool = False) -> Iterator[Any]:
-    plan = collections.deque()  # per pipeline item: None (one item as it is) or (key, sizes, lengths)
+    plan: Deque[Any] = collections.deque()  # per pipeline item: None (one item as it is) or (key, sizes, lengths)
 
     def items():
         for group in _groups(engine, iter(batches)):
             ks = group[0][2].key if group[0][2] is not None else None
-            if len(group) > 1 and ks.join is None and ks.join_refused is None and ks.failed is None:
+            if ks is not None and len(group) > 1 and ks.join is None and ks.join_refused is None and ks.failed is None:
                 _probe(engine, group)
-            if len(group) > 1 and ks.join is not None and ks.failed is None:
+            if ks is not None and len(group) > 1 and ks.join is not None and ks.failed is None:
                 plan.append((ks, [m.n for _, _, m in group], [m.L for _, _, m in group]))
                 joined, _ = _join(engine, group)
                 args, kwargs = unflatten_inputs(ks.spec, joined)

@@ -21,7 +21,7 @@ calls the model itself. ``stats()["generate"]`` counts how each call's steps ran
 
 import inspect
 import logging
-from typing import Optional
+from typing import Any, Dict, List, Optional, Tuple, Union, cast
 
 import torch
 
@@ -194,7 +194,7 @@ class _Rng:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.states = []
+        self.states: List[torch.Tensor] = []
 
     def save(self):
         if self.device.type == "cuda":
@@ -218,8 +218,8 @@ class _Finished:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.unfinished = []  # per step, a bool per row
-        self.pending = None  # (pinned flag, event) of the last look, not yet read
+        self.unfinished: List[torch.Tensor] = []  # per step, a bool per row
+        self.pending: Optional[Tuple[torch.Tensor, torch.cuda.Event]] = None  # (pinned flag, event) of the last look, not yet read
 
     def add(self, unfinished: torch.Tensor) -> bool:
         """Note this step's rows; True once an earlier step is known to have finished every row."""
@@ -261,7 +261,7 @@ def lean_inputs(model, inputs: dict, model_kwargs: dict) -> Optional[dict]:
     return got[0] if got is not None else None
 
 
-def _lean(model, inputs: dict, model_kwargs: dict):
+def _lean(model, inputs: dict, model_kwargs: dict) -> Optional[Tuple[dict, int]]:
     """``(inputs, the column of the new token in their 2D mask)``, or None.
 
     ``prepare_inputs_for_generation`` turns the 2D mask into a 4D mask over the whole static
@@ -317,8 +317,11 @@ class _StepInputs:
         own = "next_sequence_length" in inspect.signature(prepare).parameters if prepare is not None else False
         # (An encoder-decoder's steps are kept only where they hold nothing but the tokens, the
         # cache and the encoder's output and mask: seq2seq.LeanSteps.)
-        self.lean = None if own or self.seq2seq else False  # None: not known yet; False: prepared every step
-        self.masks = None  # window.RingMasks, over a cache with ring layers
+        # None: not known yet; False: prepared every step; else the kept inputs (a dict, or an
+        # encoder-decoder's LeanSteps) and the mask's last column set (2D masks).
+        self.lean: Union[None, bool, Dict[str, Any], seq2seq.LeanSteps] = None if own or self.seq2seq else False
+        self.column = 0
+        self.masks: Optional[RingMasks] = None  # over a cache with ring layers over a cache with ring layers
         self.rings = [layer for layer in getattr(given_cache(model_kwargs), "layers", None) or [] if is_ring(layer)]
 
     def after(self, outputs):
@@ -334,30 +337,37 @@ class _StepInputs:
         return not self.rings or self.masks is not None
 
     def next(self, input_ids, tokens) -> dict:
-        if self.lean and self.seq2seq:  # seq2seq.LeanSteps
-            return self.lean.next(tokens)
-        if self.lean:
-            self.lean["input_ids"] = tokens[:, None]
-            if "position_ids" in self.lean:
-                self.lean["position_ids"] = self.lean["position_ids"] + 1
+        lean = self.lean
+        if isinstance(lean, seq2seq.LeanSteps):
+            return lean.next(tokens)
+        if isinstance(lean, dict):
+            lean["input_ids"] = tokens[:, None]
+            if "position_ids" in lean:
+                lean["position_ids"] = lean["position_ids"] + 1
             if self.masks is not None:
                 self.masks.step()
             else:  # the new token's column of the 2D mask (lean_inputs)
                 self.column += 1
-                self.lean["attention_mask"][:, self.column] = 1
-            return self.lean
+                lean["attention_mask"][:, self.column] = 1
+            return lean
         inputs = self.model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **self.kwargs)
         if self.lean is None:
             if self.seq2seq:
-                self.lean = seq2seq.LeanSteps.make(self.model, inputs, input_ids.shape[1]) or False
-                if self.lean:
-                    return self.lean.inputs
+                steps = seq2seq.LeanSteps.make(self.model, inputs, input_ids.shape[1])
+                self.lean = steps or False
+                if steps:
+                    return steps.inputs
             elif self.rings:
-                self.lean = self._ring_inputs(inputs) or False
+                kept = self._ring_inputs(inputs)
+                self.lean = kept or False
+                if kept:
+                    return kept
             else:
-                self.lean, self.column = _lean(self.model, inputs, self.kwargs) or (False, None)
-            if self.lean:
-                return self.lean
+                made = _lean(self.model, inputs, self.kwargs)
+                self.lean = made[0] if made else False
+                if made:
+                    self.column = made[1]
+                    return made[0]
         return inputs
 
     def _ring_inputs(self, inputs: dict) -> Optional[dict]:
@@ -419,6 +429,8 @@ def _steps(model, step, input_ids, logits_processor, stopping_criteria, gen, inp
     if pad is None and gen.pad_token_id is not None:
         pad = torch.tensor(gen.pad_token_id, device=device)
     has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    if has_eos and pad is None:
+        raise ValueError("an end-of-sequence criterion needs a pad token for the finished rows: set pad_token_id")
     max_length = stopping_criteria.max_length
     # The length is known on the host; criteria besides it decide per row on the GPU, and their
     # verdicts are read late.
@@ -445,7 +457,7 @@ def _steps(model, step, input_ids, logits_processor, stopping_criteria, gen, inp
         else:
             tokens = torch.argmax(scores, dim=-1)
         if has_eos:  # finished rows are padded
-            tokens = torch.where(unfinished, tokens, pad)
+            tokens = torch.where(unfinished, tokens, cast(torch.Tensor, pad))  # checked above
         input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
         if max_length is not None and input_ids.shape[1] >= max_length:
             break
@@ -485,7 +497,7 @@ def plain_instead(model, model_kwargs: dict) -> None:
     cache of the same length in place of one with ring layers (its loop builds its own masks)."""
     for name in ("cache", "past_key_values"):
         cache = model_kwargs.get(name)
-        if any(is_ring(layer) for layer in getattr(cache, "layers", None) or []):
+        if cache is not None and any(is_ring(layer) for layer in getattr(cache, "layers", None) or []):
             from transformers import StaticCache
 
             length = max(layer.max_cache_len for layer in cache.layers)
@@ -524,7 +536,7 @@ def generate(engine, held: dict, module, args, kwargs):
             seq2seq.own_cache(held, model, model_kwargs, engine.max_keys)
     elif why is None and not any(given_cache(kwargs) is c for c in held.get("_gw_caches", {}).values()):
         why = "the cache is not graphwrap's own (it comes with cache_implementation=\"static\" and no cache given)"
-    declined = []
+    declined: List[str] = []
     if why is None:
         kwargs = dict(kwargs, custom_generate=make_decode_loop(step, own, declined))
     elif why not in held.setdefault("_gw_loop_notes", set()):

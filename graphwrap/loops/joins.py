@@ -12,7 +12,7 @@ common length with each input's pad value; each gets its outputs cut back to its
 """
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -221,7 +221,7 @@ def join_verdict(joined: Sequence[Any], alone: Sequence[Any], sizes: Sequence[in
     return kinds, found, spec
 
 
-def plan_groups(rows: Sequence[int], lengths: Sequence[Optional[int]], bucket: Callable[[int], Optional[int]],
+def plan_groups(rows: Sequence[int], lengths: Sequence[Optional[int]], bucket: Callable[[int], int],
                 max_rows: Callable[[Optional[int]], int], cost: Callable[[int, Optional[int]], float]) -> List[List[int]]:
     """Which requests go into which call, as lists of request indices (in arrival order within each).
 
@@ -234,13 +234,13 @@ def plan_groups(rows: Sequence[int], lengths: Sequence[Optional[int]], bucket: C
     order = list(range(len(rows)))
     if all(L is None for L in lengths):
         return _fill(order, rows, max_rows(None))
-    by_bucket = {}
+    by_bucket: Dict[int, List[int]] = {}  # (lengths: all or none are None)
     for i in order:
-        by_bucket.setdefault(bucket(lengths[i]), []).append(i)
+        by_bucket.setdefault(bucket(cast(int, lengths[i])), []).append(i)
     groups = []  # (S, indices)
     for S in sorted(by_bucket):
         groups += [(S, g) for g in _fill(by_bucket[S], rows, max_rows(S))]
-    merged = []
+    merged: List[Tuple[int, List[int]]] = []
     for S, idx in groups:
         if merged:
             S0, idx0 = merged[-1]
@@ -255,7 +255,9 @@ def plan_groups(rows: Sequence[int], lengths: Sequence[Optional[int]], bucket: C
 
 def _fill(order: Sequence[int], rows: Sequence[int], limit: int) -> List[List[int]]:
     """Consecutive runs of ``order`` of at most ``limit`` rows each (a request above it alone)."""
-    out, cur, n = [], [], 0
+    out: List[List[int]] = []
+    cur: List[int] = []
+    n = 0
     for i in order:
         if cur and n + rows[i] > limit:
             out.append(cur)
@@ -272,7 +274,7 @@ def probe(engine, ks, leaves_list, sizes: Sequence[int], lengths: Sequence[Optio
     """Join requests that were each served alone (``alone``: their outputs) into one call and
     record on the key whether each got its own output back; whether the joined call ran.
     ``joined``: the joined inputs, if the caller made them (on the device, say)."""
-    L = max(lengths) if ks.has_seq else None
+    L = max(cast(Sequence[int], lengths)) if ks.has_seq else None  # every request has a length
     if joined is None:
         joined = join_leaves(list(zip(*leaves_list)), ks.roles, L)
     if not rows_differ(joined, ks.roles):

@@ -21,7 +21,7 @@ so the device does not run dry while the host waits.
 import collections
 import collections.abc
 import functools
-from typing import Any, Iterable, Iterator
+from typing import Any, Deque, Dict, Iterable, Iterator
 
 import torch
 
@@ -131,13 +131,13 @@ class _EventPool:
 
 def run_pipeline(engine, batches: Iterable[Any], to_host: bool = False) -> Iterator[Any]:
     it = iter(batches)
-    pending = collections.deque()
+    pending: Deque[Any] = collections.deque()
     # (key tuple, batch size) -> _Lease, and (Key, bucket size) -> the same lease. Keys are held,
     # not their ids: a key dropped by reset() must never be mistaken for a new one that Python
     # put at the same address.
-    leases = {}
+    leases: Dict[Any, Any] = {}
     events = _EventPool()
-    streams = {}
+    streams: Dict[Any, Any] = {}
     epoch = engine.epoch
     lag = HOST_LAG if to_host else 0
     facts = engine.facts

@@ -14,7 +14,7 @@ import collections
 import statistics
 import threading
 import time
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional, cast
 
 import torch
 
@@ -35,6 +35,7 @@ class Request:
     def __init__(self, args, kwargs, member):
         self.args, self.kwargs = args, kwargs
         self.seq = next(REQUEST_SEQ)
+        self.group: Any  # the member's key, or ("alone", seq)
         if type(member) is not Member:  # an Eager reason: the request runs alone
             self.member, self.group, self.n, self.L = None, ("alone", self.seq), 0, None
         else:
@@ -215,7 +216,7 @@ class RequestQueue:
         if waiting:
             nxt = min(waiting, key=lambda r: r.seq)
             nxt.lead = True
-            nxt.waiter.release()
+            cast(threading.Lock, nxt.waiter).release()
             return
         self.worker_go = True
         if self.worker is None or not self.worker.is_alive():

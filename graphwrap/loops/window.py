@@ -21,7 +21,7 @@ transformers' own sizes, read from the device: correct, and run eagerly.
 
 import inspect
 import re
-from typing import Optional
+from typing import Any, Callable, List, Optional, Union
 
 import torch
 
@@ -29,16 +29,21 @@ from ..errors import GraphwrapError
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 ATTENTION = ("sdpa", "eager")  # the masks the loop builds: boolean for sdpa, additive for eager
-_CLASS = []
+_CLASS: List[type] = []  # RingLayer, made once
 
 
 def ring_layer(max_cache_len: int, sliding_window: int):
     """A new ring layer (the class is made from this transformers' ``StaticLayer`` once)."""
     if not _CLASS:
         from transformers.cache_utils import StaticLayer
-        body = {k: v for k, v in vars(_Ring).items() if k not in ("__dict__", "__weakref__")}
+        body = {k: v for k, v in vars(_Ring).items() if k not in ("__dict__", "__weakref__", "__annotations__")}
         _CLASS.append(type("RingLayer", (StaticLayer,), body))
     return _CLASS[0](max_cache_len=max_cache_len, sliding_window=sliding_window)
+
+
+def _static(layer) -> Any:
+    """``super()`` of a ring layer: transformers' ``StaticLayer``."""
+    return super(_CLASS[0], layer)
 
 
 class _Ring:
@@ -46,9 +51,16 @@ class _Ring:
     ``[batch, heads, W, dim]`` keys and values and keeps ``cumulative_length`` on the device)."""
 
     is_sliding = True
+    # What StaticLayer provides (declared for the type checker; the class made above has them).
+    keys: torch.Tensor
+    values: torch.Tensor
+    cumulative_length: torch.Tensor
+    is_initialized: bool
+    max_cache_len: int
+    lazy_initialization: Callable[..., None]
 
     def __init__(self, max_cache_len: int, sliding_window: int, **kwargs):
-        super(_CLASS[0], self).__init__(max_cache_len=min(max_cache_len, sliding_window))
+        _static(self).__init__(max_cache_len=min(max_cache_len, sliding_window))
         self.window = self.max_cache_len
         self.ring_masks = False  # True while the loop gives the model graphwrap's masks
 
@@ -100,11 +112,12 @@ class _Ring:
             return start + query_length, offset
         return w, offset
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self) -> Union[int, torch.Tensor]:
+        # The position as a tensor on the device: transformers adds to it without a host read.
         return self.cumulative_length if self.is_initialized else 0
 
     def reset(self):
-        super(_CLASS[0], self).reset()
+        _static(self).reset()
         self.ring_masks = False
 
 

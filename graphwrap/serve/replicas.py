@@ -7,10 +7,11 @@ are copied to that device by the replica, device inputs on another GPU are moved
 its outputs are on that replica's device.
 """
 
+import concurrent.futures
 import copy
 import itertools
 import threading
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -45,7 +46,7 @@ class Replicas:
 
     def __init__(self, model: Union[nn.Module, Callable[[torch.device], nn.Module]],
                  devices: Optional[Sequence[Union[str, torch.device]]] = None, *, batcher: Optional[dict] = None,
-                 **graphed):
+                 **graphed: Any) -> None:
         if devices is None:
             n = torch.cuda.device_count() if torch.cuda.is_available() else 0
             devices = [f"cuda:{i}" for i in range(n)] or ["cpu"]
@@ -104,7 +105,7 @@ class Replicas:
             return args, kwargs
         return map_tensors(lambda t: t.to(dev) if t.is_cuda and t.device != dev else t, (args, kwargs))
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         r = self._pick()
         try:
             args, kwargs = self._moved(r, args, kwargs)
@@ -112,7 +113,7 @@ class Replicas:
         finally:
             self._done(r)
 
-    def submit(self, *args, **kwargs):
+    def submit(self, *args: Any, **kwargs: Any) -> "concurrent.futures.Future[Any]":
         r = self._pick()
         try:
             args, kwargs = self._moved(r, args, kwargs)
@@ -123,7 +124,7 @@ class Replicas:
         fut.add_done_callback(lambda _f: self._done(r))
         return fut
 
-    async def acall(self, *args, **kwargs):
+    async def acall(self, *args: Any, **kwargs: Any) -> Any:
         r = self._pick()
         try:
             args, kwargs = self._moved(r, args, kwargs)
@@ -131,7 +132,7 @@ class Replicas:
         finally:
             self._done(r)
 
-    def capture(self, *args, **kwargs):
+    def capture(self, *args: Any, **kwargs: Any) -> List[dict]:
         """``capture`` on every replica (each with the sample moved to its device)."""
         out = []
         for r in self._replicas:
@@ -144,16 +145,16 @@ class Replicas:
         return {str(r.device): {"batcher": r.batcher.stats(), "graphs": r.gm.stats(), "inflight": r.inflight}
                 for r in self._replicas}
 
-    def close(self):
+    def close(self) -> None:
         with self._lock:
             self._closed = True
         for r in self._replicas:
             r.batcher.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "Replicas":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
     def __repr__(self):
