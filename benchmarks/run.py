@@ -61,8 +61,9 @@ SUITES = {
     "capture": Suite("capture_time", "time and memory to capture every bucket"),
     "text": Suite("text", "BERT-base with real lengths: eager, one line, seq_dim=1, padded by hand; compile=True; "
                   "64 clients", "eager", COMPILE),
-    "decode": Suite("decode", "greedy decoding with a static cache, GPT-2 and a 1.1B Llama shape: eager loop, "
-                    "gm.generate, a graph by hand, compiled generate", "transformers eager loop, StaticCache: per token",
+    "decode": Suite("decode", "greedy decoding with a static cache, GPT-2 and a 1.1B Llama shape (--decode-models: "
+                    "also a sliding-window Mistral shape, Whisper-base): eager loop, gm.generate, a graph by hand, "
+                    "compiled generate", "transformers eager loop, StaticCache: per token",
                     "the step captured by hand (one graph): per token",
                     lambda a: {"models": tuple(a.decode_models.split(","))}),
     "generate": Suite("generate", "many generations at once: gm.generate from 64 threads (continuous batching), "
