@@ -33,6 +33,17 @@ def test_every_python_block_runs():
     for block in blocks:
         r = _run(["-c", block])
         assert r.returncode == 0, block + r.stderr[-2000:]
+        # Nothing but graphwrap's own notes (a warning of another library's, such as an
+        # end-of-sequence id outside a small vocabulary, would be the first thing a user reads).
+        foreign = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith("graphwrap: ")]
+        assert not foreign, block + "\n".join(foreign)
+
+
+def test_the_readme_links_nothing_relative():
+    """The README is also the package's page on an index, where a link relative to the
+    repository leads nowhere: paths are named in backticks instead."""
+    links = re.findall(r"\]\(([^)]+)\)", README)
+    assert all(link.startswith("https://") for link in links), links
 
 
 def test_the_text_block_cuts_outputs_back_to_each_length():
