@@ -38,6 +38,17 @@ def _all_paths():
 PATHS = _all_paths()
 
 
+def _removed_probes():
+    """Probes deleted from benchmarks/diagnostics/, named in its README's "Removed" table (a
+    results folder that ran one still names it: the commit it ran at holds it)."""
+    text = open(os.path.join(ROOT, "benchmarks/diagnostics/README.md")).read()
+    part = text.split("## Removed", 1)[1] if "## Removed" in text else ""
+    return set(re.findall(r"^\| ([\w.]+\.py) \|", part, re.M))
+
+
+REMOVED = _removed_probes()
+
+
 def _exists(name: str, doc: str) -> bool:
     """A name resolves where some path of the repository ends with it (a file named in a
     results folder's README, or beside the folder a paragraph names, resolves so)."""
@@ -78,6 +89,8 @@ def test_every_file_folder_and_test_a_doc_names_exists(doc):
                 continue
             if historical and re.match(r"^test_\w+\.py$", tok):
                 continue  # a results folder names the test files of the commit its runs measured
+            if historical and os.path.basename(tok.split()[0]) in REMOVED:
+                continue  # and the probes it ran, since removed (benchmarks/diagnostics/README.md)
             if PATH.match(tok) and "…" not in tok and "*" not in tok and not tok.startswith(("http", ".")):
                 if tok.endswith(".py") and "/" not in tok and tok.startswith("test_"):
                     last_file = tok
@@ -141,3 +154,11 @@ def test_the_docs_script_finds_a_stale_summary_an_undescribed_folder_and_a_missi
     suites = script.suite_table()
     for name in ("quick", "decode", "generate", "text"):
         assert f"| `{name}` |" in suites
+
+
+def test_each_probe_is_kept_with_its_use_or_recorded_as_removed():
+    here = {f for f in os.listdir(os.path.join(ROOT, "benchmarks/diagnostics")) if f.endswith(".py")}
+    text = open(os.path.join(ROOT, "benchmarks/diagnostics/README.md")).read().split("## Removed")[0]
+    listed = set(re.findall(r"^\| `([\w.]+\.py)", text, re.M))
+    assert here == listed, (here ^ listed)
+    assert REMOVED and not REMOVED & here
