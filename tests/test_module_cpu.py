@@ -56,6 +56,27 @@ def test_training_mode_runs_eagerly():
     assert "the module is in training mode" in gm.stats()["eager_calls"]
 
 
+def test_dims_that_fit_no_input_are_found_in_training_mode_too(caplog):
+    """Training-mode calls are never keyed, so the dims are checked against the first one: a
+    seq_dim or batch_dim that no input has raises as in eval mode; a named input without its
+    dim is logged once (where graphs serve, such calls run eagerly) and the call runs as the
+    module does."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0))
+    x = torch.randn(8, 4)
+    with pytest.raises(GraphwrapError, match="seq_dim=5"):
+        GraphedModule(model, seq_dim=5)(x)
+    with pytest.raises(GraphwrapError, match="batch_dim=7"):
+        GraphedModule(model, batch_dim=7)(x)
+    gm = GraphedModule(model, batch_dim={"input": 3})
+    with caplog.at_level(logging.WARNING, logger="graphwrap"):
+        out = gm(x)
+        gm(x)
+    assert torch.equal(out, model(x))
+    said = [r.message for r in caplog.records if "batch_dim=3" in r.message]
+    assert len(said) == 1 and "such calls run eagerly" in said[0], said
+    assert "the module is in training mode" in gm.stats()["eager_calls"]
+
+
 def test_state_dict_keys_and_loading_are_the_modules():
     model = MLP().eval()
     gm = GraphedModule(model)
