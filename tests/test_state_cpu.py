@@ -360,3 +360,35 @@ def test_a_state_flag_kept_in_a_dict_is_watched_like_a_number():
             assert torch.equal(mine.layers[0].keys, ref.layers[0].keys)
     reasons = list(gm.stats()["eager_calls"])
     assert any("has_previous_state[0]" in r for r in reasons), reasons
+
+
+def test_graphwrap_leaves_torch_compile_of_other_modules_alone():
+    """graphwrap counts module registrations process-wide (a submodule added to a watched
+    module is a change). A forward that makes temporary module lists (diffusers' UNet slices
+    its ModuleLists) registers modules on every call: counted while torch.compile traced it,
+    the count went into dynamo's guards and every call recompiled (then ran eagerly at the
+    recompile limit) in any process where a GraphedModule had been made."""
+
+    class Sliced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers[1:]:  # a new ModuleList on every call
+                x = layer(x)
+            return x
+
+    GraphedModule(nn.Linear(2, 2))  # graphwrap's process-wide hooks are in place from here
+    frames = []
+
+    def backend(graph, inputs):
+        frames.append(graph)
+        return graph.forward
+
+    net = Sliced().eval()
+    compiled = torch.compile(net, backend=backend)
+    x = torch.randn(4, 8)
+    for _ in range(5):
+        out = compiled(x)
+    assert len(frames) == 1 and torch.equal(out, net(x))

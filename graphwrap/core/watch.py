@@ -53,13 +53,19 @@ _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 # The hook tables a forward runs: per module, and for every module at once. A global forward
 # hook runs for every module a forward calls, which no replay can do: while one is registered,
 # calls run eagerly (GraphedModule.forward), and the graphs stay for when it is gone.
+_compiling = torch.compiler.is_compiling
 HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
 GLOBAL_TABLES = tuple(getattr(_nn_module, n) for n in ("_global_forward_pre_hooks", "_global_forward_hooks")
                       if hasattr(_nn_module, n))
 
 
 def _bump(*_args):
-    GENERATION[0] += 1
+    # Not while torch.compile traces a forward: a registration there is the forward's own
+    # temporary (diffusers' UNet slices its ModuleLists, which makes new ones), and counted it
+    # would put the counter in dynamo's guards, so that every call recompiled until dynamo gave
+    # up and ran the model eagerly, in any process that had imported graphwrap's hooks.
+    if not _compiling():
+        GENERATION[0] += 1
 
 
 def _assigned(obj, name: str):
