@@ -206,13 +206,19 @@ def make_job(engine, ks: Key, b: Bucket, leaves, n: int, L, plain: bool, forward
                         "writes module buffers: its graphs capture the plain forward")
         compiled = None
     names = engine.decl.names(ks.spec)
+    # The forward's reads are recorded around the reference run of a capture, by wrapping
+    # nn.Module.__getattribute__ for that run; torch.compile tracing in another thread meanwhile
+    # meets the wrapper and runs its code eagerly. A job given ``forward`` captures a bucket
+    # captured before, at the same shape (kernels compiled for its size, on the tuner's thread
+    # while the process serves; compiled graphs in place of plain ones; one more graph for a
+    # loop): its reads were recorded then, and it runs without the wrapper.
     # The first capture of a signature warms up fully (cuBLAS, cuDNN and Triton set-up, autotuning);
     # later buckets of it need one run to settle their own shapes.
     warmup = engine.opts.warmup_iters if ks.kinds is None or compiled is not None else 1
     return Job(engine.module, compiled, device, store.pool, ks.spec, ks.roles, engine.batch_dim, real, b.size, b.seq,
                warmup, ks.autocast, engine.verify, ks.kinds, ks.seq_dims, ks.out_spec, budget,
                guard=lambda: _guarded(engine, device), describe=names.__getitem__, pad_check=ks.exact is None,
-               observe=reads_recorded)
+               observe=reads_recorded if forward is None else contextlib.nullcontext)
 
 
 def settle_failure(engine, ks: Key, b: Bucket, e: CaptureFailed, epoch: int, forward, may_evict: bool = True
