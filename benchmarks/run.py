@@ -69,6 +69,9 @@ SUITES = {
     "generate": Suite("generate", "many generations at once: gm.generate from 64 threads (continuous batching), "
                       "a closed loop, one at a time, padded by hand, transformers' generate_batch",
                       options=lambda a: {"models": tuple(a.generate_models.split(","))}),
+    "diffusion": Suite("diffusion", "diffusers' DDIM loop (30 steps, guidance, fp16) with the UNet eager, in "
+                       "GraphedModule, in torch.compile, and its step's graph by hand; SD-1.x-small and SDXL shapes "
+                       "(needs diffusers)", "eager", COMPILE),
 }
 CPU_SUITE = Suite("run", "eager against graphwrap's eager fallback, on a CPU", "eager")
 

@@ -64,6 +64,17 @@ def test_the_examples_answer_as_eager_does():
         assert r.returncode == 0 and "usage" in r.stdout, r.stderr[-2000:]
 
 
+def test_the_diffusion_example_gives_eagers_latents():
+    """examples/diffusion.py: diffusers' DDIM loop over GraphedModule(unet) gives eager's latents
+    (on a CPU every call runs eagerly: this checks the example and its inputs, the GPU run
+    checks the graphs). diffusers is an optional extra: CI installs it for this test."""
+    import pytest
+
+    pytest.importorskip("diffusers", reason="diffusers is not installed (pip install diffusers)")
+    r = _run(["examples/diffusion.py"])
+    assert r.returncode == 0 and "latents equal eager's: True" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
 def test_python_m_graphwrap():
     import graphwrap
 

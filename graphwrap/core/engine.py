@@ -98,7 +98,6 @@ class Engine:
         self._copy_streams: Dict[torch.device, Any] = {}
         self.capturer = Capturer(self)  # the only writer of capture state and of what serves a bucket
         self.joins = Joins(self)
-        self.dims_checked = False
 
     # ------------------------------------------------------------------ per call
 
@@ -115,16 +114,6 @@ class Engine:
                         return out
         return call_general(self, args, kwargs)
 
-    def _check_dims(self, args, kwargs):
-        """The options' dims against the first call where calls are not keyed (training mode, no
-        CUDA): a seq_dim no input has raises as it would on a GPU, and a call they do not fit
-        (a batch_dim past an input's dims) is logged once, with what a keyed call would run as."""
-        self.dims_checked = True
-        got = self.decl.facts(args, kwargs, None)
-        if type(got) is Eager and got.kind is Kind.INPUT:
-            self.log_once(("dims", got.reason), logging.WARNING,
-                          f"graphwrap: {got.reason}; where graphs serve this module, such calls run eagerly")
-
     def fast_plan(self, x: Tensor) -> Optional[Plan]:
         """The plan for ``gm(x)`` with one tensor, if every per-call check passes; else None
         (the caller takes the general path, which says why or builds the plan)."""
@@ -140,8 +129,7 @@ class Engine:
         """The call's :class:`~graphwrap.core.signature.Facts`, or the :class:`~graphwrap.core.reasons.Eager`
         reason it runs eagerly."""
         if self.module.training:
-            if not self.dims_checked:
-                self._check_dims(args, kwargs)
+            self.decl.check_unkeyed(args, kwargs)
             return TRAINING
         if _GLOBAL_PRE or _GLOBAL_POST:
             return GLOBAL_HOOKS
@@ -152,8 +140,7 @@ class Engine:
             return self.watch.eager
         where = self.where if self.where is not None else self._where()
         if type(where) is Eager:
-            if not self.dims_checked:
-                self._check_dims(args, kwargs)
+            self.decl.check_unkeyed(args, kwargs)
             return where
         single = SINGLE_TENSOR_SPEC if not kwargs and len(args) == 1 and type(args[0]) is Tensor else None
         f = self.decl.facts(args, kwargs, _compat.autocast_state("cuda"), single)

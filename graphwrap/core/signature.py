@@ -7,14 +7,17 @@ applies them to each call. Pure Python and torch: runs and is tested on a CPU.
 """
 
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from ..errors import GraphwrapError
-from .reasons import Eager, input_reason
+from .reasons import Eager, Kind, input_reason
 from .tree import UnsupportedInput, count_tensors, flatten_inputs, render, states_in
+
+logger = logging.getLogger("graphwrap")
 
 Tensor = torch.Tensor
 # A leaf's role: (batch dim or None, seq dim or None, pad value). Tuples: read on every call.
@@ -121,6 +124,18 @@ class Declarations:
         # call is refused before it is flattened (a model's cache object, passed on every call)
         self._refused: Dict[tuple, Eager] = {}
         self._stateful: Dict[tuple, bool] = {}  # spec -> whether it holds a state input
+        self.dims_checked = False
+
+    def check_unkeyed(self, args, kwargs):
+        """Where calls get no key (training mode, no CUDA), the dims are checked against the first
+        call all the same: a dim no input has raises, as a keyed call would; a call they do not fit
+        (a named input without its dim) is logged once, with what keyed calls would run as."""
+        if self.dims_checked:
+            return
+        self.dims_checked = True
+        got = self.facts(args, kwargs, None)
+        if type(got) is Eager and got.kind is Kind.INPUT:
+            logger.warning("graphwrap: %s; where graphs serve this module, such calls run eagerly", got.reason)
 
     # ------------------------------------------------------------------ per spec, once
 
