@@ -469,6 +469,35 @@ def test_whisper_decodes_input_features_in_graphwraps_loop():
     assert replays(gm) == 11
 
 
+def test_whispers_long_form_runs_each_segment_in_graphwraps_loop(monkeypatch):
+    """Audio longer than the encoder's window (transformers' long-form path: generate_with_fallback
+    decodes it segment by segment, each a generate call of its own): every segment runs
+    graphwrap's loop and replays its steps, and the tokens are model.generate's."""
+    import graphwrap.loops.decode as decode
+
+    cfg = tr.WhisperConfig(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+                           max_source_positions=32, max_target_positions=64, pad_token_id=0, bos_token_id=1,
+                           eos_token_id=2, decoder_start_token_id=1, suppress_tokens=[], begin_suppress_tokens=[])
+    torch.manual_seed(0)
+    model = tr.WhisperForConditionalGeneration(cfg).eval()
+    g = model.generation_config
+    g.no_timestamps_token_id, g.is_multilingual, g.max_initial_timestamp_index = 3, False, 5
+    features = torch.randn(1, 16, 200)  # the window is 64 frames: long-form
+    kw = dict(input_features=features, attention_mask=torch.ones(1, 200, dtype=torch.long), max_new_tokens=10,
+              do_sample=False, return_timestamps=True)
+    with torch.no_grad():
+        want = model.generate(**kw)
+    loops = []
+    steps = decode._steps
+    monkeypatch.setattr(decode, "_steps", lambda *a, **k: loops.append(1) or steps(*a, **k))
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
+    got = gm.generate(**kw, cache_implementation="static")
+    assert torch.equal(got, want)
+    assert len(loops) >= 2, "one loop per segment"
+    assert replays(gm) >= len(loops) and not gm.stats()["eager_calls"]
+
+
 def test_an_encoder_decoder_cache_is_state_its_cross_flags_watched():
     """Both of its caches' tensors are the state; its is_updated flags (host bools the prompt's
     forward sets) are among the numbers watched; a growing part is refused with the reason."""

@@ -323,3 +323,26 @@ def test_encoder_decoders_replay_every_step_with_generates_tokens(name, fp32_exa
     print(f"\n{name}: {replays(gm)} replays, eager {s['eager_calls']}, {s['generate']}")
     assert s["eager_calls"] == {} and replays(gm) >= 2 * 19 - 2
     assert len(s["keys"]) == 1, "the second request replays the first one's graphs"
+
+
+def test_whispers_long_form_replays_each_segment_with_generates_tokens(fp32_exact, monkeypatch):
+    """Audio longer than the encoder's window: transformers' long-form path decodes it segment
+    by segment, each segment in graphwrap's loop, its steps replayed."""
+    import graphwrap.loops.decode as decode
+
+    model = _seq2seq("whisper")
+    g = model.generation_config
+    g.no_timestamps_token_id, g.is_multilingual, g.max_initial_timestamp_index = 3, False, 5
+    features = torch.randn(1, 16, 200, device=DEV)
+    kw = dict(input_features=features, attention_mask=torch.ones(1, 200, dtype=torch.long, device=DEV),
+              max_new_tokens=10, do_sample=False, return_timestamps=True)
+    with torch.no_grad():
+        want = model.generate(**kw)
+    loops = []
+    steps = decode._steps
+    monkeypatch.setattr(decode, "_steps", lambda *a, **k: loops.append(1) or steps(*a, **k))
+    gm = GraphedModule(model, decode=False)
+    got = gm.generate(**kw, cache_implementation="static")
+    print(f"\nlong-form: {len(loops)} segments, {replays(gm)} replays, {got.shape[1]} tokens")
+    assert torch.equal(got, want)
+    assert len(loops) >= 2 and replays(gm) >= len(loops) and not gm.stats()["eager_calls"]
