@@ -392,3 +392,50 @@ def test_graphwrap_leaves_torch_compile_of_other_modules_alone():
     for _ in range(5):
         out = compiled(x)
     assert len(frames) == 1 and torch.equal(out, net(x))
+
+
+def test_a_bucket_captured_again_runs_its_reference_without_the_read_recorder():
+    """The reads a forward makes are recorded around a capture's reference run by wrapping
+    nn.Module.__getattribute__, which a torch.compile tracing meanwhile on another thread meets
+    (it then runs that code eagerly). A bucket captured again at its own shape (the per-size
+    tuner's kernels, compiled graphs in place of plain ones) had its reads recorded by its first
+    capture: its reference runs without the wrapper."""
+    from graphwrap.capture.work import capture_into
+    from graphwrap.core.records import Bucket
+
+    class Seen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.wrapped = []
+
+        def forward(self, x):
+            self.wrapped.append("__getattribute__" in nn.Module.__dict__)
+            return self.lin(x)
+
+    class Forward:  # what the tuner hands a capture: kernels compiled for the bucket's size
+        graphs, dynamic = 0, False
+
+        def __init__(self, module):
+            self.module, self.shapes = module, set()
+
+        def mark(self, leaves, roles):
+            pass
+
+        def __call__(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    m = Seen().eval()
+    gm = on_cpu_graphs(GraphedModule(m, eager_if_faster=False))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        gm(x)
+    assert m.wrapped[0] is True and not any(m.wrapped[1:]), "the first capture's reference run, and only it"
+    engine = gm.engine
+    key = next(iter(engine.store.keys.values()))
+    old = next(iter(key.buckets.values()))
+    m.wrapped.clear()
+    assert capture_into(engine, key, Bucket(old.size, old.seq), [x.clone()], old.size, old.seq, forward=Forward(m),
+                        timed=False) is not None
+    assert m.wrapped and not any(m.wrapped)
+    assert "__getattribute__" not in nn.Module.__dict__
