@@ -449,15 +449,20 @@ def test_an_encoder_decoders_own_caches_are_bounded_by_max_keys(gw_log):
     assert any("max_keys" in why for why in gm.stats()["eager_calls"]), gm.stats()["eager_calls"]
 
 
-def test_whisper_decodes_input_features_in_graphwraps_loop():
-    """Whisper's own generate hands custom_generate on to transformers', and its preparation
-    hands next_sequence_length on: its steps replay, prepared by the model each step."""
+def _tiny_whisper():
+    """Whisper with 16 mel bins and a window of 64 frames."""
     cfg = tr.WhisperConfig(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
                            max_source_positions=32, max_target_positions=64, pad_token_id=0, bos_token_id=1,
                            eos_token_id=2, decoder_start_token_id=1, suppress_tokens=[], begin_suppress_tokens=[])
     torch.manual_seed(0)
-    model = tr.WhisperForConditionalGeneration(cfg).eval()
+    return tr.WhisperForConditionalGeneration(cfg).eval()
+
+
+def test_whisper_decodes_input_features_in_graphwraps_loop():
+    """Whisper's own generate hands custom_generate on to transformers', and its preparation
+    hands next_sequence_length on: its steps replay, prepared by the model each step."""
+    model = _tiny_whisper()
     gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     features = torch.randn(2, 16, 64)
     kw = dict(input_features=features, max_new_tokens=12, min_new_tokens=12, do_sample=False)
@@ -475,12 +480,7 @@ def test_whispers_long_form_runs_each_segment_in_graphwraps_loop(monkeypatch):
     graphwrap's loop and replays its steps, and the tokens are model.generate's."""
     import graphwrap.loops.decode as decode
 
-    cfg = tr.WhisperConfig(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
-                           max_source_positions=32, max_target_positions=64, pad_token_id=0, bos_token_id=1,
-                           eos_token_id=2, decoder_start_token_id=1, suppress_tokens=[], begin_suppress_tokens=[])
-    torch.manual_seed(0)
-    model = tr.WhisperForConditionalGeneration(cfg).eval()
+    model = _tiny_whisper()
     g = model.generation_config
     g.no_timestamps_token_id, g.is_multilingual, g.max_initial_timestamp_index = 3, False, 5
     features = torch.randn(1, 16, 200)  # the window is 64 frames: long-form
