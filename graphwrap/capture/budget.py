@@ -16,7 +16,11 @@ def budget_left(engine) -> Optional[int]:
     budget = engine.opts.max_pool_bytes
     if budget is None:
         return None
-    return budget - sum(_held(b) for ks in engine.store.keys.values() for b in ks.buckets.values())
+    return budget - _held_total(engine)
+
+
+def _held_total(engine) -> int:
+    return sum(_held(b) for ks in engine.store.keys.values() for b in ks.buckets.values())
 
 
 def _held(b: Bucket) -> int:
@@ -46,7 +50,7 @@ def drop_least_used(engine, need: int, keep: Bucket) -> bool:
                 calls = sum(p.calls for p in ks.plans.values() if p.bucket is b) + b.replays + b.eager_calls
                 live.append((calls, b.size * (b.seq or 1), ks, b))
     live.sort(key=lambda t: (t[0], t[1]))
-    left = budget - sum(_held(b) for ks in engine.store.keys.values() for b in ks.buckets.values())
+    left = budget - _held_total(engine)
     taken = []
     for _, _, ks, b in live:
         if left >= need:
