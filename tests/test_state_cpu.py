@@ -439,3 +439,34 @@ def test_a_bucket_captured_again_runs_its_reference_without_the_read_recorder():
                         timed=False) is not None
     assert m.wrapped and not any(m.wrapped)
     assert "__getattribute__" not in nn.Module.__dict__
+
+
+def test_reads_recorded_from_two_threads_at_once_leave_nn_module_as_it_was():
+    """Each recording wraps nn.Module.__getattribute__ for its run and puts back what it found.
+    Two at once (captures on the CPU stand-in take no capture lock of their own) once left the
+    first one's wrapper on nn.Module for good: every later forward paid for it, and torch.compile
+    ran models eagerly. They now take turns."""
+    import threading
+
+    from graphwrap.core.watch import reads_recorded
+
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with reads_recorded():
+            first_in.set()
+            second_in.wait(0.5)  # the second cannot come in while this one records
+        first_out.set()
+
+    def second():
+        first_in.wait(5)
+        with reads_recorded():
+            second_in.set()
+            first_out.wait(5)  # and it ends after the first
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert second_in.is_set() and "__getattribute__" not in nn.Module.__dict__

@@ -40,7 +40,7 @@ from torch.nn.modules import module as _nn_module
 from torch.utils.hooks import RemovableHandle
 
 from .. import _compat
-from ..process import FORWARD_RUNS, GENERATION, WATCH_INSTALLED, WATCHED
+from ..process import CAPTURE_LOCK, FORWARD_RUNS, GENERATION, WATCH_INSTALLED, WATCHED
 from .reasons import Eager, Kind
 
 Tensor = torch.Tensor
@@ -219,8 +219,16 @@ def _watched_names(obj) -> frozenset:
 def reads_recorded():
     """While it lasts, the attributes of watched objects that this thread reads are noted as
     watched (the forward's reads, in a capture's reference run). Their classes'
-    ``__getattribute__`` is wrapped for that run only; captures take the capture lock, so two
-    never overlap."""
+    ``__getattribute__`` is wrapped for that run only. Two such runs never overlap (the capture
+    lock, which a GPU capture holds already): the second would take the first's wrapper for the
+    class's own and put it back at its end, for good."""
+    with CAPTURE_LOCK:
+        with _wrapped_reads():
+            yield
+
+
+@contextlib.contextmanager
+def _wrapped_reads():
     me = threading.get_ident()
     classes = [nn.Module]
     for ref, _written, _read in list(WATCHED.values()):
