@@ -62,6 +62,36 @@ def test_generate_gives_the_models_tokens_with_every_decode_step_replayed(batch)
     assert s["eager_calls"] == {}
 
 
+@pytest.mark.parametrize("family", ["gpt2", "bart", "whisper"])
+def test_graphwraps_loop_replays_the_kept_plan_of_its_kept_inputs(family, monkeypatch):
+    """The loop keeps each step's inputs (but the new tokens) and hands them to a Repeat: the
+    first step goes the direct way, every later one replays the plan it kept."""
+    import graphwrap.loops.repeat as repeat
+
+    made = []
+    init = repeat.Repeat.__init__
+
+    def noted(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(repeat.Repeat, "__init__", noted)
+    if family == "whisper":
+        model, kw = _tiny_whisper(), dict(input_features=torch.randn(2, 16, 64))
+    else:
+        model = _gpt2() if family == "gpt2" else _encoder_decoders()["bart"]().eval()
+        ids = torch.randint(3, 60, (2, 6))
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    kw.update(max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
+    with torch.no_grad():
+        want = model.generate(**kw, cache_implementation="static") if family != "whisper" else model.generate(**kw)
+        for _ in range(2):
+            assert torch.equal(gm.generate(**kw, cache_implementation="static"), want)
+    assert [r.calls for r in made] == [8, 8], "per request: 9 steps, the first direct"
+    assert replays(gm) == 2 * 9 and gm.stats()["eager_calls"] == {}
+
+
 def test_sampling_gives_the_models_tokens_under_the_same_seed():
     model = _gpt2()
     gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
@@ -461,7 +491,7 @@ def _tiny_whisper():
 
 def test_whisper_decodes_input_features_in_graphwraps_loop():
     """Whisper's own generate hands custom_generate on to transformers', and its preparation
-    hands next_sequence_length on: its steps replay, prepared by the model each step."""
+    hands next_sequence_length on: its steps replay."""
     model = _tiny_whisper()
     gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
     features = torch.randn(2, 16, 64)
@@ -627,32 +657,6 @@ def test_beam_search_steps_that_never_reach_graphwrap_say_so():
     assert gm.stats()["generate"] == {
         "transformers' loop, no step reached graphwrap: it called the model itself "
         "(beam search or several sequences per prompt)": 2}
-
-
-def test_logits_processors_run_as_transformers_list_runs_them():
-    """The loop reads each processor's signature once, not every step: the same scores, and a
-    list with a processor that wants more arguments keeps the list's own call and error."""
-    from transformers.generation.logits_process import (
-        LogitsProcessorList,
-        MinLengthLogitsProcessor,
-        TemperatureLogitsWarper,
-    )
-
-    from graphwrap.loops.decode import processing
-
-    procs = LogitsProcessorList([MinLengthLogitsProcessor(5, eos_token_id=2), TemperatureLogitsWarper(0.7)])
-    ids, scores = torch.randint(0, 10, (2, 3)), torch.randn(2, 10)
-    fast = processing(procs)
-    assert fast is not procs and torch.equal(fast(ids, scores), procs(ids, scores))
-
-    class WantsMore:
-        def __call__(self, input_ids, scores, cur_len):
-            return scores
-
-    picky = LogitsProcessorList([TemperatureLogitsWarper(0.7), WantsMore()])
-    assert processing(picky) is picky
-    with pytest.raises(ValueError, match="required parameters"):
-        processing(picky)(ids, scores)
 
 
 def test_an_encoder_decoder_under_inference_mode_and_from_threads():

@@ -162,6 +162,7 @@ def fold(engine, ks: Key, b: Optional[Bucket]):
         pb = plan.bucket
         if plan.calls and pb.size:
             pb.absorb(plan_tally(plan))
+        plan.epoch = -1  # stale for whoever holds it (loops.repeat): its next run goes the general way
         del ks.plans[key]
     for shape, plan in list(engine.fast.items()):
         if plan.key is ks and (b is None or plan.bucket is b):

@@ -28,6 +28,8 @@ import torch
 from ..errors import GraphwrapError
 from . import seq2seq
 from .experts import batched_experts
+from .processors import processing
+from .repeat import Repeat
 from .window import RingMasks, is_ring, ring_unsupported, use_rings
 
 logger = logging.getLogger("graphwrap")
@@ -160,32 +162,6 @@ def _mode_unsupported(model, gen) -> Optional[str]:
     if getattr(gen, "prefill_chunk_size", None) is not None:
         return "chunked prefill"
     return None
-
-
-def processing(processors):
-    """``processors(input_ids, scores)``, as transformers' list calls it: each processor in turn,
-    which the list does after reading each processor's signature again every step, on the
-    host. Read once here; a list whose processors want more than the two arguments keeps its
-    own call (and its error)."""
-    try:
-        calls = list(processors)
-        plain = all(len(inspect.signature(p.__call__).parameters) <= 2 for p in calls)
-    except (TypeError, ValueError):
-        return processors
-    if not plain or type(processors).__call__ is not _list_call():
-        return processors
-
-    def process(input_ids, scores):
-        for p in calls:
-            scores = p(input_ids, scores)
-        return scores
-    return process
-
-
-def _list_call():
-    from transformers.generation.logits_process import LogitsProcessorList
-
-    return LogitsProcessorList.__call__
 
 
 class _Rng:
@@ -330,6 +306,22 @@ class _StepInputs:
             self.kwargs = self.model._update_model_kwargs_for_generation(outputs, self.kwargs,
                                                                          is_encoder_decoder=self.seq2seq)
 
+    def prefill(self, input_ids, gen) -> torch.Tensor:
+        """The prompt's forward, eagerly (``generate``'s own): its logits."""
+        outputs = self.model._prefill(input_ids, gen, self.kwargs)
+        self.after(outputs)
+        return outputs.logits
+
+    def step(self, step, input_ids, tokens) -> torch.Tensor:
+        """The next decode step's logits (a view of a graph's output where the inputs are kept:
+        valid until the next step)."""
+        kw = self.next(input_ids, tokens)
+        if self.kept:
+            return step.logits(kw)
+        outputs = (step if self.graphed else self.model)(**{**kw, "return_dict": True})
+        self.after(outputs)
+        return outputs.logits
+
     @property
     def graphed(self) -> bool:
         """Whether the steps may go to graphwrap's engine: a cache with ring layers only with the
@@ -356,18 +348,18 @@ class _StepInputs:
                 steps = seq2seq.LeanSteps.make(self.model, inputs, input_ids.shape[1])
                 self.lean = steps or False
                 if steps:
-                    return steps.inputs
+                    return _kept(steps.inputs)
             elif self.rings:
                 kept = self._ring_inputs(inputs)
                 self.lean = kept or False
                 if kept:
-                    return kept
+                    return _kept(kept)
             else:
                 made = _lean(self.model, inputs, self.kwargs)
                 self.lean = made[0] if made else False
                 if made:
                     self.column = made[1]
-                    return made[0]
+                    return _kept(made[0])
         return inputs
 
     def _ring_inputs(self, inputs: dict) -> Optional[dict]:
@@ -384,13 +376,26 @@ class _StepInputs:
             layer.ring_masks = True
         return dict(inputs, attention_mask=self.masks.inputs())
 
+    @property
+    def kept(self) -> bool:
+        """Whether each step's inputs are the one dict, moved on in place but for the new tokens
+        (and positions): the steps go to the engine through a :class:`~.repeat.Repeat`."""
+        return bool(self.lean) and self.graphed
+
     def close(self):
         for layer in self.rings:
             layer.ring_masks = False
 
 
+def _kept(inputs: dict) -> dict:
+    """Inputs kept for every step, asking for a ModelOutput (the loop reads its logits)."""
+    inputs["return_dict"] = True
+    return inputs
+
+
 def make_decode_loop(step, own_cache=None, declined=None):
-    """A ``custom_generate`` callable whose decode steps are ``step(**model_inputs)``;
+    """A ``custom_generate`` callable whose decode steps are ``step(**model_inputs)``, or
+    ``step.logits(model_inputs)`` where the loop keeps the inputs from step to step (:class:`Step`);
     ``own_cache(model, model_kwargs)`` may put a cache of graphwrap's own in place of the one
     ``generate`` made (an encoder-decoder's: :mod:`.seq2seq`). A request it hands to
     transformers' own loop (beam search the model's generation config asks for, say) appends
@@ -440,15 +445,14 @@ def _steps(model, step, input_ids, logits_processor, stopping_criteria, gen, inp
     unfinished = torch.ones(rows, dtype=torch.bool, device=device)
     process = processing(logits_processor)
 
-    outputs = model._prefill(input_ids, gen, inputs.kwargs)
+    def last(logits):  # the new position's logits, the loop's own (a step's may be a graph's view)
+        return logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
+
+    logits = last(inputs.prefill(input_ids, gen))
     tokens = None
     while True:
         if tokens is not None:
-            kw = inputs.next(input_ids, tokens)
-            outputs = (step if inputs.graphed else model)(**kw, return_dict=True)
-        inputs.after(outputs)
-        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
-        del outputs
+            logits = last(inputs.step(step, input_ids, tokens))
         scores = process(input_ids, logits)
         if gen.do_sample:
             if rng is not None:
@@ -471,11 +475,11 @@ def _steps(model, step, input_ids, logits_processor, stopping_criteria, gen, inp
         elif max_length is None:
             raise GraphwrapError("generate gave the decode loop no stopping criteria: pass max_new_tokens")
     if finished is not None:
-        last = finished.first()
-        if last is not None:  # steps queued after every row had finished: dropped
-            input_ids = input_ids[:, :prompt + last + 1]
+        end = finished.first()
+        if end is not None:  # steps queued after every row had finished: dropped
+            input_ids = input_ids[:, :prompt + end + 1]
             if rng is not None:
-                rng.rewind(last + 1)
+                rng.rewind(end + 1)
     return input_ids
 
 
@@ -511,20 +515,38 @@ def text_config(module):
 
 # ------------------------------------------------------------------ gm.generate
 
+class Step:
+    """A decode step through the engine: ``step(**inputs)`` as transformers' loop hands each
+    step over, and ``step.logits(inputs)`` from graphwrap's loop where the inputs are kept from
+    step to step (:class:`~.repeat.Repeat`); a mixture of experts' graph-safe implementation
+    around both. ``handed`` counts the steps."""
+
+    # The inputs a kept step replaces: new tokens, and positions one further.
+    REPLACED = ("input_ids", "decoder_input_ids", "position_ids")
+
+    def __init__(self, engine, experts):
+        self.engine, self.experts = engine, experts
+        self.repeat = Repeat(engine, self.REPLACED, "logits")
+        self.handed = 0
+
+    def __call__(self, **kw):
+        self.handed += 1
+        with self.experts:
+            return self.engine.call((), kw)
+
+    def logits(self, kw: dict):
+        self.handed += 1
+        with self.experts:
+            return self.repeat(kw)
+
+
 def generate(engine, held: dict, module, args, kwargs):
     """``gm.generate``: ``held`` is the GraphedModule's ``__dict__``, which keeps its static caches
     (``_gw_caches``) and the reasons already logged (``_gw_loop_notes``). How each call's steps
     were run is counted in ``stats()["generate"]``."""
-    handed = [0]
     if "_gw_experts" not in held:  # a mixture of experts' steps run a graph-safe implementation
         held["_gw_experts"] = batched_experts(module)
-    experts = held["_gw_experts"]
-
-    def step(**kw):
-        handed[0] += 1
-        with experts:
-            return engine.call((), kw)
-
+    step = Step(engine, held["_gw_experts"])
     name = cache_keyword(module)
     check_room(args, kwargs)  # a cache the caller passes (graphwrap sizes its own)
     why = unsupported(module) or request_unsupported(kwargs)
@@ -554,7 +576,7 @@ def generate(engine, held: dict, module, args, kwargs):
         for k in ("get_compiled_call", "_valid_auto_compile_criteria"):
             d.pop(k, None)
         d.update(before)
-    _count(engine, held, why or (declined[0] if declined else None), handed[0], _new_tokens(out, args, kwargs), kwargs)
+    _count(engine, held, why or (declined[0] if declined else None), step.handed, _new_tokens(out, args, kwargs), kwargs)
     return out
 
 
