@@ -445,11 +445,12 @@ def _encoder_decoders():
 def test_encoder_decoders_replay_every_step_over_a_cache_of_graphwraps_own(family):
     """The encoder runs once per request; every decode step replays, over a self-attention and
     a cross-attention cache that graphwrap keeps: a second request of the same lengths replays
-    the graphs the first captured, a third of another encoder length gets a cache of its own."""
+    the graphs the first captured, a third of another encoder length in the same bucket of 64
+    (its output and mask padded) too, a fourth past 64 gets a cache of its own."""
     torch.manual_seed(0)
     model = _encoder_decoders()[family]().eval()
     gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
-    for i, length in enumerate((10, 10, 7)):
+    for i, length in enumerate((10, 10, 7, 70)):
         ids = torch.randint(3, 60, (2, length))
         kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
                   do_sample=False)
@@ -459,24 +460,47 @@ def test_encoder_decoders_replay_every_step_over_a_cache_of_graphwraps_own(famil
         assert torch.equal(got, want)
         assert replays(gm) == 19 * (i + 1), "every step but the prompt's replays"
         assert gm.stats()["eager_calls"] == {}
-    assert gm.stats()["generate"] == {"graphwrap's decode loop": 3}
+    assert gm.stats()["generate"] == {"graphwrap's decode loop": 4}
     caches = gm.__dict__["_gw_caches"]
-    assert sorted(k[3] for k in caches) == [7, 10], "one cache per encoder length"
-    assert len(gm.stats()["keys"]) == 2
+    assert sorted(k[3] for k in caches) == [64, 128], "one cache per bucket of encoder lengths"
+    assert len(gm.stats()["keys"]) == 2 and gm.__dict__["_gw_pads"] is True
 
 
 def test_an_encoder_decoders_own_caches_are_bounded_by_max_keys(gw_log):
     torch.manual_seed(0)
     model = _encoder_decoders()["bart"]().eval()
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False, max_keys=2))
-    for length in (5, 6, 7):
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False, max_keys=1))
+    for length in (5, 70, 6):  # buckets of 64, 128 and 64 encoder positions
         ids = torch.randint(3, 60, (1, length))
         kw = dict(input_ids=ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
         with torch.no_grad():
             want = model.generate(**kw)
         assert torch.equal(gm.generate(**kw, cache_implementation="static"), want)
-    assert len(gm.__dict__["_gw_caches"]) == 2
+    assert len(gm.__dict__["_gw_caches"]) == 1
     assert any("max_keys" in why for why in gm.stats()["eager_calls"]), gm.stats()["eager_calls"]
+
+
+def test_a_decoder_that_reads_padded_encoder_positions_keeps_a_cache_per_length(gw_log):
+    """The first request whose encoder output would be padded runs the decoder's first step on
+    both: a decoder that ignores the encoder's mask (here BART's, made to) gives other logits,
+    so nothing is padded and each length keeps its own cache; the tokens are generate's."""
+    torch.manual_seed(0)
+    model = _encoder_decoders()["bart"]().eval()
+    decoder = model.model.decoder
+    forward = decoder.forward
+    decoder.forward = lambda *a, **k: forward(*a, **{**k, "encoder_attention_mask": None})
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
+    for length in (10, 7, 10):
+        ids = torch.randint(3, 60, (2, length))
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                  do_sample=False)
+        with torch.no_grad():
+            want = model.generate(**kw)
+        assert torch.equal(gm.generate(**kw, cache_implementation="static"), want)
+    assert gm.__dict__["_gw_pads"] is False
+    assert sorted(k[3] for k in gm.__dict__["_gw_caches"]) == [7, 10]
+    assert any("not padded to length buckets" in r.getMessage() for r in gw_log.records)
+    assert gm.stats()["eager_calls"] == {}
 
 
 def _tiny_whisper():

@@ -303,15 +303,15 @@ def _seq2seq(name):
 @pytest.mark.parametrize("name", ["t5", "bart", "mvp", "whisper"])
 def test_encoder_decoders_replay_every_step_with_generates_tokens(name, fp32_exact):
     """The encoder once per request, every decoder step a replay over graphwrap's own cache of
-    two parts; a second request of the same lengths, under inference_mode, replays the first
-    one's graphs."""
+    two parts; a second request, under inference_mode and of another encoder length in the same
+    bucket of 64 (the encoder's output and mask padded), replays the first one's graphs."""
     model = _seq2seq(name)
     gm = GraphedModule(model, decode=False)
     for i in range(2):
         if name == "whisper":
             kw = dict(input_features=torch.randn(2, 16, 64, device=DEV))
         else:
-            ids = torch.randint(3, 60, (2, 10), device=DEV)
+            ids = torch.randint(3, 60, (2, 10 + 3 * i), device=DEV)
             kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
         kw.update(max_new_tokens=20, min_new_tokens=20, do_sample=False)
         with torch.no_grad():
@@ -323,6 +323,7 @@ def test_encoder_decoders_replay_every_step_with_generates_tokens(name, fp32_exa
     print(f"\n{name}: {replays(gm)} replays, eager {s['eager_calls']}, {s['generate']}")
     assert s["eager_calls"] == {} and replays(gm) >= 2 * 19 - 2
     assert len(s["keys"]) == 1, "the second request replays the first one's graphs"
+    assert gm.__dict__.get("_gw_pads") is (None if name == "whisper" else True)
 
 
 def test_whispers_long_form_replays_each_segment_with_generates_tokens(fp32_exact, monkeypatch):

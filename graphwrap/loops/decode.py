@@ -396,7 +396,7 @@ def _kept(inputs: dict) -> dict:
 def make_decode_loop(step, own_cache=None, declined=None):
     """A ``custom_generate`` callable whose decode steps are ``step(**model_inputs)``, or
     ``step.logits(model_inputs)`` where the loop keeps the inputs from step to step (:class:`Step`);
-    ``own_cache(model, model_kwargs)`` may put a cache of graphwrap's own in place of the one
+    ``own_cache(model, input_ids, model_kwargs)`` may put a cache of graphwrap's own in place of the one
     ``generate`` made (an encoder-decoder's: :mod:`.seq2seq`). A request it hands to
     transformers' own loop (beam search the model's generation config asks for, say) appends
     the reason to ``declined``."""
@@ -413,7 +413,7 @@ def make_decode_loop(step, own_cache=None, declined=None):
             return method(model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                           generation_config=generation_config, **model_kwargs)
         if own_cache is not None:
-            own_cache(model, model_kwargs)
+            own_cache(model, input_ids, model_kwargs)
         return _loop(model, step, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
     return graphwrap_decode
@@ -554,8 +554,8 @@ def generate(engine, held: dict, module, args, kwargs):
     kwargs = static_cache(held, module, args, kwargs, name, rings=why is None)
     own = None
     if seq2seq.is_seq2seq(module) and kwargs.get("cache_implementation") == "static" and given_cache(kwargs) is None:
-        def own(model, model_kwargs):  # the encoder's length is known once generate has run it
-            seq2seq.own_cache(held, model, model_kwargs, engine.max_keys)
+        def own(model, input_ids, model_kwargs):  # the encoder's length is known once generate has run it
+            seq2seq.own_cache(held, model, input_ids, model_kwargs, engine.max_keys)
     elif why is None and not any(given_cache(kwargs) is c for c in held.get("_gw_caches", {}).values()):
         why = "the cache is not graphwrap's own (it comes with cache_implementation=\"static\" and no cache given)"
     declined: List[str] = []
