@@ -153,7 +153,7 @@ def _steps(calls) -> list:
     run: List[Tuple[Any, Masking]] = []
     for p in calls:
         m = masking(p)
-        if m is not None:
+        if m is not None and isinstance(getattr(p, m.tokens, None), torch.Tensor):
             run.append((p, m))
             continue
         if run:
