@@ -503,6 +503,32 @@ def test_a_decoder_that_reads_padded_encoder_positions_keeps_a_cache_per_length(
     assert gm.stats()["eager_calls"] == {}
 
 
+def test_a_preparation_that_drops_the_encoders_mask_keeps_a_cache_per_length(gw_log):
+    """A model whose prepare_inputs_for_generation leaves the encoder's mask out (its forward
+    would read padded positions) gets nothing padded; the tokens are generate's."""
+    torch.manual_seed(0)
+    model = _encoder_decoders()["t5"]().eval()
+    prepare = model.prepare_inputs_for_generation
+
+    def dropping(input_ids, next_sequence_length=None, **kwargs):
+        inputs = prepare(input_ids, next_sequence_length=next_sequence_length, **kwargs)
+        inputs.pop("attention_mask", None)
+        return inputs
+
+    model.prepare_inputs_for_generation = dropping
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
+    for length in (10, 7):
+        ids = torch.randint(3, 60, (2, length))
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                  do_sample=False)
+        with torch.no_grad():
+            want = model.generate(**kw)
+        assert torch.equal(gm.generate(**kw, cache_implementation="static"), want)
+    assert gm.__dict__["_gw_pads"] is False
+    assert sorted(k[3] for k in gm.__dict__["_gw_caches"]) == [7, 10]
+    assert any("does not pass the encoder's mask on" in r.getMessage() for r in gw_log.records)
+
+
 def _tiny_whisper():
     """Whisper with 16 mel bins and a window of 64 frames."""
     cfg = tr.WhisperConfig(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

@@ -16,8 +16,9 @@ Encoder lengths go in buckets: where ``generate`` hands the decoder an encoder m
 T5, BART, ...), the encoder's output and that mask are padded with zeros to the next multiple
 of 64 positions (:func:`pad_encoded`), so requests of every length in a bucket share one cache
 and one set of graphs; the padded positions are masked, as the tokenizer's own padding is. A
-decoder that does not honour that mask would read them: so the first request that pads runs
-the decoder's first step on both (once per GraphedModule) and pads only where the logits agree.
+model that does not honour that mask would read them: so the first request that pads asks the
+model's preparation whether it passes the mask on and runs the decoder's first step on both
+(once per GraphedModule), and pads only where it does and the logits agree.
 Without a mask (Whisper: always 1500 frames) each length keeps its own cache. After ``max_keys``
 caches, further lengths keep ``generate``'s cache (and run eagerly once the engine's
 ``max_keys`` signatures are taken).
@@ -187,7 +188,8 @@ def pad_encoded(held: dict, model, input_ids, model_kwargs: dict) -> Optional[tu
         return None
     padded_mask = torch.cat([mask, mask.new_zeros(mask.shape[0], size - length)], dim=1)
     if "_gw_pads" not in held:
-        held["_gw_pads"] = _decoder_honours_mask(model, input_ids, encoded, mask, padded, padded_mask)
+        held["_gw_pads"] = (_preparation_passes_mask(model, input_ids, model_kwargs, padded, padded_mask)
+                            and _decoder_honours_mask(model, input_ids, encoded, mask, padded, padded_mask))
         if not held["_gw_pads"]:
             return None
     return padded, padded_mask
@@ -202,6 +204,24 @@ def _with_hidden(encoded, hidden: torch.Tensor):
     if isinstance(encoded, tuple):
         return (hidden,) + tuple(encoded[1:])
     return None
+
+
+def _preparation_passes_mask(model, input_ids, model_kwargs: dict, padded, padded_mask) -> bool:
+    """Whether the model's ``prepare_inputs_for_generation`` hands the (padded) encoder mask on to
+    its forward, as transformers' own does (an override could leave it out: the forward would
+    then read the padded positions)."""
+    try:
+        prepared = model.prepare_inputs_for_generation(
+            input_ids, **{**model_kwargs, "encoder_outputs": padded, "attention_mask": padded_mask})
+        got = prepared.get("attention_mask")
+        ok = isinstance(got, torch.Tensor) and got.shape[-1] == padded_mask.shape[-1]
+        why = "its prepare_inputs_for_generation does not pass the encoder's mask on"
+    except Exception as e:  # noqa: BLE001 - a preparation that cannot be asked keeps one cache per length
+        ok, why = False, f"its prepare_inputs_for_generation failed on a padded output ({type(e).__name__}: {e})"
+    if not ok:
+        logger.info("graphwrap: %s's encoder output is not padded to length buckets (%s): one cache and graphs "
+                    "per encoder length, at most max_keys", type(model).__name__, why)
+    return ok
 
 
 def _decoder_honours_mask(model, input_ids, encoded, mask, padded, padded_mask) -> bool:
