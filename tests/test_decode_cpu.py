@@ -480,6 +480,22 @@ def test_an_encoder_decoders_own_caches_are_bounded_by_max_keys(gw_log):
     assert any("max_keys" in why for why in gm.stats()["eager_calls"]), gm.stats()["eager_calls"]
 
 
+def _unpadded_requests(model, lengths):
+    """gm.generate over requests of these encoder lengths, each giving generate's tokens, where
+    nothing may be padded: one cache per encoder length. The GraphedModule."""
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
+    for length in lengths:
+        ids = torch.randint(3, 60, (2, length))
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                  do_sample=False)
+        with torch.no_grad():
+            want = model.generate(**kw)
+        assert torch.equal(gm.generate(**kw, cache_implementation="static"), want)
+    assert gm.__dict__["_gw_pads"] is False
+    assert sorted(k[3] for k in gm.__dict__["_gw_caches"]) == sorted(set(lengths))
+    return gm
+
+
 def test_a_decoder_that_reads_padded_encoder_positions_keeps_a_cache_per_length(gw_log):
     """The first request whose encoder output would be padded runs the decoder's first step on
     both: a decoder that ignores the encoder's mask (here BART's, made to) gives other logits,
@@ -489,16 +505,7 @@ def test_a_decoder_that_reads_padded_encoder_positions_keeps_a_cache_per_length(
     decoder = model.model.decoder
     forward = decoder.forward
     decoder.forward = lambda *a, **k: forward(*a, **{**k, "encoder_attention_mask": None})
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
-    for length in (10, 7, 10):
-        ids = torch.randint(3, 60, (2, length))
-        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
-                  do_sample=False)
-        with torch.no_grad():
-            want = model.generate(**kw)
-        assert torch.equal(gm.generate(**kw, cache_implementation="static"), want)
-    assert gm.__dict__["_gw_pads"] is False
-    assert sorted(k[3] for k in gm.__dict__["_gw_caches"]) == [7, 10]
+    gm = _unpadded_requests(model, (10, 7, 10))
     assert any("not padded to length buckets" in r.getMessage() for r in gw_log.records)
     assert gm.stats()["eager_calls"] == {}
 
@@ -516,16 +523,7 @@ def test_a_preparation_that_drops_the_encoders_mask_keeps_a_cache_per_length(gw_
         return inputs
 
     model.prepare_inputs_for_generation = dropping
-    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False, decode=False))
-    for length in (10, 7):
-        ids = torch.randint(3, 60, (2, length))
-        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
-                  do_sample=False)
-        with torch.no_grad():
-            want = model.generate(**kw)
-        assert torch.equal(gm.generate(**kw, cache_implementation="static"), want)
-    assert gm.__dict__["_gw_pads"] is False
-    assert sorted(k[3] for k in gm.__dict__["_gw_caches"]) == [7, 10]
+    _unpadded_requests(model, (10, 7))
     assert any("does not pass the encoder's mask on" in r.getMessage() for r in gw_log.records)
 
 
