@@ -6,6 +6,10 @@ Imports on machines without CUDA; there every call runs the module eagerly.
 
 __version__ = "0.2.0"
 
+from . import log as _log
+
+_log.install()
+
 from .capture.compiled import load_cache as load_compile_cache
 from .capture.compiled import save_cache as save_compile_cache
 from .core.buckets import (

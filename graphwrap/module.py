@@ -316,7 +316,7 @@ class GraphedModule(nn.Module):
         f = engine.facts(args, kwargs)
         if type(f) is Eager:
             if f.kind is Kind.NO_GRAPHS:
-                logger.warning("graphwrap: capture() captured nothing: %s; calls run the module eagerly", f)
+                logger.warning("capture() captured nothing: %s; calls run the module eagerly", f)
                 return engine.stats()
             raise GraphwrapError(f"cannot capture: {f}")
         return engine.capture(f, background)

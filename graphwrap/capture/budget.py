@@ -64,7 +64,7 @@ def drop_least_used(engine, need: int, keep: Bucket) -> bool:
         engine.store.dropped.extend(b.graphs)
         b.graphs = []
         b.serves = Serves.NOTHING
-        logger.info("graphwrap: bucket %s of %s dropped for max_pool_bytes (least used); captured again when needed",
+        logger.info("bucket %s of %s dropped for max_pool_bytes (least used); captured again when needed",
                     b.name, ks.label)
     return True
 

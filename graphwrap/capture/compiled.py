@@ -118,7 +118,7 @@ def save_cache(path) -> int:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
-    logger.info("graphwrap: saved %d bytes of compile artifacts to %s", len(data), path)
+    logger.info("saved %d bytes of compile artifacts to %s", len(data), path)
     return len(data)
 
 
@@ -132,7 +132,7 @@ def load_cache(path) -> bool:
     with open(path, "rb") as f:
         data = f.read()
     torch.compiler.load_cache_artifacts(data)
-    logger.info("graphwrap: loaded %d bytes of compile artifacts from %s", len(data), path)
+    logger.info("loaded %d bytes of compile artifacts from %s", len(data), path)
     return True
 
 

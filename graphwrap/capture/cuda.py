@@ -85,7 +85,7 @@ def private_stream(device: torch.device) -> torch.cuda.Stream:
             handle = _driver_stream(index)
             return torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
         except Exception as e:  # noqa: BLE001 - any failure of the driver route has the same answer
-            logger.info("graphwrap: no stream of graphwrap's own on cuda:%d (%s: %s); capturing on a "
+            logger.info("no stream of graphwrap's own on cuda:%d (%s: %s); capturing on a "
                         "high-priority stream of PyTorch's pool", index, type(e).__name__, first_line(e))
             return torch.cuda.Stream(index, priority=-1)
 
@@ -247,7 +247,7 @@ def after_failed_capture(device, pool, draws_random: bool = True):
         try:
             _reset_rng_capture_state(device)
         except Exception as e:  # noqa: BLE001 - the original failure is the one to report
-            logger.warning("graphwrap: could not close the RNG's capture phase after a failed capture: %s: %s",
+            logger.warning("could not close the RNG's capture phase after a failed capture: %s: %s",
                            type(e).__name__, first_line(e))
     ensure_generator_usable(device)
 
@@ -273,7 +273,7 @@ def ensure_generator_usable(device) -> bool:
     except RuntimeError as e:
         if _STUCK not in str(e):
             raise
-    logger.warning("graphwrap: the default CUDA generator was left in capture mode on %s; closing it", device)
+    logger.warning("the default CUDA generator was left in capture mode on %s; closing it", device)
     _reset_rng_capture_state(device)
     probe.uniform_()
     torch.cuda.set_rng_state(state, device)
@@ -370,7 +370,7 @@ def own_workspace(device: torch.device) -> bool:
         _record(g, wp.handle, device, False, lambda: (torch.mm(a, a), torch.addmm(a[0], a, a)))
     except Exception as e:  # noqa: BLE001 - the capture then allocates the workspace in its own pool
         WORKSPACE_POOLS.pop(device, None)  # a pool whose capture failed may refuse further ones
-        logger.warning("graphwrap: could not place the cuBLAS workspace of a capture stream in a pool of its own "
+        logger.warning("could not place the cuBLAS workspace of a capture stream in a pool of its own "
                        "(%s: %s); captures on it keep theirs in their own pool", type(e).__name__, first_line(e))
         return False
     WORKSPACES_PLACED.add(placed)

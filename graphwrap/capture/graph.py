@@ -334,7 +334,7 @@ class CudaRecorder:
             except CaptureFailed as e:
                 if not is_invalidated(e) or attempt == CAPTURE_TRIES:
                     raise
-                logger.warning("graphwrap: capture of bucket %d invalidated (%s); capturing it again in a new pool",
+                logger.warning("capture of bucket %d invalidated (%s); capturing it again in a new pool",
                                size, e.reason)
                 torch.cuda.synchronize(device)
                 new_pool = Pool(device)

@@ -102,11 +102,11 @@ def _settle(engine, ks: Key, b: Bucket, graph_s: float, eager_s: float, held_s: 
             if eager_s <= EAGER_WINS * held_s and not b.eager_when_held:
                 b.eager_when_held = True
                 fold(engine, ks, b)  # plans made from here on run eagerly when every slot is held
-                logger.info("graphwrap: bucket %s of %s: calls whose outputs the caller still holds run eagerly "
+                logger.info("bucket %s of %s: calls whose outputs the caller still holds run eagerly "
                             "(%.1f us a call, a replay and a clone %.1f us)", b.name, ks.label, b.eager_us,
                             b.held_us)
         if eager_s <= EAGER_WINS * graph_s and b.serves is Serves.GRAPH:
             b.serves = Serves.EAGER
             fold(engine, ks, b)
-            logger.info("graphwrap: bucket %s of %s runs eagerly: eager took %.1f us a call, the graph %.1f us",
+            logger.info("bucket %s of %s runs eagerly: eager took %.1f us a call, the graph %.1f us",
                         b.name, ks.label, b.eager_us, b.graph_us)

@@ -196,7 +196,7 @@ class OutputRing:
             self.failures += 1
             self.error = e
             if self.failures == 1:
-                logger.warning("graphwrap: an owned-output slot could not be made (%s: %s); outputs are cloned "
+                logger.warning("an owned-output slot could not be made (%s: %s); outputs are cloned "
                                "while none is free", type(e).__name__, str(e).strip().splitlines()[0] if str(e) else "")
             return None
         return Slot(bases, fill, self.kinds, self.seq_dims, self.batch_dim, self.static)

@@ -91,7 +91,7 @@ def tune_next(engine):
         _tune(engine, ks, old, forward, epoch, sample)
     except Exception as e:  # noqa: BLE001 - reported in stats(); calls go on with the shared kernels
         engine.capturer.tuning_error = f"{type(e).__name__}: {e}"
-        logger.warning("graphwrap: tuning bucket %d of %s stopped: %s", old.size, ks.label, engine.capturer.tuning_error)
+        logger.warning("tuning bucket %d of %s stopped: %s", old.size, ks.label, engine.capturer.tuning_error)
 
 
 def _tune(engine, ks, old: Bucket, forward, epoch: int, sample):
@@ -100,7 +100,7 @@ def _tune(engine, ks, old: Bucket, forward, epoch: int, sample):
     if capture_into(engine, ks, new, sample, old.size, old.seq, forward=forward, timed=False) is None:
         return
     if not new.compiled:
-        logger.warning("graphwrap: per-size kernels for bucket %d of %s: torch.compile compiled nothing; it keeps "
+        logger.warning("per-size kernels for bucket %d of %s: torch.compile compiled nothing; it keeps "
                        "the shared kernels", old.size, ks.label)
         return
     # The shared kernels timed on a graph of their own: the one serving gm(...) must not be
@@ -128,7 +128,7 @@ def _tune(engine, ks, old: Bucket, forward, epoch: int, sample):
         kept = keep_new(shared_s, per_size_s)
         if kept:
             swap(engine, ks, old, new)
-    logger.info("graphwrap: bucket %d of %s: per-size kernels replay in %.1f us, the shared ones in %.1f us; keeps "
+    logger.info("bucket %d of %s: per-size kernels replay in %.1f us, the shared ones in %.1f us; keeps "
                 "the %s (tuned in %.1f s)", old.size, ks.label, 1e6 * per_size_s, 1e6 * shared_s,
                 "per-size kernels" if kept else "shared kernels", time.perf_counter() - t0)
     if kept:

@@ -170,7 +170,7 @@ def compiled_forward(engine) -> Optional[CompiledForward]:
 
 def give_up_compile(engine, reason: str):
     engine.capturer.compile_off = reason
-    msg = f"graphwrap: compile= given up ({reason}); capturing the plain forward"
+    msg = f"compile= given up ({reason}); capturing the plain forward"
     if engine.fallback == "raise":
         raise GraphwrapError(f"{msg}. Pass fallback=\"eager\" to accept the plain forward")
     engine.log_once(("compile",), logging.WARNING, msg)
@@ -189,7 +189,7 @@ def make_job(engine, ks: Key, b: Bucket, leaves, n: int, L, plain: bool, forward
         hooked = engine.watch.record().hooked()
         if hooked:
             engine.log_once(("hooks",), logging.WARNING,
-                            f"graphwrap: forward hooks of {', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''} "
+                            f"forward hooks of {', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''} "
                             "are captured into the graphs: they run at capture, and replays repeat what they do to "
                             "tensors, not what they do in Python (appending to a list, logging)")
     m = min(n, b.size)
@@ -202,7 +202,7 @@ def make_job(engine, ks: Key, b: Bucket, leaves, n: int, L, plain: bool, forward
         # Module buffers the forward writes (a gpt-fast style cache): on a GPU, calls with
         # compiled kernels over them got no graph at all (they ran eagerly, correctly). The
         # plain forward's graphs serve them.
-        engine.log_once(("writes-compile",), logging.WARNING, "graphwrap: compile= is not used for a forward that "
+        engine.log_once(("writes-compile",), logging.WARNING, "compile= is not used for a forward that "
                         "writes module buffers: its graphs capture the plain forward")
         compiled = None
     names = engine.decl.names(ks.spec)
@@ -234,7 +234,7 @@ def settle_failure(engine, ks: Key, b: Bucket, e: CaptureFailed, epoch: int, for
         if e.scope is Scope.COMPILE and forward is not engine.capturer.static_forward:
             give_up_compile(engine, e.reason)
         else:
-            logger.warning("graphwrap: a further graph of bucket %s of %s was not captured (%s); the bucket goes on "
+            logger.warning("a further graph of bucket %s of %s was not captured (%s); the bucket goes on "
                            "as it was", b.name, ks.label, e.reason)
         return None
     if e.scope is Scope.COMPILE:
@@ -250,7 +250,7 @@ def settle_failure(engine, ks: Key, b: Bucket, e: CaptureFailed, epoch: int, for
         ks.buckets.pop(b.point, None)
         fold(engine, ks, None)
         b.serves = Serves.NOTHING
-        logger.warning("graphwrap: lengths of %s are not padded (%s); graphs are captured for each exact length",
+        logger.warning("lengths of %s are not padded (%s); graphs are captured for each exact length",
                        ks.label, e.reason)
         return None
     if e.scope is Scope.BUDGET:
@@ -259,7 +259,7 @@ def settle_failure(engine, ks: Key, b: Bucket, e: CaptureFailed, epoch: int, for
         b.serves, b.reason, b.pool_estimate = Serves.OVER_BUDGET, e.reason, e.pool_estimate
         where = "are chunked or run eagerly" if b.size > engine.grid.top(b.seq) else "go to the next larger captured bucket"
         engine.log_once(("budget", ks.label, b.point), logging.INFO,
-                        f"graphwrap: bucket {b.name} of {ks.label} not captured: {e.reason}; its batches {where}")
+                        f"bucket {b.name} of {ks.label} not captured: {e.reason}; its batches {where}")
         return None
     b.serves, b.reason = Serves.FAILED, e.reason
     if e.scope is not Scope.BUCKET:
@@ -267,7 +267,7 @@ def settle_failure(engine, ks: Key, b: Bucket, e: CaptureFailed, epoch: int, for
         for shape, p in list(engine.fast.items()):
             if p.key is ks:
                 del engine.fast[shape]
-    msg = f"graphwrap: capture of bucket {b.name} for {ks.label} failed: {e.reason}"
+    msg = f"capture of bucket {b.name} for {ks.label} failed: {e.reason}"
     if engine.fallback == "raise":
         raise GraphwrapError(f"{msg}. Pass fallback=\"eager\" to run such inputs eagerly instead") from (e.cause or e)
     engine.log_once(("capture", ks.label, b.point if e.scope is Scope.BUCKET else None), logging.WARNING,
@@ -297,7 +297,7 @@ def install(engine, ks: Key, b: Bucket, got, compiled, ring):
         level = logging.INFO if b.compiled else logging.WARNING
     else:
         how, level = "plain forward", logging.INFO
-    logger.log(level, "graphwrap: captured bucket %s of %s in %.1f ms (%s; verify %.1f ms), graph pool +%.1f MiB",
+    logger.log(level, "captured bucket %s of %s in %.1f ms (%s; verify %.1f ms), graph pool +%.1f MiB",
                b.name, ks.label, 1e3 * got.capture_s, how, 1e3 * got.verify_s, got.pool_bytes / 2**20)
 
 
@@ -324,7 +324,7 @@ def _note_writes(engine, written):
     first = engine.capturer.writes is None
     engine.capturer.writes = tuple(sorted(set(engine.capturer.writes or ()) | set(written)))
     if first:
-        logger.info("graphwrap: the forward writes the module's buffers %s: each call writes them once, as the "
+        logger.info("the forward writes the module's buffers %s: each call writes them once, as the "
                     "module does (the extra runs of a capture are undone); calls are served at their own batch "
                     "size and length, one by one, never padded, chunked or joined", ", ".join(engine.capturer.writes))
         for k in engine.store.keys.values():
@@ -371,7 +371,7 @@ def _checked_slot(engine, device, g, ring, warm: bool = True, restore=lambda: No
     msg = compare_leaves(got, want, SAME_SHAPE_TOL)
     if msg:
         ring.failures += 1
-        logger.warning("graphwrap: an owned-output graph differs from its bucket's graph (%s); outputs are cloned", msg)
+        logger.warning("an owned-output graph differs from its bucket's graph (%s); outputs are cloned", msg)
         return None
     return slot
 
@@ -453,12 +453,12 @@ def capture_all(engine, ks: Key, sample, n: int, L, background: bool) -> dict:
         if background:
             ks.warming = False
             _compile_each(engine, ks, sample, n, L)
-        logger.info("graphwrap: captured %d buckets of %s in %.2f s", done, ks.label, time.perf_counter() - t0)
+        logger.info("captured %d buckets of %s in %.2f s", done, ks.label, time.perf_counter() - t0)
         save_compile_cache(engine)
     except Exception as e:  # noqa: BLE001 - in the background: reported; calls go on with what was captured
         if not background:
             raise
-        logger.warning("graphwrap: background capture of %s stopped: %s: %s", ks.label, type(e).__name__, e)
+        logger.warning("background capture of %s stopped: %s: %s", ks.label, type(e).__name__, e)
         engine.capturer.background_error = f"{type(e).__name__}: {e}"
     finally:
         ks.warming = False
@@ -492,7 +492,7 @@ def _every_bucket(engine, ks: Key, sample, n, L, plain: bool) -> int:
         # one serves its batches), never captured in place of those taken before it.
         if go and capture_into(engine, ks, b, sample, n, L, plain=plain, evict=False) is not None:
             done += 1
-            logger.info("graphwrap: capture %d/%d of %s done", i, len(points), ks.label)
+            logger.info("capture %d/%d of %s done", i, len(points), ks.label)
     return done
 
 

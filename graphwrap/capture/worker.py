@@ -78,7 +78,7 @@ class Worker:
             self._futures.discard(fut)
         if not fut.cancelled() and fut.exception() is not None:
             e = fut.exception()
-            logger.warning("graphwrap: a background job failed: %s: %s", type(e).__name__, e)
+            logger.warning("a background job failed: %s: %s", type(e).__name__, e)
 
     def busy(self) -> bool:
         with self._lock:

@@ -303,7 +303,7 @@ class Engine:
         counts, reason = self.eager_counts, why.reason
         counts[reason] = counts.get(reason, 0) + 1
         if counts[reason] == 1:
-            self.log_once(("eager", reason), logging.WARNING, f"graphwrap: running eagerly: {reason}")
+            self.log_once(("eager", reason), logging.WARNING, f"running eagerly: {reason}")
         return self.eager_run(args, kwargs, grad=why.kind is Kind.GRAD)
 
     def eager_plan(self, plan: Plan, args, kwargs):
@@ -358,7 +358,7 @@ class Engine:
         """Something the graphs depend on changed: they are dropped, and captured again as calls come."""
         self.changes[why] = self.changes.get(why, 0) + 1
         self.log_once(("changed", why), logging.INFO,
-                      f"graphwrap: {why}; dropping the graphs, they are captured again on the next calls")
+                      f"{why}; dropping the graphs, they are captured again on the next calls")
         self.reset()
         self.watch.look()
 
@@ -374,7 +374,7 @@ class Engine:
                     self.adaptive = None
                     hist = adaptive.histogram
                     rows, pad = sum(k * v for k, v in hist.items()), padded_rows(buckets, hist)
-                    logger.info("graphwrap: adaptive buckets %s from %d calls; %.1f%% of their rows would be padding",
+                    logger.info("adaptive buckets %s from %d calls; %.1f%% of their rows would be padding",
                                 buckets, adaptive.seen, 100.0 * pad / (rows + pad))
         counted = self.policy.warmup_calls if self.policy is not None else 0
         return Eager(f"adaptive buckets: counting batch sizes over the first {counted} calls",

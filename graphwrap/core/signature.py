@@ -135,7 +135,7 @@ class Declarations:
         self.dims_checked = True
         got = self.facts(args, kwargs, None)
         if type(got) is Eager and got.kind is Kind.INPUT:
-            logger.warning("graphwrap: %s; where graphs serve this module, such calls run eagerly", got.reason)
+            logger.warning("%s; where graphs serve this module, such calls run eagerly", got.reason)
 
     # ------------------------------------------------------------------ per spec, once
 

@@ -103,7 +103,7 @@ def _decide(engine, ks, staged, n, chunks, plans) -> str:
             p.calls = c
         g, e = min(times["graph"]), min(times["eager"])
         how = "eager" if e <= g else "graph"
-        logger.info("graphwrap: batches of %d chunks of %s run %s: %d chunked replays took %.3f ms, one eager "
+        logger.info("batches of %d chunks of %s run %s: %d chunked replays took %.3f ms, one eager "
                     "forward %.3f ms (batch of %d)", len(chunks), ks.label,
                     "eagerly" if how == "eager" else "as chunked replays", len(chunks), 1e3 * g, 1e3 * e, n)
     engine.chose_large(ks, len(chunks), how)

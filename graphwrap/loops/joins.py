@@ -87,10 +87,10 @@ class Joins:
         """Record what a join probe showed: ``(kinds, seq_dims, out_spec)``, or why not to join (an ``Eager``)."""
         if type(verdict) is Eager:
             ks.join_refused = verdict.reason
-            logger.warning("graphwrap: requests of %s are not joined: %s", ks.label, verdict.reason)
+            logger.warning("requests of %s are not joined: %s", ks.label, verdict.reason)
         else:
             ks.join = verdict
-            logger.info("graphwrap: requests of %s are joined along the batch", ks.label)
+            logger.info("requests of %s are joined along the batch", ks.label)
 
     def run_joined(self, ks: Key, leaves, n: int, L: Optional[int]):
         """A joined batch: its flat outputs, owned by the caller; None if the key failed (then

@@ -219,7 +219,7 @@ def _preparation_passes_mask(model, input_ids, model_kwargs: dict, padded, padde
     except Exception as e:  # noqa: BLE001 - a preparation that cannot be asked keeps one cache per length
         ok, why = False, f"its prepare_inputs_for_generation failed on a padded output ({type(e).__name__}: {e})"
     if not ok:
-        logger.info("graphwrap: %s's encoder output is not padded to length buckets (%s): one cache and graphs "
+        logger.info("%s's encoder output is not padded to length buckets (%s): one cache and graphs "
                     "per encoder length, at most max_keys", type(model).__name__, why)
     return ok
 
@@ -239,6 +239,6 @@ def _decoder_honours_mask(model, input_ids, encoded, mask, padded, padded_mask) 
     except Exception as e:  # noqa: BLE001 - a decoder that cannot be run so keeps one cache per length
         ok, why = False, f"its first step on a padded output failed ({type(e).__name__}: {e})"
     if not ok:
-        logger.info("graphwrap: %s's encoder output is not padded to length buckets (%s): one cache and graphs "
+        logger.info("%s's encoder output is not padded to length buckets (%s): one cache and graphs "
                     "per encoder length, at most max_keys", type(model).__name__, why)
     return ok
