@@ -7,6 +7,7 @@ import ctypes
 import functools
 import gc
 import logging
+import os
 import sys
 import time
 import weakref
@@ -155,20 +156,33 @@ def begin(graph, pool, device: torch.device, draws_random: bool):
     A capture puts the default generator's state into capture mode for as long as it lasts,
     and any other thread drawing random numbers on the device meanwhile fails ("Offset
     increment outside graph capture"). A forward that draws none needs none of it: the capture
-    begins with a private copy of the state in its place, and the default state is put back
-    at once, so other threads are kept out only while the capture begins. A forward that
-    draws random numbers is captured with the default state, as PyTorch does.
+    begins with a private state of graphwrap's in its place (one per device, made once, so that
+    nothing is allocated while it stands in), and the default state is put back at once. Other
+    threads are kept out only while ``capture_begin`` runs: torch registers whatever state the
+    default generator holds then, with the GIL released, so a thread drawing in that moment
+    still fails (see docs/contract.md). A forward that draws random numbers is captured with the
+    default state, as PyTorch does.
     """
     if draws_random or not _GRAPHSAFE:
         capture_begin(graph, pool)
         return
-    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    gen = torch.cuda.default_generators[index]
+    private = _PRIVATE_STATES.get(index)
+    if private is None:
+        # Seeded apart: a draw that lands in the moment the state stands in gets numbers of
+        # its own, never a repeat of the default stream's next ones.
+        private = _PRIVATE_STATES[index] = gen.clone_state()
+        private.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
     old = gen.graphsafe_get_state()
-    gen.graphsafe_set_state(gen.clone_state())
+    gen.graphsafe_set_state(private)
     try:
         capture_begin(graph, pool)
     finally:
         gen.graphsafe_set_state(old)
+
+
+_PRIVATE_STATES: dict = {}  # device index -> the generator state captures of forwards that draw nothing register
 
 
 class NotBegun(RuntimeError):
