@@ -124,7 +124,7 @@ def test_sampled_tokens_follow_the_softmax():
     # One step's draws from fixed logits: the Gumbel noise gives softmax's frequencies.
     from graphwrap.decoding.sampling import Active, RowSettings
 
-    rs = RowSettings(2000, 4, "cpu")
+    rs = RowSettings(2000, 4, "cpu", 4)
     rs.write(list(range(2000)), [SeqSettings(max_new=1, sample=True)] * 2000, [[1]] * 2000, list(range(2000)))
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]]).expand(2000, 4)
     tokens = rs.next_tokens(logits, 2000, torch.ones(2000, dtype=torch.long), Active(sample=True))

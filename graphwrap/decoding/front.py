@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -31,40 +32,81 @@ _MAKING = threading.Lock()
 
 
 def decode_options(given, config) -> Optional[dict]:
-    """``GraphedModule(decode=...)`` filled in: None where the shared batch is off."""
+    """``GraphedModule(decode=...)`` filled in: None where the shared batch is off. ``max_len``
+    is at most the model's positions (a row past them would index past its position table:
+    on a GPU, a device-side assert that ends the process's CUDA context)."""
     if given is False:
         return None
     d = dict(given) if isinstance(given, dict) else {}
-    positions = next((getattr(config, a) for a in ("max_position_embeddings", "n_positions", "max_sequence_length")
-                      if isinstance(getattr(config, a, None), int)), None)
+    positions = model_positions(config)
     d.setdefault("rows", ROWS)
     d.setdefault("max_len", min(positions, MAX_LEN) if positions else MAX_LEN)
+    if positions and d["max_len"] > positions:
+        logger.warning("decode max_len=%d is above the model's %d positions; the decode cache holds %d",
+                       d["max_len"], positions, positions)
+        d["max_len"] = positions
     d.setdefault("max_queue", 4096)
+    d["positions"] = positions
     return d
 
 
+def model_positions(config) -> Optional[int]:
+    """How many positions the model has, where its config says."""
+    return next((getattr(config, a) for a in ("max_position_embeddings", "n_positions", "max_sequence_length")
+                 if isinstance(getattr(config, a, None), int)), None)
+
+
+def _usable(server) -> bool:
+    return server is not None and server.broken is None and not server.closed
+
+
+def _current(server) -> bool:
+    """A batch that serves on: not closed, not broken, its model as it was made with."""
+    return _usable(server) and not server.stale()
+
+
 def server_of(held: dict, module) -> Tuple[object, Optional[str]]:
-    """This GraphedModule's decode server, made if need be, or why there is none."""
+    """This GraphedModule's decode server, made if need be, or why there is none. One batch at a
+    time: a batch that was closed and has not finished yet is waited for before a new one is
+    made (two would hold two caches), and a batch whose model changed (``model.half()``,
+    ``model.to(...)``) is closed and made again."""
     server = held.get("_gw_decode")
-    if server is not None and server.broken is None and not server.closed:
+    if _current(server):
         return server, None
     why = held.get("_gw_decode_why")
     if why is not None:
         return None, why
     with _MAKING:
         server = held.get("_gw_decode")
-        if server is not None and server.broken is None and not server.closed:
+        if _current(server):
             return server, None
+        if _usable(server):  # its model changed
+            logger.warning("the model's weights changed (dtype, device or storage) since its decode batch "
+                           "was made; the batch finishes what it holds and is made again")
+            close(held)
+        old = held.pop("_gw_decode_closing", None)
+        if old is not None and old.thread is not None:
+            old.thread.join()
         # Outside inference mode, where the caller is in it: the rows are written in place by
         # the decode thread, which inference tensors forbid.
         with torch.inference_mode(False):
-            server, why = _make(held, module)
+            try:
+                server, why = _make(held, module)
+            except Exception as e:  # noqa: BLE001 - out of memory, say: the one-call loop serves, once decided
+                server, why = None, f"the shared decode batch could not be made ({type(e).__name__}: {_first_line(e)})"
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # what the failed allocation left cached, back to the one-call loop
         if why is not None:
             held["_gw_decode_why"] = why
-            logger.info("graphwrap: generate calls take turns on the model, one at a time (%s)", why)
+            logger.info("generate calls take turns on the model, one at a time (%s)", why)
         else:
             held["_gw_decode"] = server
         return server, why
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _make(held: dict, module):
@@ -91,8 +133,10 @@ def _make(held: dict, module):
                                     seq_dim=None, seq_buckets=None, max_tokens=None, pad_values=0, batch_dim=0,
                                     eager_if_faster=False, decode=False,
                                     max_keys=max(opts.max_keys, 2 * spans * len(buckets_upto(rows, (1, 2, 4, 8, 16)))))
-    return DecodeServer(module, Engine(DecodeStep(module), step_opts), Engine(PrefillStep(module), step_opts), rows,
-                        cfg["max_len"], cfg["max_queue"]), None
+    step, prefill = Engine(DecodeStep(module), step_opts), Engine(PrefillStep(module), step_opts)
+    # What the GraphedModule has logged once (no CUDA, say) is not logged again by the batch's engines.
+    step.logged = prefill.logged = held["_gw_engine"].logged
+    return DecodeServer(module, step, prefill, rows, cfg["max_len"], cfg["max_queue"], cfg["positions"]), None
 
 
 def plan(held: dict, module, args, kwargs):
@@ -115,11 +159,11 @@ def note(held: dict, why: str):
     notes = held.setdefault("_gw_loop_notes", set())
     if why not in notes:
         notes.add(why)
-        logger.info("graphwrap: this generate call takes its turn in the one-call loop (%s)", why)
+        logger.info("this generate call takes its turn in the one-call loop (%s)", why)
 
 
-def output(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return result.to(like.device)
+def output(result: torch.Tensor, plan: CallPlan) -> torch.Tensor:
+    return result.to(plan.device)
 
 
 def close(held: dict, cancel: bool = False, timeout: Optional[float] = None) -> bool:
@@ -128,28 +172,62 @@ def close(held: dict, cancel: bool = False, timeout: Optional[float] = None) -> 
     if server is None:
         return True
     done = server.close(cancel=cancel, timeout=timeout)
+    if not done:
+        held["_gw_decode_closing"] = server  # the next batch waits for it
     server.engine.reset()
     server.prefill_engine.reset()
     return done
 
 
+def _close_dropped(held: dict):
+    """A GraphedModule was dropped: its batch finishes what it holds (callers may still hold
+    futures) and its thread ends, letting go of the cache and the model."""
+    server = held.get("_gw_decode")
+    if server is not None:
+        server.close(timeout=0)
+
+
 # ------------------------------------------------------------------ GraphedModule's methods
+
+def _queued(gm, args, kwargs, block: bool = True):
+    """``(server, plan, call)`` with the call queued on the shared batch, or ``(None, why, None)``.
+    A batch closed between taking it and queueing (``gm.close()`` from another thread) is taken
+    again: the call goes to the next one."""
+    from .server import Closed, QueueFull
+
+    held = gm.__dict__
+    for _ in range(3):
+        server, p = plan(held, gm.module, args, kwargs)
+        if server is None:
+            return None, p, None
+        if "_gw_decode_finalizer" not in held:
+            held["_gw_decode_finalizer"] = weakref.finalize(gm, _close_dropped, held)
+        call = server.prepare(p)
+        try:
+            server.enqueue(call, block)
+        except Closed:
+            continue
+        except QueueFull as full:
+            full.server, full.call = server, call  # (agenerate waits for room with this call)
+            raise
+        return server, p, call
+    raise GraphwrapError("this GraphedModule's decode batch was closed three times while a call was being queued")
+
 
 def generate(gm, args, kwargs):
     module = gm.module
     if not callable(getattr(module, "generate", None)):
         raise GraphwrapError(f"{type(module).__name__} has no generate(): it is not a Hugging Face generation model")
-    server, p = plan(gm.__dict__, module, args, kwargs)
+    server, p, call = _queued(gm, args, kwargs)
     if server is None:
         return alone(gm, p, args, kwargs)
-    fut = server.submit(p)
     try:
-        out = fut.result()
+        out = call.future.result()
     except BaseException:
-        fut.cancel()
+        call.future.cancel()
         raise
     count(gm.engine, SHARED)
-    return output(out, p.input_ids)
+    return output(out, p)
 
 
 def alone(gm, why: str, args, kwargs):
@@ -159,11 +237,12 @@ def alone(gm, why: str, args, kwargs):
     # Outside torch.inference_mode, where the caller is in it: the static cache is allocated
     # by the prompt's forward, and inference tensors could not be written by a capture.
     with generate_lock(module), torch.inference_mode(False):
-        return decode.generate(gm.engine, gm.__dict__, module, args, kwargs)
+        per_call = why != gm.__dict__.get("_gw_decode_why")  # this call's settings, not the model
+        return decode.generate(gm.engine, gm.__dict__, module, args, kwargs, not_shared=why if per_call else None)
 
 
 def submit(gm, args, kwargs) -> concurrent.futures.Future:
-    server, p = plan(gm.__dict__, gm.module, args, kwargs)
+    server, p, call = _queued(gm, args, kwargs)
     out: concurrent.futures.Future = concurrent.futures.Future()
     if server is None:
         try:
@@ -171,16 +250,16 @@ def submit(gm, args, kwargs) -> concurrent.futures.Future:
         except Exception as e:  # noqa: BLE001 - handed to the caller through the future
             out.set_exception(e)
         return out
-    fut = server.submit(p)
+    fut = call.future
 
-    def done(f):
+    def done(f):  # (on a delivery worker: never the decode thread)
         if f.cancelled():
             out.cancel()
         elif f.exception() is not None:
             out.set_exception(f.exception())
         else:
             count(gm.engine, SHARED)
-            out.set_result(output(f.result(), p.input_ids))
+            out.set_result(output(f.result(), p))
 
     fut.add_done_callback(done)
     out.add_done_callback(lambda o: fut.cancel() if o.cancelled() else None)
@@ -190,14 +269,21 @@ def submit(gm, args, kwargs) -> concurrent.futures.Future:
 async def agenerate(gm, args, kwargs):
     from .server import QueueFull
 
-    server, p = plan(gm.__dict__, gm.module, args, kwargs)
     loop = asyncio.get_running_loop()
+    try:
+        server, p, call = _queued(gm, args, kwargs, block=False)
+    except QueueFull as full:
+        # Queued once room comes, waiting in a thread: the call (its seeds, its streamer's
+        # prompt) is the one already prepared, and a task cancelled meanwhile is never queued.
+        call = full.call
+        server, p = full.server, call.plan
+        try:
+            await asyncio.shield(loop.run_in_executor(None, server.enqueue, call, True))
+        except asyncio.CancelledError:
+            call.future.cancel()
+            raise
     if server is None:
         return await loop.run_in_executor(None, lambda: alone(gm, p, args, kwargs))
-    try:
-        fut = server.submit(p, block=False)
-    except QueueFull:
-        fut = await loop.run_in_executor(None, server.submit, p)
-    out = await asyncio.wrap_future(fut)
+    out = await asyncio.wrap_future(call.future)
     count(gm.engine, SHARED)
-    return output(out, p.input_ids)
+    return output(out, p)

@@ -59,7 +59,7 @@ def _probe(model, device) -> Optional[str]:
                 got.append(step(ids, store.window(32)).float())
             for i, (p, c) in enumerate(zip(prompts, caches)):
                 tok = ids[1 - i:2 - i]
-                out = model(input_ids=tok, past_key_values=c, use_cache=True, return_dict=True)
+                out = model(input_ids=tok, use_cache=True, return_dict=True, **{step.cache_name: c})
                 want[i] = out.logits[0, -1].float()
         return _differ(got[-1], torch.stack(want[::-1]), model)
 

@@ -19,7 +19,7 @@ from .settings import SeqSettings
 
 Tensor = torch.Tensor
 M32 = 0xFFFFFFFF
-MAX_EOS = 4  # end-of-sequence ids kept per row on the device (more: the rest checked on the host)
+EOS_WIDTH = 4  # end-of-sequence ids per row on the device at first (a request with more widens the table)
 
 
 def hash32(x: Tensor) -> Tensor:
@@ -67,34 +67,46 @@ class Active:
 class RowSettings:
     """Per-row settings on the device, and the step's sampler.
 
-    The settings are two tables, one row each per row of the cache (floats: temperature,
+    The settings are three tables, one row each per row of the cache (floats: temperature,
     top_p, repetition penalty; integers: top_k, min_new_tokens, the prompt's length, whether it
-    samples, its seed, its end-of-sequence ids), so that admitting sequences writes them with
-    one copy to the device each; the names below are views of their columns."""
+    samples, its seed; the end-of-sequence ids within the vocabulary, -1 for none), so that
+    admitting sequences writes them with one copy to the device each; the names below are
+    views of their columns. A row given back is reset to neutral settings (:meth:`release`):
+    what a sequence asked for never reaches the next one in its row."""
 
-    def __init__(self, rows: int, max_len: int, device: torch.device):
+    def __init__(self, rows: int, max_len: int, device: torch.device, vocab: int):
         d = torch.device(device)
-        self.device = d
+        self.device, self.vocab = d, vocab
         self.floats = torch.ones((rows, 3), device=d)
-        self.longs = torch.zeros((rows, 5 + MAX_EOS), dtype=torch.long, device=d)
-        self.longs[:, 5:] = -1
+        self.longs = torch.zeros((rows, 5), dtype=torch.long, device=d)
         self.temperature, self.top_p, self.penalty = self.floats.unbind(1)
-        self.top_k, self.min_new, self.prompt_len, self.sample, self.seed = self.longs[:, :5].unbind(1)
-        self.eos = self.longs[:, 5:]
+        self.top_k, self.min_new, self.prompt_len, self.sample, self.seed = self.longs.unbind(1)
+        self.eos = torch.full((rows, EOS_WIDTH), -1, dtype=torch.long, device=d)
         self.history: Optional[Tensor] = None  # [rows, max_len] token ids, made when a row first needs a penalty
         self.max_len = max_len
+
+    def eos_of(self, s: SeqSettings) -> List[int]:
+        """The end-of-sequence ids of ``s`` the model can make (an id outside the vocabulary is
+        never made, as in ``generate``; gathering its score would read past the logits)."""
+        return [e for e in s.eos if 0 <= e < self.vocab]
 
     def write(self, rows: List[int], settings: List[SeqSettings], prompts: List[List[int]],
               seeds: List[int]) -> Tensor:
         """Set the settings of newly admitted rows (and their prompts, where a penalty needs
         them); the rows' indices on the device."""
-        longs = torch.tensor([[r, s.top_k, s.min_new, len(p), int(s.sample), seed & 0x7FFFFFFF]
-                              + (list(s.eos[:MAX_EOS]) + [-1] * MAX_EOS)[:MAX_EOS]
-                              for r, s, p, seed in zip(rows, settings, prompts, seeds)], dtype=torch.long)
+        eos = [self.eos_of(s) for s in settings]
+        width = max([self.eos.shape[1]] + [len(e) for e in eos])
+        if width > self.eos.shape[1]:  # a request with more ids than any before: a wider table
+            wider = torch.full((self.eos.shape[0], width), -1, dtype=torch.long, device=self.device)
+            wider[:, :self.eos.shape[1]] = self.eos
+            self.eos = wider
+        longs = torch.tensor([[r, s.top_k, s.min_new, len(p), int(s.sample), seed & 0x7FFFFFFF] + e + [-1] * (width - len(e))
+                              for r, s, p, seed, e in zip(rows, settings, prompts, seeds, eos)], dtype=torch.long)
         floats = torch.tensor([[s.temperature, s.top_p, s.penalty] for s in settings], dtype=torch.float32)
         longs, floats = to_device(longs, self.device), to_device(floats, self.device)
         idx = longs[:, 0]
-        self.longs.index_copy_(0, idx, longs[:, 1:])
+        self.longs.index_copy_(0, idx, longs[:, 1:6])
+        self.eos.index_copy_(0, idx, longs[:, 6:])
         self.floats.index_copy_(0, idx, floats)
         if any(s.penalty != 1.0 for s in settings):
             if self.history is None:
@@ -104,6 +116,12 @@ class RowSettings:
                 if s.penalty != 1.0:
                     self.history[r, :len(p)] = to_device(torch.tensor(p, dtype=torch.long), self.device)
         return idx
+
+    def release(self, rows: Tensor):
+        """Rows given back: neutral settings (greedy, no penalty, no end-of-sequence hold)."""
+        self.longs.index_fill_(0, rows, 0)
+        self.eos.index_fill_(0, rows, -1)
+        self.floats.index_fill_(0, rows, 1.0)
 
     def next_tokens(self, logits: Tensor, rows, lengths: Tensor, active: Active) -> Tensor:
         """The next token of each of ``rows`` (an int ``n``: the first ``n`` rows; else a tensor
@@ -139,7 +157,7 @@ class RowSettings:
         hold = (lengths - self.prompt_len[sel]) < self.min_new[sel]
         eos = self.eos[sel]
         ok = (eos >= 0) & hold[:, None]
-        ids = eos.clamp(min=0)
+        ids = eos.clamp(min=0, max=scores.shape[1] - 1)  # (write keeps only ids of the vocabulary)
         got = scores.gather(1, ids)
         return scores.scatter(1, ids, torch.where(ok, torch.full_like(got, float("-inf")), got))
 

@@ -7,6 +7,17 @@ the tokens of a step are read on the host (through pinned memory and an event) a
 step has been launched, so the GPU never waits for the host's bookkeeping. A sequence found
 finished (an end-of-sequence token) has its row given back one step late; the token the extra
 step made for it is dropped.
+
+A call ends in one place (:meth:`DecodeServer._end_call`, on the decode thread): its sequences
+are marked done (their rows are given back, settings and all, at the next retire) and its
+streamer's end and its result are handed to it by a delivery worker (:mod:`.delivery`): no
+caller's code runs on the decode thread. A cancel, a streamer that raises and a closed batch
+reach the decode thread as calls to end (``self.cancelled``), under the lock.
+
+Lock rules: ``self.lock`` (``self.cond``) guards the scheduler's queue and rows, ``cancelled``,
+``closed``, ``stopping`` and ``thread``; the decode thread takes it only to admit and retire,
+never while a step runs, and nothing holds it while waiting on the GPU or running a caller's
+code. A caller waits on ``self.cond`` for room in the queue; whatever ends the batch notifies it.
 """
 
 import atexit
@@ -17,12 +28,14 @@ import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Counter, DefaultDict, Deque, List, Optional, Set, cast
+from typing import Any, Counter, DefaultDict, Deque, List, Optional, Set, cast
 
 import torch
 
 from ..errors import GraphwrapError
+from ..process import GENERATION
 from .attention import folding
+from .delivery import OUTBOX, Mailbox
 from .rows import RowStore, to_device
 from .sampling import Active, RowSettings
 from .scheduler import Scheduler, Seq, buckets_upto
@@ -36,18 +49,33 @@ _RUNNING: "weakref.WeakSet" = weakref.WeakSet()  # servers whose thread runs: cl
 @atexit.register
 def _close_at_exit():
     # The thread must not be inside torch while the interpreter tears torch down (the process
-    # then aborts): each batch finishes what it holds and its thread ends first.
-    for server in list(_RUNNING):
-        server.close(cancel=True, timeout=10.0)
+    # then aborts): every batch stops after the step it is in, its calls failing with the
+    # reason, and the threads are waited for together.
+    servers = list(_RUNNING)
+    for server in servers:
+        server.stop(GraphwrapError("the process is exiting: this generate call was stopped unfinished"))
+    deadline = time.monotonic() + EXIT_WAIT
+    for server in servers:
+        thread = server.thread
+        if thread is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 KEEP = 10_000  # latencies kept for the percentiles in stats()
 AHEAD = 2  # steps queued on the device before the host reads the oldest
 CAPTURE_AFTER = 16  # steps a shape is wanted, served by a larger captured one, before it is captured
+EXIT_WAIT = 5.0  # seconds the process waits at exit for every decode thread to stop
+
+
+class Closed(GraphwrapError):
+    """The decode batch was closed before the call could be queued (the caller may take a new one)."""
 
 
 class QueueFull(GraphwrapError):
     """The decode queue holds ``max_queue`` sequences (raised where the caller would not wait)."""
+
+    server: Any = None  # the batch and the call prepared for it, where the caller queues it later
+    call: Any = None
 
 
 @dataclass(eq=False)
@@ -56,9 +84,11 @@ class Call:
 
     plan: CallPlan
     future: Future
+    box: Mailbox
     seqs: List[Seq] = field(default_factory=list)
     left: int = 0
     error: Optional[BaseException] = None
+    ended: bool = False  # set once, by _end_call (the decode thread)
 
 
 @dataclass(eq=False)
@@ -80,26 +110,31 @@ def _rows(seqs: List[Seq]) -> List[int]:
 class DecodeServer:
     """Continuous batching for one Hugging Face model (see :meth:`GraphedModule.generate`)."""
 
-    def __init__(self, model, step_engine, prefill_engine, rows: int, max_len: int, max_queue: int):
+    def __init__(self, model, step_engine, prefill_engine, rows: int, max_len: int, max_queue: int,
+                 positions: Optional[int] = None):
         self.model, self.engine, self.prefill_engine = model, step_engine, prefill_engine
         p = next(model.parameters())
         self.device = p.device
-        self.rows, self.max_len, self.max_queue = rows, max_len, max_queue
+        self.rows, self.max_len, self.max_queue, self.positions = rows, max_len, max_queue, positions
         self.sched = Scheduler(rows, max_len, buckets_upto(rows, (1, 2, 4, 8, 16)),
                                buckets_upto(max_len, (64, 128, 256)))
         self.store = RowStore(rows, max_len, self.device)
         keys, values = cache_layout(model, self.device)
         self.store.allocate(keys, values)
-        self.settings = RowSettings(rows, max_len, self.device)
+        self.vocab = _vocab(model)
+        self.settings = RowSettings(rows, max_len, self.device, _out_vocab(model, self.vocab))
         self.prompts = Prompts(rows, max_len, self.store.scratch)
         self.next_ids = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
-        self.vocab = _vocab(model)
+        self.weights = Weights(model)
         self.lock = threading.RLock()  # a cancel under it calls back into it
         self.cond = threading.Condition(self.lock)
         self.closed = False
+        self.stopping: Optional[BaseException] = None  # set by stop(): every call ends with it
         self.broken: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
         self.cancelled: List[Call] = []
+        self.delivered = threading.Condition(threading.Lock())  # guards ``ending``: calls ended, result not yet delivered
+        self.ending = 0
         self.inflight: Deque[InFlight] = collections.deque()
         self.spare: List[tuple] = []  # (pinned buffer, event) pairs read and free again
         self.active = Active()
@@ -115,57 +150,77 @@ class DecodeServer:
     # ------------------------------------------------------------------ callers
 
     def submit(self, plan: CallPlan, block: bool = True) -> Future:
-        """Queue a call's sequences; a future of its output tensor (on the input's device)."""
+        """Queue a call's sequences; a future of its output tensor (on the host)."""
+        call = self.prepare(plan)
+        self.enqueue(call, block)
+        return call.future
+
+    def prepare(self, plan: CallPlan) -> Call:
+        """A call of ``plan``, its sampling seeds drawn (in the caller's thread, once, from
+        torch's default generator: ``torch.manual_seed`` before a call makes it repeat);
+        GraphwrapError where the batch cannot hold it."""
         self.check(plan)
         fut: Future = Future()
-        call = Call(plan, fut)
-        # Drawn from torch's default generator: torch.manual_seed before a call makes it repeat.
+        call = Call(plan, fut, Mailbox(lambda e: self.abort(call, e)))
         seeds = torch.randint(0, 1 << 31, (len(plan.prompts),)).tolist() if plan.settings.sample else [0] * len(
             plan.prompts)
-        call.seqs = [Seq(call, i, p, plan.settings) for i, p in enumerate(plan.prompts)]
-        for s, seed in zip(call.seqs, seeds):
-            s.seed = seed
+        call.seqs = [Seq(call, i, p, plan.settings, seed=seed) for i, (p, seed) in enumerate(zip(plan.prompts, seeds))]
         call.left = len(call.seqs)
-        if plan.streamer is not None:
-            plan.streamer.put(plan.input_ids.cpu())
+        fut.add_done_callback(lambda f: self.abort(call, None) if f.cancelled() else None)
+        return call
+
+    def enqueue(self, call: Call, block: bool = True):
+        """Queue a prepared call, waiting for room (``block``) or raising QueueFull; a call
+        cancelled meanwhile is not queued. Closed where the batch was closed."""
+        n = len(call.seqs)
         with self.cond:
-            while not self.closed and len(self.sched.queue) + len(call.seqs) > self.max_queue and self.sched.queue:
+            while not self.closed and len(self.sched.queue) + n > self.max_queue and self.sched.queue:
+                if call.future.cancelled():
+                    return
                 if not block:
                     raise QueueFull(f"the decode queue is full ({len(self.sched.queue)} sequences waiting, "
-                                         f"max_queue={self.max_queue}): try again later")
+                                    f"max_queue={self.max_queue}): try again later")
                 self.cond.wait()
             if self.closed:
-                raise GraphwrapError("this GraphedModule's decode batch is closed: it takes no new generate calls")
+                raise Closed("this GraphedModule's decode batch is closed: it takes no new generate calls")
+            if call.future.cancelled():
+                return
+            streamer = call.plan.streamer
+            if streamer is not None:  # the prompt first, as generate's streamer gets it
+                OUTBOX.post(call.box, lambda: streamer.put(call.plan.input_ids))
             self.sched.enqueue(call.seqs)
             self.counts["calls"] += 1
-            self.counts["sequences"] += len(call.seqs)
+            self.counts["sequences"] += n
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="graphwrap-decode", daemon=True)
                 self.thread.start()
                 _RUNNING.add(self)
             self.cond.notify_all()
-        fut.add_done_callback(self._on_done)
-        return fut
+
+    def abort(self, call: Call, error: Optional[BaseException]):
+        """End ``call`` at the next turn of the decode thread (cancelled where ``error`` is
+        None, else failed with it): from any thread."""
+        with self.cond:
+            if error is not None and call.error is None:
+                call.error = error
+            self.cancelled.append(call)
+            self.cond.notify_all()
 
     def check(self, plan: CallPlan):
         """GraphwrapError for a call the cache cannot hold or token ids the model has no row for."""
-        need = max(len(p) for p in plan.prompts) + plan.settings.max_new
+        longest = max(len(p) for p in plan.prompts)
+        need = longest + plan.settings.max_new
         if need > self.max_len:
+            if self.positions is not None and need > self.positions:
+                fix = f"the model has {self.positions} positions: pass fewer tokens"
+            else:
+                fix = f"pass fewer tokens, or GraphedModule(..., decode={{'max_len': {need}}})"
             raise GraphwrapError(
-                f"a prompt of {max(len(p) for p in plan.prompts)} tokens and max_new_tokens="
-                f"{plan.settings.max_new} need {need} positions of the decode cache, which holds {self.max_len} per "
-                f"sequence: pass fewer tokens, or GraphedModule(..., decode={{'max_len': {need}}})")
+                f"a prompt of {longest} tokens and max_new_tokens={plan.settings.max_new} need {need} positions of "
+                f"the decode cache, which holds {self.max_len} per sequence: {fix}")
         bad = [t for p in plan.prompts for t in p if not 0 <= t < self.vocab]
         if bad:
             raise GraphwrapError(f"token id {bad[0]} is outside the model's vocabulary of {self.vocab}")
-
-    def _on_done(self, fut: Future):
-        if fut.cancelled():
-            with self.cond:
-                call = next((s.call for s in self._all_seqs() if s.call.future is fut), None)
-                if call is not None:
-                    self.cancelled.append(call)
-                    self.cond.notify_all()
 
     def _all_seqs(self):
         yield from self.sched.queue
@@ -175,19 +230,39 @@ class DecodeServer:
 
     def close(self, cancel: bool = False, timeout: Optional[float] = None) -> bool:
         """Take no new calls; finish what is queued and running (``cancel=True``: cancel what
-        has not started). Whether the thread ended within ``timeout``."""
+        has not started). Whether the thread ended, and every call's result was delivered,
+        within ``timeout``."""
         with self.cond:
             self.closed = True
-            if cancel:
-                for s in self.sched.drop_queued(lambda s: True):
-                    s.done = True
-                    s.call.future.cancel()
+            queued = [s.call.future for s in self.sched.queue] if cancel else []
             self.cond.notify_all()
             thread = self.thread
+        for fut in queued:  # (outside the lock: a future's callbacks run the caller's code)
+            fut.cancel()
+        deadline = None if timeout is None else time.monotonic() + timeout
         if thread is not None:
             thread.join(timeout)
-            return not thread.is_alive()
+            if thread.is_alive():
+                return False
+        with self.delivered:  # each ended call's last delivery (its result) made
+            while self.ending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.delivered.wait(left)
         return True
+
+    def stop(self, error: BaseException):
+        """End every call now with ``error`` (after the step in flight) and take no new ones."""
+        with self.cond:
+            self.closed = True
+            self.stopping = error
+            self.cond.notify_all()
+
+    def stale(self) -> bool:
+        """Whether the model's weights moved, or changed dtype or device, since the batch was
+        made (``model.half()``, ``model.to(...)``): its cache no longer fits the model."""
+        return self.weights.changed()
 
     # ------------------------------------------------------------------ the thread
 
@@ -197,17 +272,30 @@ class DecodeServer:
                 while self._turn():
                     pass
         except BaseException as e:  # noqa: BLE001 - every call waiting must end, with this error
-            logger.exception("graphwrap: the decode thread failed; every call it held fails with the error")
+            logger.exception("the decode thread failed; every call it held fails with the error")
             with self.cond:
                 self.closed = True
                 self.broken = e
-                seqs = list(self._all_seqs())
+                calls = {s.call for s in self._all_seqs()}
                 self.sched.queue.clear()
-            for s in seqs:
-                self._fail(s, e)
+                self.cond.notify_all()  # callers waiting for room find the batch closed
+            for call in calls:
+                self._end_call(call, e)
 
     def _turn(self) -> bool:
         """One round: admit, step, read; False once closed and nothing is left."""
+        with self.cond:
+            if self.stopping is not None:
+                calls = {s.call for s in self._all_seqs()}
+                self.sched.queue.clear()
+                self.cond.notify_all()
+                stopping = self.stopping
+            else:
+                calls = None
+        if calls is not None:
+            for call in calls:
+                self._end_call(call, stopping)
+            return False
         with self.cond:
             self._take_cancelled()
             admitted = self.sched.admit()
@@ -241,10 +329,9 @@ class DecodeServer:
 
     def _take_cancelled(self):
         for call in self.cancelled:
-            for s in call.seqs:
-                s.done = True
-            self.sched.drop_queued(lambda s: s.call is call)
-            self.counts["cancelled"] += 1
+            if not call.ended:
+                self.sched.drop_queued(lambda s: s.call is call)
+                self._end_call(call, call.error)
         self.cancelled.clear()
 
     def _admit(self, seqs: List[Seq]):
@@ -284,7 +371,7 @@ class DecodeServer:
                 logits = self.engine.call((self.next_ids[:n],), {"rows": self.store.window(span)})
             tokens = self.settings.next_tokens(logits, n, self.store.lengths[:n], self.active)
         except Exception as e:  # noqa: BLE001 - the step serves every live row: each fails with it
-            logger.exception("graphwrap: a decode step failed; its %d sequences fail with the error", len(live))
+            logger.exception("a decode step failed; its %d sequences fail with the error", len(live))
             for s in live:
                 self._fail(s, e)
             return
@@ -334,55 +421,53 @@ class DecodeServer:
             s.first_at = now
             self.ttft.append(now - s.submitted)
         s.last_at = now
-        streamer = s.call.plan.streamer
+        call = s.call
+        streamer = call.plan.streamer
         if streamer is not None:
-            try:
-                streamer.put(torch.tensor([token]))
-            except Exception as e:  # noqa: BLE001 - a streamer that raises fails its own call
-                self._fail(s, e)
-                return
+            OUTBOX.post(call.box, lambda: _put(call, streamer, token))
         if token in s.settings.eos or len(s.tokens) >= s.settings.max_new:
             s.done = True
             if len(s.tokens) > 1:
                 self.tpot.append((s.last_at - s.first_at) / (len(s.tokens) - 1))
-            self._seq_ended(s)
+            call.left -= 1
+            if call.left == 0:
+                self._end_call(call, None)
 
     def _fail(self, s: Seq, error: BaseException):
-        if s.call.error is None:
-            s.call.error = error
-        if not s.done:
-            s.done = True
-            self._seq_ended(s)
+        self._end_call(s.call, error)
 
-    def _seq_ended(self, s: Seq):
-        call = s.call
-        call.left -= 1
-        if call.left > 0:
+    def _end_call(self, call: Call, error: Optional[BaseException]):
+        """The one place a call ends: its sequences stop (their rows are given back at the next
+        retire), and its streamer's end and its result or error are delivered off this thread."""
+        if call.ended:
             return
-        for other in call.seqs:
-            other.done = True
-        streamer = call.plan.streamer
-        if streamer is not None and call.error is None:
-            try:
-                streamer.end()
-            except Exception as e:  # noqa: BLE001
-                call.error = e
-        if call.future.done():
-            return
+        call.ended = True
+        for s in call.seqs:
+            s.done = True
+        if error is not None and call.error is None:
+            call.error = error
+        with self.delivered:
+            self.ending += 1
+        OUTBOX.post(call.box, lambda: self._finish(call))
+
+    def _finish(self, call: Call):
+        # call.error read now: a streamer that raised on a token delivered before this one
+        # (after the decode thread ended the call) fails the call all the same.
         try:
-            if call.error is not None:
-                self.counts["failed"] += 1
-                call.future.set_exception(call.error)
-            else:
-                self.counts["done"] += 1
-                call.future.set_result(_result(call))
-        except Exception:  # noqa: BLE001 - cancelled meanwhile
-            pass
+            _finish(call, call.error)
+        finally:
+            with self.delivered:
+                self.counts["cancelled" if call.future.cancelled() else
+                            "failed" if call.error is not None else "done"] += 1
+                self.ending -= 1
+                self.delivered.notify_all()
 
     def _retire(self):
         rows = self.sched.retire()
         if rows:
-            self.store.release(to_device(torch.tensor(rows, dtype=torch.long), self.device))
+            index = to_device(torch.tensor(rows, dtype=torch.long), self.device)
+            self.store.release(index)
+            self.settings.release(index)
             self.active = Active.of([s.settings for s in self.sched.holders if s is not None])
             with self.cond:
                 self.cond.notify_all()
@@ -432,15 +517,42 @@ class Shapes:
         return shape
 
 
+def _put(call: Call, streamer, token: int):
+    """A token to a call's streamer (none once the call was cancelled or failed)."""
+    if call.error is None and not call.future.done():
+        streamer.put(torch.tensor([token]))
+
+
+def _finish(call: Call, error: Optional[BaseException]):
+    """A call's last delivery: its streamer ended (a cancelled or failed call's too, so that a
+    consumer waiting on it is let go), then its result or error."""
+    streamer = call.plan.streamer
+    if streamer is not None:
+        try:
+            streamer.end()
+        except BaseException as e:  # noqa: BLE001 - the call's own error comes first
+            error = error if error is not None else e
+    if call.future.done():
+        return
+    try:
+        if error is not None:
+            call.future.set_exception(error)
+        else:
+            call.future.set_result(_result(call))
+    except Exception:  # noqa: BLE001 - cancelled meanwhile
+        pass
+
+
 def _result(call: Call) -> torch.Tensor:
-    """``generate``'s output: the input as given, then each row's tokens, padded at the end."""
+    """``generate``'s output: the input as given when the call came, then each row's tokens,
+    padded at the end."""
     width = max(len(s.tokens) for s in call.seqs)
     pad = call.plan.settings.pad
     rows = []
     for s in sorted(call.seqs, key=lambda s: s.index):
         rows.append(s.tokens + [pad if pad is not None else 0] * (width - len(s.tokens)))
     new = torch.tensor(rows, dtype=torch.long)
-    return torch.cat([call.plan.input_ids.cpu().long(), new], dim=1)
+    return torch.cat([call.plan.input_ids.long(), new], dim=1)
 
 
 def _percentiles(xs) -> dict:
@@ -454,6 +566,36 @@ def _vocab(model) -> int:
     emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
     n = getattr(emb, "num_embeddings", None)
     return int(n if n is not None else model.config.vocab_size)
+
+
+def _out_vocab(model, default: int) -> int:
+    """How many scores a step's logits hold per row (the ids the model can make)."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    n = getattr(head, "out_features", None)
+    return int(n) if isinstance(n, int) else default
+
+
+class Weights:
+    """The model's parameters as the batch was made with them: their addresses, dtypes and
+    devices, read again only where they could have moved (cheap per call: one pass over a list
+    of tensors; the list is read again when a module registers a new parameter)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.generation = GENERATION[0]
+        self.params = list(model.parameters())
+        self.seen = self._read()
+
+    def _read(self):
+        return [(p.data_ptr(), p.dtype, p.device) for p in self.params]
+
+    def changed(self) -> bool:
+        if GENERATION[0] != self.generation:
+            params = list(self.model.parameters())
+            if len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params)):
+                return True
+            self.generation = GENERATION[0]
+        return self._read() != self.seen
 
 
 class _on:

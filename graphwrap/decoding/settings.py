@@ -11,9 +11,10 @@ and a ``streamer`` for a call of one prompt. Any other setting that changes the 
 """
 
 import copy
+import threading
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -25,13 +26,24 @@ SERVED = frozenset(("max_new_tokens", "max_length", "min_new_tokens", "min_lengt
                     "continuous_batching_config", "early_stopping", "length_penalty", "num_assistant_tokens",
                     "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind",
                     "target_lookbehind", "max_matching_ngram_size", "is_assistant", "generation_kwargs"))
-# Values of other settings that change nothing.
-NEUTRAL: Tuple[object, ...] = (None, False, 0, 1, 1.0, 0.0, (), [], {})
+# Settings whose value here changes nothing (what transformers' own merge fills in): each by its
+# own values, of its own type (``True == 1`` in Python, and ``no_repeat_ngram_size=1`` or
+# ``forced_eos_token_id=0`` change the tokens). Any other setting is neutral only at None, False
+# or empty; every other value leaves the call to the one-call loop.
+_INT, _FLOAT = (int,), (int, float)
+NEUTRAL: Dict[str, Tuple[Tuple[type, ...], object]] = {
+    "num_beams": (_INT, 1), "num_return_sequences": (_INT, 1), "num_beam_groups": (_INT, 1),
+    "no_repeat_ngram_size": (_INT, 0), "encoder_no_repeat_ngram_size": (_INT, 0),
+    "diversity_penalty": (_FLOAT, 0.0), "typical_p": (_FLOAT, 1.0), "epsilon_cutoff": (_FLOAT, 0.0),
+    "eta_cutoff": (_FLOAT, 0.0), "encoder_repetition_penalty": (_FLOAT, 1.0), "guidance_scale": (_FLOAT, 1.0),
+    "min_p": (_FLOAT, 0.0), "penalty_alpha": (_FLOAT, 0.0),
+}
 # generate() keywords (not generation settings) the batch takes.
 MODEL_KWARGS = frozenset(("attention_mask", "streamer"))
 CACHE_IMPLEMENTATIONS = (None, "static", "dynamic")
 KEEP_MERGED = 64  # merged settings kept per model
 _MERGED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_MERGED_LOCK = threading.Lock()  # guards _MERGED (calls plan from many threads); never held while merging
 
 
 @dataclass(slots=True)
@@ -53,11 +65,11 @@ class SeqSettings:
 class CallPlan:
     """A ``generate`` call the batch serves: its prompts (padding taken off) and settings."""
 
-    input_ids: torch.Tensor  # as given (its padding kept: the output starts with it)
+    input_ids: torch.Tensor  # a copy on the host, made when the call came (its padding kept: the output starts with it)
     prompts: List[List[int]]
     settings: SeqSettings
     streamer: Any = None
-    extra: dict = field(default_factory=dict)
+    device: torch.device = torch.device("cpu")  # where the caller's input_ids were: the output goes there
 
 
 def plan_call(model, args, kwargs) -> Union[CallPlan, str]:
@@ -90,10 +102,12 @@ def plan_call(model, args, kwargs) -> Union[CallPlan, str]:
     settings = _settings(gen, ids.shape[1])
     if isinstance(settings, str):
         return settings
-    prompts = _prompts(ids, passed.get("attention_mask"), settings)
+    # A copy, taken now: the caller may refill its tensor before the call ends.
+    host = ids.detach().to("cpu", copy=True)
+    prompts = _prompts(host, passed.get("attention_mask"), settings)
     if isinstance(prompts, str):
         return prompts
-    return CallPlan(ids, prompts, settings, streamer)
+    return CallPlan(host, prompts, settings, streamer, ids.device)
 
 
 def merged(model, kwargs: dict):
@@ -105,16 +119,20 @@ def merged(model, kwargs: dict):
     was (compared by value on every call)."""
     key = _key(kwargs)
     config = getattr(model, "generation_config", None)
-    kept = _MERGED.get(model) if key is not None else None
-    if kept is not None and key in kept and _same(kept[key][0], config):
-        return kept[key][1]
+    entry = None
+    if key is not None:
+        with _MERGED_LOCK:
+            entry = _MERGED.get(model, {}).get(key)
+    if entry is not None and _same(entry[0], config):
+        return entry[1]
     result = _merge(model, kwargs)
     snapshot = _snapshot(config) if key is not None else None
     if snapshot is not None:
-        kept = _MERGED.setdefault(model, {})
-        if len(kept) >= KEEP_MERGED:
-            kept.clear()
-        kept[key] = (snapshot, result)
+        with _MERGED_LOCK:
+            kept = _MERGED.setdefault(model, {})
+            if len(kept) >= KEEP_MERGED:
+                kept.clear()
+            kept[key] = (snapshot, result)
     return result
 
 
@@ -167,17 +185,29 @@ def _unserved(gen) -> Optional[str]:
     for key, value in sorted(gen.to_dict().items()):
         if key in SERVED or key == "use_cache":
             continue
-        if isinstance(value, (list, tuple, dict)) and not value:
-            continue
-        if not isinstance(value, (list, tuple, dict)) and value in NEUTRAL:
-            continue
-        return f"{key}={value!r} is not served by the shared decode batch"
+        if not neutral(key, value):
+            return f"{key}={value!r} is not served by the shared decode batch"
     return None
+
+
+def neutral(key: str, value) -> bool:
+    """Whether a generation setting the batch does not apply changes nothing at this value."""
+    if value is None or value is False or (isinstance(value, (list, tuple, dict)) and not value):
+        return True
+    types_and_value = NEUTRAL.get(key)
+    if types_and_value is None or isinstance(value, bool):
+        return False
+    types, at = types_and_value
+    return isinstance(value, types) and value == at
 
 
 def _settings(gen, width: int) -> Union[SeqSettings, str]:
     max_new = gen.max_new_tokens if gen.max_new_tokens is not None else (gen.max_length or 20) - width
-    if not isinstance(max_new, int) or max_new < 1:
+    if isinstance(max_new, float) and max_new.is_integer():
+        max_new = int(max_new)  # generate takes 5.0 as 5
+    if isinstance(max_new, bool) or not isinstance(max_new, int):
+        return f"max_new_tokens={max_new!r} is not a whole number"
+    if max_new < 1:
         return f"max_new_tokens={max_new} (nothing to generate)"
     min_new = max(gen.min_new_tokens or 0, (gen.min_length or 0) - width)
     eos = gen.eos_token_id

@@ -540,10 +540,11 @@ class Step:
             return self.repeat(kw)
 
 
-def generate(engine, held: dict, module, args, kwargs):
+def generate(engine, held: dict, module, args, kwargs, not_shared: Optional[str] = None):
     """``gm.generate``: ``held`` is the GraphedModule's ``__dict__``, which keeps its static caches
     (``_gw_caches``) and the reasons already logged (``_gw_loop_notes``). How each call's steps
-    were run is counted in ``stats()["generate"]``."""
+    were run is counted in ``stats()["generate"]``; ``not_shared``, why the shared decode batch
+    did not take the call, is said with a reason of the cache's own."""
     if "_gw_experts" not in held:  # a mixture of experts' steps run a graph-safe implementation
         held["_gw_experts"] = batched_experts(module)
     step = Step(engine, held["_gw_experts"])
@@ -558,12 +559,14 @@ def generate(engine, held: dict, module, args, kwargs):
             seq2seq.own_cache(held, model, input_ids, model_kwargs, engine.max_keys)
     elif why is None and not any(given_cache(kwargs) is c for c in held.get("_gw_caches", {}).values()):
         why = "the cache is not graphwrap's own (it comes with cache_implementation=\"static\" and no cache given)"
+        if not_shared is not None:
+            why = f"{not_shared}, and {why}"
     declined: List[str] = []
     if why is None:
         kwargs = dict(kwargs, custom_generate=make_decode_loop(step, own, declined))
     elif why not in held.setdefault("_gw_loop_notes", set()):
         held["_gw_loop_notes"].add(why)
-        logger.info("graphwrap: generate runs transformers' own loop, each step handed to graphwrap (%s)", why)
+        logger.info("generate runs transformers' own loop, each step handed to graphwrap (%s)", why)
     d = module.__dict__
     before = {k: d[k] for k in ("get_compiled_call", "_valid_auto_compile_criteria") if k in d}
     d["get_compiled_call"] = lambda *_a, **_k: step
@@ -600,7 +603,7 @@ def _count(engine, held: dict, why: Optional[str], handed: int, new: Optional[in
         how = f"transformers' loop, no step reached graphwrap: it called the model itself ({why})"
         if how not in held.setdefault("_gw_loop_notes", set()):
             held["_gw_loop_notes"].add(how)
-            logger.warning("graphwrap: generate ran %d new tokens in %s", new, how)
+            logger.warning("generate ran %d new tokens in %s", new, how)
     with engine.lock:
         engine.generates[how] = engine.generates.get(how, 0) + 1
 

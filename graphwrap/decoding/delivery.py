@@ -1,0 +1,119 @@
+"""Each call's tokens and result, handed to it off the decode thread.
+
+The decode thread never runs a caller's code: a streamer's ``put`` and ``end``, a future's
+result and the callbacks a caller hung on it all run on a delivery worker. Each call has a
+:class:`Mailbox`, a queue of deliveries drained in order by one worker at a time; a slow or
+failing streamer holds up only its own call (a worker stuck in it is left to it, and another
+takes the other mailboxes). Workers are daemon threads made as needed (at most ``MAX_WORKERS``
+at once, then mailboxes wait their turn) and kept for the next call.
+
+Lock rules: a mailbox's lock guards its queue and its ``scheduled`` flag only; the outbox's lock
+guards the ready mailboxes and the workers' counts only; neither is held while a delivery
+runs, and neither is taken under the decode server's lock by code that could wait on a caller.
+"""
+
+import collections
+import logging
+import threading
+import time
+from typing import Callable, Deque, Dict
+
+logger = logging.getLogger("graphwrap")
+MAX_WORKERS = 256
+STALLED = 0.005  # seconds in one delivery after which a worker counts as stuck (others take the rest)
+
+
+class Mailbox:
+    """One call's deliveries, in order."""
+
+    __slots__ = ("lock", "items", "scheduled", "on_error")
+
+    def __init__(self, on_error: Callable[[BaseException], None]):
+        self.lock = threading.Lock()
+        self.items: Deque[Callable[[], None]] = collections.deque()
+        self.scheduled = False
+        self.on_error = on_error  # called on the worker with what a delivery raised
+
+
+class Outbox:
+    """The delivery workers of the process.
+
+    Few workers wake: a mailbox that becomes ready is left to the workers already running, and
+    an idle one takes it only where none runs or every running one has been inside one delivery
+    for longer than ``STALLED`` seconds (a slow streamer). One worker more than are running
+    stands by for that. The decode thread's posts then cost an append, not a thread's wake-up
+    per token."""
+
+    def __init__(self, max_workers: int = MAX_WORKERS):
+        self.cond = threading.Condition(threading.Lock())  # guards everything below
+        self.ready: Deque[Mailbox] = collections.deque()
+        self.idle = 0  # workers waiting for a mailbox
+        self.workers = 0
+        self.busy: Dict[int, float] = {}  # worker id -> when its current delivery began
+        self.max_workers = max_workers
+
+    def post(self, box: Mailbox, delivery: Callable[[], None]):
+        """Queue ``delivery`` behind the mailbox's others (returns at once)."""
+        with box.lock:
+            box.items.append(delivery)
+            if box.scheduled:
+                return
+            box.scheduled = True
+        spawn = False
+        with self.cond:
+            was_empty = not self.ready
+            self.ready.append(box)
+            if self.idle:
+                if was_empty or self._all_stalled():
+                    self.cond.notify()  # a worker to take it, or to stand by in case the running ones stall
+            elif self.workers < self.max_workers:
+                self.workers += 1  # one more than are running: a worker always stands by
+                spawn = True
+        if spawn:
+            threading.Thread(target=self._work, name="graphwrap-deliver", daemon=True).start()
+
+    def _all_stalled(self) -> bool:
+        """No worker is running, or every running one is stuck in one delivery (the caller holds
+        the lock)."""
+        now = time.monotonic()
+        return all(now - t > STALLED for t in self.busy.values())
+
+    def _work(self):
+        me = threading.get_ident()
+        while True:
+            with self.cond:
+                self.busy.pop(me, None)
+                if not self.ready:
+                    # Idle: woken for a mailbox, it takes one only where no running worker will
+                    # soon (none runs, or each is stuck); else it stands by, looking again every
+                    # STALLED seconds while mailboxes wait.
+                    while True:
+                        self.idle += 1
+                        self.cond.wait(STALLED if self.ready else None)
+                        self.idle -= 1
+                        if self.ready and self._all_stalled():
+                            break
+                box = self.ready.popleft()
+                self.busy[me] = time.monotonic()
+            self._drain(box, self.busy, me)
+            del box  # (not held while waiting: it holds its call, and the call its batch)
+
+    @staticmethod
+    def _drain(box: Mailbox, busy: Dict[int, float], me: int):
+        while True:
+            with box.lock:
+                if not box.items:
+                    box.scheduled = False
+                    return
+                delivery = box.items.popleft()
+            busy[me] = time.monotonic()
+            try:
+                delivery()
+            except BaseException as e:  # noqa: BLE001 - a caller's code failed: its own call ends with it
+                try:
+                    box.on_error(e)
+                except BaseException:  # noqa: BLE001 - the worker must live on for the other calls
+                    logger.exception("a delivery's failure could not be reported to its call")
+
+
+OUTBOX = Outbox()
