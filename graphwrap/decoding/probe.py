@@ -13,7 +13,7 @@ import torch
 
 from .attention import folding
 from .rows import RowStore
-from .step import DecodeStep, PrefillStep, Prompts, cache_layout
+from .step import DecodeStep, PrefillStep, Prompts, cache_layout, output_cache
 
 STEPS = 4
 
@@ -47,7 +47,7 @@ def _probe(model, device) -> Optional[str]:
         for p in prompts:
             out = model(input_ids=torch.tensor([p], device=device), use_cache=True, return_dict=True)
             want.append(out.logits[0, -1].float())
-            caches.append(out.past_key_values)
+            caches.append(output_cache(out))
         ids = torch.zeros((2, 1), dtype=torch.long, device=device)
         for _ in range(STEPS):
             ref = torch.stack(want[::-1])  # rows 0, 1 hold prompts 1, 0

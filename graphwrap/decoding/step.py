@@ -122,7 +122,16 @@ def cache_layout(model, device):
     shapes and dtypes the rows take (None where it has no such layers)."""
     with torch.no_grad():
         out = model(input_ids=torch.ones((1, 1), dtype=torch.long, device=device), use_cache=True, return_dict=True)
-    return _layers(getattr(out, "past_key_values", None))
+    return _layers(output_cache(out))
+
+
+def output_cache(out):
+    """The cache a forward returned: ``out.cache`` from transformers 5.24 (where reading
+    ``past_key_values`` warns that it is deprecated), ``out.past_key_values`` before."""
+    keys = out.keys() if callable(getattr(out, "keys", None)) else ()
+    if "cache" in keys:
+        return out["cache"]
+    return getattr(out, "past_key_values", None)
 
 
 def prompt_mask(lengths: Tensor, P: int, dtype: torch.dtype) -> Tensor:
