@@ -16,7 +16,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Callable, Deque, Dict
+from typing import Callable, Deque, Dict, List, Tuple
 
 logger = logging.getLogger("graphwrap")
 MAX_WORKERS = 256
@@ -54,18 +54,28 @@ class Outbox:
 
     def post(self, box: Mailbox, delivery: Callable[[], None]):
         """Queue ``delivery`` behind the mailbox's others (returns at once)."""
-        with box.lock:
-            box.items.append(delivery)
-            if box.scheduled:
-                return
-            box.scheduled = True
+        self.post_many([(box, delivery)])
+
+    def post_many(self, deliveries: List[Tuple[Mailbox, Callable[[], None]]]):
+        """Queue each ``(mailbox, delivery)`` in order (a decode step's tokens at once: at most
+        one worker woken for them all)."""
+        ready = []
+        for box, delivery in deliveries:
+            with box.lock:
+                box.items.append(delivery)
+                if box.scheduled:
+                    continue
+                box.scheduled = True
+            ready.append(box)
+        if not ready:
+            return
         spawn = False
         with self.cond:
             was_empty = not self.ready
-            self.ready.append(box)
+            self.ready.extend(ready)
             if self.idle:
                 if was_empty or self._all_stalled():
-                    self.cond.notify()  # a worker to take it, or to stand by in case the running ones stall
+                    self.cond.notify()  # a worker to take them, or to stand by in case the running ones stall
             elif self.workers < self.max_workers:
                 self.workers += 1  # one more than are running: a worker always stands by
                 spawn = True

@@ -133,6 +133,7 @@ class DecodeServer:
         self.broken: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
         self.cancelled: List[Call] = []
+        self.outgoing: List[tuple] = []  # (mailbox, delivery) of this turn, handed out at its end (_flush)
         self.delivered = threading.Condition(threading.Lock())  # guards ``ending``: calls ended, result not yet delivered
         self.ending = 0
         self.inflight: Deque[InFlight] = collections.deque()
@@ -270,7 +271,8 @@ class DecodeServer:
         try:
             with _on(self.stream), torch.no_grad():
                 while self._turn():
-                    pass
+                    self._flush()
+                self._flush()
         except BaseException as e:  # noqa: BLE001 - every call waiting must end, with this error
             logger.exception("the decode thread failed; every call it held fails with the error")
             with self.cond:
@@ -281,6 +283,13 @@ class DecodeServer:
                 self.cond.notify_all()  # callers waiting for room find the batch closed
             for call in calls:
                 self._end_call(call, e)
+            self._flush()
+
+    def _flush(self):
+        """Hand the turn's deliveries (tokens, ends) to the workers, in one go."""
+        if self.outgoing:
+            OUTBOX.post_many(self.outgoing)
+            self.outgoing = []
 
     def _turn(self) -> bool:
         """One round: admit, step, read; False once closed and nothing is left."""
@@ -306,6 +315,7 @@ class DecodeServer:
             elif not self.inflight and not self.sched.live():
                 if self.closed and not self.sched.queue:
                     return False
+                self._flush()  # (what a cancel just ended, before waiting)
                 self.cond.wait()
                 return True
         clock = time.perf_counter
@@ -424,7 +434,7 @@ class DecodeServer:
         call = s.call
         streamer = call.plan.streamer
         if streamer is not None:
-            OUTBOX.post(call.box, lambda: _put(call, streamer, token))
+            self.outgoing.append((call.box, lambda: _put(call, streamer, token)))
         if token in s.settings.eos or len(s.tokens) >= s.settings.max_new:
             s.done = True
             if len(s.tokens) > 1:
@@ -448,7 +458,7 @@ class DecodeServer:
             call.error = error
         with self.delivered:
             self.ending += 1
-        OUTBOX.post(call.box, lambda: self._finish(call))
+        self.outgoing.append((call.box, lambda: self._finish(call)))
 
     def _finish(self, call: Call):
         # call.error read now: a streamer that raised on a token delivered before this one
