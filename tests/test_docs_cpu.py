@@ -156,6 +156,20 @@ def test_the_docs_script_finds_a_stale_summary_an_undescribed_folder_and_a_missi
         assert f"| `{name}` |" in suites
 
 
+def test_the_docs_of_what_holds_now_quote_the_newest_log_of_its_name(tmp_path, monkeypatch):
+    script = _docs_script()
+    for folder in ("x-2026-01-01", "x-2026-02-01"):
+        log = tmp_path / "benchmarks" / "results" / folder / "gpu-suite.log"
+        log.parent.mkdir(parents=True)
+        log.write_text("===== 7 passed in 1.00s =====\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("`7 passed` (`benchmarks/results/x-2026-02-01/gpu-suite.log`)\n")
+    (tmp_path / "docs" / "contract.md").write_text("`7 passed` (`benchmarks/results/x-2026-01-01/gpu-suite.log`)\n")
+    monkeypatch.setattr(script, "ROOT", str(tmp_path))
+    assert script.older_quotes() == ["docs/contract.md quotes benchmarks/results/x-2026-01-01/gpu-suite.log, where "
+                                     "benchmarks/results/x-2026-02-01/gpu-suite.log is newer"]
+
+
 def test_each_probe_is_kept_with_its_use_or_recorded_as_removed():
     here = {f for f in os.listdir(os.path.join(ROOT, "benchmarks/diagnostics")) if f.endswith(".py")}
     text = open(os.path.join(ROOT, "benchmarks/diagnostics/README.md")).read().split("## Removed")[0]
