@@ -193,7 +193,7 @@ def _queued(gm, args, kwargs, block: bool = True):
     """``(server, plan, call)`` with the call queued on the shared batch, or ``(None, why, None)``.
     A batch closed between taking it and queueing (``gm.close()`` from another thread) is taken
     again: the call goes to the next one."""
-    from .server import Closed, QueueFull
+    from .calls import Closed, QueueFull
 
     held = gm.__dict__
     for _ in range(3):
@@ -267,7 +267,7 @@ def submit(gm, args, kwargs) -> concurrent.futures.Future:
 
 
 async def agenerate(gm, args, kwargs):
-    from .server import QueueFull
+    from .calls import QueueFull
 
     loop = asyncio.get_running_loop()
     try:

@@ -27,20 +27,22 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Counter, DefaultDict, Deque, List, Optional, Set, cast
+from dataclasses import dataclass
+from typing import Counter, DefaultDict, Deque, List, Optional, cast
 
 import torch
 
 from ..errors import GraphwrapError
-from ..process import GENERATION
 from .attention import folding
+from .calls import Call, Closed, QueueFull, finish, put_token
 from .delivery import OUTBOX, Mailbox
 from .rows import RowStore, to_device
 from .sampling import Active, RowSettings
 from .scheduler import Scheduler, Seq, buckets_upto
 from .settings import CallPlan
+from .shapes import Shapes
 from .step import Prompts, cache_layout
+from .weights import Weights
 
 logger = logging.getLogger("graphwrap")
 _RUNNING: "weakref.WeakSet" = weakref.WeakSet()  # servers whose thread runs: closed at exit
@@ -63,32 +65,7 @@ def _close_at_exit():
 
 KEEP = 10_000  # latencies kept for the percentiles in stats()
 AHEAD = 2  # steps queued on the device before the host reads the oldest
-CAPTURE_AFTER = 16  # steps a shape is wanted, served by a larger captured one, before it is captured
 EXIT_WAIT = 5.0  # seconds the process waits at exit for every decode thread to stop
-
-
-class Closed(GraphwrapError):
-    """The decode batch was closed before the call could be queued (the caller may take a new one)."""
-
-
-class QueueFull(GraphwrapError):
-    """The decode queue holds ``max_queue`` sequences (raised where the caller would not wait)."""
-
-    server: Any = None  # the batch and the call prepared for it, where the caller queues it later
-    call: Any = None
-
-
-@dataclass(eq=False)
-class Call:
-    """One ``generate`` call: its future, its sequences and what its result is built from."""
-
-    plan: CallPlan
-    future: Future
-    box: Mailbox
-    seqs: List[Seq] = field(default_factory=list)
-    left: int = 0
-    error: Optional[BaseException] = None
-    ended: bool = False  # set once, by _end_call (the decode thread)
 
 
 @dataclass(eq=False)
@@ -434,7 +411,7 @@ class DecodeServer:
         call = s.call
         streamer = call.plan.streamer
         if streamer is not None:
-            self.outgoing.append((call.box, lambda: _put(call, streamer, token)))
+            self.outgoing.append((call.box, lambda: put_token(call, streamer, token)))
         if token in s.settings.eos or len(s.tokens) >= s.settings.max_new:
             s.done = True
             if len(s.tokens) > 1:
@@ -464,7 +441,7 @@ class DecodeServer:
         # call.error read now: a streamer that raised on a token delivered before this one
         # (after the decode thread ended the call) fails the call all the same.
         try:
-            _finish(call, call.error)
+            finish(call, call.error)
         finally:
             with self.delivered:
                 self.counts["cancelled" if call.future.cancelled() else
@@ -502,69 +479,6 @@ class DecodeServer:
         }
 
 
-class Shapes:
-    """Which graph shape serves a forward: its own buckets once they have a graph, or once they
-    have been wanted ``CAPTURE_AFTER`` times (the capture then runs in the decode thread); until
-    then the smallest shape of its kind already captured that holds it (more padding rows and
-    masked positions, the same tokens), so that a passing shape does not stall every row for a
-    capture. Shapes are ``(kind, rows, positions)``."""
-
-    def __init__(self):
-        self.ready: Set[tuple] = set()
-        self.wanted: Counter[tuple] = collections.Counter()
-        self.covered: Counter[tuple] = collections.Counter()
-
-    def pick(self, shape: tuple, graphs: bool) -> tuple:
-        if not graphs or shape in self.ready:
-            return shape
-        self.wanted[shape] += 1
-        cover = [s for s in self.ready if s[0] == shape[0] and s[1] >= shape[1] and s[2] >= shape[2]]
-        if cover and self.wanted[shape] < CAPTURE_AFTER:
-            self.covered[shape[0]] += 1
-            return min(cover, key=lambda s: s[1] * s[2])
-        self.ready.add(shape)
-        del self.wanted[shape]
-        return shape
-
-
-def _put(call: Call, streamer, token: int):
-    """A token to a call's streamer (none once the call was cancelled or failed)."""
-    if call.error is None and not call.future.done():
-        streamer.put(torch.tensor([token]))
-
-
-def _finish(call: Call, error: Optional[BaseException]):
-    """A call's last delivery: its streamer ended (a cancelled or failed call's too, so that a
-    consumer waiting on it is let go), then its result or error."""
-    streamer = call.plan.streamer
-    if streamer is not None:
-        try:
-            streamer.end()
-        except BaseException as e:  # noqa: BLE001 - the call's own error comes first
-            error = error if error is not None else e
-    if call.future.done():
-        return
-    try:
-        if error is not None:
-            call.future.set_exception(error)
-        else:
-            call.future.set_result(_result(call))
-    except Exception:  # noqa: BLE001 - cancelled meanwhile
-        pass
-
-
-def _result(call: Call) -> torch.Tensor:
-    """``generate``'s output: the input as given when the call came, then each row's tokens,
-    padded at the end."""
-    width = max(len(s.tokens) for s in call.seqs)
-    pad = call.plan.settings.pad
-    rows = []
-    for s in sorted(call.seqs, key=lambda s: s.index):
-        rows.append(s.tokens + [pad if pad is not None else 0] * (width - len(s.tokens)))
-    new = torch.tensor(rows, dtype=torch.long)
-    return torch.cat([call.plan.input_ids.long(), new], dim=1)
-
-
 def _percentiles(xs) -> dict:
     if not xs:
         return {"p50": None, "p99": None}
@@ -583,29 +497,6 @@ def _out_vocab(model, default: int) -> int:
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     n = getattr(head, "out_features", None)
     return int(n) if isinstance(n, int) else default
-
-
-class Weights:
-    """The model's parameters as the batch was made with them: their addresses, dtypes and
-    devices, read again only where they could have moved (cheap per call: one pass over a list
-    of tensors; the list is read again when a module registers a new parameter)."""
-
-    def __init__(self, model):
-        self.model = model
-        self.generation = GENERATION[0]
-        self.params = list(model.parameters())
-        self.seen = self._read()
-
-    def _read(self):
-        return [(p.data_ptr(), p.dtype, p.device) for p in self.params]
-
-    def changed(self) -> bool:
-        if GENERATION[0] != self.generation:
-            params = list(self.model.parameters())
-            if len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params)):
-                return True
-            self.generation = GENERATION[0]
-        return self._read() != self.seen
 
 
 class _on:

@@ -1,0 +1,76 @@
+"""A ``generate`` call in the shared decode batch, as its caller sees it: its record, how it
+ends (its streamer's tokens and end, then its result or error, delivered off the decode
+thread), and the errors a caller gets where the batch takes no call."""
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import torch
+
+from ..errors import GraphwrapError
+from .delivery import Mailbox
+from .scheduler import Seq
+from .settings import CallPlan
+
+
+class Closed(GraphwrapError):
+    """The decode batch was closed before the call could be queued (the caller may take a new one)."""
+
+
+class QueueFull(GraphwrapError):
+    """The decode queue holds ``max_queue`` sequences (raised where the caller would not wait)."""
+
+    server: Any = None  # the batch and the call prepared for it, where the caller queues it later
+    call: Any = None
+
+
+@dataclass(eq=False)
+class Call:
+    """One ``generate`` call: its future, its sequences and what its result is built from."""
+
+    plan: CallPlan
+    future: Future
+    box: Mailbox
+    seqs: List[Seq] = field(default_factory=list)
+    left: int = 0
+    error: Optional[BaseException] = None
+    ended: bool = False  # set once, by _end_call (the decode thread)
+
+
+def put_token(call: Call, streamer, token: int):
+    """A token to a call's streamer (none once the call was cancelled or failed)."""
+    if call.error is None and not call.future.done():
+        streamer.put(torch.tensor([token]))
+
+
+def finish(call: Call, error: Optional[BaseException]):
+    """A call's last delivery: its streamer ended (a cancelled or failed call's too, so that a
+    consumer waiting on it is let go), then its result or error."""
+    streamer = call.plan.streamer
+    if streamer is not None:
+        try:
+            streamer.end()
+        except BaseException as e:  # noqa: BLE001 - the call's own error comes first
+            error = error if error is not None else e
+    if call.future.done():
+        return
+    try:
+        if error is not None:
+            call.future.set_exception(error)
+        else:
+            call.future.set_result(_result(call))
+    except Exception:  # noqa: BLE001 - cancelled meanwhile
+        pass
+
+
+def _result(call: Call) -> torch.Tensor:
+    """``generate``'s output: the input as given when the call came, then each row's tokens,
+    padded at the end."""
+    width = max(len(s.tokens) for s in call.seqs)
+    pad = call.plan.settings.pad
+    rows = []
+    for s in sorted(call.seqs, key=lambda s: s.index):
+        rows.append(s.tokens + [pad if pad is not None else 0] * (width - len(s.tokens)))
+    new = torch.tensor(rows, dtype=torch.long)
+    return torch.cat([call.plan.input_ids.long(), new], dim=1)
