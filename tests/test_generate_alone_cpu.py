@@ -365,6 +365,18 @@ def test_close_that_times_out_leaves_one_batch_at_a_time(monkeypatch):
     assert torch.equal(long.result(timeout=60), _alone(model, [5, 6, 7], max_new_tokens=100))
 
 
+def test_close_from_a_callers_callback_does_not_wait_for_itself():
+    model = _model()
+    gm = GraphedModule(model)
+    closed = threading.Event()
+    fut = gm.submit_generate(torch.tensor([[5, 6, 7]]), max_new_tokens=5, do_sample=False)
+    fut.add_done_callback(lambda f: (gm.close(), closed.set()))
+    assert torch.equal(fut.result(timeout=60), _alone(model, [5, 6, 7], max_new_tokens=5))
+    assert closed.wait(30), "close() in a done-callback waited for the delivery it runs in"
+    assert torch.equal(gm.generate(torch.tensor([[5, 6]]), max_new_tokens=4, do_sample=False),
+                       _alone(model, [5, 6], max_new_tokens=4))
+
+
 # ------------------------------------------------------------------ 12. and 13. asyncio, cancels
 
 
@@ -397,6 +409,24 @@ def test_agenerate_under_a_full_queue_streams_the_prompt_once_keeps_its_seed_and
     assert torch.equal(out, with_room), "the same seed gives the same tokens whether the queue had room"
     assert s.got[0] == [5, 6, 7] and sum(1 for g in s.got if len(g) > 1) == 1, "the prompt was streamed once"
     assert gm.stats()["decode"]["calls"] == calls_before + 3, "the cancelled task's call was never queued"
+
+
+def test_agenerate_waiting_for_room_when_the_batch_closes_goes_to_the_next_batch():
+    model = _model()
+    gm = GraphedModule(model, decode={"rows": 1, "max_queue": 1})
+
+    async def main():
+        blockers = [gm.submit_generate(torch.tensor([[9, i + 2]]), max_new_tokens=60, do_sample=False)
+                    for i in range(2)]
+        task = asyncio.ensure_future(gm.agenerate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, do_sample=False))
+        await asyncio.sleep(0.01)
+        assert not blockers[0].done() and not task.done()  # (it waits for room)
+        await asyncio.get_running_loop().run_in_executor(None, gm.close)
+        for b in blockers:
+            b.result(timeout=60)
+        return await task
+
+    assert torch.equal(asyncio.run(main()), _alone(model, [5, 6, 7], max_new_tokens=6))
 
 
 def test_a_cancelled_calls_streamer_is_ended_and_gets_no_token_after():

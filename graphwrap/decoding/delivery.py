@@ -90,6 +90,7 @@ class Outbox:
 
     def _work(self):
         me = threading.get_ident()
+        _HERE.worker = True
         while True:
             with self.cond:
                 self.busy.pop(me, None)
@@ -127,3 +128,10 @@ class Outbox:
 
 
 OUTBOX = Outbox()
+_HERE = threading.local()
+
+
+def on_worker() -> bool:
+    """Whether this thread is a delivery worker (a caller's callback or streamer running here
+    must not wait for deliveries: its own is one of them)."""
+    return getattr(_HERE, "worker", False)

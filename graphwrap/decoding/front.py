@@ -267,7 +267,7 @@ def submit(gm, args, kwargs) -> concurrent.futures.Future:
 
 
 async def agenerate(gm, args, kwargs):
-    from .calls import QueueFull
+    from .calls import Closed, QueueFull
 
     loop = asyncio.get_running_loop()
     try:
@@ -279,6 +279,8 @@ async def agenerate(gm, args, kwargs):
         server, p = full.server, call.plan
         try:
             await asyncio.shield(loop.run_in_executor(None, server.enqueue, call, True))
+        except Closed:  # the batch was closed while the call waited for room: the next one takes it
+            server, p, call = await loop.run_in_executor(None, lambda: _queued(gm, args, kwargs))
         except asyncio.CancelledError:
             call.future.cancel()
             raise

@@ -35,7 +35,7 @@ import torch
 from ..errors import GraphwrapError
 from .attention import folding
 from .calls import Call, Closed, QueueFull, finish, put_token
-from .delivery import OUTBOX, Mailbox
+from .delivery import OUTBOX, Mailbox, on_worker
 from .rows import RowStore, to_device
 from .sampling import Active, RowSettings
 from .scheduler import Scheduler, Seq, buckets_upto
@@ -222,6 +222,8 @@ class DecodeServer:
             thread.join(timeout)
             if thread.is_alive():
                 return False
+        if on_worker():
+            return True  # called from a caller's callback or streamer: its own delivery is under way
         with self.delivered:  # each ended call's last delivery (its result) made
             while self.ending:
                 left = None if deadline is None else deadline - time.monotonic()
