@@ -548,3 +548,24 @@ def test_a_call_the_batch_declines_says_why_in_stats(gw_log):
     gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=5, no_repeat_ngram_size=2, do_sample=False)
     (how,) = gm.stats()["generate"]
     assert "no_repeat_ngram_size=2" in how, how
+
+
+def test_under_inference_mode_a_bad_request_beside_good_ones_fails_alone():
+    model = _model(positions=64)
+    gm = GraphedModule(model)
+    prompts = [[5, 6, 7], [9, 3], [4, 4, 8]]
+
+    def call(i):
+        with torch.inference_mode():
+            if i == 1:
+                try:
+                    return gm.generate(torch.tensor([prompts[i]]), max_new_tokens=90, do_sample=False)
+                except GraphwrapError as e:
+                    return e
+            return gm.generate(torch.tensor([prompts[i]]), max_new_tokens=9, eos_token_id=300, min_new_tokens=4,
+                               do_sample=False)
+
+    got = thread_results(call, 3)
+    assert isinstance(got[1], GraphwrapError) and "the model has 64 positions" in str(got[1])
+    for i in (0, 2):
+        assert torch.equal(got[i], _alone(model, prompts[i], max_new_tokens=9, eos_token_id=300, min_new_tokens=4))
