@@ -127,12 +127,6 @@ class DecodeServer:
 
     # ------------------------------------------------------------------ callers
 
-    def submit(self, plan: CallPlan, block: bool = True) -> Future:
-        """Queue a call's sequences; a future of its output tensor (on the host)."""
-        call = self.prepare(plan)
-        self.enqueue(call, block)
-        return call.future
-
     def prepare(self, plan: CallPlan) -> Call:
         """A call of ``plan``, its sampling seeds drawn (in the caller's thread, once, from
         torch's default generator: ``torch.manual_seed`` before a call makes it repeat);
@@ -330,13 +324,13 @@ class DecodeServer:
                 self._prefill(batch)
             except Exception as e:  # noqa: BLE001 - a prompt that makes the model raise fails alone
                 if len(batch) == 1:
-                    self._fail(batch[0], e)
+                    self._end_call(batch[0].call, e)
                     continue
                 for s in batch:
                     try:
                         self._prefill([s])
                     except Exception as e1:  # noqa: BLE001
-                        self._fail(s, e1)
+                        self._end_call(s.call, e1)
 
     def _prefill(self, seqs: List[Seq]):
         rows = _rows(seqs)
@@ -362,7 +356,7 @@ class DecodeServer:
         except Exception as e:  # noqa: BLE001 - the step serves every live row: each fails with it
             logger.exception("a decode step failed; its %d sequences fail with the error", len(live))
             for s in live:
-                self._fail(s, e)
+                self._end_call(s.call, e)
             return
         self.next_ids[:n, 0] = tokens
         self._queue(live, _rows(live), tokens)
@@ -421,9 +415,6 @@ class DecodeServer:
             call.left -= 1
             if call.left == 0:
                 self._end_call(call, None)
-
-    def _fail(self, s: Seq, error: BaseException):
-        self._end_call(s.call, error)
 
     def _end_call(self, call: Call, error: Optional[BaseException]):
         """The one place a call ends: its sequences stop (their rows are given back at the next
