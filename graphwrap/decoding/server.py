@@ -1,6 +1,6 @@
 """The thread that serves every ``generate`` call of a model from one shared decode batch.
 
-Calls queue their sequences (:meth:`DecodeServer.submit` returns a future); the thread admits
+Calls queue their sequences (:meth:`DecodeServer.prepare`, then :meth:`DecodeServer.enqueue`); the thread admits
 queued sequences into free rows (one joined prompt forward), runs one decode step over every
 live row, and hands each call its tokens when its last sequence ends. Steps are queued ahead:
 the tokens of a step are read on the host (through pinned memory and an event) after the next
