@@ -69,6 +69,10 @@ SUITES = {
     "generate": Suite("generate", "many generations at once: gm.generate from 64 threads (continuous batching), "
                       "a closed loop, one at a time, padded by hand, transformers' generate_batch",
                       options=lambda a: {"models": tuple(a.generate_models.split(","))}),
+    "generate-large": Suite("generate_large", "the shared batch on Llama-2-7B and Llama-3-8B shapes: 64 requests of "
+                            "prompts up to 1,024 and up to 512 new tokens against model.generate one after another, "
+                            "the step against the bandwidth roofline, a 6,000-token prompt beside decoding rows",
+                            options=lambda a: {"models": tuple(a.generate_large_models.split(","))}),
     "diffusion": Suite("diffusion", "diffusers' DDIM loop (30 steps, guidance, fp16) with the UNet eager, in "
                        "GraphedModule, in torch.compile, and its step's graph by hand; SD-1.x-small and SDXL shapes "
                        "(needs diffusers)", "eager", COMPILE),
@@ -107,6 +111,8 @@ def main(argv=None):
     ap.add_argument("--large-sizes", default="300,512,1280", help="batch sizes of the large scenario")
     ap.add_argument("--mixed-models", default="mlp,bert", help="models of the mixed scenario: mlp, bert or both")
     ap.add_argument("--generate-models", default="gpt2,llama", help="models of the generate scenario")
+    ap.add_argument("--generate-large-models", default="llama2-7b,llama3-8b",
+                    help="model shapes of the generate-large scenario: llama2-7b, llama3-8b")
     ap.add_argument("--decode-models", default="gpt2,llama", help="models of the decode scenario, comma-separated: gpt2, llama, mistral, whisper")
     ap.add_argument("--mixed-static-exact", action="store_true",
                     help="mixed MLP: also exact buckets with kernels compiled for each size (64 compiles a width)")

@@ -111,10 +111,14 @@ class GraphedModule(nn.Module):
             gets its own graphs) and write them as the module does. A call with state is served
             at its own shapes. transformers' static caches are state without this.
         decode: the shared decode batch of :meth:`generate` (Hugging Face models): ``None`` or
-            ``True`` (default) for ``{"rows": 64, "max_len": min(the model's positions, 2048),
-            "max_queue": 4096}``, a dict of any of those, or ``False`` to give each call the
-            model in turn. ``rows``: sequences decoded at once; ``max_len``: positions a
-            sequence may take (prompt and new tokens); ``max_queue``: sequences waiting for a row.
+            ``True`` (default) for ``{"rows": 64, "max_len": the model's positions,
+            "max_queue": 4096, "cache_memory": 0.7, "paged": None}``, a dict of any of those,
+            or ``False`` to give each call the model in turn. ``rows``: sequences decoded at
+            once; ``max_len``: positions a sequence may take (prompt and new tokens);
+            ``max_queue``: sequences waiting for a row; ``cache_memory``: the share of the GPU
+            memory free when the batch is made that its cache may take; ``paged``: the cache's
+            layout (None: whole rows where they fit that share, else blocks of a pool that
+            sequences take as they are admitted; on a CPU, a pool that grows).
 
     .. warning::
         With ``outputs="view"``, the returned tensors are overwritten by the next call of this

@@ -114,8 +114,16 @@ def _sizes(b) -> bool:
 def _check_decode(value):
     if value is None or value is True or value is False:
         return
-    if not isinstance(value, dict) or set(value) - {"rows", "max_len", "max_queue"}:
-        raise GraphwrapError(f"decode must be True, False or a dict of rows=, max_len=, max_queue=; got {value!r}")
+    keys = {"rows", "max_len", "max_queue", "cache_memory", "paged"}
+    if not isinstance(value, dict) or set(value) - keys:
+        raise GraphwrapError("decode must be True, False or a dict of rows=, max_len=, max_queue=, cache_memory=, "
+                             f"paged=; got {value!r}")
     for k, v in value.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        if k == "cache_memory":
+            if not isinstance(v, numbers.Real) or isinstance(v, bool) or not 0 < float(v) <= 1:
+                raise GraphwrapError(f"decode['cache_memory'] must be a fraction in (0, 1], got {v!r}")
+        elif k == "paged":
+            if v is not None and not isinstance(v, bool):
+                raise GraphwrapError(f"decode['paged'] must be True, False or None, got {v!r}")
+        elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise GraphwrapError(f"decode[{k!r}] must be an int >= 1, got {v!r}")

@@ -497,11 +497,11 @@ def test_merged_settings_are_safe_from_many_threads(monkeypatch):
 
 
 def test_a_cache_that_cannot_be_allocated_sends_calls_to_the_one_call_loop_once_decided(monkeypatch, gw_log):
-    from graphwrap.decoding.rows import RowStore
+    from graphwrap.decoding.pages import PagedStore
 
     tries = []
 
-    allocate = RowStore.allocate
+    allocate = PagedStore.allocate  # (the layout of a CPU's cache)
 
     def no_memory(self, keys, values):
         if self.rows < 64:  # the probe's small store
@@ -509,7 +509,7 @@ def test_a_cache_that_cannot_be_allocated_sends_calls_to_the_one_call_loop_once_
         tries.append(1)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 69.8 GiB")
 
-    monkeypatch.setattr(RowStore, "allocate", no_memory)
+    monkeypatch.setattr(PagedStore, "allocate", no_memory)
     model = _model()
     gm = GraphedModule(model)
     for _ in range(3):

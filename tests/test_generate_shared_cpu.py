@@ -281,7 +281,8 @@ def test_no_growth_over_many_requests():
     d = gm.stats()["decode"]
     assert d["done"] == 300 and d["rows_busy"] == 0 and d["queued"] == 0
     server = gm.__dict__["_gw_decode"]
-    assert len(server.store.windows) <= 1 and not server.inflight and len(server.sched.free) == 4
+    assert len(server.store.windows) <= 1 and not server.inflight.queued and len(server.sched.free) == 4
+    assert server.sched.pool.used == 0  # every block back in the pool
 
 
 def test_the_scheduler_hands_out_low_rows_and_sizes_steps_by_bucket():

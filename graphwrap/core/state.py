@@ -7,6 +7,10 @@ those runs. :class:`Saved` copies the buffers before a capture and puts back, be
 and at the end, every buffer whose version counter moved; what the forward wrote is then known,
 and the engine serves such a module without padding, chunking or joining requests (each of
 which would write state the eager call does not).
+
+A state input may name the tensors a capture must put back (``capture_restores``, a list): the
+shared decode batch's windows name the rows' lengths alone, since every run of one call writes
+the same keys at the same places of a cache far too large to copy.
 """
 
 from typing import Dict, List, Optional, Set, Tuple
@@ -27,7 +31,9 @@ class Saved:
         named = list(module.named_buffers())
         self.host = []  # HostNumber: the numbers a state input keeps in Python
         for i, ref in enumerate(states):  # state inputs: a static cache's tensors
-            named += [(f"{type(ref.obj).__name__}[{j}]", t) for j, t in enumerate(state_tensors(ref.obj))]
+            restores = getattr(ref.obj, "capture_restores", None)
+            tensors = state_tensors(ref.obj) if restores is None else restores
+            named += [(f"{type(ref.obj).__name__}[{j}]", t) for j, t in enumerate(tensors)]
             self.host += state_numbers(ref.obj)
         self.host_written: Set[str] = set()
         with torch.inference_mode(False), torch.no_grad():

@@ -33,6 +33,12 @@ def folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
     ``[b, hkv, k, d]`` -> ``([b, q, hq, d], None)``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    store = getattr(key, "_gw_pages", None)
+    if store is not None:  # the paged pool itself (see PagedLayer): each row over its own blocks
+        from .paged_attention import attend
+
+        n = query.shape[0]
+        return attend(query, key, value, store.table[:n], store.lengths[:n] + 1, scaling), None
     if not _folds(module, query, key, attention_mask, position_bias, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, position_bias=position_bias, **kwargs)
@@ -65,6 +71,12 @@ def _register() -> bool:
         return _DONE[0]
 
 
+def sdpa_model(model) -> bool:
+    """Whether ``model`` runs transformers' ``sdpa`` attention (one config, no sub-models)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) == "sdpa" and not getattr(config, "sub_configs", None)
+
+
 def grouped(model) -> bool:
     """Whether ``model`` runs ``sdpa`` attention with grouped key heads, which the fold serves."""
     config = getattr(model, "config", None)
@@ -75,7 +87,9 @@ def grouped(model) -> bool:
 
 
 class folding:
-    """Within the block, ``model``'s attention is :func:`folded_sdpa` (where :func:`grouped`).
+    """Within the block, ``model``'s attention is :func:`folded_sdpa` (where :func:`grouped`, or
+    where ``store`` is a paged store whose steps attend straight from its pool: then the store's
+    layers hand the pool itself to the attention, ``store.direct``, only inside the block).
 
     The name is written straight into the config's own field, not through its setter: each
     step enters the block, and an assignment through the class would tell graphwrap's watch of
@@ -85,18 +99,25 @@ class folding:
     step; an implementation the user sets (``set_attn_implementation``) is not ``sdpa``, so
     the block leaves it, and the watch sees the change."""
 
-    def __init__(self, model):
+    def __init__(self, model, store=None):
         config = getattr(model, "config", None)
-        self.config = config if grouped(model) and not sdpa_folds() and _settable(config) and _register() else None
+        direct = getattr(store, "kernel", False) and sdpa_model(model)
+        wanted = (grouped(model) and not sdpa_folds()) or direct
+        self.config = config if wanted and _settable(config) and _register() else None
+        self.store = store if direct and self.config is not None else None
         self.set = False
 
     def __enter__(self):
         self.set = self.config is not None and vars(self.config).get(FIELD) == "sdpa"
         if self.set:
             object.__setattr__(self.config, FIELD, NAME)
+            if self.store is not None:
+                self.store.direct = True
         return self
 
     def __exit__(self, *exc):
+        if self.store is not None:
+            self.store.direct = False
         if self.set and vars(self.config).get(FIELD) == NAME:
             object.__setattr__(self.config, FIELD, "sdpa")
 

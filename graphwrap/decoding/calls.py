@@ -10,6 +10,7 @@ import torch
 
 from ..errors import GraphwrapError
 from .delivery import Mailbox
+from .pool import CachePlan, blocks_for
 from .scheduler import Seq
 from .settings import CallPlan
 
@@ -74,3 +75,26 @@ def _result(call: Call) -> torch.Tensor:
         rows.append(s.tokens + [pad if pad is not None else 0] * (width - len(s.tokens)))
     new = torch.tensor(rows, dtype=torch.long)
     return torch.cat([call.plan.input_ids.long(), new], dim=1)
+
+
+def check_call(plan: CallPlan, max_len: int, positions: Optional[int], cache: CachePlan, vocab: int):
+    """GraphwrapError for a call a batch of ``max_len`` positions a sequence cannot hold, or with
+    token ids outside the model's ``vocab``."""
+    longest = max(len(p) for p in plan.prompts)
+    need = longest + plan.settings.max_new
+    if need > max_len:
+        if positions is not None and need > positions:
+            fix = f"the model has {positions} positions: pass fewer tokens"
+        else:
+            fix = f"pass fewer tokens, or GraphedModule(..., decode={{'max_len': {need}}})"
+        raise GraphwrapError(
+            f"a prompt of {longest} tokens and max_new_tokens={plan.settings.max_new} need {need} positions of "
+            f"the decode cache, which holds {max_len} per sequence: {fix}")
+    if cache.paged and blocks_for(need, cache.block) > cache.most - 1:
+        raise GraphwrapError(
+            f"a prompt of {longest} tokens and max_new_tokens={plan.settings.max_new} need {need} positions; the "
+            f"decode cache holds {cache.positions} in all (decode={{'cache_memory': ...}} sets its share of "
+            f"the GPU's free memory)")
+    bad = [t for p in plan.prompts for t in p if not 0 <= t < vocab]
+    if bad:
+        raise GraphwrapError(f"token id {bad[0]} is outside the model's vocabulary of {vocab}")

@@ -22,12 +22,13 @@ from ..core.engine import Engine
 from ..errors import GraphwrapError
 from ..loops import decode
 from ..process import generate_lock
+from .pool import CACHE_MEMORY
 from .scheduler import buckets_upto
 from .settings import CallPlan, plan_call
 
 logger = logging.getLogger("graphwrap")
 SHARED = "graphwrap's shared decode batch"
-ROWS, MAX_LEN = 64, 2048  # defaults: sequences decoded at once, and positions each may hold
+ROWS, MAX_LEN = 64, 2048  # defaults: sequences decoded at once; positions each may hold where the model does not say
 _MAKING = threading.Lock()
 
 
@@ -40,7 +41,7 @@ def decode_options(given, config) -> Optional[dict]:
     d = dict(given) if isinstance(given, dict) else {}
     positions = model_positions(config)
     d.setdefault("rows", ROWS)
-    d.setdefault("max_len", min(positions, MAX_LEN) if positions else MAX_LEN)
+    d.setdefault("max_len", positions or MAX_LEN)
     if positions and d["max_len"] > positions:
         logger.warning("decode max_len=%d is above the model's %d positions; the decode cache holds %d",
                        d["max_len"], positions, positions)
@@ -136,7 +137,8 @@ def _make(held: dict, module):
     step, prefill = Engine(DecodeStep(module), step_opts), Engine(PrefillStep(module), step_opts)
     # What the GraphedModule has logged once (no CUDA, say) is not logged again by the batch's engines.
     step.logged = prefill.logged = held["_gw_engine"].logged
-    return DecodeServer(module, step, prefill, rows, cfg["max_len"], cfg["max_queue"], cfg["positions"]), None
+    return DecodeServer(module, step, prefill, rows, cfg["max_len"], cfg["max_queue"], cfg["positions"],
+                        cfg.get("cache_memory", CACHE_MEMORY), cfg.get("paged")), None
 
 
 def plan(held: dict, module, args, kwargs):

@@ -2,7 +2,8 @@
 
 Before the shared batch serves a model, two short prompts of different lengths are decoded a
 few steps both ways, eagerly: through the rows (joined prefill, per-row lengths, the 4-D mask
-over a window) and alone through the model's own cache. A model whose attention, positions or
+over a window), in each layout of the cache (whole rows, and blocks of a pool handed out of
+order, read in place by the paged attention where it runs), and alone through the model's own cache. A model whose attention, positions or
 cache the rows do not reproduce (a sliding window, positions of its own, a cache of another
 kind) is left to the one-call loop, with the reason.
 """
@@ -11,9 +12,11 @@ from typing import Optional
 
 import torch
 
+from . import paged_attention
 from .attention import folding
+from .pages import PagedStore
 from .rows import RowStore
-from .step import DecodeStep, PrefillStep, Prompts, cache_layout, output_cache
+from .step import ChunkStep, DecodeStep, PrefillStep, Prompts, cache_layout, output_cache
 
 STEPS = 4
 
@@ -27,16 +30,29 @@ def probe(model, device) -> Optional[str]:
 
 
 def _probe(model, device) -> Optional[str]:
+    keys, values = cache_layout(model, device)
+    if keys is None:
+        return "the model's own cache has no per-layer keys and values of full attention (a sliding window?)"
+    kernel = paged_attention.available() and device.type == "cuda"
+    for store in (RowStore(4, 32, device), PagedStore(4, 32, device, 4, 4 * 8 + 1, kernel=kernel)):
+        if isinstance(store, PagedStore):
+            store.kernel = folding(model, store).store is not None
+        store.allocate(keys, values)
+        if isinstance(store, PagedStore):  # rows 0 and 1 take blocks out of order, as a busy pool hands them out
+            store.assign([0, 1, 2], [[9, 3, 17, 5, 1, 30, 2, 8], [4, 12, 6, 20, 7, 11, 13, 32],
+                                     [14, 21, 10, 15, 16, 18, 19, 22]])
+        why = _through(model, device, store)
+        if why is not None:
+            return why if isinstance(store, RowStore) else f"{why}, through the paged cache"
+    return None
+
+
+def _through(model, device, store) -> Optional[str]:
     vocab = int(getattr(model.config, "vocab_size", 0) or 0)
     if vocab < 2:
         return "the model's config has no vocab_size"
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (3, 6)]
-    keys, values = cache_layout(model, device)
-    if keys is None:
-        return "the model's own cache has no per-layer keys and values of full attention (a sliding window?)"
-    store = RowStore(4, 32, device)
-    store.allocate(keys, values)
     step, prefill = DecodeStep(model), PrefillStep(model)
     rows = [1, 0]
     with torch.no_grad():
@@ -48,6 +64,13 @@ def _probe(model, device) -> Optional[str]:
             out = model(input_ids=torch.tensor([p], device=device), use_cache=True, return_dict=True)
             want.append(out.logits[0, -1].float())
             caches.append(output_cache(out))
+        # A long prompt's pieces: the second prompt again, into row 2, in two pieces.
+        chunk, p = ChunkStep(model), prompts[1]
+        for a, b in ((0, 4), (4, len(p))):
+            piece = chunk(torch.tensor([p[a:b]], device=device), a, store.chunk_window(2, a, b - a))
+        why = _differ(piece[0].float(), want[1], model)
+        if why is not None:
+            return f"{why}, for a prompt in pieces"
         ids = torch.zeros((2, 1), dtype=torch.long, device=device)
         for _ in range(STEPS):
             ref = torch.stack(want[::-1])  # rows 0, 1 hold prompts 1, 0
@@ -55,7 +78,7 @@ def _probe(model, device) -> Optional[str]:
             if why is not None:
                 return why
             ids[:, 0] = ref.argmax(-1)
-            with folding(model):
+            with folding(model, store):
                 got.append(step(ids, store.window(32)).float())
             for i, (p, c) in enumerate(zip(prompts, caches)):
                 tok = ids[1 - i:2 - i]

@@ -1,8 +1,10 @@
 """The KV cache of rows: one row per sequence, each with its own length, at fixed addresses.
 
-Every layer keeps keys and values of shape ``[rows, heads, max_len, head_dim]``, allocated once
-from the first prompt's cache (so any attention layout the model's own cache has is kept), and
-one ``lengths`` tensor ``[rows]`` shared by every layer says where each row's next key goes.
+A :class:`Store` holds one ``lengths`` tensor ``[rows]`` shared by every layer (where each
+row's next key goes) and the windows over the cache. It has two layouts (chosen by
+:mod:`.pool`): :class:`RowStore` here, where every layer keeps keys and values of shape
+``[rows, heads, max_len, head_dim]`` (allocated once from the first prompt's cache, so any
+attention layout the model's own cache has is kept), and the paged store of :mod:`.pages`.
 
 A decode step attends over a *window*: the first ``n`` rows and the first ``span`` positions
 (``span`` a bucket above the longest live row), so a step costs what its live rows need, not
@@ -17,15 +19,16 @@ the prompts' keys into the rows named in the store's ``slots`` (a row beyond the
 scratch row, takes the padding prompts of a bucket) and return the prompts' own keys.
 """
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
 Tensor = torch.Tensor
 
 
-class RowStore:
-    """The cache's tensors: per layer, keys and values of every row, and the rows' lengths."""
+class Store:
+    """What both layouts of the cache share: the rows' lengths, which rows advance, the rows a
+    prompt forward writes, and the windows (made once per span, so graphs over them replay)."""
 
     def __init__(self, rows: int, max_len: int, device: torch.device):
         self.rows, self.max_len, self.device = rows, max_len, torch.device(device)
@@ -43,14 +46,6 @@ class RowStore:
     def allocated(self) -> bool:
         return bool(self.keys)
 
-    def allocate(self, layer_keys: List[Tensor], layer_values: List[Tensor]):
-        """Allocate every layer from one prompt cache's tensors (``[batch, heads, len, dim]``)."""
-        for k, v in zip(layer_keys, layer_values):
-            self.keys.append(torch.zeros((self.rows + 1, k.shape[1], self.max_len, k.shape[3]), dtype=k.dtype,
-                                         device=self.device))
-            self.values.append(torch.zeros((self.rows + 1, v.shape[1], self.max_len, v.shape[3]), dtype=v.dtype,
-                                           device=self.device))
-
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
@@ -63,15 +58,57 @@ class RowStore:
         """The cache the model sees in a step over ``span`` positions (made once per span)."""
         w = self.windows.get(span)
         if w is None:
-            w = self.windows[span] = _classes()[0](self, span)
+            w = self.windows[span] = _layers().RowWindow(self, span, self.step_layers(span))
         return w
 
     def prompt_window(self, width: int):
         """The cache a joined prompt forward of ``width`` positions sees (made once per width)."""
         w = self.prompt_windows.get(width)
         if w is None:
-            w = self.prompt_windows[width] = _classes()[1](self, width)
+            w = self.prompt_windows[width] = _layers().PromptWindow(self, width, self.prompt_layers(width))
         return w
+
+    def chunk_window(self, row: int, start: int, width: int):
+        """The cache one piece of a long prompt sees: it writes positions ``[start, start +
+        width)`` of ``row`` and attends over ``[0, start + width)`` of it (made per piece, for
+        an eager forward)."""
+        return _layers().ChunkWindow(start, self.chunk_layers(row, start, width))
+
+    def step_layers(self, span: int) -> list:
+        raise NotImplementedError
+
+    def prompt_layers(self, width: int) -> list:
+        raise NotImplementedError
+
+    def chunk_layers(self, row: int, start: int, width: int) -> list:
+        raise NotImplementedError
+
+
+class RowStore(Store):
+    """Every row whole at a fixed place: per layer, keys and values ``[rows + 1, heads, max_len, dim]``."""
+
+    def allocate(self, layer_keys: List[Tensor], layer_values: List[Tensor]):
+        """Allocate every layer from one prompt cache's tensors (``[batch, heads, len, dim]``)."""
+        for k, v in zip(layer_keys, layer_values):
+            self.keys.append(torch.zeros((self.rows + 1, k.shape[1], self.max_len, k.shape[3]), dtype=k.dtype,
+                                         device=self.device))
+            self.values.append(torch.zeros((self.rows + 1, v.shape[1], self.max_len, v.shape[3]), dtype=v.dtype,
+                                           device=self.device))
+
+    def step_layers(self, span: int) -> list:
+        return [_layers().RowLayer(k, v, self.lengths, self.index, span) for k, v in zip(self.keys, self.values)]
+
+    def prompt_layers(self, width: int) -> list:
+        return [_layers().PromptLayer(k, v, self.lengths, self.index, width, self.slots) for k, v in zip(self.keys, self.values)]
+
+    def chunk_layers(self, row: int, start: int, width: int) -> list:
+        return [_layers().ChunkLayer(k, v, row, start, width) for k, v in zip(self.keys, self.values)]
+
+
+def _layers():
+    from . import layers  # (transformers, imported where a window is made)
+
+    return layers
 
 
 def to_device(t: Tensor, device) -> Tensor:
@@ -90,101 +127,3 @@ def row_mask(lengths: Tensor, span: int, dtype: torch.dtype) -> Tensor:
     seen = pos[None, :] <= lengths[:, None]
     zero = torch.zeros((), dtype=dtype, device=lengths.device)
     return torch.where(seen, zero, torch.finfo(dtype).min)[:, None, None, :]
-
-
-_CLASSES: Optional[tuple] = None
-
-
-def _classes() -> tuple:
-    global _CLASSES
-    if _CLASSES is None:
-        _CLASSES = _build_classes()
-    return _CLASSES
-
-
-def _build_classes():
-    from transformers.cache_utils import Cache
-
-    RowLayer, PromptLayer = _layer_classes()
-
-    class RowWindow(Cache):
-        """The first ``span`` positions of every row of a :class:`RowStore`, as a ``Cache``."""
-
-        def __init__(self, store: RowStore, span: int):
-            layers = [RowLayer(k, v, store.lengths, store.index, span) for k, v in zip(store.keys, store.values)]
-            super().__init__(layers=layers)
-            self.span = span
-            self.lengths = store.lengths
-            self.live = store.live
-
-    class PromptWindow(Cache):
-        """What a joined prompt forward of ``span`` positions writes through, as a ``Cache``."""
-
-        def __init__(self, store: RowStore, span: int):
-            layers = [PromptLayer(k, v, store.lengths, store.index, span, store.slots)
-                      for k, v in zip(store.keys, store.values)]
-            super().__init__(layers=layers)
-            self.span = span
-            self.lengths, self.live, self.slots = store.lengths, store.live, store.slots
-
-    return RowWindow, PromptWindow
-
-
-def _layer_classes():
-    from transformers.cache_utils import CacheLayerMixin
-
-    class RowLayer(CacheLayerMixin):
-        """One layer of a window: each row's new key goes at that row's own length."""
-
-        is_compileable = True
-        is_sliding = False
-
-        def __init__(self, keys: Tensor, values: Tensor, lengths: Tensor, index: Tensor, span: int):
-            super().__init__()
-            self.keys, self.values, self.lengths, self.index = keys, values, lengths, index
-            self.span = span
-            self.is_initialized = True
-
-        def lazy_initialization(self, key_states, value_states, *args, **kwargs):
-            pass
-
-        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
-            n = key_states.shape[0]
-            rows, pos = self.index[:n], self.lengths[:n]
-            self.keys[rows, :, pos] = key_states[:, :, -1].to(self.keys.dtype)
-            self.values[rows, :, pos] = value_states[:, :, -1].to(self.values.dtype)
-            return self.keys[:n, :, :self.span], self.values[:n, :, :self.span]
-
-        def get_mask_sizes(self, *args, **kwargs):
-            return self.span, 0
-
-        def get_seq_length(self, *args, **kwargs):
-            return self.span - 1
-
-        def get_max_length(self, *args, **kwargs):
-            return self.span
-
-        def get_max_cache_shape(self, *args, **kwargs):
-            return self.span
-
-        def reset(self):
-            pass
-
-    class PromptLayer(RowLayer):
-        """One layer of a prompt window: the prompts' keys go into their rows, from position 0."""
-
-        def __init__(self, keys, values, lengths, index, span, slots):
-            super().__init__(keys, values, lengths, index, span)
-            self.slots = slots
-
-        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
-            k, width = key_states.shape[0], key_states.shape[2]
-            rows = self.slots[:k]
-            self.keys[rows, :, :width] = key_states.to(self.keys.dtype)
-            self.values[rows, :, :width] = value_states.to(self.values.dtype)
-            return key_states, value_states
-
-        def get_seq_length(self, *args, **kwargs):
-            return 0
-
-    return RowLayer, PromptLayer

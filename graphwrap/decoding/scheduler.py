@@ -6,6 +6,11 @@ sequence when its prompt is admitted and given back when the sequence is done la
 (it has all the tokens it may make, or it ended early); a step covers rows ``[0, n)`` with
 ``n`` a row bucket above the highest live row, and attends over ``span`` positions, a bucket
 above the longest live row. Rows are handed out lowest first, so live rows stay low.
+
+Where the cache is paged (:mod:`.pool`), a sequence is admitted only with the blocks its prompt
+and ``max_new_tokens`` need, taken with its row and given back with it; the queue is served in
+order, so a sequence that waits for blocks holds back those behind it (none is passed over for
+good).
 """
 
 import heapq
@@ -14,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, List, Optional, Sequence, Tuple, cast
 
+from .pool import Blocks, blocks_for
 from .settings import SeqSettings
 
 
@@ -27,6 +33,8 @@ class Seq:
     settings: SeqSettings
     tokens: List[int] = field(default_factory=list)
     row: Optional[int] = None
+    blocks: List[int] = field(default_factory=list)  # of the paged pool, held with the row
+    prefilled: Optional[int] = None  # a long prompt being prefilled in pieces: positions written so far
     length: int = 0  # positions of the cache written (host's mirror of the row's length)
     launched: int = 0  # tokens whose computation has been queued on the device
     done: bool = False
@@ -66,24 +74,44 @@ def bucket_of(x: int, buckets: Sequence[int]) -> int:
 class Scheduler:
     """The rows of the cache and the queue of sequences waiting for one."""
 
-    def __init__(self, rows: int, max_len: int, row_buckets: Sequence[int], span_buckets: Sequence[int]):
+    def __init__(self, rows: int, max_len: int, row_buckets: Sequence[int], span_buckets: Sequence[int],
+                 pool: Optional[Blocks] = None, block: int = 1):
         self.rows, self.max_len = rows, max_len
+        self.pool, self.block = pool, block
+        self.short = 0  # blocks the oldest waiting sequence lacks (0: none is waiting for blocks)
         self.row_buckets, self.span_buckets = list(row_buckets), list(span_buckets)
         self.free: List[int] = list(range(rows))
         heapq.heapify(self.free)
         self.queue: Deque[Seq] = deque()
         self.holders: List[Optional[Seq]] = [None] * rows
+        self.chunking: Deque[Seq] = deque()  # admitted long prompts, prefilled a piece a turn, oldest first
 
     def enqueue(self, seqs: Sequence[Seq]):
         self.queue.extend(seqs)
 
+    def needs(self, s: Seq) -> int:
+        """Blocks of the pool that ``s`` takes (its prompt and every token it may make)."""
+        return blocks_for(len(s.prompt) + s.settings.max_new, self.block) if self.pool is not None else 0
+
     def admit(self, limit: Optional[int] = None) -> List[Seq]:
-        """Queued sequences given a free row each, oldest first (at most ``limit``)."""
+        """Queued sequences given a free row (and their blocks) each, oldest first (at most
+        ``limit``); stops at the first whose blocks are not free (``self.short`` says how many
+        it lacks)."""
         out: List[Seq] = []
+        self.short = 0
         while self.queue and self.free and (limit is None or len(out) < limit):
-            s = self.queue.popleft()
+            s = self.queue[0]
             if s.done:
+                self.queue.popleft()
                 continue
+            if self.pool is not None:
+                need = self.needs(s)
+                blocks = self.pool.take(need)
+                if blocks is None:
+                    self.short = need - len(self.pool.free)
+                    break
+                s.blocks = blocks
+            self.queue.popleft()
             s.row = heapq.heappop(self.free)
             self.holders[s.row] = s
             s.length = len(s.prompt)
@@ -91,7 +119,8 @@ class Scheduler:
         return out
 
     def live(self) -> List[Seq]:
-        return [s for s in self.holders if s is not None and s.needs_steps]
+        """Sequences the next step serves (those whose prompt is all in)."""
+        return [s for s in self.holders if s is not None and s.needs_steps and s.prefilled is None]
 
     def step_shape(self, live: Sequence[Seq]) -> Tuple[int, int]:
         """``(rows, span)`` of the next step over ``live`` (every row below the highest, and
@@ -118,6 +147,9 @@ class Scheduler:
             if s is not None and not s.needs_steps:
                 self.holders[r] = None
                 s.row = None
+                if self.pool is not None:
+                    self.pool.give(s.blocks)
+                    s.blocks = []
                 heapq.heappush(self.free, r)
                 out.append(r)
         return out

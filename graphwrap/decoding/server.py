@@ -27,21 +27,25 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Counter, DefaultDict, Deque, List, Optional, cast
 
 import torch
 
 from ..errors import GraphwrapError
+from . import paged_attention
 from .attention import folding
-from .calls import Call, Closed, QueueFull, finish, put_token
+from .calls import Call, Closed, QueueFull, check_call, finish, put_token
 from .delivery import OUTBOX, Mailbox, on_worker
+from .inflight import Tokens
+from .pages import PagedStore
+from .pool import CACHE_MEMORY, Blocks, plan_cache
+from .report import report
 from .rows import RowStore, to_device
 from .sampling import Active, RowSettings
 from .scheduler import Scheduler, Seq, buckets_upto
 from .settings import CallPlan
 from .shapes import Shapes
-from .step import Prompts, cache_layout
+from .step import CHUNK, ChunkStep, Prompts, cache_layout
 from .weights import Weights
 
 logger = logging.getLogger("graphwrap")
@@ -68,17 +72,6 @@ AHEAD = 2  # steps queued on the device before the host reads the oldest
 EXIT_WAIT = 5.0  # seconds the process waits at exit for every decode thread to stop
 
 
-@dataclass(eq=False)
-class InFlight:
-    """Tokens queued on the device and not yet read: which sequence each row's token is for."""
-
-    seqs: List[Seq]
-    rows: List[int]
-    host: torch.Tensor
-    event: Optional[torch.cuda.Event]
-    buf: Optional[torch.Tensor] = None  # the pinned buffer ``host`` is a view of
-
-
 def _rows(seqs: List[Seq]) -> List[int]:
     """The rows of sequences that hold one (every sequence admitted)."""
     return cast(List[int], [s.row for s in seqs])
@@ -88,19 +81,31 @@ class DecodeServer:
     """Continuous batching for one Hugging Face model (see :meth:`GraphedModule.generate`)."""
 
     def __init__(self, model, step_engine, prefill_engine, rows: int, max_len: int, max_queue: int,
-                 positions: Optional[int] = None):
+                 positions: Optional[int] = None, cache_memory: float = CACHE_MEMORY, paged: Optional[bool] = None):
         self.model, self.engine, self.prefill_engine = model, step_engine, prefill_engine
         p = next(model.parameters())
         self.device = p.device
         self.rows, self.max_len, self.max_queue, self.positions = rows, max_len, max_queue, positions
-        self.sched = Scheduler(rows, max_len, buckets_upto(rows, (1, 2, 4, 8, 16)),
-                               buckets_upto(max_len, (64, 128, 256)))
-        self.store = RowStore(rows, max_len, self.device)
         keys, values = cache_layout(model, self.device)
+        self.cache = plan_cache(rows, max_len, _token_bytes(keys, values), _free_memory(self.device), cache_memory,
+                                paged)
+        logger.info("decode cache of %s: %s", type(model).__name__, self.cache.why)
+        self.sched = Scheduler(rows, max_len, buckets_upto(rows, (1, 2, 4, 8, 16)),
+                               buckets_upto(max_len, (64, 128, 256)),
+                               Blocks(self.cache.blocks) if self.cache.paged else None, self.cache.block)
+        self.store = PagedStore(rows, max_len, self.device, self.cache.block, self.cache.blocks,
+                                kernel=paged_attention.available() and self.device.type == "cuda") \
+            if self.cache.paged else RowStore(rows, max_len, self.device)
+        # Grouped key heads: the step's attention without repeating them; a paged pool: read in place.
+        self.fold = folding(model, self.store)
+        if isinstance(self.store, PagedStore):
+            self.store.kernel = self.fold.store is not None
         self.store.allocate(keys, values)
         self.vocab = _vocab(model)
         self.settings = RowSettings(rows, max_len, self.device, _out_vocab(model, self.vocab))
-        self.prompts = Prompts(rows, max_len, self.store.scratch)
+        self.chunk = CHUNK
+        self.prompts = Prompts(rows, min(max_len, self.chunk), self.store.scratch)
+        self.chunker = ChunkStep(model)
         self.next_ids = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
         self.weights = Weights(model)
         self.lock = threading.RLock()  # a cancel under it calls back into it
@@ -113,8 +118,7 @@ class DecodeServer:
         self.outgoing: List[tuple] = []  # (mailbox, delivery) of this turn, handed out at its end (_flush)
         self.delivered = threading.Condition(threading.Lock())  # guards ``ending``: calls ended, result not yet delivered
         self.ending = 0
-        self.inflight: Deque[InFlight] = collections.deque()
-        self.spare: List[tuple] = []  # (pinned buffer, event) pairs read and free again
+        self.inflight = Tokens(rows, self.device)
         self.active = Active()
         self.counts: Counter[str] = collections.Counter()
         self.spent: DefaultDict[str, float] = collections.defaultdict(float)  # seconds of the thread's turns, by part
@@ -123,7 +127,6 @@ class DecodeServer:
         self.waits: Deque[float] = collections.deque(maxlen=KEEP)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.shapes = Shapes()
-        self.fold = folding(model)  # grouped key heads: the step's attention without repeating them
 
     # ------------------------------------------------------------------ callers
 
@@ -180,24 +183,12 @@ class DecodeServer:
 
     def check(self, plan: CallPlan):
         """GraphwrapError for a call the cache cannot hold or token ids the model has no row for."""
-        longest = max(len(p) for p in plan.prompts)
-        need = longest + plan.settings.max_new
-        if need > self.max_len:
-            if self.positions is not None and need > self.positions:
-                fix = f"the model has {self.positions} positions: pass fewer tokens"
-            else:
-                fix = f"pass fewer tokens, or GraphedModule(..., decode={{'max_len': {need}}})"
-            raise GraphwrapError(
-                f"a prompt of {longest} tokens and max_new_tokens={plan.settings.max_new} need {need} positions of "
-                f"the decode cache, which holds {self.max_len} per sequence: {fix}")
-        bad = [t for p in plan.prompts for t in p if not 0 <= t < self.vocab]
-        if bad:
-            raise GraphwrapError(f"token id {bad[0]} is outside the model's vocabulary of {self.vocab}")
+        check_call(plan, self.max_len, self.positions, self.cache, self.vocab)
 
     def _all_seqs(self):
         yield from self.sched.queue
         yield from (s for s in self.sched.holders if s is not None)
-        for f in self.inflight:
+        for f in self.inflight.queued:
             yield from f.seqs
 
     def close(self, cancel: bool = False, timeout: Optional[float] = None) -> bool:
@@ -281,11 +272,13 @@ class DecodeServer:
         with self.cond:
             self._take_cancelled()
             admitted = self.sched.admit()
+            if self.sched.short and self._grow(self.sched.short):
+                admitted += self.sched.admit()
             if admitted:
                 self.cond.notify_all()  # room in the queue
                 now = time.perf_counter()
                 self.waits.extend(now - s.submitted for s in admitted)
-            elif not self.inflight and not self.sched.live():
+            elif not self.inflight.queued and not self.sched.live() and not self.sched.chunking:
                 if self.closed and not self.sched.queue:
                     return False
                 self._flush()  # (what a cancel just ended, before waiting)
@@ -295,6 +288,8 @@ class DecodeServer:
         t0 = clock()
         if admitted:
             self._admit(admitted)
+        if self.sched.chunking:
+            self._chunk()
         t1 = clock()
         live = self.sched.live()
         if live:
@@ -317,7 +312,25 @@ class DecodeServer:
                 self._end_call(call, call.error)
         self.cancelled.clear()
 
+    def _grow(self, short: int) -> bool:
+        """A pool that can grow (a CPU's) takes at least ``short`` more blocks: whether it grew."""
+        c, pool = self.cache, self.sched.pool
+        if pool is None or pool.total >= c.most:
+            return False
+        total = min(c.most, max(2 * pool.total, pool.total + short))
+        cast(PagedStore, self.store).grow(total)
+        pool.grow(total)
+        logger.info("decode cache grew to %d blocks of %d positions", total - 1, c.block)
+        return True
+
     def _admit(self, seqs: List[Seq]):
+        if isinstance(self.store, PagedStore):
+            self.store.assign(_rows(seqs), [s.blocks for s in seqs])
+        for s in seqs:
+            if len(s.prompt) > self.chunk:
+                s.prefilled = 0
+                self.sched.chunking.append(s)
+        seqs = [s for s in seqs if s.prefilled is None]
         for group in self.prompts.groups([s.prompt for s in seqs]):
             batch = [seqs[i] for i in group]
             try:
@@ -338,14 +351,49 @@ class DecodeServer:
         shape = self.shapes.pick(("prefill",) + self.prompts.shape(prompts), self.stream is not None)
         inputs = self.prompts.inputs(prompts, rows, shape[1:], self.device)
         logits = self.prefill_engine.call(inputs, {"rows": self.store.prompt_window(shape[2])})[:len(seqs)]
-        index = self.settings.write(rows, [s.settings for s in seqs], prompts, [s.seed for s in seqs])
-        self.active = Active.of([s.settings for s in self.sched.holders if s is not None])
-        tokens = self.settings.next_tokens(logits, index, inputs[1][:len(seqs)], self.active)
-        self.next_ids[index, 0] = tokens
-        self._queue(seqs, list(range(len(seqs))), tokens)
-        self.sched.launched(seqs)
+        self._first_tokens(seqs, logits, inputs[1][:len(seqs)])
         self.counts["prefills"] += 1
         self.counts["prefill_rows"] += len(seqs)
+
+    def _first_tokens(self, seqs: List[Seq], logits: torch.Tensor, lengths: torch.Tensor):
+        """Each sequence's settings written into its row and its first token queued, from its
+        prompt's last logits (``lengths``: the prompts' lengths, on the device)."""
+        rows = _rows(seqs)
+        index = self.settings.write(rows, [s.settings for s in seqs], [s.prompt for s in seqs], [s.seed for s in seqs])
+        self.active = Active.of([s.settings for s in self.sched.holders if s is not None])
+        tokens = self.settings.next_tokens(logits, index, lengths, self.active)
+        self.next_ids[index, 0] = tokens
+        self.inflight.queue(seqs, list(range(len(seqs))), tokens)
+        self.sched.launched(seqs)
+
+    def _chunk(self):
+        """One piece of the oldest long prompt (a failure is its call's own); after its last, the
+        sequence's first token, and it joins the steps."""
+        chunking = self.sched.chunking
+        while chunking and chunking[0].done:
+            chunking.popleft()
+        if not chunking:
+            return
+        s = chunking[0]
+        row, start = cast(int, s.row), cast(int, s.prefilled)
+        end = min(start + self.chunk, len(s.prompt))
+        ids = to_device(torch.tensor([s.prompt[start:end]], dtype=torch.long), self.device)
+        try:
+            with self.fold:
+                logits = self.chunker(ids, start, self.store.chunk_window(row, start, end - start))
+        except Exception as e:  # noqa: BLE001 - a prompt that makes the model raise fails alone
+            chunking.popleft()
+            self._end_call(s.call, e)
+            return
+        self.store.lengths[row] = end  # (a step's padding write there is written over by the next piece)
+        s.prefilled = end
+        self.counts["prefill_pieces"] += 1
+        if end < len(s.prompt):
+            return
+        chunking.popleft()
+        s.prefilled = None
+        self.store.live[row] = 1
+        self._first_tokens([s], logits, to_device(torch.tensor([end], dtype=torch.long), self.device))
 
     def _step(self, live: List[Seq]):
         _, n, span = self.shapes.pick(("step",) + self.sched.step_shape(live), self.stream is not None)
@@ -359,41 +407,16 @@ class DecodeServer:
                 self._end_call(s.call, e)
             return
         self.next_ids[:n, 0] = tokens
-        self._queue(live, _rows(live), tokens)
+        self.inflight.queue(live, _rows(live), tokens)
         self.sched.launched(live)
         self.sched.advanced(live)
         self.counts["steps"] += 1
         self.counts["step_rows"] += len(live)
         self.counts["step_padded_rows"] += n - len(live)
 
-    def _queue(self, seqs: List[Seq], at: List[int], tokens: torch.Tensor):
-        if self.device.type == "cuda":
-            # Pinned buffers and events are kept and used again once read (a fresh pinned
-            # tensor and event each step cost host time the step does not have).
-            buf, event = self.spare.pop() if self.spare else (
-                torch.empty(self.rows, dtype=torch.long, pin_memory=True), torch.cuda.Event())
-            host = buf[:tokens.shape[0]]
-            host.copy_(tokens, non_blocking=True)
-            event.record()
-        else:
-            buf, host, event = None, tokens, None
-        self.inflight.append(InFlight(seqs, at, host, event, buf))
-
     def _read(self, keep: int):
         """Hand out the tokens of every step but the last ``keep`` (and of any already done)."""
-        while self.inflight:
-            f = self.inflight[0]
-            if len(self.inflight) <= keep and (f.event is None or not f.event.query()):
-                return
-            if f.event is not None:
-                t0 = time.perf_counter()
-                f.event.synchronize()
-                self.spent["read_wait"] += time.perf_counter() - t0
-            self.inflight.popleft()
-            tokens = f.host.tolist()
-            if f.buf is not None:
-                self.spare.append((f.buf, f.event))
-            now = time.perf_counter()
+        for f, tokens, now in self.inflight.read(keep, self.spent):
             for s, at in zip(f.seqs, f.rows):
                 if not s.done:
                     self._token(s, tokens[at], now)
@@ -455,28 +478,21 @@ class DecodeServer:
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> dict:
-        c = self.counts
-        with self.lock:
-            queued, busy = len(self.sched.queue), self.sched.busy
-        return {
-            "rows": self.rows, "max_len": self.max_len, "cache_bytes": self.store.nbytes(),
-            "calls": c["calls"], "sequences": c["sequences"], "done": c["done"], "failed": c["failed"],
-            "cancelled": c["cancelled"], "queued": queued, "rows_busy": busy,
-            "steps": c["steps"], "rows_per_step": c["step_rows"] / c["steps"] if c["steps"] else 0.0,
-            "padded_rows_per_step": c["step_padded_rows"] / c["steps"] if c["steps"] else 0.0,
-            "in_a_larger_graph": dict(self.shapes.covered), "shapes": sorted(self.shapes.ready),
-            "prefills": c["prefills"], "rows_per_prefill": c["prefill_rows"] / c["prefills"] if c["prefills"] else 0.0,
-            "queue_wait_ms": _percentiles(self.waits), "ttft_ms": _percentiles(self.ttft),
-            "tpot_ms": _percentiles(self.tpot),
-            "thread_s": {k: round(v, 3) for k, v in self.spent.items()},
-        }
+        return report(self)
 
 
-def _percentiles(xs) -> dict:
-    if not xs:
-        return {"p50": None, "p99": None}
-    xs = sorted(xs)
-    return {"p50": 1e3 * xs[len(xs) // 2], "p99": 1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
+def _token_bytes(keys, values) -> int:
+    """Bytes of one position's keys and values over every layer (from ``[batch, heads, len, dim]``)."""
+    return sum(t.shape[1] * t.shape[3] * t.element_size() for t in list(keys) + list(values))
+
+
+def _free_memory(device: torch.device) -> Optional[int]:
+    """Bytes of the device's memory free now (with what torch's allocator holds unused), None on a CPU."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + reserved)
 
 
 def _vocab(model) -> int:

@@ -9,9 +9,13 @@ the host but which graph replays.
 
 Prompts are joined into one forward (:class:`PrefillStep`), right-padded to a (rows, width)
 bucket, written straight into the rows they took (a row's padded positions are masked, and
-written over by its first steps), one graph per bucket as well.
+written over by its first steps), one graph per bucket as well. A prompt longer than
+:data:`CHUNK` goes in pieces (:class:`ChunkStep`, eager: its cost is compute), one piece a turn
+between the steps of the other rows, so a long prompt does not stall them; its first token
+comes from the last piece.
 """
 
+import inspect
 from typing import List, Tuple
 
 import torch
@@ -22,6 +26,7 @@ from .rows import row_mask, to_device
 from .scheduler import bucket_of, buckets_upto
 
 Tensor = torch.Tensor
+CHUNK = 512  # positions of a prompt's piece: longer prompts are prefilled a piece a turn
 
 
 class DecodeStep(nn.Module):
@@ -69,6 +74,46 @@ class PrefillStep(nn.Module):
         rows.lengths.index_copy_(0, slots, lengths)
         rows.live.index_fill_(0, slots, 1)
         return out.logits[torch.arange(k, device=input_ids.device), lengths - 1]
+
+
+class ChunkStep(nn.Module):
+    """One piece of a long prompt in its row, run eagerly: ``[1, width]`` token ids from position
+    ``start`` -> the piece's last logits ``[1, vocab]``. The piece sees the row's earlier
+    positions and its own, causally."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.cache_name = cache_keyword(model)
+        self.last = _last_logits(model)
+        self.training = model.training
+
+    def forward(self, input_ids: Tensor, start: int, rows) -> Tensor:
+        width = input_ids.shape[1]
+        mask = chunk_mask(start, width, _mask_dtype(self.model), input_ids.device)
+        pos = torch.arange(start, start + width, device=input_ids.device)[None]
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True, return_dict=True,
+                         **self.last, **{self.cache_name: rows})
+        return out.logits[:, -1]
+
+
+def chunk_mask(start: int, width: int, dtype: torch.dtype, device) -> Tensor:
+    """The additive 4-D mask ``[1, 1, width, start + width]`` of a piece of a prompt: query ``i``
+    sees positions up to ``start + i``."""
+    q = torch.arange(width, device=device)[:, None] + start
+    seen = torch.arange(start + width, device=device)[None, :] <= q
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(seen, zero, torch.finfo(dtype).min)[None, None]
+
+
+def _last_logits(model) -> dict:
+    """``logits_to_keep=1`` where the model's forward takes it (the head over one position, not
+    the whole piece)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
 
 class Prompts:

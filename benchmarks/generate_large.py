@@ -1,0 +1,207 @@
+"""Scenario "generate-large": the shared batch on the model shapes people serve.
+
+Llama-2-7B (32 key heads, 4,096 positions) and Llama-3-8B (8 key heads, 8,192 positions)
+shapes, fp16, random weights made on the GPU (built on the meta device, then filled). The
+burst: 64 requests at once, prompts 16..1,024 and new tokens 32..512 from a fixed seed, no
+end-of-sequence token, greedy. Rows, each in this process: ``model.generate`` one request after
+another (the first 2 requests, 64 new tokens each), ``gm.generate`` from 64 threads with default
+settings (its first burst, which captures, timed apart), and one prompt of 6,000 tokens (on a
+model of 8,192 positions) sent while 32 other requests decode, with those rows' time per output
+token. The cache's layout, its blocks and its budget are printed; 4 requests' tokens are
+compared with ``model.generate`` alone over their first 48 tokens (where one differs, eager's two
+best logits' gap there).
+
+The roofline share of a step: the bytes a 64-row step must read (the weights, and the live
+rows' keys and values) over the GPU's memory bandwidth, against the step's time (the decode
+thread's steps per second while all 64 rows are busy, from its time per output token p50).
+"""
+
+import statistics
+import time
+
+import torch
+from generate import burst, check_tokens, fresh_latencies, latencies, pct, server_latencies
+
+from graphwrap import GraphedModule
+
+REQUESTS = 64
+BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+
+SHAPES = {
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+}
+
+
+def big_model(name: str, device):
+    """A model of the shape ``name``, random weights, fp16, made on ``device`` in seconds."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**SHAPES[name], pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).half().eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg).to(device)  # (its tables were on meta)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def workload(vocab: int, n: int = REQUESTS, seed: int = 0, prompts=(16, 1025), news=(32, 513)):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(*prompts, (n,), generator=g).tolist()
+    ks = torch.randint(*news, (n,), generator=g).tolist()
+    return [(torch.randint(3, vocab, (1, p), generator=g), k) for p, k in zip(lens, ks)]
+
+
+def _say(case, text):
+    print(f"  [{case}] {text}", flush=True)
+
+
+def _bandwidth() -> float:
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in BANDWIDTH.items() if k in name), 3.35e12)
+
+
+def run(results, device, quick: bool, repeats: int, models=("llama2-7b", "llama3-8b"), long_prompt: bool = True):
+    for name in models:
+        model = big_model(name, device)
+        reqs = workload(model.config.vocab_size)
+        tokens = sum(k for _, k in reqs)
+        case = f"{name} shape fp16, {len(reqs)} requests at once, {tokens} new tokens"
+        _say(case, f"prompts 16..1024 (median {statistics.median(p.shape[1] for p, _ in reqs):.0f}), new 32..512 "
+                   f"(median {statistics.median(k for _, k in reqs):.0f}); weights "
+                   f"{sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9:.1f} GB")
+        base = _alone_rate(model, reqs, device)
+        results.add("generate-large", case, "model.generate, one request after another", [1 / base], "s/token",
+                    None, None, tokens_per_s=base)
+        _say(case, f"model.generate one request after another (2 requests, 64 new each): {base:.1f} tokens/s")
+        gm = GraphedModule(model)
+        cold, *_ = burst(gm, reqs, device)
+        _say(case, f"first burst (captures the step's graphs): {cold:.2f} s, {tokens / cold:,.0f} tokens/s")
+        _cache(case, gm)
+        rates = []
+        for _ in range(1 if quick else 2):
+            fresh_latencies(gm)
+            t, done, _, _ = burst(gm, reqs, device)
+            rates.append(tokens / t)
+            lat = server_latencies(gm)
+            results.add("generate-large", case, "gm.generate from 64 threads (default settings)", [t], "s", None,
+                        None, tokens_per_s=tokens / t, **lat)
+            _say(case, f"gm.generate from 64 threads: {tokens / t:,.0f} tokens/s ({t:.2f} s, "
+                       f"{tokens / t / base:.0f}x model.generate one after another), time to first token p50 "
+                       f"{lat['ttft_p50_ms']:.0f} / p99 {lat['ttft_p99_ms']:.0f} ms, per output token p50 "
+                       f"{lat['tpot_p50_ms']:.2f} / p99 {lat['tpot_p99_ms']:.2f} ms")
+        _roofline(case, gm, model, reqs, results)
+        if long_prompt and model.config.max_position_embeddings >= 8192:
+            _long(case, gm, model, device, results)
+        equal, gaps = check_tokens(model, gm, [(p, min(k, 48)) for p, k in reqs[:4]], device, k=4)
+        _say(case, f"tokens against model.generate alone: {equal} of 4 requests equal"
+             + (f"; where one differs, eager's two best logits were {', '.join(f'{g:.1f}' for g in gaps)} fp16 ulps "
+                "apart" if gaps else ""))
+        _cache(case, gm)
+        gm.close()
+        del gm, model
+        torch.cuda.empty_cache()
+
+
+def _alone_rate(model, reqs, device) -> float:
+    with torch.no_grad():
+        model.generate(input_ids=reqs[0][0].to(device), max_new_tokens=4, do_sample=False)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for p, _ in reqs[:2]:
+            model.generate(input_ids=p.to(device), max_new_tokens=64, do_sample=False)
+        torch.cuda.synchronize()
+    return 128 / (time.perf_counter() - t0)
+
+
+def _cache(case, gm):
+    d = gm.stats()["decode"]
+    _say(case, f"cache: {d['cache']}, {d['cache_bytes'] / 1e9:.1f} GB of a {d['cache_budget_bytes'] / 1e9:.1f} GB "
+               f"budget, blocks {d['cache_blocks']}, max_len {d['max_len']}, {d['steps']} steps of "
+               f"{d['rows_per_step']:.1f} rows, {d['prefills']} prefills, {d['prefill_pieces']} prompt pieces, "
+               f"GPU memory peak {torch.cuda.max_memory_allocated() / 1e9:.1f} GB")
+
+
+def _roofline(case, gm, model, reqs, results):
+    """Bytes a 64-row step reads at the burst's median live length, over the bandwidth, against
+    the time per output token p50 of the last burst."""
+    d = gm.stats()["decode"]
+    tpot = d["tpot_ms"]["p50"] / 1e3
+    server = gm.__dict__["_gw_decode"]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    live = statistics.median(p.shape[1] + k / 2 for p, k in reqs)  # a row's positions, midway through
+    kv = REQUESTS * live * server.cache.token_bytes
+    floor = (weights + kv) / _bandwidth()
+    share = floor / tpot
+    results.add("generate-large", case, "roofline share of a 64-row step", [tpot], "s", None, None,
+                floor_ms=1e3 * floor, share=share)
+    _say(case, f"step: {weights / 1e9:.1f} GB of weights + {kv / 1e9:.1f} GB of keys and values "
+               f"({REQUESTS} rows x {live:.0f} positions) = {1e3 * floor:.2f} ms at {_bandwidth() / 1e12:.2f} TB/s; "
+               f"time per output token p50 {1e3 * tpot:.2f} ms: {share:.0%} of the roofline")
+
+
+def _long(case, gm, model, device, results):
+    """A 6,000-token prompt sent while 32 requests decode: served, and the others' time per token."""
+    from generate import Clock
+
+    g = torch.Generator().manual_seed(7)
+    long_ids = torch.randint(3, model.config.vocab_size, (1, 6000), generator=g).to(device)
+    others = workload(model.config.vocab_size, n=32, seed=3, prompts=(16, 129), news=(200, 201))
+    clocks = [Clock() for _ in others]
+    import threading
+
+    outs = [None] * len(others)
+
+    def one(i):
+        outs[i] = gm.generate(input_ids=others[i][0].to(device), max_new_tokens=others[i][1], do_sample=False,
+                              streamer=clocks[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(others))]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # the others are decoding
+    t0 = time.perf_counter()
+    out = gm.generate(input_ids=long_ids, max_new_tokens=16, do_sample=False)
+    took = time.perf_counter() - t0
+    for t in threads:
+        t.join()
+    gaps = [b - a for c in clocks for a, b in zip(c.times[1:], c.times[2:])]
+    with torch.no_grad():
+        ref = model.generate(input_ids=long_ids, max_new_tokens=16, do_sample=False)
+    same = torch.equal(out, ref)
+    _, tpot = latencies(clocks)
+    p50, p99 = pct(gaps, .5), pct(gaps, .99)
+    results.add("generate-large", case, "a 6,000-token prompt beside 32 decoding rows", [took], "s", None, None,
+                gap_p50_ms=1e3 * p50, gap_p99_ms=1e3 * p99, equal=same)
+    _say(case, f"a 6,000-token prompt beside 32 decoding requests: served in {took:.2f} s, 16 tokens "
+               f"{'equal to' if same else 'NOT equal to'} model.generate's; the others' gaps between tokens p50 "
+               f"{1e3 * p50:.2f} / p99 {1e3 * p99:.2f} ms (p99/p50 {p99 / p50:.2f})")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    from harness import Results
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="llama2-7b,llama3-8b", help="one process each is cleaner: run it per model")
+    ap.add_argument("--out", default="bench-out")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    res = Results(a.out)
+    env = res.env
+    print(f"generate-large: {env['device']}, torch {env['torch']}, {env['date']}", flush=True)
+    run(res, torch.device("cuda"), a.quick, 1, models=tuple(a.models.split(",")))
+    res.write(["generate-large"])

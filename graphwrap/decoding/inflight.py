@@ -1,0 +1,64 @@
+"""Tokens a step has queued on the device and the host has not read yet.
+
+Steps are queued ahead: a step's tokens are copied into a pinned buffer and an event recorded
+behind them, and the host reads them (waiting on the event) only after later steps have been
+queued, so the GPU never waits for the host's bookkeeping. Pinned buffers and events are kept
+and used again once read (a fresh pinned tensor and event each step cost host time the step
+does not have).
+"""
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Deque, Iterator, List, Optional, Tuple
+
+import torch
+
+
+@dataclass(eq=False)
+class InFlight:
+    """One step's tokens: which sequence each row's token is for."""
+
+    seqs: list  # the scheduler's Seq, one per entry of ``rows``
+    rows: List[int]
+    host: torch.Tensor
+    event: Optional[torch.cuda.Event]
+    buf: Optional[torch.Tensor] = None  # the pinned buffer ``host`` is a view of
+
+
+class Tokens:
+    """The queue of steps' tokens on their way to the host."""
+
+    def __init__(self, rows: int, device: torch.device):
+        self.rows, self.device = rows, device
+        self.queued: Deque[InFlight] = collections.deque()
+        self.spare: List[tuple] = []  # (pinned buffer, event) pairs read and free again
+
+    def queue(self, seqs: list, at: List[int], tokens: torch.Tensor):
+        """The tokens of a step just queued (``tokens[at[i]]`` is ``seqs[i]``'s)."""
+        if self.device.type == "cuda":
+            buf, event = self.spare.pop() if self.spare else (
+                torch.empty(self.rows, dtype=torch.long, pin_memory=True), torch.cuda.Event())
+            host = buf[:tokens.shape[0]]
+            host.copy_(tokens, non_blocking=True)
+            event.record()
+        else:
+            buf, host, event = None, tokens, None
+        self.queued.append(InFlight(seqs, at, host, event, buf))
+
+    def read(self, keep: int, spent: dict) -> Iterator[Tuple[InFlight, List[int], float]]:
+        """Each step's tokens, oldest first, but the last ``keep`` steps' (unless already done);
+        the seconds waited go to ``spent["read_wait"]``."""
+        while self.queued:
+            f = self.queued[0]
+            if len(self.queued) <= keep and (f.event is None or not f.event.query()):
+                return
+            if f.event is not None:
+                t0 = time.perf_counter()
+                f.event.synchronize()
+                spent["read_wait"] += time.perf_counter() - t0
+            self.queued.popleft()
+            tokens = f.host.tolist()
+            if f.buf is not None:
+                self.spare.append((f.buf, f.event))
+            yield f, tokens, time.perf_counter()

@@ -1,0 +1,197 @@
+"""The transformers ``Cache`` classes through which the model writes and reads the shared
+batch's cache: a step's window, a joined prompt forward's window and a long prompt's piece, for
+each layout (:mod:`.rows`, :mod:`.pages`). Imported only when a store makes a window (this
+module needs transformers)."""
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .pool import blocks_for
+
+Tensor = torch.Tensor
+
+
+class WindowLayer(CacheLayerMixin):
+    """What every layer of a window answers: ``span`` positions, already allocated."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, keys: Tensor, values: Tensor, span: int):
+        super().__init__()
+        self.keys, self.values = keys, values
+        self.span = span
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states, *args, **kwargs):
+        pass
+
+    def get_mask_sizes(self, *args, **kwargs):
+        return self.span, 0
+
+    def get_seq_length(self, *args, **kwargs):
+        return self.span - 1
+
+    def get_max_length(self, *args, **kwargs):
+        return self.span
+
+    def get_max_cache_shape(self, *args, **kwargs):
+        return self.span
+
+    def reset(self):
+        pass
+
+
+class RowLayer(WindowLayer):
+    """One layer of a window: each row's new key goes at that row's own length."""
+
+    def __init__(self, keys: Tensor, values: Tensor, lengths: Tensor, index: Tensor, span: int):
+        super().__init__(keys, values, span)
+        self.lengths, self.index = lengths, index
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        n = key_states.shape[0]
+        rows, pos = self.index[:n], self.lengths[:n]
+        self.keys[rows, :, pos] = key_states[:, :, -1].to(self.keys.dtype)
+        self.values[rows, :, pos] = value_states[:, :, -1].to(self.values.dtype)
+        return self.keys[:n, :, :self.span], self.values[:n, :, :self.span]
+
+
+class PromptLayer(RowLayer):
+    """One layer of a prompt window: the prompts' keys go into their rows, from position 0."""
+
+    def __init__(self, keys, values, lengths, index, span, slots):
+        super().__init__(keys, values, lengths, index, span)
+        self.slots = slots
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        k, width = key_states.shape[0], key_states.shape[2]
+        rows = self.slots[:k]
+        self.keys[rows, :, :width] = key_states.to(self.keys.dtype)
+        self.values[rows, :, :width] = value_states.to(self.values.dtype)
+        return key_states, value_states
+
+    def get_seq_length(self, *args, **kwargs):
+        return 0
+
+
+class ChunkLayer(WindowLayer):
+    """One layer of a piece of a long prompt in a whole row: its keys go at ``[start, end)``,
+    and attention sees the row's ``[0, end)``."""
+
+    def __init__(self, keys, values, row: int, start: int, width: int):
+        super().__init__(keys, values, start + width)
+        self.row, self.start, self.end = row, start, start + width
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        r, a, b = self.row, self.start, self.end
+        self.keys[r, :, a:b] = key_states[0].to(self.keys.dtype)
+        self.values[r, :, a:b] = value_states[0].to(self.values.dtype)
+        return self.keys[r:r + 1, :, :b], self.values[r:r + 1, :, :b]
+
+    def get_seq_length(self, *args, **kwargs):
+        return self.start
+
+
+class PagedLayer(RowLayer):
+    """One layer of a paged window: each row's new key goes at its own length; then either the
+    pools themselves go to graphwrap's attention (``store.direct``), or the rows' blocks of the
+    window are gathered for the model's own."""
+
+    def __init__(self, keys: Tensor, values: Tensor, store, span: int):
+        super().__init__(keys, values, store.lengths, store.index, span)
+        self.store, self.table, self.block = store, store.table, store.block
+        self.lines = span // store.block
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        n = key_states.shape[0]
+        pos = self.lengths[:n]
+        where = self.table[:n].gather(1, (pos // self.block)[:, None])[:, 0]
+        offset = pos % self.block
+        self.keys[where, offset] = key_states[:, :, -1].to(self.keys.dtype)
+        self.values[where, offset] = value_states[:, :, -1].to(self.values.dtype)
+        if self.store.direct:
+            return self.keys, self.values
+        return self._gather(self.keys, n), self._gather(self.values, n)
+
+    def _gather(self, pool: Tensor, n: int) -> Tensor:
+        lines = self.table[:n, :self.lines]
+        return pool[lines].view(n, self.span, pool.shape[2], pool.shape[3]).transpose(1, 2)
+
+
+class PagedPromptLayer(RowLayer):
+    """One layer of a paged prompt window: the prompts' keys go into their rows' blocks, from
+    position 0 (padding past a row's blocks into the scratch block)."""
+
+    def __init__(self, keys: Tensor, values: Tensor, store, width: int):
+        super().__init__(keys, values, store.lengths, store.index, width)
+        self.table, self.slots = store.table, store.slots
+        self.pos_block, self.pos_offset = store.pos_block[:width], store.pos_offset[:width]
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        k, width = key_states.shape[0], key_states.shape[2]
+        where = self.table.index_select(0, self.slots[:k])[:, self.pos_block[:width]]
+        offset = self.pos_offset[:width]
+        self.keys[where, offset] = key_states.transpose(1, 2).to(self.keys.dtype)
+        self.values[where, offset] = value_states.transpose(1, 2).to(self.values.dtype)
+        return key_states, value_states
+
+    def get_seq_length(self, *args, **kwargs):
+        return 0
+
+
+class PagedChunkLayer(WindowLayer):
+    """One layer of a piece of a long prompt in a paged row: its keys go at ``[start, end)``
+    of the row's blocks, and attention sees the row's ``[0, end)``, gathered."""
+
+    def __init__(self, keys: Tensor, values: Tensor, store, row: int, start: int, width: int):
+        super().__init__(keys, values, start + width)
+        end = start + width
+        self.start, self.end = start, end
+        line = store.table[row]
+        self.where = line[store.pos_block[start:end]]
+        self.offset = store.pos_offset[start:end]
+        self.lines = line[:blocks_for(end, store.block)]
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        self.keys[self.where, self.offset] = key_states[0].transpose(0, 1).to(self.keys.dtype)
+        self.values[self.where, self.offset] = value_states[0].transpose(0, 1).to(self.values.dtype)
+        return self._seen(self.keys), self._seen(self.values)
+
+    def _seen(self, pool: Tensor) -> Tensor:
+        got = pool[self.lines].flatten(0, 1)[:self.end]  # [end, heads, dim]
+        return got.transpose(0, 1)[None]
+
+    def get_seq_length(self, *args, **kwargs):
+        return self.start
+
+
+class RowWindow(Cache):
+    """The first ``span`` positions of every row of a store, as a ``Cache``."""
+
+    def __init__(self, store, span: int, layers: list):
+        super().__init__(layers=layers)
+        self.span = getattr(layers[0], "span", span) if layers else span
+        self.lengths = store.lengths
+        self.live = store.live
+        # What a capture puts back after each of its runs: every run of one step writes the same
+        # keys at the same places, so the cache itself (far too large to copy) is left.
+        self.capture_restores = [store.lengths, store.live]
+
+
+class PromptWindow(Cache):
+    """What a joined prompt forward of ``span`` positions writes through, as a ``Cache``."""
+
+    def __init__(self, store, span: int, layers: list):
+        super().__init__(layers=layers)
+        self.span = span
+        self.lengths, self.live, self.slots = store.lengths, store.live, store.slots
+        self.capture_restores = [store.lengths, store.live, store.slots]
+
+
+class ChunkWindow(Cache):
+    """What one piece of a long prompt writes through and attends over, as a ``Cache``."""
+
+    def __init__(self, start: int, layers: list):
+        super().__init__(layers=layers)
+        self.start = start

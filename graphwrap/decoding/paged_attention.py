@@ -1,0 +1,124 @@
+"""A decode step's attention read straight from the paged pool, each row over its own positions.
+
+With one query position per row, a row's attention reads its keys and values once: the kernel
+here walks the row's line of the block table, a tile of positions at a time, with an online
+softmax (one program per row and key head; the query heads of a key head's group are rows of
+one matrix product). Nothing is gathered and no row reads past its own length, so a step's
+attention costs the live positions, not rows x the longest. A Triton kernel: used on CUDA
+devices where Triton imports (it comes with PyTorch's CUDA wheels); elsewhere the step gathers
+each row's blocks for the model's own attention (:mod:`.layers`).
+"""
+
+import functools
+import math
+from typing import Optional
+
+import torch
+
+Tensor = torch.Tensor
+TILE = 64  # positions a program reads at a time
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether the kernel can run here (Triton imports and a CUDA device is present)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def attend(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor,
+           scale: Optional[float] = None) -> Tensor:
+    """``query [n, hq, 1, d]`` over each row's first ``lengths[i]`` positions of the pools
+    ``[blocks, block, hkv, d]`` (row ``i``'s blocks in ``table[i]``) -> ``[n, 1, hq, d]``."""
+    n, hq, _, d = query.shape
+    block, hkv = k_pool.shape[1], k_pool.shape[2]
+    group = hq // hkv
+    q = query[:, :, 0]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty((n, hq, d), dtype=query.dtype, device=query.device)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    _kernel()[(n, hkv)](
+        q, k_pool, v_pool, table, lengths, out, scale,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), table.stride(0),
+        out.stride(0), out.stride(1),
+        G=group, GP=max(16, _pow2(group)), D=d, DP=max(16, _pow2(d)), BLOCK=block, TILE=TILE,
+        IEEE=query.dtype == torch.float32, num_warps=4)
+    return out[:, None]
+
+
+def reference(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor,
+              scale: Optional[float] = None) -> Tensor:
+    """What :func:`attend` computes, in torch (each row gathered and attended alone): for tests."""
+    n, hq, _, d = query.shape
+    block, hkv = k_pool.shape[1], k_pool.shape[2]
+    out = []
+    for i in range(n):
+        L = int(lengths[i])
+        lines = table[i, :-(-L // block)]
+        k = k_pool[lines].flatten(0, 1)[:L].transpose(0, 1).repeat_interleave(hq // hkv, 0)  # [hq, L, d]
+        v = v_pool[lines].flatten(0, 1)[:L].transpose(0, 1).repeat_interleave(hq // hkv, 0)
+        out.append(torch.nn.functional.scaled_dot_product_attention(query[i].float(), k.float(), v.float(),
+                                                                    scale=scale).to(query.dtype))
+    return torch.stack(out).transpose(1, 2)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def paged_decode(Q, K, V, T, L, O, scale, sqb, sqh, skb, skt, skh, stb, sob, soh,
+                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+                     TILE: tl.constexpr, IEEE: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        n_pos = tl.load(L + b)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, DP)
+        gm = g < G
+        dm = d < D
+        heads = h * G + g
+        q = tl.load(Q + b * sqb + heads[:, None] * sqh + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, DP], tl.float32)
+        t = tl.arange(0, TILE)
+        for start in range(0, n_pos, TILE):
+            pos = start + t
+            pm = pos < n_pos
+            blk = tl.load(T + b * stb + pos // BLOCK, mask=pm, other=0)
+            base = blk.to(tl.int64) * skb + (pos % BLOCK) * skt + h * skh
+            kv_mask = pm[:, None] & dm[None, :]
+            k = tl.load(K + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(pm[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(O + b * sob + heads[:, None] * soh + d[None, :], out.to(O.dtype.element_ty),
+                 mask=gm[:, None] & dm[None, :])
+
+    return paged_decode

@@ -1,0 +1,31 @@
+"""What ``stats()["decode"]`` says of a shared batch."""
+
+
+def report(server) -> dict:
+    c = server.counts
+    with server.lock:
+        queued, busy = len(server.sched.queue), server.sched.busy
+        pool = server.sched.pool
+        blocks = {"block": server.cache.block, "used": pool.used, "free": len(pool.free)} if pool else None
+    return {
+        "rows": server.rows, "max_len": server.max_len, "cache_bytes": server.store.nbytes(),
+        "cache": "paged" if server.cache.paged else "rows", "cache_budget_bytes": server.cache.budget,
+        "cache_blocks": blocks,
+        "calls": c["calls"], "sequences": c["sequences"], "done": c["done"], "failed": c["failed"],
+        "cancelled": c["cancelled"], "queued": queued, "rows_busy": busy,
+        "steps": c["steps"], "rows_per_step": c["step_rows"] / c["steps"] if c["steps"] else 0.0,
+        "padded_rows_per_step": c["step_padded_rows"] / c["steps"] if c["steps"] else 0.0,
+        "in_a_larger_graph": dict(server.shapes.covered), "shapes": sorted(server.shapes.ready),
+        "prefills": c["prefills"], "rows_per_prefill": c["prefill_rows"] / c["prefills"] if c["prefills"] else 0.0,
+        "prefill_pieces": c["prefill_pieces"],
+        "queue_wait_ms": percentiles(server.waits), "ttft_ms": percentiles(server.ttft),
+        "tpot_ms": percentiles(server.tpot),
+        "thread_s": {k: round(v, 3) for k, v in server.spent.items()},
+    }
+
+
+def percentiles(xs) -> dict:
+    if not xs:
+        return {"p50": None, "p99": None}
+    xs = sorted(xs)
+    return {"p50": 1e3 * xs[len(xs) // 2], "p99": 1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]}

@@ -1,0 +1,240 @@
+"""The shared batch's cache sized by memory: the layout plan, the paged pool's blocks, sequences
+waiting for blocks, long prompts in pieces, and the whole context, on a CPU, eagerly, against
+model.generate alone. Needs transformers (skipped with the reason without it)."""
+
+import pytest
+import torch
+from helpers import thread_results
+
+from graphwrap import GraphedModule, GraphwrapError
+from graphwrap.decoding import server as server_mod
+from graphwrap.decoding.pool import BLOCK, Blocks, plan_cache
+from graphwrap.decoding.scheduler import Scheduler, Seq
+from graphwrap.decoding.settings import SeqSettings
+
+tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+SHARED = "graphwrap's shared decode batch"
+TOKEN_BYTES = 2 * 2 * 64 * 4  # the tiny models' keys and values of one position: 2 layers, 64 wide, fp32
+
+
+def _model(kind="gpt2", positions=128):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = tr.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=101, n_positions=positions, bos_token_id=1,
+                            eos_token_id=None, pad_token_id=0)
+    else:
+        cfg = tr.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=4, vocab_size=101, max_position_embeddings=positions, bos_token_id=1,
+                             eos_token_id=None, pad_token_id=0)
+    return tr.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _alone(model, prompt, **kw):
+    with torch.no_grad():
+        return model.generate(input_ids=torch.tensor([prompt]), do_sample=False, **kw)
+
+
+def _prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 101, (n,), generator=g).tolist() for n in lengths]
+
+
+def _fixed_pool(monkeypatch, blocks):
+    """The batch sized as on a GPU with just enough free memory for ``blocks`` blocks (a pool that
+    cannot grow)."""
+    free = int((blocks * BLOCK * TOKEN_BYTES + 1) / server_mod.CACHE_MEMORY) + 1
+    monkeypatch.setattr(server_mod, "_free_memory", lambda device: free)
+
+
+# ------------------------------------------------------------------ the plan and the blocks
+
+def test_the_plan_keeps_whole_rows_where_they_fit_the_budget_and_pages_where_not():
+    fits = plan_cache(rows=64, max_len=1024, token_bytes=1000, free=10**9)
+    assert not fits.paged and fits.budget == int(0.7 * 10**9)  # 65 x 1024 x 1000 = 66.6 MB
+    tight = plan_cache(rows=64, max_len=4096, token_bytes=524288, free=64 * 2**30)  # a 7B's 0.5 MB a position
+    assert tight.paged and tight.block == BLOCK
+    assert tight.nbytes <= tight.budget, "the pool never takes more than its share"
+    assert tight.nbytes > 0.95 * tight.budget
+    assert plan_cache(64, 1024, 1000, 10**9, paged=True).paged
+    assert not plan_cache(64, 4096, 524288, 64 * 2**30, paged=False).paged
+    small = plan_cache(rows=4, max_len=64, token_bytes=1000, free=10**12)
+    assert small.paged is False
+    roomy = plan_cache(rows=4, max_len=64, token_bytes=1000, free=10**12, paged=True)
+    assert roomy.blocks == 4 * (64 // BLOCK) + 1, "never more blocks than every row whole"
+    with pytest.raises(MemoryError, match="holds no block"):
+        plan_cache(rows=4, max_len=64, token_bytes=10**6, free=10**6)
+
+
+def test_a_cpu_pool_starts_small_and_may_grow_to_every_row_whole():
+    p = plan_cache(rows=64, max_len=1024, token_bytes=1000, free=None)
+    assert p.paged and p.budget is None
+    assert p.blocks == 64 * (256 // BLOCK) + 1 and p.most == 64 * (1024 // BLOCK) + 1
+
+
+def test_blocks_are_handed_out_lowest_first_and_the_scratch_block_never():
+    b = Blocks(6)
+    assert b.take(2) == [1, 2] and b.used == 2
+    assert b.take(4) is None and b.used == 2, "all or nothing"
+    got = b.take(3)
+    assert got == [3, 4, 5] and 0 not in got
+    b.give([1, 2])
+    b.grow(8)
+    assert sorted(b.take(4)) == [1, 2, 6, 7] and b.used == 7
+
+
+def _seq(prompt_len, max_new):
+    return Seq(None, 0, [1] * prompt_len, SeqSettings(max_new=max_new))
+
+
+def test_sequences_wait_in_order_for_the_blocks_they_need_and_give_them_back_with_their_row():
+    sched = Scheduler(4, 64, [1, 2, 4], [64], Blocks(5), block=4)  # 4 blocks of 4 positions
+    a, b, c = _seq(5, 3), _seq(6, 6), _seq(1, 1)  # 2, 3 and 1 blocks
+    sched.enqueue([a, b, c])
+    assert sched.admit() == [a] and len(a.blocks) == 2
+    assert sched.short == 1, "b lacks one block"
+    assert list(sched.queue) == [b, c], "c does not pass b"
+    a.done = True
+    sched.retire()
+    assert a.blocks == [] and sched.pool.used == 0
+    assert sched.admit() == [b, c] and sched.pool.used == 4 and sched.short == 0
+
+
+# ------------------------------------------------------------------ served through the pool
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_more_requests_than_the_pool_holds_at_once_all_get_generates_tokens(monkeypatch, kind):
+    _fixed_pool(monkeypatch, 12)  # 11 blocks to hand out: 176 positions
+    peak = []
+    take = Blocks.take
+
+    def counted(self, n):
+        got = take(self, n)
+        peak.append(self.used)
+        return got
+
+    monkeypatch.setattr(Blocks, "take", counted)
+    model = _model(kind)
+    gm = GraphedModule(model, decode={"rows": 8})
+    prompts = _prompts([5, 11, 3, 14, 9, 2, 13, 6, 8, 12, 4, 10])
+    news = [10 + 5 * (i % 6) for i in range(len(prompts))]
+    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i]), len(prompts))
+    for p, n, out in zip(prompts, news, got):
+        assert torch.equal(out, _alone(model, p, max_new_tokens=n))
+    d = gm.stats()["decode"]
+    assert d["cache"] == "paged" and d["cache_bytes"] <= d["cache_budget_bytes"]
+    assert d["cache_blocks"] == {"block": BLOCK, "used": 0, "free": 11}
+    assert max(peak) <= 11 and d["done"] == len(prompts)
+    assert gm.stats()["generate"] == {SHARED: len(prompts)}
+    gm.close()
+
+
+def test_a_request_larger_than_the_whole_pool_fails_alone_with_the_sizes(monkeypatch):
+    _fixed_pool(monkeypatch, 12)
+    model = _model(positions=512)
+    gm = GraphedModule(model)
+    fine = gm.submit_generate(torch.tensor([[5, 6, 7]]), max_new_tokens=20, do_sample=False)
+    with pytest.raises(GraphwrapError, match=r"need 200 positions; the decode cache holds 176 in all"):
+        gm.generate(torch.tensor([[5] * 100]), max_new_tokens=100, do_sample=False)
+    assert torch.equal(fine.result(timeout=60), _alone(model, [5, 6, 7], max_new_tokens=20))
+    gm.close()
+
+
+def test_the_cpu_pool_grows_on_demand_and_keeps_what_rows_hold(monkeypatch, gw_log):
+    monkeypatch.setattr("graphwrap.decoding.pool.CPU_START", 16)  # one block a row at first
+    model = _model()
+    gm = GraphedModule(model, decode={"rows": 4})
+    prompts = _prompts([3, 40, 7, 25])
+    news = [60, 30, 45, 20]
+    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i]), 4)
+    for p, n, out in zip(prompts, news, got):
+        assert torch.equal(out, _alone(model, p, max_new_tokens=n))
+    d = gm.stats()["decode"]
+    assert d["cache_blocks"]["free"] > 4, "the pool grew"
+    assert "decode cache grew" in gw_log.text
+    gm.close()
+
+
+def test_whole_rows_asked_for_serve_the_same_tokens():
+    model = _model("llama")
+    gm = GraphedModule(model, decode={"paged": False})
+    prompts = _prompts([5, 11, 3])
+    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=12), 3)
+    for p, out in zip(prompts, got):
+        assert torch.equal(out, _alone(model, p, max_new_tokens=12))
+    assert gm.stats()["decode"]["cache"] == "rows" and gm.stats()["decode"]["cache_blocks"] is None
+    gm.close()
+
+
+# ------------------------------------------------------------------ long prompts
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_long_prompts_go_in_pieces_beside_rows_that_decode(monkeypatch, paged):
+    monkeypatch.setattr(server_mod, "CHUNK", 8)
+    model = _model("llama")
+    gm = GraphedModule(model, decode={"paged": paged})
+    prompts = _prompts([30, 4, 21, 6, 8, 9])
+    news = [10, 40, 12, 35, 5, 7]
+    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i]), len(prompts))
+    for p, n, out in zip(prompts, news, got):
+        assert torch.equal(out, _alone(model, p, max_new_tokens=n))
+    d = gm.stats()["decode"]
+    assert d["prefill_pieces"] >= 4 + 3 + 2, "30, 21 and 9 tokens in pieces of 8"
+    gm.close()
+
+
+def test_a_failing_piece_fails_its_call_alone(monkeypatch):
+    from graphwrap.decoding.step import ChunkStep
+
+    monkeypatch.setattr(server_mod, "CHUNK", 8)
+    forward = ChunkStep.forward
+
+    def fails_on_start_8(self, input_ids, start, rows):
+        if start == 8:
+            raise RuntimeError("a piece failed")
+        return forward(self, input_ids, start, rows)
+
+    monkeypatch.setattr(ChunkStep, "forward", fails_on_start_8)
+    model = _model()
+    gm = GraphedModule(model)
+    ok = gm.submit_generate(torch.tensor([[5, 6, 7]]), max_new_tokens=30, do_sample=False)
+    with pytest.raises(RuntimeError, match="a piece failed"):
+        gm.generate(torch.tensor([list(range(2, 22))]), max_new_tokens=5, do_sample=False)
+    assert torch.equal(ok.result(timeout=60), _alone(model, [5, 6, 7], max_new_tokens=30))
+    assert gm.stats()["decode"]["cache_blocks"]["used"] == 0
+    gm.close()
+
+
+def test_a_prompt_past_2048_tokens_on_a_model_of_4096_positions_is_served():
+    model = _model("llama", positions=4096)
+    gm = GraphedModule(model)
+    prompt = _prompts([2500])[0]
+    short = _prompts([6], seed=2)[0]
+    got = thread_results(lambda i: gm.generate(torch.tensor([[prompt, short][i]]), max_new_tokens=[6, 20][i]), 2)
+    assert torch.equal(got[0], _alone(model, prompt, max_new_tokens=6))
+    assert torch.equal(got[1], _alone(model, short, max_new_tokens=20))
+    d = gm.stats()["decode"]
+    assert d["max_len"] == 4096 and d["prefill_pieces"] == 5
+    gm.close()
+
+
+def test_decode_options_are_checked():
+    model = _model()
+    for bad in ({"cache_memory": 0}, {"cache_memory": 1.5}, {"cache_memory": True}, {"paged": "yes"}, {"pages": 1}):
+        with pytest.raises(GraphwrapError, match="decode"):
+            GraphedModule(model, decode=bad)
+    GraphedModule(model, decode={"cache_memory": 0.5, "paged": None})
+
+
+def test_a_capture_puts_back_the_rows_lengths_and_leaves_the_cache_itself():
+    from graphwrap.core.state import Saved, StateRef
+
+    model = _model()
+    gm = GraphedModule(model)
+    gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+    server = gm.__dict__["_gw_decode"]
+    for window in (server.store.window(64), server.store.prompt_window(16)):
+        saved = Saved(server.engine.module, [StateRef(window)])
+        kept = [t for _, t, _, _ in saved.items]
+        assert any(t is server.store.lengths for t in kept)
+        assert not any(t is k for t in kept for k in server.store.keys + server.store.values)
+    gm.close()

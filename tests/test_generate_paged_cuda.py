@@ -1,0 +1,144 @@
+"""The shared batch's paged cache on a GPU: steps replay graphs over rows whose blocks are
+scattered through the pool, long prompts go in pieces, sequences wait for blocks, the pool keeps
+to its share of the free memory and nothing grows over thousands of requests; greedy tokens
+against model.generate alone (fp32, TF32 off: equal)."""
+
+import pytest
+import torch
+from helpers import thread_results
+
+from graphwrap import GraphedModule
+from graphwrap.decoding import server as server_mod
+from graphwrap.decoding.pool import BLOCK
+
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fp32_exact")]
+DEV = "cuda"
+tr = pytest.importorskip("transformers", reason="needs transformers, which no extra installs: pip install transformers")
+SHARED = "graphwrap's shared decode batch"
+LAYERS, KV_HEADS, HEAD = 4, 2, 64
+TOKEN_BYTES = LAYERS * 2 * KV_HEADS * HEAD * 4
+
+
+def _model(kind="llama", positions=512):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = tr.GPT2Config(n_layer=LAYERS, n_embd=128, n_head=2, vocab_size=1000, n_positions=positions,
+                            bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    else:
+        cfg = tr.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS, num_attention_heads=4,
+                             num_key_value_heads=KV_HEADS, vocab_size=1000, max_position_embeddings=positions,
+                             bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    return tr.AutoModelForCausalLM.from_config(cfg).to(DEV).eval()
+
+
+def _requests(n, seed=0, lens=(3, 60), news=(5, 40)):
+    g = torch.Generator().manual_seed(seed)
+    ls = torch.randint(*lens, (n,), generator=g).tolist()
+    ks = torch.randint(*news, (n,), generator=g).tolist()
+    return [(torch.randint(2, 1000, (1, p), generator=g).to(DEV), k) for p, k in zip(ls, ks)]
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d", [(torch.float16, 32, 8, 128), (torch.float16, 12, 12, 64),
+                                            (torch.float32, 4, 2, 64), (torch.bfloat16, 8, 1, 80)])
+def test_the_paged_attention_kernel_reads_each_rows_own_blocks(dtype, hq, hkv, d):
+    from graphwrap.decoding import paged_attention
+
+    assert paged_attention.available(), "Triton comes with PyTorch's CUDA wheels"
+    g = torch.Generator(device=DEV).manual_seed(0)
+    blocks, block, n = 300, 16, 9
+    k_pool = torch.randn((blocks, block, hkv, d), generator=g, device=DEV).to(dtype)
+    v_pool = torch.randn((blocks, block, hkv, d), generator=g, device=DEV).to(dtype)
+    lengths = torch.tensor([1, 15, 16, 17, 64, 65, 200, 513, 1000], device=DEV)
+    table = torch.randint(1, blocks, (n, 64), generator=g, device=DEV)  # scattered, never block 0
+    query = torch.randn((n, hq, 1, d), generator=g, device=DEV).to(dtype)
+    got = paged_attention.attend(query, k_pool, v_pool, table, lengths, 0.1)
+    want = paged_attention.reference(query, k_pool, v_pool, table, lengths, 0.1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.shape == (n, 1, hq, d)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def _fixed_pool(monkeypatch, blocks):
+    free = int((blocks * BLOCK * TOKEN_BYTES + 1) / server_mod.CACHE_MEMORY) + 1
+    monkeypatch.setattr(server_mod, "_free_memory", lambda device: free)
+
+
+def _check(model, reqs, got):
+    with torch.no_grad():
+        for (ids, k), out in zip(reqs, got):
+            assert torch.equal(out, model.generate(input_ids=ids, max_new_tokens=k, do_sample=False))
+
+
+def _replayed(d):
+    step = d["step"]
+    graphed = [k for k in step["keys"] if k["status"] == "graphed"]
+    assert graphed and not step["eager_calls"], (step["keys"], step["eager_calls"])
+    replays = sum(b["replays"] for k in step["keys"] for b in k["buckets"].values())
+    assert replays >= d["steps"] // 2, (replays, d["steps"])
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_steps_replay_over_a_pool_too_small_for_every_row_and_give_generates_tokens(monkeypatch, kind):
+    _fixed_pool(monkeypatch, 40)  # 39 blocks: 624 positions for 32 requests of up to 99
+    model = _model(kind)
+    gm = GraphedModule(model)
+    reqs = _requests(32)
+    for _ in range(2):  # the second pass replays what the first captured, over other blocks
+        got = thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1],
+                                                   do_sample=False), 32)
+    _check(model, reqs, got)
+    d = gm.stats()["decode"]
+    assert d["cache"] == "paged" and d["cache_blocks"]["used"] == 0 and d["cache_blocks"]["free"] == 39
+    assert gm.__dict__["_gw_decode"].store.kernel, "the steps attend straight from the pool"
+    assert d["rows_per_step"] > 2 and gm.stats()["generate"] == {SHARED: 64}
+    _replayed(d)
+    gm.close()
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_long_prompts_in_pieces_beside_replayed_steps(monkeypatch, paged):
+    monkeypatch.setattr(server_mod, "CHUNK", 32)
+    model = _model()
+    gm = GraphedModule(model, decode={"paged": paged})
+    reqs = _requests(16, seed=1, lens=(3, 200))
+    got = thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False), 16)
+    _check(model, reqs, got)
+    d = gm.stats()["decode"]
+    assert d["cache"] == ("paged" if paged else "rows") and d["prefill_pieces"] > 0
+    _replayed(d)
+    gm.close()
+
+
+def test_the_pool_keeps_to_its_share_of_the_free_memory():
+    model = _model(positions=4096)
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    gm = GraphedModule(model, decode={"cache_memory": 0.001})
+    reqs = _requests(8, seed=2)
+    got = thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False), 8)
+    _check(model, reqs, got)
+    d = gm.stats()["decode"]
+    assert d["cache"] == "paged" and d["max_len"] == 4096
+    assert d["cache_bytes"] <= d["cache_budget_bytes"] <= 0.0011 * free
+    gm.close()
+
+
+def test_thousands_of_requests_through_a_small_pool_leave_nothing_held(monkeypatch):
+    _fixed_pool(monkeypatch, 24)
+    model = _model("gpt2")
+    gm = GraphedModule(model)
+    reqs = _requests(64, seed=3, lens=(2, 30), news=(1, 12))
+    thread_results(lambda i: gm.generate(input_ids=reqs[i % 64][0], max_new_tokens=reqs[i % 64][1],
+                                         do_sample=False), 64)  # warm: the shapes captured
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    futs = [gm.submit_generate(reqs[i % 64][0], max_new_tokens=reqs[i % 64][1], do_sample=False)
+            for i in range(3000)]
+    outs = [f.result(timeout=300) for f in futs]
+    _check(model, reqs, outs[:64])
+    torch.cuda.synchronize()
+    d = gm.stats()["decode"]
+    assert d["done"] == 3064 and d["cache_blocks"]["used"] == 0 and d["rows_busy"] == 0
+    del outs, futs
+    assert torch.cuda.memory_allocated() <= before + 2**20, "memory grew over 3,000 requests"
+    gm.close()
