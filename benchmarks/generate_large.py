@@ -73,7 +73,8 @@ def _bandwidth() -> float:
     return next((v for k, v in BANDWIDTH.items() if k in name), 3.35e12)
 
 
-def run(results, device, quick: bool, repeats: int, models=("llama2-7b", "llama3-8b"), long_prompt: bool = True):
+def run(results, device, quick: bool, repeats: int, models=("llama2-7b", "llama3-8b"), long_prompt: bool = True,
+        paged=None):
     for name in models:
         model = big_model(name, device)
         reqs = workload(model.config.vocab_size)
@@ -86,7 +87,7 @@ def run(results, device, quick: bool, repeats: int, models=("llama2-7b", "llama3
         results.add("generate-large", case, "model.generate, one request after another", [1 / base], "s/token",
                     None, None, tokens_per_s=base)
         _say(case, f"model.generate one request after another (2 requests, 64 new each): {base:.1f} tokens/s")
-        gm = GraphedModule(model)
+        gm = GraphedModule(model, decode={"paged": paged})
         cold, *_ = burst(gm, reqs, device)
         _say(case, f"first burst (captures the step's graphs): {cold:.2f} s, {tokens / cold:,.0f} tokens/s")
         _cache(case, gm)
@@ -169,6 +170,8 @@ def _long(case, gm, model, device, results):
                               streamer=clocks[i])
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(others))]
+    server = gm.__dict__["_gw_decode"]
+    spent = dict(server.spent)
     for t in threads:
         t.start()
     time.sleep(0.5)  # the others are decoding
@@ -178,6 +181,9 @@ def _long(case, gm, model, device, results):
     for t in threads:
         t.join()
     gaps = [b - a for c in clocks for a, b in zip(c.times[1:], c.times[2:])]
+    thread = {k: round(v - spent.get(k, 0.0), 3) for k, v in server.spent.items()}
+    _say(case, f"  the decode thread meanwhile (s): {thread}; the 5 longest gaps (ms): "
+               f"{[round(1e3 * g, 1) for g in sorted(gaps)[-5:]]}")
     with torch.no_grad():
         ref = model.generate(input_ids=long_ids, max_new_tokens=16, do_sample=False)
     same = torch.equal(out, ref)
@@ -199,9 +205,11 @@ if __name__ == "__main__":
     ap.add_argument("--models", default="llama2-7b,llama3-8b", help="one process each is cleaner: run it per model")
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--paged", choices=["auto", "yes", "no"], default="auto", help="the cache's layout (auto: default)")
     a = ap.parse_args()
     res = Results(a.out)
     env = res.env
     print(f"generate-large: {env['device']}, torch {env['torch']}, {env['date']}", flush=True)
-    run(res, torch.device("cuda"), a.quick, 1, models=tuple(a.models.split(",")))
+    run(res, torch.device("cuda"), a.quick, 1, models=tuple(a.models.split(",")),
+        paged={"auto": None, "yes": True, "no": False}[a.paged])
     res.write(["generate-large"])

@@ -39,10 +39,10 @@ def _prompts(lengths, seed=1):
     return [torch.randint(2, 101, (n,), generator=g).tolist() for n in lengths]
 
 
-def _fixed_pool(monkeypatch, blocks):
-    """The batch sized as on a GPU with just enough free memory for ``blocks`` blocks (a pool that
-    cannot grow)."""
-    free = int((blocks * BLOCK * TOKEN_BYTES + 1) / server_mod.CACHE_MEMORY) + 1
+def _fixed_pool(monkeypatch, usable, rows=64):
+    """The batch sized as on a GPU with just enough free memory for ``usable`` blocks beside the
+    rows' scratch blocks (a pool that cannot grow)."""
+    free = int(((usable + rows + 1) * BLOCK * TOKEN_BYTES + 1) / server_mod.CACHE_MEMORY) + 1
     monkeypatch.setattr(server_mod, "_free_memory", lambda device: free)
 
 
@@ -60,7 +60,7 @@ def test_the_plan_keeps_whole_rows_where_they_fit_the_budget_and_pages_where_not
     small = plan_cache(rows=4, max_len=64, token_bytes=1000, free=10**12)
     assert small.paged is False
     roomy = plan_cache(rows=4, max_len=64, token_bytes=1000, free=10**12, paged=True)
-    assert roomy.blocks == 4 * (64 // BLOCK) + 1, "never more blocks than every row whole"
+    assert roomy.blocks == 4 * (64 // BLOCK) + 5, "never more blocks than every row whole (and a scratch block each)"
     with pytest.raises(MemoryError, match="holds no block"):
         plan_cache(rows=4, max_len=64, token_bytes=10**6, free=10**6)
 
@@ -68,18 +68,18 @@ def test_the_plan_keeps_whole_rows_where_they_fit_the_budget_and_pages_where_not
 def test_a_cpu_pool_starts_small_and_may_grow_to_every_row_whole():
     p = plan_cache(rows=64, max_len=1024, token_bytes=1000, free=None)
     assert p.paged and p.budget is None
-    assert p.blocks == 64 * (256 // BLOCK) + 1 and p.most == 64 * (1024 // BLOCK) + 1
+    assert p.blocks == 64 * (256 // BLOCK) + 65 and p.most == 64 * (1024 // BLOCK) + 65 and p.scratch == 65
 
 
-def test_blocks_are_handed_out_lowest_first_and_the_scratch_block_never():
-    b = Blocks(6)
-    assert b.take(2) == [1, 2] and b.used == 2
+def test_blocks_are_handed_out_lowest_first_and_the_scratch_blocks_never():
+    b = Blocks(8, scratch=3)
+    assert b.take(2) == [3, 4] and b.used == 2
     assert b.take(4) is None and b.used == 2, "all or nothing"
     got = b.take(3)
-    assert got == [3, 4, 5] and 0 not in got
-    b.give([1, 2])
-    b.grow(8)
-    assert sorted(b.take(4)) == [1, 2, 6, 7] and b.used == 7
+    assert got == [5, 6, 7] and not set(got) & {0, 1, 2}
+    b.give([3, 4])
+    b.grow(10)
+    assert sorted(b.take(4)) == [3, 4, 8, 9] and b.used == 7
 
 
 def _seq(prompt_len, max_new):
@@ -87,7 +87,7 @@ def _seq(prompt_len, max_new):
 
 
 def test_sequences_wait_in_order_for_the_blocks_they_need_and_give_them_back_with_their_row():
-    sched = Scheduler(4, 64, [1, 2, 4], [64], Blocks(5), block=4)  # 4 blocks of 4 positions
+    sched = Scheduler(4, 64, [1, 2, 4], [64], Blocks(9, scratch=5), block=4)  # 4 blocks of 4 positions
     a, b, c = _seq(5, 3), _seq(6, 6), _seq(1, 1)  # 2, 3 and 1 blocks
     sched.enqueue([a, b, c])
     assert sched.admit() == [a] and len(a.blocks) == 2
@@ -103,7 +103,7 @@ def test_sequences_wait_in_order_for_the_blocks_they_need_and_give_them_back_wit
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_more_requests_than_the_pool_holds_at_once_all_get_generates_tokens(monkeypatch, kind):
-    _fixed_pool(monkeypatch, 12)  # 11 blocks to hand out: 176 positions
+    _fixed_pool(monkeypatch, 11, rows=8)  # 11 blocks to hand out: 176 positions
     peak = []
     take = Blocks.take
 
@@ -129,7 +129,7 @@ def test_more_requests_than_the_pool_holds_at_once_all_get_generates_tokens(monk
 
 
 def test_a_request_larger_than_the_whole_pool_fails_alone_with_the_sizes(monkeypatch):
-    _fixed_pool(monkeypatch, 12)
+    _fixed_pool(monkeypatch, 11)
     model = _model(positions=512)
     gm = GraphedModule(model)
     fine = gm.submit_generate(torch.tensor([[5, 6, 7]]), max_new_tokens=20, do_sample=False)
@@ -238,3 +238,17 @@ def test_a_capture_puts_back_the_rows_lengths_and_leaves_the_cache_itself():
         assert any(t is server.store.lengths for t in kept)
         assert not any(t is k for t in kept for k in server.store.keys + server.store.values)
     gm.close()
+
+
+def test_each_row_writes_its_own_scratch_block_until_it_takes_blocks_and_after():
+    from graphwrap.decoding.pages import PagedStore
+
+    store = PagedStore(4, 64, "cpu", BLOCK, 20)
+    assert store.table.tolist() == [[r] * 4 for r in range(5)]
+    store.assign([2, 0], [[7, 9], [12]])
+    assert store.table[2].tolist() == [7, 9, 2, 2] and store.table[0].tolist() == [12, 0, 0, 0]
+    store.release(torch.tensor([2]))
+    assert store.table[2].tolist() == [2, 2, 2, 2]
+    assert store.step_span(40) == 40, "a window per span bucket where steps gather"
+    direct = PagedStore(4, 64, "cpu", BLOCK, 20, kernel=True)
+    assert direct.step_span(40) == direct.step_span(17) == 64, "one window where rows are read in place"

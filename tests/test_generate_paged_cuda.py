@@ -58,8 +58,8 @@ def test_the_paged_attention_kernel_reads_each_rows_own_blocks(dtype, hq, hkv, d
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-def _fixed_pool(monkeypatch, blocks):
-    free = int((blocks * BLOCK * TOKEN_BYTES + 1) / server_mod.CACHE_MEMORY) + 1
+def _fixed_pool(monkeypatch, usable, rows=64):
+    free = int(((usable + rows + 1) * BLOCK * TOKEN_BYTES + 1) / server_mod.CACHE_MEMORY) + 1
     monkeypatch.setattr(server_mod, "_free_memory", lambda device: free)
 
 
@@ -79,7 +79,7 @@ def _replayed(d):
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_steps_replay_over_a_pool_too_small_for_every_row_and_give_generates_tokens(monkeypatch, kind):
-    _fixed_pool(monkeypatch, 40)  # 39 blocks: 624 positions for 32 requests of up to 99
+    _fixed_pool(monkeypatch, 39)  # 39 blocks: 624 positions for 32 requests of up to 99
     model = _model(kind)
     gm = GraphedModule(model)
     reqs = _requests(32)
@@ -124,7 +124,7 @@ def test_the_pool_keeps_to_its_share_of_the_free_memory():
 
 
 def test_thousands_of_requests_through_a_small_pool_leave_nothing_held(monkeypatch):
-    _fixed_pool(monkeypatch, 24)
+    _fixed_pool(monkeypatch, 23)
     model = _model("gpt2")
     gm = GraphedModule(model)
     reqs = _requests(64, seed=3, lens=(2, 30), news=(1, 12))

@@ -7,7 +7,6 @@ import torch
 from helpers import thread_results
 
 from graphwrap import GraphedModule, GraphwrapError
-from graphwrap.decoding import attention
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fp32_exact")]
 DEV = "cuda"
@@ -52,9 +51,12 @@ def test_32_concurrent_calls_replay_shared_steps_and_get_generates_tokens(kind):
     assert graphed and not step["eager_calls"], (step["keys"], step["eager_calls"])
     replays = sum(b["replays"] for k in step["keys"] for b in k["buckets"].values())
     assert replays >= d["steps"] // 2, (replays, d["steps"])
-    # Llama's grouped heads: the steps ran the folded attention, which no step saw as a change
-    # of the module (each would cost a full look at it), and the model's own setting is back.
-    assert (gm.__dict__["_gw_decode"].fold.config is not None) == (kind == "llama" and not attention.sdpa_folds())
+    # The steps ran graphwrap's attention (the paged pool read in place, by default on a GPU; and
+    # Llama's grouped heads folded), which no step saw as a change of the module (each would
+    # cost a full look at it), and the model's own setting is back.
+    server = gm.__dict__["_gw_decode"]
+    assert server.cache.paged and server.store.kernel, "the default on a GPU with Triton"
+    assert server.fold.config is not None
     assert not step["module_changes"], step["module_changes"]
     assert model.config._attn_implementation == "sdpa"
     gm.close()

@@ -90,7 +90,7 @@ def check_call(plan: CallPlan, max_len: int, positions: Optional[int], cache: Ca
         raise GraphwrapError(
             f"a prompt of {longest} tokens and max_new_tokens={plan.settings.max_new} need {need} positions of "
             f"the decode cache, which holds {max_len} per sequence: {fix}")
-    if cache.paged and blocks_for(need, cache.block) > cache.most - 1:
+    if cache.paged and blocks_for(need, cache.block) > cache.most - cache.scratch:
         raise GraphwrapError(
             f"a prompt of {longest} tokens and max_new_tokens={plan.settings.max_new} need {need} positions; the "
             f"decode cache holds {cache.positions} in all (decode={{'cache_memory': ...}} sets its share of "

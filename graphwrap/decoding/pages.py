@@ -4,8 +4,10 @@ Every layer keeps keys and values of shape ``[blocks, block, heads, head_dim]``.
 line of the block table (``table [rows + 1, max_len / block]``, a device tensor at a fixed
 address): position ``p`` of row ``r`` lives at ``(table[r, p // block], p % block)``. A
 sequence's blocks are written into its row's line when it is admitted; a row given back points
-at block 0 again, the scratch block, where released rows, padding rows and positions past a
-row's blocks write (never read unmasked).
+at its own scratch block again (block ``r``), where a released row, a padding row and positions
+past a row's blocks write (never read unmasked). Each row has its own, so that what a step
+computes for a padding row never depends on which of two rows' writes landed last (a graph's
+check against eager compares every row).
 
 A step's layer writes each row's new key at its place. Where the step's attention is
 graphwrap's (:mod:`.attention`, on a CUDA device with Triton), the layer hands the pools
@@ -38,7 +40,8 @@ class PagedStore(Store):
         self.kernel = kernel  # steps may attend straight from the pool (paged_attention), where the model's attention is ours
         self.direct = False  # they do now (set by attention.folding around a step)
         self.per_row = blocks_for(max_len, block)
-        self.table = torch.zeros((rows + 1, self.per_row), dtype=torch.long, device=self.device)
+        # Row r's line points at its own scratch block, r, until the row takes blocks.
+        self.table = self.index[:, None].repeat(1, self.per_row)
         pos = torch.arange(self.per_row * block, device=self.device)
         self.pos_block, self.pos_offset = pos // block, pos % block
 
@@ -55,8 +58,8 @@ class PagedStore(Store):
         return torch.zeros((blocks, self.block, heads, dim), dtype=dtype, device=self.device)
 
     def assign(self, rows: Sequence[int], blocks: Sequence[Sequence[int]]):
-        """Write each row's line of the table: its blocks, then the scratch block."""
-        host = torch.zeros((len(rows), self.per_row), dtype=torch.long)
+        """Write each row's line of the table: its blocks, then its scratch block."""
+        host = torch.tensor(list(rows), dtype=torch.long)[:, None].repeat(1, self.per_row)
         for i, b in enumerate(blocks):
             host[i, :len(b)] = torch.tensor(list(b), dtype=torch.long)
         index = to_device(torch.tensor(list(rows), dtype=torch.long), self.device)
@@ -64,7 +67,7 @@ class PagedStore(Store):
 
     def release(self, rows: Tensor):
         super().release(rows)
-        self.table.index_fill_(0, rows, 0)
+        self.table.index_copy_(0, rows, rows[:, None].expand(-1, self.per_row))
 
     def grow(self, blocks: int):
         """The pool holds ``blocks`` blocks now (a CPU's pool; the old ones keep their place)."""
@@ -76,6 +79,11 @@ class PagedStore(Store):
         self.blocks = blocks
         self.windows.clear()
         self.prompt_windows.clear()
+
+    def step_span(self, span: int) -> int:
+        """Where steps attend straight from the pool, one window for every step (each row reads
+        its own length whatever the window): one graph per row bucket."""
+        return self.per_row * self.block if self.kernel else span
 
     def step_layers(self, span: int) -> list:
         span = min(blocks_for(span, self.block), self.per_row) * self.block

@@ -3,13 +3,15 @@
 Plain Python, no tensors. :func:`plan_cache` decides once, when the batch is made, between two
 layouts of the same cache (see :mod:`.rows` and :mod:`.pages`):
 
-- **rows**: every row holds the model's whole context at a fixed place (``rows x max_len``
-  positions). Used where that fits the budget: a step then attends over views of the cache,
-  with no copy (the smaller models).
 - **paged**: keys and values in blocks of ``BLOCK`` positions from one pool; a sequence takes
   the blocks its prompt and ``max_new_tokens`` need when it is admitted and gives them back
-  when it ends, so memory follows the requests, not rows x the longest length. A step gathers
-  each row's blocks of its window before attention (one copy of the window's keys and values).
+  when it ends, so memory follows the requests, not rows x the longest length. On a CUDA
+  device with Triton a step reads each row's blocks in place, up to its own length (the
+  default there); elsewhere it gathers each row's blocks of its window before attention (one
+  copy of the window's keys and values).
+- **rows**: every row holds the model's whole context at a fixed place (``rows x max_len``
+  positions); a step attends over views of the rows, padded to the longest live row. Used
+  where the pool cannot be read in place and every row whole fits the budget.
 
 The budget, on a GPU, is a fraction (``cache_memory``, default :data:`CACHE_MEMORY`) of the
 memory free when the batch is made (after the weights); the rest is the graphs' and the
@@ -31,8 +33,9 @@ class CachePlan:
 
     paged: bool
     block: int  # positions per block (max_len where not paged)
-    blocks: int  # blocks of the pool at first, the scratch block included (0 where not paged)
+    blocks: int  # blocks of the pool at first, the scratch blocks included (0 where not paged)
     most: int  # blocks the pool may grow to (== blocks where it cannot grow)
+    scratch: int  # blocks 0 .. scratch - 1: one per row (and one for padding prompts), never handed out
     token_bytes: int  # bytes of keys and values of one position over every layer
     budget: Optional[int]  # bytes the cache may take (None: no device limit known)
     why: str  # how it was decided, for the log
@@ -44,44 +47,48 @@ class CachePlan:
     @property
     def positions(self) -> int:
         """Positions sequences may hold at once, at most (over every row)."""
-        return (self.most - 1) * self.block if self.paged else 0
+        return (self.most - self.scratch) * self.block if self.paged else 0
 
 
 def plan_cache(rows: int, max_len: int, token_bytes: int, free: Optional[int], fraction: float = CACHE_MEMORY,
-               paged: Optional[bool] = None) -> CachePlan:
+               paged: Optional[bool] = None, in_place: bool = False) -> CachePlan:
     """The cache of ``rows`` sequences of up to ``max_len`` positions, ``token_bytes`` a position,
-    with ``free`` bytes of device memory free (None on a CPU). ``paged`` forces a layout."""
+    with ``free`` bytes of device memory free (None on a CPU). ``paged`` forces a layout;
+    ``in_place``: steps can read the pool in place (the paged attention kernel runs), which
+    makes the paged layout the default."""
     whole = (rows + 1) * max_len * token_bytes  # the rows layout: every row (and the scratch row) whole
     per_row = -(-max_len // BLOCK)
-    most = rows * per_row + 1  # paged, every row whole (one scratch block more)
+    scratch = rows + 1
+    most = rows * per_row + scratch  # paged, every row whole
     if free is None:  # a CPU: no budget to keep to
         if paged is False:
-            return CachePlan(False, max_len, 0, 0, token_bytes, None, "rows (asked for)")
-        start = min(most, rows * -(-min(CPU_START, max_len) // BLOCK) + 1)
-        return CachePlan(True, BLOCK, start, most, token_bytes, None,
-                         f"paged, growing on demand from {start - 1} blocks of {BLOCK} positions")
+            return CachePlan(False, max_len, 0, 0, 0, token_bytes, None, "rows (asked for)")
+        start = min(most, rows * -(-min(CPU_START, max_len) // BLOCK) + scratch)
+        return CachePlan(True, BLOCK, start, most, scratch, token_bytes, None,
+                         f"paged, growing on demand from {start - scratch} blocks of {BLOCK} positions")
     budget = int(fraction * free)
     if paged is None:
-        paged = whole > budget
+        paged = in_place or whole > budget
     if not paged:
-        return CachePlan(False, max_len, 0, 0, token_bytes, budget,
+        return CachePlan(False, max_len, 0, 0, 0, token_bytes, budget,
                          f"rows: {rows} x {max_len} positions fit {fraction:.0%} of the free memory")
     blocks = min(most, budget // (BLOCK * token_bytes))
-    if blocks < 2:
+    if blocks <= scratch:
         raise MemoryError(f"{fraction:.0%} of the free memory ({budget} bytes) holds no block of {BLOCK} positions "
-                          f"({BLOCK * token_bytes} bytes)")
-    return CachePlan(True, BLOCK, blocks, blocks, token_bytes, budget,
-                     f"paged: {blocks - 1} blocks of {BLOCK} positions ({(blocks - 1) * BLOCK} positions in all), "
-                     f"{fraction:.0%} of the free memory")
+                          f"({BLOCK * token_bytes} bytes) beside the rows' {scratch} scratch blocks")
+    return CachePlan(True, BLOCK, blocks, blocks, scratch, token_bytes, budget,
+                     f"paged: {blocks - scratch} blocks of {BLOCK} positions ({(blocks - scratch) * BLOCK} positions "
+                     f"in all), {fraction:.0%} of the free memory")
 
 
 class Blocks:
-    """The pool's free blocks. Block 0 is the scratch block (where released rows and padding
-    write), never handed out."""
+    """The pool's free blocks. Blocks ``0 .. scratch - 1`` are the rows' scratch blocks (where a
+    released or padding row writes, each its own, so that what one writes never depends on
+    another), never handed out."""
 
-    def __init__(self, total: int):
-        self.total = total
-        self.free: List[int] = list(range(total - 1, 0, -1))  # popped from the end: lowest first
+    def __init__(self, total: int, scratch: int = 1):
+        self.total, self.scratch = total, scratch
+        self.free: List[int] = list(range(total - 1, scratch - 1, -1))  # popped from the end: lowest first
 
     def take(self, n: int) -> Optional[List[int]]:
         """``n`` blocks, or None (nothing taken) where fewer are free."""
@@ -101,7 +108,7 @@ class Blocks:
 
     @property
     def used(self) -> int:
-        return self.total - 1 - len(self.free)
+        return self.total - self.scratch - len(self.free)
 
 
 def blocks_for(positions: int, block: int) -> int:

@@ -34,13 +34,13 @@ def _probe(model, device) -> Optional[str]:
     if keys is None:
         return "the model's own cache has no per-layer keys and values of full attention (a sliding window?)"
     kernel = paged_attention.available() and device.type == "cuda"
-    for store in (RowStore(4, 32, device), PagedStore(4, 32, device, 4, 4 * 8 + 1, kernel=kernel)):
+    for store in (RowStore(4, 32, device), PagedStore(4, 32, device, 4, 4 * 8 + 5, kernel=kernel)):
         if isinstance(store, PagedStore):
             store.kernel = folding(model, store).store is not None
         store.allocate(keys, values)
         if isinstance(store, PagedStore):  # rows 0 and 1 take blocks out of order, as a busy pool hands them out
-            store.assign([0, 1, 2], [[9, 3, 17, 5, 1, 30, 2, 8], [4, 12, 6, 20, 7, 11, 13, 32],
-                                     [14, 21, 10, 15, 16, 18, 19, 22]])
+            store.assign([0, 1, 2], [[9, 33, 17, 5, 25, 30, 28, 8], [24, 12, 6, 20, 7, 11, 13, 32],
+                                     [14, 21, 10, 15, 16, 18, 19, 22]])  # (blocks 0-4: the rows' scratch)
         why = _through(model, device, store)
         if why is not None:
             return why if isinstance(store, RowStore) else f"{why}, through the paged cache"

@@ -74,6 +74,10 @@ class Store:
         an eager forward)."""
         return _layers().ChunkWindow(start, self.chunk_layers(row, start, width))
 
+    def step_span(self, span: int) -> int:
+        """The window a step over ``span`` live positions uses."""
+        return span
+
     def step_layers(self, span: int) -> list:
         raise NotImplementedError
 

@@ -33,7 +33,7 @@ import torch
 
 from ..errors import GraphwrapError
 from . import paged_attention
-from .attention import folding
+from .attention import folding, sdpa_model
 from .calls import Call, Closed, QueueFull, check_call, finish, put_token
 from .delivery import OUTBOX, Mailbox, on_worker
 from .inflight import Tokens
@@ -86,21 +86,10 @@ class DecodeServer:
         p = next(model.parameters())
         self.device = p.device
         self.rows, self.max_len, self.max_queue, self.positions = rows, max_len, max_queue, positions
-        keys, values = cache_layout(model, self.device)
-        self.cache = plan_cache(rows, max_len, _token_bytes(keys, values), _free_memory(self.device), cache_memory,
-                                paged)
-        logger.info("decode cache of %s: %s", type(model).__name__, self.cache.why)
+        self.cache, self.store, self.fold = make_cache(model, rows, max_len, self.device, cache_memory, paged)
         self.sched = Scheduler(rows, max_len, buckets_upto(rows, (1, 2, 4, 8, 16)),
                                buckets_upto(max_len, (64, 128, 256)),
-                               Blocks(self.cache.blocks) if self.cache.paged else None, self.cache.block)
-        self.store = PagedStore(rows, max_len, self.device, self.cache.block, self.cache.blocks,
-                                kernel=paged_attention.available() and self.device.type == "cuda") \
-            if self.cache.paged else RowStore(rows, max_len, self.device)
-        # Grouped key heads: the step's attention without repeating them; a paged pool: read in place.
-        self.fold = folding(model, self.store)
-        if isinstance(self.store, PagedStore):
-            self.store.kernel = self.fold.store is not None
-        self.store.allocate(keys, values)
+                               Blocks(self.cache.blocks, self.cache.scratch) if self.cache.paged else None, self.cache.block)
         self.vocab = _vocab(model)
         self.settings = RowSettings(rows, max_len, self.device, _out_vocab(model, self.vocab))
         self.chunk = CHUNK
@@ -320,7 +309,7 @@ class DecodeServer:
         total = min(c.most, max(2 * pool.total, pool.total + short))
         cast(PagedStore, self.store).grow(total)
         pool.grow(total)
-        logger.info("decode cache grew to %d blocks of %d positions", total - 1, c.block)
+        logger.info("decode cache grew to %d blocks of %d positions", total - c.scratch, c.block)
         return True
 
     def _admit(self, seqs: List[Seq]):
@@ -396,7 +385,8 @@ class DecodeServer:
         self._first_tokens([s], logits, to_device(torch.tensor([end], dtype=torch.long), self.device))
 
     def _step(self, live: List[Seq]):
-        _, n, span = self.shapes.pick(("step",) + self.sched.step_shape(live), self.stream is not None)
+        n, span = self.sched.step_shape(live)
+        _, n, span = self.shapes.pick(("step", n, self.store.step_span(span)), self.stream is not None)
         try:
             with self.fold:
                 logits = self.engine.call((self.next_ids[:n],), {"rows": self.store.window(span)})
@@ -479,6 +469,22 @@ class DecodeServer:
 
     def stats(self) -> dict:
         return report(self)
+
+
+def make_cache(model, rows: int, max_len: int, device: torch.device, cache_memory: float, paged: Optional[bool]):
+    """``(plan, store, fold)``: the cache's layout and size (:mod:`.pool`), its tensors, and the
+    attention the steps run in (grouped key heads folded; a paged pool read in place)."""
+    keys, values = cache_layout(model, device)
+    in_place = paged_attention.available() and device.type == "cuda" and sdpa_model(model)
+    plan = plan_cache(rows, max_len, _token_bytes(keys, values), _free_memory(device), cache_memory, paged, in_place)
+    logger.info("decode cache of %s: %s", type(model).__name__, plan.why)
+    store = PagedStore(rows, max_len, device, plan.block, plan.blocks, kernel=in_place) if plan.paged \
+        else RowStore(rows, max_len, device)
+    fold = folding(model, store)
+    if isinstance(store, PagedStore):
+        store.kernel = fold.store is not None
+    store.allocate(keys, values)
+    return plan, store, fold
 
 
 def _token_bytes(keys, values) -> int:
