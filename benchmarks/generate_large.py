@@ -1,7 +1,7 @@
 """Scenario "generate-large": the shared batch on the model shapes people serve.
 
-Llama-2-7B (32 key heads, 4,096 positions) and Llama-3-8B (8 key heads, 8,192 positions)
-shapes, fp16, random weights made on the GPU (built on the meta device, then filled). The
+Llama-2-7B (32 key heads, 4,096 positions), Llama-3-8B (8 key heads, 8,192 positions) and
+Mistral-7B (8 key heads, a sliding window of 4,096 over 32,768 positions) shapes, fp16, random weights made on the GPU (built on the meta device, then filled). The
 burst: 64 requests at once, prompts 16..1,024 and new tokens 32..512 from a fixed seed, no
 end-of-sequence token, greedy. Rows, each in this process: ``model.generate`` one request after
 another (the first 2 requests, 64 new tokens each), ``gm.generate`` from 64 threads with default
@@ -32,6 +32,9 @@ SHAPES = {
                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    # Mistral-7B's config defaults: a sliding window of 4,096 over 32,768 positions
+    "mistral-7b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, sliding_window=4096),
 }
 
 
@@ -39,9 +42,12 @@ def big_model(name: str, device):
     """A model of the shape ``name``, random weights, fp16, made on ``device`` in seconds."""
     import transformers
 
-    cfg = transformers.LlamaConfig(**SHAPES[name], pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    mistral = name.startswith("mistral")
+    config, family = ((transformers.MistralConfig, transformers.MistralForCausalLM) if mistral else
+                      (transformers.LlamaConfig, transformers.LlamaForCausalLM))
+    cfg = config(**SHAPES[name], pad_token_id=0, bos_token_id=1, eos_token_id=None)
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(cfg)
+        model = family(cfg)
     model = model.to_empty(device=device).half().eval()
     torch.manual_seed(0)
     with torch.no_grad():

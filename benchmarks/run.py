@@ -112,7 +112,7 @@ def main(argv=None):
     ap.add_argument("--mixed-models", default="mlp,bert", help="models of the mixed scenario: mlp, bert or both")
     ap.add_argument("--generate-models", default="gpt2,llama", help="models of the generate scenario")
     ap.add_argument("--generate-large-models", default="llama2-7b,llama3-8b",
-                    help="model shapes of the generate-large scenario: llama2-7b, llama3-8b")
+                    help="model shapes of the generate-large scenario: llama2-7b, llama3-8b, mistral-7b")
     ap.add_argument("--decode-models", default="gpt2,llama", help="models of the decode scenario, comma-separated: gpt2, llama, mistral, whisper")
     ap.add_argument("--mixed-static-exact", action="store_true",
                     help="mixed MLP: also exact buckets with kernels compiled for each size (64 compiles a width)")

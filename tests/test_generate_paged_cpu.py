@@ -29,6 +29,18 @@ def _model(kind="gpt2", positions=128):
     return tr.AutoModelForCausalLM.from_config(cfg).eval()
 
 
+def _windowed(kind, window=4):
+    torch.manual_seed(0)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=101, max_position_embeddings=256, bos_token_id=1, eos_token_id=None,
+                 pad_token_id=0, sliding_window=window)
+    if kind == "mistral":
+        cfg = tr.MistralConfig(**shape)
+    else:  # layers with and without the window, scores capped (Gemma 2)
+        cfg = tr.Gemma2Config(**shape, head_dim=16, attn_logit_softcapping=5.0, final_logit_softcapping=None)
+    return tr.AutoModelForCausalLM.from_config(cfg).eval()
+
+
 def _alone(model, prompt, **kw):
     with torch.no_grad():
         return model.generate(input_ids=torch.tensor([prompt]), do_sample=False, **kw)
@@ -252,3 +264,38 @@ def test_each_row_writes_its_own_scratch_block_until_it_takes_blocks_and_after()
     assert store.step_span(40) == 40, "a window per span bucket where steps gather"
     direct = PagedStore(4, 64, "cpu", BLOCK, 20, kernel=True)
     assert direct.step_span(40) == direct.step_span(17) == 64, "one window where rows are read in place"
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+@pytest.mark.parametrize("paged", [True, False])
+def test_sliding_windows_share_the_batch_with_generates_tokens(monkeypatch, kind, paged):
+    monkeypatch.setattr(server_mod, "CHUNK", 8)  # pieces of 8 beside windows of 4
+    model = _windowed(kind)
+    gm = GraphedModule(model, decode={"paged": paged})
+    prompts = _prompts([3, 11, 6, 20, 2, 9])
+    news = [25, 10, 30, 12, 40, 18]
+    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i]), len(prompts))
+    for p, n, out in zip(prompts, news, got):
+        assert torch.equal(out, _alone(model, p, max_new_tokens=n))
+    st = gm.stats()
+    assert st["generate"] == {SHARED: len(prompts)}, st["decode"].get("off")
+    assert st["decode"]["rows_per_step"] > 1 and st["decode"]["prefill_pieces"] > 0
+    gm.close()
+
+
+def test_the_masks_follow_each_kind_of_layer():
+    from graphwrap.decoding.rows import row_mask
+    from graphwrap.decoding.step import Masks, layer_windows
+
+    assert layer_windows(_windowed("mistral")) == [4, 4]
+    assert layer_windows(_windowed("gemma2")) == [4, None]
+    assert layer_windows(_model("llama")) == [None, None]
+    lengths = torch.tensor([0, 6])
+    one = Masks([4, 4])(row_mask, lengths, 8, torch.float32)
+    assert (one[1, 0, 0] == 0).tolist() == [False, False, False, True, True, True, True, False]
+    both = Masks([4, None])(row_mask, lengths, 8, torch.float32)
+    assert set(both) == {"full_attention", "sliding_attention"}
+    assert (both["full_attention"][1, 0, 0] == 0).tolist() == [True] * 7 + [False]
+    with pytest.raises(ValueError, match="different sliding windows"):
+        Masks([4, 8])
+

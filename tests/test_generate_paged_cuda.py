@@ -38,9 +38,11 @@ def _requests(n, seed=0, lens=(3, 60), news=(5, 40)):
     return [(torch.randint(2, 1000, (1, p), generator=g).to(DEV), k) for p, k in zip(ls, ks)]
 
 
-@pytest.mark.parametrize("dtype,hq,hkv,d", [(torch.float16, 32, 8, 128), (torch.float16, 12, 12, 64),
-                                            (torch.float32, 4, 2, 64), (torch.bfloat16, 8, 1, 80)])
-def test_the_paged_attention_kernel_reads_each_rows_own_blocks(dtype, hq, hkv, d):
+@pytest.mark.parametrize("dtype,hq,hkv,d,window,softcap", [
+    (torch.float16, 32, 8, 128, None, None), (torch.float16, 12, 12, 64, None, None),
+    (torch.float32, 4, 2, 64, None, None), (torch.bfloat16, 8, 1, 80, None, None),
+    (torch.float16, 32, 8, 128, 100, None), (torch.float32, 8, 4, 64, 17, 5.0), (torch.float16, 16, 8, 64, 64, 30.0)])
+def test_the_paged_attention_kernel_reads_each_rows_own_blocks(dtype, hq, hkv, d, window, softcap):
     from graphwrap.decoding import paged_attention
 
     assert paged_attention.available(), "Triton comes with PyTorch's CUDA wheels"
@@ -51,8 +53,8 @@ def test_the_paged_attention_kernel_reads_each_rows_own_blocks(dtype, hq, hkv, d
     lengths = torch.tensor([1, 15, 16, 17, 64, 65, 200, 513, 1000], device=DEV)
     table = torch.randint(1, blocks, (n, 64), generator=g, device=DEV)  # scattered, never block 0
     query = torch.randn((n, hq, 1, d), generator=g, device=DEV).to(dtype)
-    got = paged_attention.attend(query, k_pool, v_pool, table, lengths, 0.1)
-    want = paged_attention.reference(query, k_pool, v_pool, table, lengths, 0.1)
+    got = paged_attention.attend(query, k_pool, v_pool, table, lengths, 0.1, window, softcap)
+    want = paged_attention.reference(query, k_pool, v_pool, table, lengths, 0.1, window, softcap)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert got.shape == (n, 1, hq, d)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
@@ -142,3 +144,24 @@ def test_thousands_of_requests_through_a_small_pool_leave_nothing_held(monkeypat
     del outs, futs
     assert torch.cuda.memory_allocated() <= before + 2**20, "memory grew over 3,000 requests"
     gm.close()
+
+
+def test_a_sliding_window_model_shares_replayed_steps_read_in_place(monkeypatch):
+    monkeypatch.setattr(server_mod, "CHUNK", 16)
+    torch.manual_seed(0)
+    cfg = tr.MistralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS, num_attention_heads=4,
+                           num_key_value_heads=KV_HEADS, vocab_size=1000, max_position_embeddings=512,
+                           sliding_window=8, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    model = tr.AutoModelForCausalLM.from_config(cfg).to(DEV).eval()
+    gm = GraphedModule(model)
+    reqs = _requests(24, seed=4, lens=(3, 40))
+    for _ in range(2):
+        got = thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1],
+                                                   do_sample=False), 24)
+    _check(model, reqs, got)
+    d = gm.stats()["decode"]
+    assert gm.stats()["generate"] == {SHARED: 48} and d["prefill_pieces"] > 0
+    assert gm.__dict__["_gw_decode"].store.kernel, "windows read in place"
+    _replayed(d)
+    gm.close()
+

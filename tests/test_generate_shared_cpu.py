@@ -246,12 +246,12 @@ def test_agenerate_serves_asyncio_callers():
         assert torch.equal(out, _alone(model, [5, 6, i + 2], max_new_tokens=6))
 
 
-def test_a_sliding_window_model_takes_turns_with_the_reason():
-    model = _model("mistral")
+def test_a_sliding_window_model_shares_the_batch():
+    model = _model("mistral")  # a window of 4 positions
     gm = GraphedModule(model)
     out = gm.generate(torch.tensor([[5, 6, 7, 8, 9, 10]]), max_new_tokens=6, do_sample=False)
     assert torch.equal(out, _alone(model, [5, 6, 7, 8, 9, 10], max_new_tokens=6))
-    assert "off" in gm.stats()["decode"], gm.stats()["decode"]
+    assert gm.stats()["generate"] == {SHARED: 1}, gm.stats()["decode"].get("off")
 
 
 def test_many_prompts_at_once_are_joined_in_forwards_of_at_most_16_and_served():

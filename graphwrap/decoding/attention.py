@@ -38,7 +38,8 @@ def folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
         from .paged_attention import attend
 
         n = query.shape[0]
-        return attend(query, key, value, store.table[:n], store.lengths[:n] + 1, scaling), None
+        return attend(query, key, value, store.table[:n], store.lengths[:n] + 1, scaling,
+                      getattr(key, "_gw_window", None), kwargs.get("softcap")), None
     if not _folds(module, query, key, attention_mask, position_bias, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, position_bias=position_bias, **kwargs)

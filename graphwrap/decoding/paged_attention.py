@@ -33,9 +33,12 @@ def available() -> bool:
 
 
 def attend(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor,
-           scale: Optional[float] = None) -> Tensor:
+           scale: Optional[float] = None, window: Optional[int] = None, softcap: Optional[float] = None) -> Tensor:
     """``query [n, hq, 1, d]`` over each row's first ``lengths[i]`` positions of the pools
-    ``[blocks, block, hkv, d]`` (row ``i``'s blocks in ``table[i]``) -> ``[n, 1, hq, d]``."""
+    ``[blocks, block, hkv, d]`` (row ``i``'s blocks in ``table[i]``) -> ``[n, 1, hq, d]``. With
+    ``window``, only the last ``window`` positions (transformers' sliding window: the query at
+    ``p`` sees keys after ``p - window``); with ``softcap``, scores are ``softcap * tanh(s /
+    softcap)`` (Gemma 2)."""
     n, hq, _, d = query.shape
     block, hkv = k_pool.shape[1], k_pool.shape[2]
     group = hq // hkv
@@ -45,27 +48,32 @@ def attend(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths
     out = torch.empty((n, hq, d), dtype=query.dtype, device=query.device)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     _kernel()[(n, hkv)](
-        q, k_pool, v_pool, table, lengths, out, scale,
+        q, k_pool, v_pool, table, lengths, out, scale, int(window or 0), float(softcap or 0.0),
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), table.stride(0),
         out.stride(0), out.stride(1),
         G=group, GP=max(16, _pow2(group)), D=d, DP=max(16, _pow2(d)), BLOCK=block, TILE=TILE,
-        IEEE=query.dtype == torch.float32, num_warps=4)
+        IEEE=query.dtype == torch.float32, SOFTCAP=bool(softcap), num_warps=4)
     return out[:, None]
 
 
 def reference(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor,
-              scale: Optional[float] = None) -> Tensor:
+              scale: Optional[float] = None, window: Optional[int] = None, softcap: Optional[float] = None) -> Tensor:
     """What :func:`attend` computes, in torch (each row gathered and attended alone): for tests."""
     n, hq, _, d = query.shape
     block, hkv = k_pool.shape[1], k_pool.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
     out = []
     for i in range(n):
         L = int(lengths[i])
         lines = table[i, :-(-L // block)]
-        k = k_pool[lines].flatten(0, 1)[:L].transpose(0, 1).repeat_interleave(hq // hkv, 0)  # [hq, L, d]
-        v = v_pool[lines].flatten(0, 1)[:L].transpose(0, 1).repeat_interleave(hq // hkv, 0)
-        out.append(torch.nn.functional.scaled_dot_product_attention(query[i].float(), k.float(), v.float(),
-                                                                    scale=scale).to(query.dtype))
+        k = k_pool[lines].flatten(0, 1)[:L].transpose(0, 1).repeat_interleave(hq // hkv, 0).float()  # [hq, L, d]
+        v = v_pool[lines].flatten(0, 1)[:L].transpose(0, 1).repeat_interleave(hq // hkv, 0).float()
+        s = (query[i].float() @ k.transpose(1, 2)) * scale  # [hq, 1, L]
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        if window:
+            s[..., :max(0, L - window)] = float("-inf")
+        out.append((s.softmax(-1) @ v).to(query.dtype))
     return torch.stack(out).transpose(1, 2)
 
 
@@ -79,9 +87,9 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def paged_decode(Q, K, V, T, L, O, scale, sqb, sqh, skb, skt, skh, stb, sob, soh,
+    def paged_decode(Q, K, V, T, L, O, scale, window, softcap, sqb, sqh, skb, skt, skh, stb, sob, soh,
                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                     TILE: tl.constexpr, IEEE: tl.constexpr):
+                     TILE: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         n_pos = tl.load(L + b)
@@ -95,9 +103,10 @@ def _kernel():
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, DP], tl.float32)
         t = tl.arange(0, TILE)
-        for start in range(0, n_pos, TILE):
+        first = tl.where(window > 0, tl.maximum(n_pos - window, 0), 0)  # a sliding window's first position
+        for start in range((first // TILE) * TILE, n_pos, TILE):
             pos = start + t
-            pm = pos < n_pos
+            pm = (pos < n_pos) & (pos >= first)
             blk = tl.load(T + b * stb + pos // BLOCK, mask=pm, other=0)
             base = blk.to(tl.int64) * skb + (pos % BLOCK) * skt + h * skh
             kv_mask = pm[:, None] & dm[None, :]
@@ -106,7 +115,10 @@ def _kernel():
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(pm[None, :], s * scale, float("-inf"))
+            s = s * scale
+            if SOFTCAP:
+                s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+            s = tl.where(pm[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])

@@ -21,7 +21,7 @@ On a CPU the pool grows (:meth:`PagedStore.grow`): new tensors, the old blocks c
 windows made again. On a GPU it never does (the graphs hold its addresses).
 """
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -39,6 +39,7 @@ class PagedStore(Store):
         self.block, self.blocks = block, blocks
         self.kernel = kernel  # steps may attend straight from the pool (paged_attention), where the model's attention is ours
         self.direct = False  # they do now (set by attention.folding around a step)
+        self.layer_windows: Optional[List[Optional[int]]] = None  # each layer's sliding window, set before allocate
         self.per_row = blocks_for(max_len, block)
         # Row r's line points at its own scratch block, r, until the row takes blocks.
         self.table = self.index[:, None].repeat(1, self.per_row)
@@ -51,8 +52,9 @@ class PagedStore(Store):
             self.keys.append(self._pool(self.blocks, k.shape[1], k.shape[3], k.dtype))
             self.values.append(self._pool(self.blocks, v.shape[1], v.shape[3], v.dtype))
         if self.kernel:
-            for t in self.keys:
+            for t, window in zip(self.keys, self.layer_windows or [None] * len(self.keys)):
                 setattr(t, "_gw_pages", self)  # what the attention function reads the table and lengths from
+                setattr(t, "_gw_window", window)  # and the layer's sliding window (None: full attention)
 
     def _pool(self, blocks: int, heads: int, dim: int, dtype: torch.dtype) -> Tensor:
         return torch.zeros((blocks, self.block, heads, dim), dtype=dtype, device=self.device)

@@ -16,7 +16,7 @@ from . import paged_attention
 from .attention import folding
 from .pages import PagedStore
 from .rows import RowStore
-from .step import ChunkStep, DecodeStep, PrefillStep, Prompts, cache_layout, output_cache
+from .step import ChunkStep, DecodeStep, PrefillStep, Prompts, cache_layout, layer_windows, output_cache
 
 STEPS = 4
 
@@ -32,11 +32,13 @@ def probe(model, device) -> Optional[str]:
 def _probe(model, device) -> Optional[str]:
     keys, values = cache_layout(model, device)
     if keys is None:
-        return "the model's own cache has no per-layer keys and values of full attention (a sliding window?)"
+        return ("the model's own cache has no per-layer keys and values of full attention or of one sliding window "
+                "(another kind of layer?)")
     kernel = paged_attention.available() and device.type == "cuda"
     for store in (RowStore(4, 32, device), PagedStore(4, 32, device, 4, 4 * 8 + 5, kernel=kernel)):
         if isinstance(store, PagedStore):
             store.kernel = folding(model, store).store is not None
+            store.layer_windows = layer_windows(model)
         store.allocate(keys, values)
         if isinstance(store, PagedStore):  # rows 0 and 1 take blocks out of order, as a busy pool hands them out
             store.assign([0, 1, 2], [[9, 33, 17, 5, 25, 30, 28, 8], [24, 12, 6, 20, 7, 11, 13, 32],

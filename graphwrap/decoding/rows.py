@@ -19,7 +19,7 @@ the prompts' keys into the rows named in the store's ``slots`` (a row beyond the
 scratch row, takes the padding prompts of a bucket) and return the prompts' own keys.
 """
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -124,10 +124,13 @@ def to_device(t: Tensor, device) -> Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def row_mask(lengths: Tensor, span: int, dtype: torch.dtype) -> Tensor:
+def row_mask(lengths: Tensor, span: int, dtype: torch.dtype, window: Optional[int] = None) -> Tensor:
     """The additive 4-D mask ``[n, 1, 1, span]`` of a step: position ``j`` of row ``b`` is seen
-    where ``j <= lengths[b]`` (its written keys and the one this step writes)."""
+    where ``j <= lengths[b]`` (its written keys and the one this step writes) and, with a
+    sliding window, ``j > lengths[b] - window``."""
     pos = torch.arange(span, device=lengths.device)
     seen = pos[None, :] <= lengths[:, None]
+    if window:
+        seen = seen & (pos[None, :] > lengths[:, None] - window)
     zero = torch.zeros((), dtype=dtype, device=lengths.device)
     return torch.where(seen, zero, torch.finfo(dtype).min)[:, None, None, :]

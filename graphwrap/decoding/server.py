@@ -45,7 +45,7 @@ from .sampling import Active, RowSettings
 from .scheduler import Scheduler, Seq, buckets_upto
 from .settings import CallPlan
 from .shapes import Shapes
-from .step import CHUNK, ChunkStep, Prompts, cache_layout
+from .step import CHUNK, ChunkStep, Prompts, cache_layout, layer_windows
 from .weights import Weights
 
 logger = logging.getLogger("graphwrap")
@@ -483,6 +483,7 @@ def make_cache(model, rows: int, max_len: int, device: torch.device, cache_memor
     fold = folding(model, store)
     if isinstance(store, PagedStore):
         store.kernel = fold.store is not None
+        store.layer_windows = layer_windows(model)
     store.allocate(keys, values)
     return plan, store, fold
 

@@ -16,7 +16,7 @@ comes from the last piece.
 """
 
 import inspect
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -36,12 +36,13 @@ class DecodeStep(nn.Module):
         super().__init__()
         self.model = model
         self.cache_name = cache_keyword(model)
+        self.masks = Masks(layer_windows(model))
         self.training = model.training  # not train(): that would set the model's own flags
 
     def forward(self, input_ids: Tensor, rows) -> Tensor:
         n = input_ids.shape[0]
         lengths = rows.lengths[:n]
-        mask = row_mask(lengths, rows.span, _mask_dtype(self.model))
+        mask = self.masks(row_mask, lengths, rows.span, _mask_dtype(self.model))
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=lengths[:, None].clone(),
                          use_cache=True, return_dict=True, **{self.cache_name: rows})
         rows.lengths[:n] += rows.live[:n]
@@ -62,12 +63,13 @@ class PrefillStep(nn.Module):
         super().__init__()
         self.model = model
         self.cache_name = cache_keyword(model)
+        self.masks = Masks(layer_windows(model))
         self.training = model.training
 
     def forward(self, input_ids: Tensor, lengths: Tensor, slots: Tensor, rows) -> Tensor:
         k, width = input_ids.shape
         rows.slots[:k].copy_(slots)
-        mask = prompt_mask(lengths, width, _mask_dtype(self.model))
+        mask = self.masks(prompt_mask, lengths, width, _mask_dtype(self.model))
         pos = torch.arange(width, device=input_ids.device)[None, :].expand(k, width)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          return_dict=True, **{self.cache_name: rows})
@@ -85,23 +87,27 @@ class ChunkStep(nn.Module):
         super().__init__()
         self.model = model
         self.cache_name = cache_keyword(model)
+        self.masks = Masks(layer_windows(model))
         self.last = _last_logits(model)
         self.training = model.training
 
     def forward(self, input_ids: Tensor, start: int, rows) -> Tensor:
         width = input_ids.shape[1]
-        mask = chunk_mask(start, width, _mask_dtype(self.model), input_ids.device)
+        mask = self.masks(chunk_mask, start, width, _mask_dtype(self.model), input_ids.device)
         pos = torch.arange(start, start + width, device=input_ids.device)[None]
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True, return_dict=True,
                          **self.last, **{self.cache_name: rows})
         return out.logits[:, -1]
 
 
-def chunk_mask(start: int, width: int, dtype: torch.dtype, device) -> Tensor:
+def chunk_mask(start: int, width: int, dtype: torch.dtype, device, window: Optional[int] = None) -> Tensor:
     """The additive 4-D mask ``[1, 1, width, start + width]`` of a piece of a prompt: query ``i``
-    sees positions up to ``start + i``."""
+    sees positions up to ``start + i`` (and, with a window, after ``start + i - window``)."""
     q = torch.arange(width, device=device)[:, None] + start
-    seen = torch.arange(start + width, device=device)[None, :] <= q
+    kv = torch.arange(start + width, device=device)[None, :]
+    seen = kv <= q
+    if window:
+        seen = seen & (kv > q - window)
     zero = torch.zeros((), dtype=dtype, device=device)
     return torch.where(seen, zero, torch.finfo(dtype).min)[None, None]
 
@@ -179,12 +185,15 @@ def output_cache(out):
     return getattr(out, "past_key_values", None)
 
 
-def prompt_mask(lengths: Tensor, P: int, dtype: torch.dtype) -> Tensor:
+def prompt_mask(lengths: Tensor, P: int, dtype: torch.dtype, window: Optional[int] = None) -> Tensor:
     """The additive 4-D mask ``[k, 1, P, P]`` of right-padded prompts: causal, and no row sees a
     padded key. Given 4-D, the model uses it as it is, as it does the decode step's mask (no
     release's own mask code in between; the probe checks both)."""
     pos = torch.arange(P, device=lengths.device)
-    seen = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])
+    causal = pos[None, :] <= pos[:, None]
+    if window:
+        causal = causal & (pos[None, :] > pos[:, None] - window)
+    seen = causal[None] & (pos[None, None, :] < lengths[:, None, None])
     zero = torch.zeros((), dtype=dtype, device=lengths.device)
     return torch.where(seen, zero, torch.finfo(dtype).min)[:, None]
 
@@ -193,6 +202,48 @@ def _layers(cache):
     layers = getattr(cache, "layers", None)
     if not layers or any(getattr(lay, "keys", None) is None for lay in layers):
         return None, None
-    if any(getattr(lay, "is_sliding", False) for lay in layers):
+    if _windows(layers) is None:
         return None, None
     return [lay.keys for lay in layers], [lay.values for lay in layers]
+
+
+def layer_windows(model) -> Optional[List[Optional[int]]]:
+    """Each layer's sliding window (None: full attention), as the model's own cache makes its
+    layers (``DynamicCache(config=...)``); None where a layer is of another kind."""
+    try:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+    except Exception:  # noqa: BLE001 - a model whose cache is not transformers' dynamic one
+        return None
+    return _windows(getattr(cache, "layers", None) or [])
+
+
+def _windows(layers) -> Optional[List[Optional[int]]]:
+    out: List[Optional[int]] = []
+    for lay in layers:
+        if not getattr(lay, "is_sliding", False):
+            out.append(None)
+        elif isinstance(getattr(lay, "sliding_window", None), int) and type(lay).__name__ == "DynamicSlidingWindowLayer":
+            out.append(lay.sliding_window)
+        else:
+            return None
+    return out
+
+
+class Masks:
+    """The 4-D masks a forward gives the model: one where every layer attends alike (all full,
+    or all within one sliding window), else one per kind of layer, keyed as transformers' hybrid
+    models take them (``full_attention``, ``sliding_attention``)."""
+
+    def __init__(self, windows: Optional[List[Optional[int]]]):
+        kinds = set(windows or [None])
+        self.window = next((w for w in kinds if w), None)
+        self.hybrid = len(kinds) > 1
+        if len(kinds - {None}) > 1:
+            raise ValueError(f"layers with different sliding windows ({sorted(w for w in kinds if w)})")
+
+    def __call__(self, make, *args):
+        if not self.hybrid:
+            return make(*args, window=self.window)
+        return {"full_attention": make(*args), "sliding_attention": make(*args, window=self.window)}
