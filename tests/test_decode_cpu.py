@@ -466,6 +466,42 @@ def test_encoder_decoders_replay_every_step_over_a_cache_of_graphwraps_own(famil
     assert len(gm.stats()["keys"]) == 2 and gm.__dict__["_gw_pads"] is True
 
 
+@pytest.mark.parametrize("family", ["t5", "bart", "marian", "mbart", "whisper"])
+def test_an_encoder_decoders_default_call_replays_over_a_cache_of_graphwraps_own(family):
+    """The call people write, with no cache_implementation: the shared batch does not serve an
+    encoder-decoder, and its turn in the one-call loop gets graphwrap's own static cache (every
+    step a replay) with the tokens of generate's own cache."""
+    torch.manual_seed(0)
+    model = _tiny_whisper() if family == "whisper" else _encoder_decoders()[family]().eval()
+    gm = on_cpu_graphs(GraphedModule(model, eager_if_faster=False))
+    for _ in range(2):
+        if family == "whisper":
+            kw = dict(input_features=torch.randn(2, 16, 64), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        else:
+            ids = torch.randint(3, 60, (2, 10))
+            kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+                      do_sample=False)
+        with torch.no_grad():
+            want = model.generate(**kw)
+        assert torch.equal(gm.generate(**kw), want)
+    assert gm.stats()["generate"] == {"graphwrap's decode loop": 2}, gm.stats()["generate"]
+    assert replays(gm) == 2 * 11 and gm.stats()["eager_calls"] == {}
+
+
+def test_a_default_call_keeps_the_cache_it_asks_for():
+    from graphwrap.loops.decode import default_static
+
+    bart = _encoder_decoders()["bart"]().eval()
+    assert default_static(bart, {"max_new_tokens": 3})["cache_implementation"] == "static"
+    for kw in ({"cache_implementation": "dynamic"}, {"use_cache": False}, {"num_beams": 2}):
+        assert default_static(bart, kw) == kw
+    bart.generation_config.num_beams = 4  # a checkpoint's beam search
+    assert "cache_implementation" not in default_static(bart, {})
+    llama = tr.LlamaForCausalLM(tr.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, vocab_size=64))
+    assert default_static(llama, {"max_new_tokens": 3}) == {"max_new_tokens": 3}, "decoder-only: as asked"
+
+
 def test_an_encoder_decoders_own_caches_are_bounded_by_max_keys(gw_log):
     torch.manual_seed(0)
     model = _encoder_decoders()["bart"]().eval()

@@ -326,6 +326,27 @@ def test_encoder_decoders_replay_every_step_with_generates_tokens(name, fp32_exa
     assert gm.__dict__.get("_gw_pads") is (None if name == "whisper" else True)
 
 
+@pytest.mark.parametrize("name", ["t5", "bart", "whisper"])
+def test_an_encoder_decoders_default_call_replays_with_generates_tokens(name, fp32_exact):
+    """No cache_implementation, the shared batch on (it does not serve encoder-decoders): the
+    call's turn runs over graphwrap's own static cache, every step a replay."""
+    model = _seq2seq(name)
+    gm = GraphedModule(model)
+    for i in range(2):
+        if name == "whisper":
+            kw = dict(input_features=torch.randn(2, 16, 64, device=DEV))
+        else:
+            ids = torch.randint(3, 60, (2, 10 + 3 * i), device=DEV)
+            kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+        kw.update(max_new_tokens=20, min_new_tokens=20, do_sample=False)
+        with torch.no_grad():
+            want = model.generate(**kw)
+        assert torch.equal(gm.generate(**kw), want), name
+    s = gm.stats()
+    assert s["generate"] == {"graphwrap's decode loop": 2}, s["generate"]
+    assert s["eager_calls"] == {} and replays(gm) >= 2 * 19 - 2
+
+
 def test_whispers_long_form_replays_each_segment_with_generates_tokens(fp32_exact, monkeypatch):
     """Audio longer than the encoder's window: transformers' long-form path decodes it segment
     by segment, each segment in graphwrap's loop, its steps replayed."""

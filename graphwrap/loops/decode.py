@@ -551,6 +551,8 @@ def generate(engine, held: dict, module, args, kwargs, not_shared: Optional[str]
     name = cache_keyword(module)
     check_room(args, kwargs)  # a cache the caller passes (graphwrap sizes its own)
     why = unsupported(module) or request_unsupported(kwargs)
+    if why is None:
+        kwargs = default_static(module, kwargs)
     # Ring layers for sliding windows only where graphwrap's loop runs the steps (window.py).
     kwargs = static_cache(held, module, args, kwargs, name, rings=why is None)
     own = None
@@ -606,6 +608,23 @@ def _count(engine, held: dict, why: Optional[str], handed: int, new: Optional[in
             logger.warning("generate ran %d new tokens in %s", new, how)
     with engine.lock:
         engine.generates[how] = engine.generates.get(how, 0) + 1
+
+
+def default_static(module, kwargs) -> dict:
+    """An encoder-decoder's call that asks for no cache (none passed, no ``cache_implementation``
+    in the call or the model's generation config) gets ``cache_implementation="static"``: a cache
+    of graphwrap's own then serves it (:func:`seq2seq.own_cache`, at most ``max_keys`` of them),
+    and its steps replay, with the tokens of ``generate``'s own cache (tested equal for each
+    family). Decoder-only calls that reach this loop keep what they asked for: each size of a
+    static cache would be kept."""
+    if not seq2seq.is_seq2seq(module) or not getattr(module, "_can_compile_fullgraph", False):
+        return kwargs
+    gen = getattr(module, "generation_config", None)
+    if ("cache_implementation" in kwargs or getattr(gen, "cache_implementation", None) is not None
+            or given_cache(kwargs) is not None or kwargs.get("use_cache", getattr(gen, "use_cache", True)) is False
+            or kwargs.get("num_beams", getattr(gen, "num_beams", 1)) not in (None, 1)):
+        return kwargs
+    return dict(kwargs, cache_implementation="static")
 
 
 def static_cache(held: dict, module, args, kwargs, name: str = "past_key_values", rings: bool = False) -> dict:
