@@ -177,7 +177,7 @@ def _long(case, gm, model, device, results):
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(others))]
     server = gm.__dict__["_gw_decode"]
-    spent = dict(server.spent)
+    spent, shapes = dict(server.spent), set(server.shapes.ready)
     for t in threads:
         t.start()
     time.sleep(0.5)  # the others are decoding
@@ -189,7 +189,8 @@ def _long(case, gm, model, device, results):
     gaps = [b - a for c in clocks for a, b in zip(c.times[1:], c.times[2:])]
     thread = {k: round(v - spent.get(k, 0.0), 3) for k, v in server.spent.items()}
     _say(case, f"  the decode thread meanwhile (s): {thread}; the 5 longest gaps (ms): "
-               f"{[round(1e3 * g, 1) for g in sorted(gaps)[-5:]]}")
+               f"{[round(1e3 * g, 1) for g in sorted(gaps)[-5:]]}; shapes captured meanwhile: "
+               f"{sorted(server.shapes.ready - shapes)}")
     with torch.no_grad():
         ref = model.generate(input_ids=long_ids, max_new_tokens=16, do_sample=False)
     same = torch.equal(out, ref)
