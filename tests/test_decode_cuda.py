@@ -300,6 +300,17 @@ def _seq2seq(name):
     return model.to(DEV).eval()
 
 
+def _seq2seq_request(name, i):
+    """The ``i``-th request of the encoder-decoder tests: 20 new tokens over 2 rows (audio features
+    for Whisper, else prompts of 10 + 3i tokens)."""
+    if name == "whisper":
+        kw = dict(input_features=torch.randn(2, 16, 64, device=DEV))
+    else:
+        ids = torch.randint(3, 60, (2, 10 + 3 * i), device=DEV)
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    return dict(kw, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+
+
 @pytest.mark.parametrize("name", ["t5", "bart", "mvp", "whisper"])
 def test_encoder_decoders_replay_every_step_with_generates_tokens(name, fp32_exact):
     """The encoder once per request, every decoder step a replay over graphwrap's own cache of
@@ -308,12 +319,7 @@ def test_encoder_decoders_replay_every_step_with_generates_tokens(name, fp32_exa
     model = _seq2seq(name)
     gm = GraphedModule(model, decode=False)
     for i in range(2):
-        if name == "whisper":
-            kw = dict(input_features=torch.randn(2, 16, 64, device=DEV))
-        else:
-            ids = torch.randint(3, 60, (2, 10 + 3 * i), device=DEV)
-            kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
-        kw.update(max_new_tokens=20, min_new_tokens=20, do_sample=False)
+        kw = _seq2seq_request(name, i)
         with torch.no_grad():
             want = model.generate(**kw)
         with torch.inference_mode() if i else torch.no_grad():  # the second request under inference_mode
@@ -333,12 +339,7 @@ def test_an_encoder_decoders_default_call_replays_with_generates_tokens(name, fp
     model = _seq2seq(name)
     gm = GraphedModule(model)
     for i in range(2):
-        if name == "whisper":
-            kw = dict(input_features=torch.randn(2, 16, 64, device=DEV))
-        else:
-            ids = torch.randint(3, 60, (2, 10 + 3 * i), device=DEV)
-            kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
-        kw.update(max_new_tokens=20, min_new_tokens=20, do_sample=False)
+        kw = _seq2seq_request(name, i)
         with torch.no_grad():
             want = model.generate(**kw)
         assert torch.equal(gm.generate(**kw), want), name

@@ -1,8 +1,10 @@
 """The thread that serves every ``generate`` call of a model from one shared decode batch.
 
 Calls queue their sequences (:meth:`DecodeServer.prepare`, then :meth:`DecodeServer.enqueue`); the thread admits
-queued sequences into free rows (one joined prompt forward), runs one decode step over every
-live row, and hands each call its tokens when its last sequence ends. Steps are queued ahead:
+queued sequences into free rows, with the blocks of the cache they need where it is paged (one
+joined prompt forward; a long prompt a piece a turn), runs one decode step over every live row,
+and hands each call its tokens when its last sequence ends. The cache is made by
+:func:`make_cache` (its size and layout: :mod:`.pool`). Steps are queued ahead:
 the tokens of a step are read on the host (through pinned memory and an event) after the next
 step has been launched, so the GPU never waits for the host's bookkeeping. A sequence found
 finished (an end-of-sequence token) has its row given back one step late; the token the extra
