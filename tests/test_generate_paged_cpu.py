@@ -46,6 +46,13 @@ def _alone(model, prompt, **kw):
         return model.generate(input_ids=torch.tensor([prompt]), do_sample=False, **kw)
 
 
+def _all_alike(gm, model, prompts, news):
+    """Each prompt from a thread of its own, all at once: each gets ``model.generate``'s tokens alone."""
+    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i]), len(prompts))
+    for p, n, out in zip(prompts, news, got):
+        assert torch.equal(out, _alone(model, p, max_new_tokens=n))
+
+
 def _prompts(lengths, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, 101, (n,), generator=g).tolist() for n in lengths]
@@ -129,9 +136,7 @@ def test_more_requests_than_the_pool_holds_at_once_all_get_generates_tokens(monk
     gm = GraphedModule(model, decode={"rows": 8})
     prompts = _prompts([5, 11, 3, 14, 9, 2, 13, 6, 8, 12, 4, 10])
     news = [10 + 5 * (i % 6) for i in range(len(prompts))]
-    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i]), len(prompts))
-    for p, n, out in zip(prompts, news, got):
-        assert torch.equal(out, _alone(model, p, max_new_tokens=n))
+    _all_alike(gm, model, prompts, news)
     d = gm.stats()["decode"]
     assert d["cache"] == "paged" and d["cache_bytes"] <= d["cache_budget_bytes"]
     assert d["cache_blocks"] == {"block": BLOCK, "used": 0, "free": 11}
@@ -157,9 +162,7 @@ def test_the_cpu_pool_grows_on_demand_and_keeps_what_rows_hold(monkeypatch, gw_l
     gm = GraphedModule(model, decode={"rows": 4})
     prompts = _prompts([3, 40, 7, 25])
     news = [60, 30, 45, 20]
-    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i]), 4)
-    for p, n, out in zip(prompts, news, got):
-        assert torch.equal(out, _alone(model, p, max_new_tokens=n))
+    _all_alike(gm, model, prompts, news)
     d = gm.stats()["decode"]
     assert d["cache_blocks"]["free"] > 4, "the pool grew"
     assert "decode cache grew" in gw_log.text
@@ -170,9 +173,7 @@ def test_whole_rows_asked_for_serve_the_same_tokens():
     model = _model("llama")
     gm = GraphedModule(model, decode={"paged": False})
     prompts = _prompts([5, 11, 3])
-    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=12), 3)
-    for p, out in zip(prompts, got):
-        assert torch.equal(out, _alone(model, p, max_new_tokens=12))
+    _all_alike(gm, model, prompts, [12] * len(prompts))
     assert gm.stats()["decode"]["cache"] == "rows" and gm.stats()["decode"]["cache_blocks"] is None
     gm.close()
 
@@ -186,9 +187,7 @@ def test_long_prompts_go_in_pieces_beside_rows_that_decode(monkeypatch, paged):
     gm = GraphedModule(model, decode={"paged": paged})
     prompts = _prompts([30, 4, 21, 6, 8, 9])
     news = [10, 40, 12, 35, 5, 7]
-    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i]), len(prompts))
-    for p, n, out in zip(prompts, news, got):
-        assert torch.equal(out, _alone(model, p, max_new_tokens=n))
+    _all_alike(gm, model, prompts, news)
     d = gm.stats()["decode"]
     assert d["prefill_pieces"] >= 4 + 3 + 2, "30, 21 and 9 tokens in pieces of 8"
     gm.close()
@@ -274,9 +273,7 @@ def test_sliding_windows_share_the_batch_with_generates_tokens(monkeypatch, kind
     gm = GraphedModule(model, decode={"paged": paged})
     prompts = _prompts([3, 11, 6, 20, 2, 9])
     news = [25, 10, 30, 12, 40, 18]
-    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i]), len(prompts))
-    for p, n, out in zip(prompts, news, got):
-        assert torch.equal(out, _alone(model, p, max_new_tokens=n))
+    _all_alike(gm, model, prompts, news)
     st = gm.stats()
     assert st["generate"] == {SHARED: len(prompts)}, st["decode"].get("off")
     assert st["decode"]["rows_per_step"] > 1 and st["decode"]["prefill_pieces"] > 0
