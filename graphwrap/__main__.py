@@ -3,6 +3,7 @@
     python -m graphwrap --version
     python -m graphwrap env                 # versions and devices: will graphs be used here?
     python -m graphwrap bench [--quick] ... # benchmarks/run.py of a source checkout, same options
+    python -m graphwrap serve MODEL [...]   # an OpenAI-compatible server (python -m graphwrap serve --help)
 """
 
 import argparse
@@ -51,12 +52,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its options, --help included, are the benchmarks'
         return _bench(argv[1:])
+    if argv[:1] == ["serve"]:
+        from .serve.api.cli import main as serve
+
+        return serve(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m graphwrap", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[2:]))
     ap.add_argument("--version", action="version", version=f"graphwrap {__version__}")
-    ap.add_argument("command", nargs="?", choices=("env", "bench"), help="env: versions and devices; "
-                    "bench: the benchmarks (python -m graphwrap bench --help for their options)")
+    ap.add_argument("command", nargs="?", choices=("env", "bench", "serve"), help="env: versions and devices; "
+                    "bench: the benchmarks (python -m graphwrap bench --help for their options); "
+                    "serve: an OpenAI-compatible server (python -m graphwrap serve --help)")
     a = ap.parse_args(argv)
     if a.command == "env":
         return _env()

@@ -191,7 +191,7 @@ def _close_dropped(held: dict):
 
 # ------------------------------------------------------------------ GraphedModule's methods
 
-def _queued(gm, args, kwargs, block: bool = True):
+def _queued(gm, args, kwargs, block: bool = True, seed: Optional[int] = None):
     """``(server, plan, call)`` with the call queued on the shared batch, or ``(None, why, None)``.
     A batch closed between taking it and queueing (``gm.close()`` from another thread) is taken
     again: the call goes to the next one."""
@@ -204,7 +204,7 @@ def _queued(gm, args, kwargs, block: bool = True):
             return None, p, None
         if "_gw_decode_finalizer" not in held:
             held["_gw_decode_finalizer"] = weakref.finalize(gm, _close_dropped, held)
-        call = server.prepare(p)
+        call = server.prepare(p, seed)
         try:
             server.enqueue(call, block)
         except Closed:
@@ -243,8 +243,10 @@ def alone(gm, why: str, args, kwargs):
         return decode.generate(gm.engine, gm.__dict__, module, args, kwargs, not_shared=why if per_call else None)
 
 
-def submit(gm, args, kwargs) -> concurrent.futures.Future:
-    server, p, call = _queued(gm, args, kwargs)
+def submit(gm, args, kwargs, block: bool = True, seed: Optional[int] = None) -> concurrent.futures.Future:
+    """``gm.submit_generate``; ``block=False`` raises QueueFull where the queue is full, and
+    ``seed`` seeds the call's sampling noise (else torch's default generator does)."""
+    server, p, call = _queued(gm, args, kwargs, block, seed)
     out: concurrent.futures.Future = concurrent.futures.Future()
     if server is None:
         try:

@@ -121,15 +121,16 @@ class DecodeServer:
 
     # ------------------------------------------------------------------ callers
 
-    def prepare(self, plan: CallPlan) -> Call:
+    def prepare(self, plan: CallPlan, seed: Optional[int] = None) -> Call:
         """A call of ``plan``, its sampling seeds drawn (in the caller's thread, once, from
-        torch's default generator: ``torch.manual_seed`` before a call makes it repeat);
-        GraphwrapError where the batch cannot hold it."""
+        torch's default generator, or from ``seed`` where one is given: ``torch.manual_seed``
+        before a call makes it repeat); GraphwrapError where the batch cannot hold it."""
         self.check(plan)
         fut: Future = Future()
         call = Call(plan, fut, Mailbox(lambda e: self.abort(call, e)))
-        seeds = torch.randint(0, 1 << 31, (len(plan.prompts),)).tolist() if plan.settings.sample else [0] * len(
-            plan.prompts)
+        n = len(plan.prompts)
+        g = None if seed is None else torch.Generator().manual_seed(seed)
+        seeds = torch.randint(0, 1 << 31, (n,), generator=g).tolist() if plan.settings.sample else [0] * n
         call.seqs = [Seq(call, i, p, plan.settings, seed=seed) for i, (p, seed) in enumerate(zip(plan.prompts, seeds))]
         call.left = len(call.seqs)
         fut.add_done_callback(lambda f: self.abort(call, None) if f.cancelled() else None)

@@ -1,0 +1,197 @@
+"""OpenAI-compatible servers raced on one machine: ``python -m graphwrap serve`` against
+``transformers serve --continuous-batching`` (with and without its CUDA graphs), each in a
+process of its own, driven by the official ``openai`` client from this process.
+
+A burst is 64 streamed completions sent at once (prompts of 16 to 128 tokens, ``max_tokens``
+32 to 256, greedy, the same for every server and burst); each server gets its first burst (what
+a user meets after start-up) reported apart, then ``--bursts`` warm ones (median and spread).
+Per burst: output tokens per second (the usage the server reports, over the burst's wall time),
+time to first token and the gaps between chunks (p50 and p99 over every request).
+
+The model is made here with random weights (fp16 on a GPU) and saved with a word-level
+tokenizer over its whole vocabulary ("w0".."wN"), so any token id decodes and a prompt of k
+words is k tokens. Needs the ``openai`` package, FastAPI and uvicorn.
+
+    python3 benchmarks/serve_openai.py --model gpt2 --servers graphwrap,transformers-graphs --out DIR
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Dict, List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVERS = {
+    "graphwrap": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
+                                  "--served-model-name", d],
+    "transformers-graphs": lambda d, port: ["transformers", "serve", d, "--continuous-batching",
+                                            "--cb-use-cuda-graph", "--port", str(port), "--host", "127.0.0.1"],
+    "transformers": lambda d, port: ["transformers", "serve", d, "--continuous-batching", "--no-cb-use-cuda-graph",
+                                     "--port", str(port), "--host", "127.0.0.1"],
+}
+
+
+def make_model(shape: str, path: str, device: str) -> str:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    if shape == "gpt2":
+        cfg, cls, eos = GPT2Config(), GPT2LMHeadModel, 50256
+    elif shape == "llama-1b":  # TinyLlama-1.1B's shape
+        cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                          num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, bos_token_id=1,
+                          eos_token_id=2)
+        cls, eos = LlamaForCausalLM, 2
+    else:
+        raise SystemExit(f"unknown --model {shape}")
+    words = {f"w{i}": i for i in range(cfg.vocab_size)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{eos}", bos_token=f"w{eos}", unk_token="w0")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cls(cfg)
+    model = model.half() if device == "cuda" else model
+    for p in model.parameters():  # small weights: logits of random models stay finite in fp16
+        torch.nn.init.normal_(p, std=0.02)
+    model.save_pretrained(path)
+    del model
+    return path
+
+
+def workload(n: int, seed: int = 0) -> List[dict]:
+    rng = random.Random(seed)
+    return [{"prompt": " ".join(f"w{rng.randrange(100, 30000)}" for _ in range(rng.randint(16, 128))),
+             "max_tokens": rng.randint(32, 256)} for _ in range(n)]
+
+
+async def one(client, model: str, req: dict) -> dict:
+    t0 = time.perf_counter()
+    first, last, gaps, usage = None, None, [], None
+    stream = await client.completions.create(model=model, prompt=req["prompt"], max_tokens=req["max_tokens"],
+                                             temperature=0, stream=True, stream_options={"include_usage": True})
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].text:
+            if first is None:
+                first = now
+            else:
+                gaps.append(now - last)
+            last = now
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+    return {"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": usage or 0}
+
+
+async def burst(base: str, model: str, reqs: List[dict]) -> dict:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
+    t0 = time.perf_counter()
+    out = await asyncio.gather(*(one(client, model, r) for r in reqs))
+    wall = time.perf_counter() - t0
+    await client.close()
+    gaps = sorted(g for o in out for g in o["gaps"])
+    ttft = sorted(o["ttft"] for o in out)
+    tokens = sum(o["tokens"] for o in out)
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+            "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+            "gap_p50_ms": 1e3 * pct(gaps, 50) if gaps else None, "gap_p99_ms": 1e3 * pct(gaps, 99) if gaps else None}
+
+
+def pct(xs: List[float], q: float) -> float:
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+
+
+def wait_ready(port: int, proc, seconds: float) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+                if r.status == 200:
+                    return time.perf_counter() - t0
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError("the server did not answer in time")
+
+
+def race(name: str, model_dir: str, port: int, reqs: List[dict], bursts: int, log) -> dict:
+    proc = subprocess.Popen(SERVERS[name](model_dir, port), stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])))
+    try:
+        ready = wait_ready(port, proc, 600)
+        base = f"http://127.0.0.1:{port}/v1"
+        first = asyncio.run(burst(base, model_dir, reqs))
+        warm = [asyncio.run(burst(base, model_dir, reqs)) for _ in range(bursts)]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    tps = [w["tokens_per_s"] for w in warm]
+    return {"server": name, "ready_s": ready, "first": first, "warm": warm,
+            "warm_tokens_per_s_median": statistics.median(tps), "warm_tokens_per_s_min": min(tps),
+            "warm_tokens_per_s_max": max(tps)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama-1b"))
+    ap.add_argument("--servers", default="graphwrap,transformers-graphs")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--bursts", type=int, default=3)
+    ap.add_argument("--port", type=int, default=8911)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    import torch
+    import transformers
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model_dir = make_model(a.model, tempfile.mkdtemp(prefix=f"serve-{a.model}-"), device)
+    reqs = workload(a.requests)
+    out_dir = a.out or tempfile.mkdtemp(prefix="serve-openai-")
+    os.makedirs(out_dir, exist_ok=True)
+    results: Dict[str, dict] = {}
+    for name in a.servers.split(","):
+        with open(os.path.join(out_dir, f"server-{name}-{a.model}.log"), "w") as log:
+            try:
+                results[name] = race(name, model_dir, a.port, reqs, a.bursts, log)
+            except Exception as e:  # noqa: BLE001 - the other servers still run; the reason is written down
+                results[name] = {"server": name, "error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(results[name]), flush=True)
+    where = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
+    meta = {"device": where, "torch": torch.__version__, "transformers": transformers.__version__,
+            "date": time.strftime("%Y-%m-%d"), "model": a.model, "requests": a.requests, "bursts": a.bursts}
+    with open(os.path.join(out_dir, f"serve-openai-{a.model}.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    print(f"\n{a.model}, {a.requests} streamed completions a burst; {where}, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}, {meta['date']}")
+    print(f"{'server':22} {'ready s':>8} {'first tok/s':>12} {'warm tok/s (min-max)':>26} {'TTFT p50/p99 ms':>17} "
+          f"{'gap p50/p99 ms':>16}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:22} {r['error']}")
+            continue
+        w = sorted(r["warm"], key=lambda x: x["tokens_per_s"])[len(r["warm"]) // 2]
+        print(f"{name:22} {r['ready_s']:8.1f} {r['first']['tokens_per_s']:12.0f} "
+              f"{r['warm_tokens_per_s_median']:10.0f} ({r['warm_tokens_per_s_min']:.0f}-{r['warm_tokens_per_s_max']:.0f})"
+              f"{'':>4} {w['ttft_p50_ms']:7.0f}/{w['ttft_p99_ms']:<7.0f} {w['gap_p50_ms'] or 0:7.1f}/{w['gap_p99_ms'] or 0:<6.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""The OpenAI-compatible HTTP app (FastAPI) over one GraphedModule's shared decode batch.
+
+``POST /v1/completions``, ``POST /v1/chat/completions`` (the tokenizer's chat template), ``GET
+/v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus' text). The handlers parse,
+check, stream and count; every decision about tokens is the batch's (:mod:`.client`).
+
+Every request ends on its own: a body that does not parse, a field the server does not know or
+serve, a prompt past the context answer 400 with the reason; a full queue 429 and a server
+shutting down 503, each with ``Retry-After``; a request whose model call fails 500 (in a stream:
+an ``error`` event, then the end); a client that goes away cancels its sequences, whose rows the
+batch frees at its next step.
+"""
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Dict, List, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from ...decoding.calls import Closed, QueueFull
+from .client import Client, Piece, Unservable
+from .metrics import Metrics
+from .schemas import MAX_CHOICES, ChatRequest, CompletionRequest, Sampling, settings
+
+logger = logging.getLogger("graphwrap.serve")
+MAX_NEW_DEFAULT = 2048  # a chat request without max_tokens: the context left, at most this
+RETRY_AFTER = "1"
+
+
+class Refused(Exception):
+    """A request answered with ``status`` and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+@dataclass
+class Served:
+    """What the app serves: the model wrapped, its tokenizer and its limits."""
+
+    gm: Any
+    tokenizer: Any
+    name: str
+    context: int  # positions a sequence may hold (prompt and new tokens)
+    max_new_default: int = MAX_NEW_DEFAULT
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    active: int = 0  # requests being answered, streams until their end (event loop only)
+
+
+def error_body(message: str, kind: str, param: Optional[str] = None) -> Dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def refusal(e: Refused) -> JSONResponse:
+    headers = {"Retry-After": RETRY_AFTER} if e.status in (429, 503) else None
+    return JSONResponse(error_body(e.message, e.kind, e.param), status_code=e.status, headers=headers)
+
+
+def as_refusal(e: BaseException) -> Refused:
+    """The answer to a request whose sequences could not run."""
+    if isinstance(e, Refused):
+        return e
+    if isinstance(e, QueueFull):
+        return Refused(429, str(e), "rate_limit_error")
+    if isinstance(e, Closed):
+        return Refused(503, "the server is shutting down: it takes no new requests", "service_unavailable")
+    if isinstance(e, Unservable):
+        return Refused(400, str(e))
+    return Refused(500, f"the model failed on this request ({type(e).__name__}: {e})", "server_error")
+
+
+def make_app(served: Served) -> FastAPI:
+    app = FastAPI(title="graphwrap", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = Metrics()
+    client = Client(served.gm, served.tokenizer, metrics)
+    app.state.served, app.state.metrics, app.state.client = served, metrics, client
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
+        metrics.requests.inc(endpoint=request.url.path, status="400")
+        return JSONResponse(error_body(problems, "invalid_request_error"), status_code=400)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _answer(served, client, metrics, request, body, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        return await _answer(served, client, metrics, request, body, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": served.created,
+                                            "owned_by": "graphwrap", "max_model_len": served.context}]}
+
+    @app.get("/health")
+    async def health():
+        if served.draining:
+            return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": RETRY_AFTER})
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def _metrics():
+        text = metrics.render(served.gm.stats(), served.active)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+# ---------------------------------------------------------------------------- a request
+
+
+@dataclass
+class Job:
+    """One request as the batch will serve it."""
+
+    id: str
+    chat: bool
+    prompts: List[List[int]]
+    kwargs: Dict[str, Any]
+    echo: List[str]  # per prompt, the text a choice starts with (completions' echo)
+    arrived: float
+
+
+async def _answer(served: Served, client: Client, metrics: Metrics, request: Request,
+                  body: Union[CompletionRequest, ChatRequest], endpoint: str):
+    arrived = time.perf_counter()
+    served.active += 1
+    streaming = False
+    try:
+        job = _job(served, body, arrived)
+        pieces = client.choices(job.prompts, body.n, job.kwargs, body.stops(), body.seed, arrived)
+        if body.stream:
+            first = await _first(pieces)  # an error before the first token is answered with a status
+            metrics.requests.inc(endpoint=endpoint, status="200")
+            streaming = True  # (the stream counts itself out at its end)
+            return StreamingResponse(_events(served, metrics, job, body, first, pieces),
+                                     media_type="text/event-stream")
+        answer = await _unless_gone(request, _whole(served, metrics, job, body, pieces))
+        metrics.requests.inc(endpoint=endpoint, status="200" if answer is not None else "499")
+        return answer
+    except BaseException as e:
+        refused = as_refusal(e)
+        metrics.requests.inc(endpoint=endpoint, status=str(refused.status))
+        if refused.status >= 500 and not isinstance(e, (Closed, Refused)):
+            logger.error("request failed: %s", refused.message, exc_info=e)
+        return refusal(refused)
+    finally:
+        served.active -= 0 if streaming else 1
+
+
+def _job(served: Served, body: Union[CompletionRequest, ChatRequest], arrived: float) -> Job:
+    if served.draining:
+        raise Refused(503, "the server is shutting down: it takes no new requests", "service_unavailable")
+    if body.model is not None and body.model != served.name:
+        raise Refused(404, f"the model {body.model!r} is not served here (it serves {served.name!r})",
+                      "not_found_error", "model")
+    tok = served.tokenizer
+    if isinstance(body, ChatRequest):
+        if not getattr(tok, "chat_template", None):
+            raise Refused(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
+        text = tok.apply_chat_template(body.conversation(), tokenize=False, add_generation_prompt=True)
+        prompts, limit, echo = [tok(text, add_special_tokens=False)["input_ids"]], body.limit(), [""]
+    else:
+        try:
+            given = body.prompts()
+        except ValueError as e:
+            raise Refused(400, str(e), param="prompt") from None
+        prompts = [tok(p)["input_ids"] if isinstance(p, str) else p for p in given]
+        limit = body.max_tokens if body.max_tokens is not None else 16
+        echo = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in given]
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise Refused(400, f"{len(prompts)} prompts x n={body.n} choices: at most {MAX_CHOICES}", param="n")
+    longest = max(len(p) for p in prompts)
+    if longest == 0:
+        raise Refused(400, "an empty prompt", param="prompt")
+    if limit is None:
+        limit = max(1, min(served.max_new_default, served.context - longest))
+    if longest + limit > served.context:
+        raise Refused(400, f"the prompt has {longest} tokens and max_tokens is {limit}: {longest + limit} positions, "
+                           f"past the model's context of {served.context} (pass fewer tokens)", param="max_tokens")
+    eos = _eos(served.gm.module)
+    kwargs = settings(body, limit, getattr(served.gm.module, "generation_config", None), eos)
+    kwargs["pad_token_id"] = _pad(served, eos)
+    prefix = "chatcmpl-" if isinstance(body, ChatRequest) else "cmpl-"
+    return Job(prefix + uuid.uuid4().hex, isinstance(body, ChatRequest), prompts, kwargs, echo, arrived)
+
+
+def _eos(model) -> List[int]:
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    return [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _pad(served: Served, eos: List[int]) -> int:
+    pad = getattr(served.tokenizer, "pad_token_id", None)
+    return int(pad) if pad is not None else (eos[0] if eos else 0)
+
+
+async def _first(pieces: AsyncIterator[Piece]) -> Piece:
+    try:
+        return await pieces.__anext__()
+    except BaseException:
+        await pieces.aclose()  # type: ignore[attr-defined]
+        raise
+
+
+async def _unless_gone(request: Request, work):
+    """``work``'s result, or None (and ``work`` cancelled) once the client has gone."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    logger.info("a client went away: its request was cancelled")
+    return None
+
+
+async def _disconnected(request: Request):
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _usage(job: Job, pieces: List[Piece]) -> Dict[str, int]:
+    prompt = sum(len(p) for p in job.prompts)
+    made = sum(p.tokens for p in pieces if p.finish is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
+
+
+def _head(served: Served, job: Job) -> Dict[str, Any]:
+    return {"id": job.id, "object": "chat.completion" if job.chat else "text_completion",
+            "created": int(time.time()), "model": served.name, "system_fingerprint": None}
+
+
+async def _whole(served: Served, metrics: Metrics, job: Job, body: Sampling, pieces: AsyncIterator[Piece]):
+    n = body.n
+    texts = [job.echo[i // n] for i in range(len(job.prompts) * n)]
+    ends: List[Piece] = []
+    async for p in pieces:
+        texts[p.index] += p.text
+        if p.finish is not None:
+            ends.append(p)
+    finishes = {p.index: p.finish for p in ends}
+    if job.chat:
+        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+                    "finish_reason": finishes[i]} for i, t in enumerate(texts)]
+    else:
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": finishes[i]}
+                   for i, t in enumerate(texts)]
+    usage = _usage(job, ends)
+    _log(metrics, job, usage, "done")
+    return dict(_head(served, job), choices=choices, usage=usage)
+
+
+def _log(metrics: Metrics, job: Job, usage: Dict[str, int], how: str):
+    metrics.prompt_tokens.inc(usage["prompt_tokens"])
+    logger.info("%s %s: %d prompt tokens, %d generated, %.3f s", job.id, how, usage["prompt_tokens"],
+                usage["completion_tokens"], time.perf_counter() - job.arrived)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _events(served: Served, metrics: Metrics, job: Job, body: Sampling, first: Piece,
+                  pieces: AsyncIterator[Piece]) -> AsyncIterator[str]:
+    """The stream: each choice's first chunk (chat: its role; completions: the echo), then text
+    as it comes, each choice's end with its finish, the usage where asked for, ``[DONE]``."""
+    head = dict(_head(served, job), object="chat.completion.chunk" if job.chat else "text_completion")
+    usage_field = {"usage": None} if body.usage_in_stream() else {}
+    ends: List[Piece] = []
+    how = "cancelled"
+
+    def chunk(index: int, text: str, finish: Optional[str], role: bool = False) -> str:
+        if job.chat:
+            delta: Dict[str, Any] = ({"role": "assistant", "content": text} if role else
+                                     {"content": text} if text or finish is None else {})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        return _sse(dict(head, choices=[choice], **usage_field))
+
+    try:
+        for i in range(len(job.prompts) * body.n):
+            if job.chat or job.echo[i // body.n]:
+                yield chunk(i, job.echo[i // body.n], None, role=True)
+        async for p in _chain(first, pieces):
+            if p.finish is not None:
+                ends.append(p)
+            if p.text or p.finish is not None:
+                yield chunk(p.index, p.text, p.finish)
+        usage = _usage(job, ends)
+        if body.usage_in_stream():
+            yield _sse(dict(head, choices=[], usage=usage))
+        how = "done"
+        yield "data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 - the status was sent: the stream ends with the error
+        refused = as_refusal(e)
+        how = f"failed ({refused.message})"
+        logger.error("a streamed request failed: %s", refused.message, exc_info=e)
+        yield _sse(error_body(refused.message, refused.kind))
+        yield "data: [DONE]\n\n"
+    finally:
+        served.active -= 1
+        await pieces.aclose()  # type: ignore[attr-defined]
+        _log(metrics, job, _usage(job, ends), how)
+
+
+async def _chain(first: Piece, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    yield first
+    async for p in rest:
+        yield p
+

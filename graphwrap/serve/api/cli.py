@@ -1,0 +1,114 @@
+"""``python -m graphwrap serve MODEL``: load a Hugging Face causal LM and its tokenizer, wrap
+the model, and serve the OpenAI API over HTTP until SIGTERM or Ctrl-C; then take no new
+requests (503), let those running finish within ``--drain`` seconds, cancel the rest, and exit.
+"""
+
+import argparse
+import logging
+import sys
+from typing import List, Optional
+
+logger = logging.getLogger("graphwrap.serve")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m graphwrap serve", description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="a Hugging Face model directory, or a hub id already in the local cache")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--served-model-name", default=None, help="the name clients ask for (default: MODEL)")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"),
+                    help="auto: the checkpoint's dtype on a GPU, float32 on a CPU")
+    ap.add_argument("--device", default=None, help="default: cuda where there is one, else cpu")
+    ap.add_argument("--rows", type=int, default=None, help="sequences decoded at once (default 64)")
+    ap.add_argument("--max-len", type=int, default=None, help="positions a sequence may hold (default: the model's)")
+    ap.add_argument("--max-queue", type=int, default=None, help="sequences waiting for a row before 429 (default 4096)")
+    ap.add_argument("--cache-memory", type=float, default=None,
+                    help="share of the GPU memory free after the weights that the KV cache takes (default 0.7)")
+    ap.add_argument("--max-tokens-default", type=int, default=None,
+                    help="new tokens of a chat request without max_tokens: the context left, at most this (default 2048)")
+    ap.add_argument("--drain", type=float, default=30.0, help="seconds running requests get to finish at shutdown")
+    ap.add_argument("--log-level", default="info")
+    return ap
+
+
+def load(a: argparse.Namespace):
+    """The :class:`~.app.Served` of these arguments: the model loaded, wrapped and its decode batch made."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ...decoding.front import MAX_LEN, model_positions
+    from ...module import GraphedModule
+    from .app import MAX_NEW_DEFAULT, Served
+
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, a.dtype) if a.dtype != "auto" else ("auto" if device.type == "cuda" else torch.float32)
+    tok = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, local_files_only=True).to(device).eval()
+    decode = {k: v for k, v in (("rows", a.rows), ("max_len", a.max_len), ("max_queue", a.max_queue),
+                                ("cache_memory", a.cache_memory)) if v is not None}
+    gm = GraphedModule(model, decode=decode)
+    context = min([x for x in (a.max_len, model_positions(model.config)) if x] or [MAX_LEN])
+    # The batch is made now (its cache, its probe of the model), not on the first request.
+    first = tok.bos_token_id if tok.bos_token_id is not None else (tok.eos_token_id or 0)
+    gm.generate(torch.tensor([[first]]), max_new_tokens=1, do_sample=False, pad_token_id=first)
+    d = gm.stats().get("decode")
+    if d is None:
+        logger.warning("the shared decode batch does not serve this model: requests take turns on it, one at a time")
+    return Served(gm, tok, a.served_model_name or a.model, context, a.max_tokens_default or MAX_NEW_DEFAULT)
+
+
+def draining_server():
+    """uvicorn's Server, draining on the first SIGTERM or Ctrl-C: new requests get 503 while those
+    running (streams included) finish, then it stops, at the latest ``drain`` seconds later; a
+    second signal stops it at once. (uvicorn's own graceful shutdown may cut streams short: some
+    of its versions end them at the first signal.)"""
+    import time
+
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        def __init__(self, config, served, drain: float):
+            super().__init__(config)
+            self.served, self.drain = served, drain
+            self.until: Optional[float] = None
+
+        def handle_exit(self, sig, frame):
+            if self.until is not None:
+                return super().handle_exit(sig, frame)
+            logger.info("shutting down: no new requests; those running get %.0f s to finish", self.drain)
+            self.served.draining = True
+            self.until = time.monotonic() + self.drain
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.until is not None and (self.served.active == 0 or time.monotonic() > self.until):
+                if self.served.active:
+                    logger.warning("%d requests were still running at the end of the drain: cancelled",
+                                   self.served.active)
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+    return Draining
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        import uvicorn
+    except ImportError:
+        print("python -m graphwrap serve needs FastAPI and uvicorn: pip install 'graphwrap[serve]'", file=sys.stderr)
+        return 2
+    from .app import make_app
+
+    Draining = draining_server()
+    served = load(a)
+    app = make_app(served)
+
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=1)
+    logger.info("serving %s at http://%s:%d/v1", served.name, a.host, a.port)
+    Draining(config, served, a.drain).run()
+    done = served.gm.close(cancel=True, timeout=a.drain)
+    app.state.client.close()
+    logger.info("stopped%s", "" if done else " (the decode batch was still finishing)")
+    return 0

@@ -1,0 +1,127 @@
+"""``GET /metrics``: the server's counts in Prometheus' text format (version 0.0.4), written
+here (no client library): counters and histograms the requests feed, and gauges read from the
+shared batch's ``stats()`` when scraped."""
+
+import bisect
+import threading
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+           80.0)
+PREFIX = "graphwrap_"
+
+
+def _labels(labels: Tuple[Tuple[str, str], ...]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}"
+
+
+class Counter:
+    def __init__(self, name: str, help: str):
+        self.name, self.help = PREFIX + name, help
+        self.values: Dict[Tuple[Tuple[str, str], ...], float] = {}
+        self.lock = threading.Lock()
+
+    def inc(self, amount: float = 1.0, **labels: str):
+        key = tuple(sorted(labels.items()))
+        with self.lock:
+            self.values[key] = self.values.get(key, 0.0) + amount
+
+    def get(self, **labels: str) -> float:
+        return self.values.get(tuple(sorted(labels.items())), 0.0)
+
+    def lines(self) -> List[str]:
+        with self.lock:
+            items = sorted(self.values.items())
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
+        return out + [f"{self.name}{_labels(k)} {v:g}" for k, v in (items or [((), 0.0)])]
+
+
+class Histogram:
+    def __init__(self, name: str, help: str, buckets: Sequence[float] = LATENCY):
+        self.name, self.help, self.buckets = PREFIX + name, help, tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+        self.lock = threading.Lock()
+
+    def observe(self, seconds: float):
+        i = bisect.bisect_left(self.buckets, seconds)
+        with self.lock:
+            self.counts[i] += 1
+            self.sum += seconds
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def lines(self) -> List[str]:
+        with self.lock:
+            counts, total = list(self.counts), self.sum
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        running = 0
+        for le, c in zip(list(self.buckets) + [float("inf")], counts):
+            running += c
+            out.append(f'{self.name}_bucket{{le="{"+Inf" if le == float("inf") else f"{le:g}"}"}} {running}')
+        return out + [f"{self.name}_sum {total:g}", f"{self.name}_count {running}"]
+
+
+def gauge(name: str, help: str, value: Optional[float]) -> List[str]:
+    if value is None:
+        return []
+    return [f"# HELP {PREFIX}{name} {help}", f"# TYPE {PREFIX}{name} gauge", f"{PREFIX}{name} {value:g}"]
+
+
+class Metrics:
+    """What the server counts itself; :meth:`render` adds the batch's gauges."""
+
+    def __init__(self):
+        self.requests = Counter("requests_total", "HTTP requests answered, by endpoint and status.")
+        self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens of the requests served.")
+        self.generation_tokens = Counter("generation_tokens_total", "Tokens generated for the requests.")
+        self.ttft = Histogram("time_to_first_token_seconds", "From a request's arrival to its first token.")
+        self.tpot = Histogram("time_per_output_token_seconds", "Between the tokens of a sequence, on average.")
+        self.e2e = Histogram("request_latency_seconds", "From a request's arrival to its last token.")
+
+    def render(self, stats: dict, running: int) -> str:
+        out: List[str] = []
+        for m in (self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e):
+            out += m.lines()
+        out += gauge("requests_running", "HTTP requests being answered (streams until their end).", running)
+        for name, help, value in batch_gauges(stats):
+            out += gauge(name, help, value)
+        return "\n".join(out) + "\n"
+
+
+def batch_gauges(stats: dict) -> Iterable[Tuple[str, str, Optional[float]]]:
+    """What the shared batch says of itself (nothing before it is made)."""
+    d = stats.get("decode")
+    if not isinstance(d, dict):
+        return []
+    blocks = d.get("cache_blocks") or {}
+    waits = d.get("queue_wait_ms") or {}
+    step = d.get("step") or {}
+    return [
+        ("sequences_running", "Sequences holding a row of the shared batch.", d.get("rows_busy")),
+        ("sequences_queued", "Sequences waiting for a row.", d.get("queued")),
+        ("rows", "Rows of the shared batch.", d.get("rows")),
+        ("cache_blocks_used", "Blocks of the paged KV cache in use.", blocks.get("used")),
+        ("cache_blocks_free", "Blocks of the paged KV cache free.", blocks.get("free")),
+        ("cache_bytes", "Bytes of the KV cache.", d.get("cache_bytes")),
+        ("decode_steps", "Decode steps run (one for every live row at once).", d.get("steps")),
+        ("step_replays", "Decode steps served by a CUDA graph's replay.", _sum(step, "replays")),
+        ("step_eager_calls", "Decode steps run eagerly.", _eager(step)),
+        ("queue_wait_p50_seconds", "Median wait for a row, over the last 10,000 sequences.",
+         None if waits.get("p50") is None else waits["p50"] / 1e3),
+        ("queue_wait_p99_seconds", "99th percentile of the wait for a row, over the last 10,000 sequences.",
+         None if waits.get("p99") is None else waits["p99"] / 1e3),
+    ]
+
+
+def _sum(engine: dict, name: str) -> float:
+    return float(sum(b.get(name, 0) for k in engine.get("keys", []) for b in k.get("buckets", {}).values()))
+
+
+def _eager(engine: dict) -> float:
+    """Eager calls for a reason (no CUDA, say) and by choice (eager measured faster)."""
+    return float(sum((engine.get("eager_calls") or {}).values()) + engine.get("eager_by_choice", 0))

@@ -1,0 +1,73 @@
+"""A sequence's text as its tokens come: decoded a piece at a time, and cut at a stop string.
+
+:class:`Detokenizer` decodes the new tokens against a few before them (a tokenizer's first
+token of a text decodes differently from the same token after others: a word's leading space),
+and holds back a piece that ends inside a character (bytes of UTF-8 split over tokens decode to
+U+FFFD until the rest comes). :class:`StopText` passes text on, holding back the end that could
+be the start of a stop string, and cuts at the first stop string found (it is not part of the
+text, as the API has it).
+"""
+
+from typing import List, Sequence, Tuple
+
+CONTEXT = 5  # tokens of the prompt decoded before the first new one
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, prompt: Sequence[int]):
+        self.tok = tokenizer
+        self.ids: List[int] = list(prompt[-CONTEXT:])
+        self.prefix = 0  # ids[prefix:read] decoded to the text already given out (with what came before)
+        self.read = len(self.ids)
+
+    def _decode(self, ids: List[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, token: int) -> str:
+        """The text that ``token`` adds (empty while a character is incomplete)."""
+        self.ids.append(token)
+        before = self._decode(self.ids[self.prefix:self.read])
+        now = self._decode(self.ids[self.prefix:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return now[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """What is held back, once no token will come."""
+        before = self._decode(self.ids[self.prefix:self.read])
+        now = self._decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return now[len(before):] if len(now) > len(before) else ""
+
+
+class StopText:
+    def __init__(self, stops: Sequence[str]):
+        self.stops = list(stops)
+        self.held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> Tuple[str, bool]:
+        """``(text to give out, whether a stop string ended the sequence)``."""
+        if self.stopped:
+            return "", True
+        text = self.held + text
+        if not self.stops:
+            self.held = ""
+            return text, False
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.held, self.stopped = "", True
+            return text[:cut], True
+        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], False
+
+    def flush(self, text: str = "") -> str:
+        """The rest of the text, once no token will come (cut at a stop string in ``text``)."""
+        out, _ = self.feed(text)
+        if self.stopped:
+            return out
+        rest, self.held = self.held, ""
+        return out + rest

@@ -1,0 +1,418 @@
+"""The OpenAI-compatible server (``python -m graphwrap serve``) over HTTP on a CPU: a tiny GPT-2 and
+tokenizer made on the spot (tests/tiny_lm.py), the app served by uvicorn in a thread, requests
+sent with the standard library. Its answers are ``model.generate``'s tokens, decoded; every bad
+request ends alone with its status; a client that goes away frees its row."""
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+uvicorn = pytest.importorskip("uvicorn", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+
+import tiny_lm  # noqa: E402
+from helpers import free_port  # noqa: E402
+
+from graphwrap.serve.api import cli, make_app  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _args(path, **kw):
+    a = cli.parser().parse_args([path])
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+class Running:
+    """An app served by uvicorn on a thread of this process."""
+
+    def __init__(self, served):
+        self.served, self.app, self.port = served, make_app(served), free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.served.gm.close(cancel=True, timeout=30)
+        self.app.state.client.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_lm.make(str(tmp_path_factory.mktemp("tiny_lm")))
+
+
+@pytest.fixture(scope="module")
+def srv(model_dir):
+    r = Running(cli.load(_args(model_dir, served_model_name="tiny", rows=4, max_queue=4)))
+    yield r
+    r.stop()
+
+
+def post(port, path, body, timeout=60):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    c.request("POST", path, data, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    out = r.status, json.loads(r.read()), {k.lower(): v for k, v in r.getheaders()}
+    c.close()
+    return out
+
+
+def events(port, path, body, timeout=60):
+    """A streamed answer: (status, the data of each event, JSON decoded, "[DONE]" as is)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("POST", path, json.dumps(dict(body, stream=True)).encode(), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        return r.status, [json.loads(r.read())]
+    out = []
+    for line in r.read().decode().split("\n"):
+        if line.startswith("data: "):
+            out.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+    c.close()
+    return r.status, out
+
+
+def greedy(srv, ids, n):
+    """``model.generate``'s new tokens for ``ids`` and the text they decode to."""
+    m, tok = srv.served.gm.module, srv.served.tokenizer
+    out = m.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
+    new = out[0, len(ids):].tolist()
+    return new, tok.decode(new, skip_special_tokens=True)
+
+
+def _wait(cond, seconds=20.0):
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _decode_stats(srv):
+    return srv.served.gm.stats()["decode"]
+
+
+def test_completions_give_generate_s_tokens_decoded_whole_and_streamed(srv):
+    tok = srv.served.tokenizer
+    ids = tok("the quick brown")["input_ids"]
+    new, text = greedy(srv, ids, 12)
+    status, body, _ = post(srv.port, "/v1/completions", {"model": "tiny", "prompt": "the quick brown",
+                                                          "max_tokens": 12, "temperature": 0})
+    assert status == 200, body
+    assert body["object"] == "text_completion" and body["model"] == "tiny"
+    (choice,) = body["choices"]
+    assert choice["text"] == text
+    assert choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 12, "total_tokens": len(ids) + 12}
+    # the same as token ids, streamed, with the usage asked for
+    status, evs = events(srv.port, "/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0,
+                                                       "stream_options": {"include_usage": True}})
+    assert status == 200 and evs[-1] == "[DONE]"
+    chunks = evs[:-2]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert all(c["usage"] is None for c in chunks)
+    assert evs[-2]["choices"] == [] and evs[-2]["usage"]["completion_tokens"] == 12
+    # echo: the prompt first
+    status, body, _ = post(srv.port, "/v1/completions", {"prompt": "the quick brown", "max_tokens": 12,
+                                                          "temperature": 0, "echo": True})
+    assert body["choices"][0]["text"] == "the quick brown" + text
+
+
+def test_chat_uses_the_template_and_streams_the_role_first(srv):
+    tok = srv.served.tokenizer
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text",
+                                                                                       "text": "a shared batch"}]}]
+    text = tok.apply_chat_template([{"role": "system", "content": "be brief"},
+                                    {"role": "user", "content": "a shared batch"}], tokenize=False,
+                                   add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    _, want = greedy(srv, ids, 10)
+    status, body, _ = post(srv.port, "/v1/chat/completions", {"messages": messages, "max_tokens": 10,
+                                                               "temperature": 0})
+    assert status == 200, body
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": want}
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    status, evs = events(srv.port, "/v1/chat/completions", {"messages": messages, "max_completion_tokens": 10,
+                                                            "temperature": 0})
+    assert evs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["object"] == "chat.completion.chunk" for e in evs[:-1])
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in evs[:-1]) == want
+    assert evs[-2]["choices"][0]["finish_reason"] == "length" and evs[-2]["choices"][0]["delta"] == {}
+
+
+def test_sampling_with_a_seed_repeats_and_n_gives_distinct_choices(srv):
+    body = {"prompt": "graphs replay", "max_tokens": 16, "n": 3, "seed": 7, "temperature": 1.0}
+    s1, a, _ = post(srv.port, "/v1/completions", body)
+    s2, b, _ = post(srv.port, "/v1/completions", body)
+    assert s1 == s2 == 200
+    ta = [c["text"] for c in sorted(a["choices"], key=lambda c: c["index"])]
+    tb = [c["text"] for c in sorted(b["choices"], key=lambda c: c["index"])]
+    assert ta == tb
+    assert len(set(ta)) > 1  # three draws of 16 tokens over ~380 ids
+    assert a["usage"]["completion_tokens"] == 48
+    # streamed: the same texts, choice by choice
+    _, evs = events(srv.port, "/v1/completions", body)
+    streamed = ["", "", ""]
+    for e in evs[:-1]:
+        c = e["choices"][0]
+        streamed[c["index"]] += c["text"]
+    assert streamed == ta
+    # several prompts: choice i * n + j is prompt i's
+    _, c, _ = post(srv.port, "/v1/completions", {"prompt": ["the quick", "a shared"], "max_tokens": 4,
+                                                 "temperature": 0, "n": 2})
+    texts = [x["text"] for x in sorted(c["choices"], key=lambda x: x["index"])]
+    tok = srv.served.tokenizer
+    assert texts[0] == texts[1] == greedy(srv, tok("the quick")["input_ids"], 4)[1]
+    assert texts[2] == texts[3] == greedy(srv, tok("a shared")["input_ids"], 4)[1]
+
+
+def test_a_stop_string_cuts_the_text_and_frees_the_row(srv):
+    tok = srv.served.tokenizer
+    ids = tok("the lazy")["input_ids"]
+    new, text = greedy(srv, ids, 40)
+    # a stop string from the middle of the greedy text (ending it early)
+    pieces = [tok.decode(new[:k], skip_special_tokens=True) for k in range(1, len(new))]
+    k = next(i for i in range(3, len(pieces)) if len(pieces[i]) > len(pieces[2]) + 1 and "\ufffd" not in pieces[i])
+    stop = pieces[k][len(pieces[2]):len(pieces[2]) + 2]
+    want = text[:text.index(stop)]
+    before = _decode_stats(srv)["cancelled"]
+    for stream in (False, True):
+        req = {"prompt": ids, "max_tokens": 40, "temperature": 0, "stop": [stop, "\u2603never"]}
+        if stream:
+            _, evs = events(srv.port, "/v1/completions", req)
+            got = "".join(e["choices"][0]["text"] for e in evs[:-1])
+            finish = evs[-2]["choices"][0]["finish_reason"]
+        else:
+            _, body, _ = post(srv.port, "/v1/completions", req)
+            got, finish = body["choices"][0]["text"], body["choices"][0]["finish_reason"]
+            assert body["usage"]["completion_tokens"] < 40
+        assert got == want and finish == "stop"
+    _wait(lambda: _decode_stats(srv)["cancelled"] >= before + 2 and _decode_stats(srv)["rows_busy"] == 0)
+    # a stop token id ends the sequence with it, as an end-of-sequence id would
+    _, body, _ = post(srv.port, "/v1/completions", {"prompt": ids, "max_tokens": 40, "temperature": 0,
+                                                     "stop_token_ids": [new[5]]})
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == new.index(new[5]) + 1
+
+
+@pytest.mark.parametrize("body,status,words", [
+    ({"prompt": "x", "max_tokens": 2, "frobnicate": 1}, 400, "frobnicate"),
+    ({"prompt": "x", "max_tokens": 2, "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "x", "max_tokens": 2, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "max_tokens": 2, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": "x", "max_tokens": 300}, 400, "context of 256"),
+    ({"prompt": [5, 99999], "max_tokens": 2}, 400, "outside the model's vocabulary"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "not served here"),
+    ({"prompt": []}, 400, "empty prompt"),
+    (b"{not json", 400, "JSON"),
+])
+def test_bad_requests_get_their_status_and_the_reason(srv, body, status, words):
+    got, answer, _ = post(srv.port, "/v1/completions", body)
+    assert got == status, answer
+    assert words.lower() in answer["error"]["message"].lower() or words.lower() in json.dumps(answer).lower()
+    # the server goes on
+    ok, again, _ = post(srv.port, "/v1/completions", {"prompt": "the", "max_tokens": 2, "temperature": 0})
+    assert ok == 200 and again["usage"]["completion_tokens"] == 2
+
+
+def test_chat_messages_are_checked(srv):
+    s, body, _ = post(srv.port, "/v1/chat/completions", {"messages": [], "max_tokens": 2})
+    assert s == 400 and "messages" in body["error"]["message"]
+    s, body, _ = post(srv.port, "/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]})
+    assert s == 400 and "text parts" in body["error"]["message"]
+    s, body, _ = post(srv.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                          "tools": [{"type": "function"}]})
+    assert s == 400 and "tools" in body["error"]["message"]
+
+
+class _Slow:
+    """A forward hook that makes each call of the model take ``seconds`` (and fail on ``bad``)."""
+
+    def __init__(self, model, seconds, bad=None):
+        self.seconds, self.bad = seconds, bad
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if self.bad is not None and ids is not None and bool((ids == self.bad).any()):
+            raise RuntimeError("the model refuses this prompt")
+        time.sleep(self.seconds)
+
+    def remove(self):
+        self.handle.remove()
+
+
+def test_a_client_that_goes_away_frees_its_row(srv):
+    model = srv.served.gm.module
+    slow = _Slow(model, 0.02)
+    try:
+        before = _decode_stats(srv)["cancelled"]
+        # streamed: read a chunk, then hang up
+        c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        c.request("POST", "/v1/completions", json.dumps({"prompt": "the", "max_tokens": 200, "stream": True}),
+                  {"Content-Type": "application/json"})
+        r = c.getresponse()
+        assert r.status == 200
+        r.readline()
+        c.sock.close()
+        c.close()
+        _wait(lambda: _decode_stats(srv)["cancelled"] >= before + 1, 15)
+        # whole: hang up while it runs
+        c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        c.request("POST", "/v1/completions", json.dumps({"prompt": "the", "max_tokens": 200}),
+                  {"Content-Type": "application/json"})
+        _wait(lambda: _decode_stats(srv)["rows_busy"] == 1, 15)
+        c.sock.close()
+        c.close()
+        _wait(lambda: _decode_stats(srv)["cancelled"] >= before + 2 and _decode_stats(srv)["rows_busy"] == 0, 15)
+    finally:
+        slow.remove()
+
+
+def test_a_full_queue_answers_429_and_a_failing_request_fails_alone(srv):
+    model, tok = srv.served.gm.module, srv.served.tokenizer
+    bad = tok("fox")["input_ids"][0]
+    slow = _Slow(model, 0.01, bad=bad)
+    try:
+        results = {}
+
+        def send(name, body):
+            results[name] = post(srv.port, "/v1/completions", body)
+
+        # 4 rows and a queue of 4: 12 long requests at once, some must be refused
+        threads = [threading.Thread(target=send, args=(i, {"prompt": "the", "max_tokens": 60, "temperature": 0}))
+                   for i in range(12)]
+        threads.append(threading.Thread(target=send, args=("bad", {"prompt": "fox", "max_tokens": 5})))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        statuses = [results[i][0] for i in range(12)]
+        assert statuses.count(429) >= 1 and statuses.count(200) >= 4, statuses
+        for i in range(12):
+            status, body, headers = results[i]
+            if status == 429:
+                assert headers.get("retry-after") == "1" and "queue is full" in body["error"]["message"]
+        texts = {results[i][1]["choices"][0]["text"] for i in range(12) if results[i][0] == 200}
+        assert texts == {greedy(srv, tok("the")["input_ids"], 60)[1]}
+        status, body, _ = results["bad"]
+        if status != 429:
+            assert status == 500 and "refuses this prompt" in body["error"]["message"]
+        status, body, _ = post(srv.port, "/v1/completions", {"prompt": "fox", "max_tokens": 5})
+        assert status == 500 and "refuses this prompt" in body["error"]["message"]
+        status, evs = events(srv.port, "/v1/completions", {"prompt": "fox jumps", "max_tokens": 5})
+        assert status == 500 and "refuses this prompt" in evs[0]["error"]["message"]
+    finally:
+        slow.remove()
+    status, _, _ = post(srv.port, "/v1/completions", {"prompt": "the", "max_tokens": 3})
+    assert status == 200
+
+
+def test_models_health_and_metrics(srv):
+    c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    c.request("GET", "/v1/models")
+    models = json.loads(c.getresponse().read())
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 256
+    post(srv.port, "/v1/completions", {"prompt": "the", "max_tokens": 3})
+    c.request("GET", "/metrics")
+    text = c.getresponse().read().decode()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['graphwrap_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+    assert values["graphwrap_generation_tokens_total"] >= 3
+    assert values["graphwrap_time_to_first_token_seconds_count"] >= 1
+    assert values['graphwrap_time_to_first_token_seconds_bucket{le="+Inf"}'] == \
+        values["graphwrap_time_to_first_token_seconds_count"]
+    assert values["graphwrap_rows"] == 4 and "graphwrap_sequences_running" in values
+    assert "graphwrap_cache_blocks_used" in values and "graphwrap_step_eager_calls" in values
+    c.request("GET", "/health")
+    r = c.getresponse()
+    assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    srv.served.draining = True
+    try:
+        c.request("GET", "/health")
+        r = c.getresponse()
+        r.read()
+        assert r.status == 503
+        status, body, headers = post(srv.port, "/v1/completions", {"prompt": "the", "max_tokens": 3})
+        assert status == 503 and headers.get("retry-after") == "1" and "shutting down" in body["error"]["message"]
+    finally:
+        srv.served.draining = False
+    c.close()
+
+
+def test_sigterm_lets_running_requests_finish_and_refuses_new_ones(model_dir):
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen([sys.executable, "-m", "graphwrap", "serve", model_dir, "--port", str(port), "--drain", "20"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert p.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        c.request("POST", "/v1/completions", json.dumps({"prompt": "the", "max_tokens": 240, "temperature": 0,
+                                                         "stream": True}), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        assert r.status == 200
+        r.readline()
+        p.send_signal(signal.SIGTERM)
+        rest = r.read().decode()
+        assert rest.rstrip().endswith("data: [DONE]")
+        assert '"finish_reason":"length"' in rest
+        assert p.wait(60) == 0
+        with pytest.raises(OSError):
+            c2 = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c2.request("GET", "/health")
+            c2.getresponse()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        log = p.stdout.read() if p.stdout else ""
+    assert "shutting down" in log, log
+
+
+def test_settings_follow_the_api_and_the_model_s_defaults():
+    from graphwrap.serve.api.schemas import CompletionRequest, settings
+
+    gen = argparse.Namespace(do_sample=True, temperature=0.6, top_p=0.9, top_k=40)
+    kw = settings(CompletionRequest(prompt="x"), 5, gen, [2])
+    assert kw == dict(max_new_tokens=5, min_new_tokens=0, repetition_penalty=1.0, eos_token_id=[2], do_sample=True,
+                      temperature=0.6, top_p=0.9, top_k=40)
+    greedy_model = argparse.Namespace(do_sample=False, temperature=1.0, top_p=1.0, top_k=50)
+    kw = settings(CompletionRequest(prompt="x", top_p=0.5, stop_token_ids=[7, 2]), 5, greedy_model, [2])
+    assert kw["do_sample"] and kw["temperature"] == 1.0 and kw["top_p"] == 0.5 and kw["top_k"] == 0
+    assert kw["eos_token_id"] == [2, 7]
+    kw = settings(CompletionRequest(prompt="x", temperature=0, ignore_eos=True), 5, gen, [2])
+    assert kw["do_sample"] is False and kw["eos_token_id"] == []

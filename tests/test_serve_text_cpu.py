@@ -1,0 +1,62 @@
+"""The server's text of a sequence: stop strings cut wherever the pieces split them, and tokens
+decoded a piece at a time give the text decoded whole (graphwrap.serve.api.text, no model)."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("fastapi", reason='needs FastAPI: pip install -e ".[serve]"')
+
+from graphwrap.serve.api.text import Detokenizer, StopText  # noqa: E402
+
+
+def _cut(text, stops):
+    at = [text.find(s) for s in stops if s in text]
+    return (text[:min(at)], True) if at else (text, False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abc ", max_size=40), stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4),
+                                                                   max_size=3), cuts=st.lists(st.integers(0, 40)))
+def test_stop_text_cuts_at_the_first_stop_string_however_the_text_is_split(text, stops, cuts):
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    s = StopText(stops)
+    out, hit = "", False
+    for a, b in zip(bounds, bounds[1:]):
+        piece, hit = s.feed(text[a:b])
+        out += piece
+        if hit:
+            break
+    if not hit:
+        out += s.flush()
+    assert (out, hit or s.stopped) == _cut(text, stops)
+
+
+def test_stop_text_holds_back_only_what_could_start_a_stop_string():
+    s = StopText(["</end>"])
+    assert s.feed("hello <") == ("hello ", False)
+    assert s.feed("/e") == ("", False)
+    assert s.feed("x more") == ("</ex more", False)
+    assert s.feed(" </end> after") == (" ", True)
+    assert s.feed("later") == ("", True)
+
+
+class _Bytes:
+    """A tokenizer of one byte a token: a character of several bytes spans several tokens."""
+
+    def decode(self, ids, **kw):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_the_detokenizer_gives_the_whole_text_and_never_half_a_character():
+    text = "héllo 東京 ok"
+    ids = list(text.encode())
+    d = Detokenizer(_Bytes(), list(b"prompt "))
+    pieces = [d.add(t) for t in ids]
+    assert "".join(pieces) + d.flush() == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert [p for p in pieces if p] == ["h", "é", "l", "l", "o", " ", "東", "京", " ", "o", "k"]
+    # bytes that never make a character come out as U+FFFD once no token will come
+    d = Detokenizer(_Bytes(), [])
+    assert d.add(0xE6) == "" and d.add(0x9D) == ""
+    assert d.flush() == "\ufffd"
