@@ -5,7 +5,10 @@ process of its own, driven by the official ``openai`` client from this process.
 A burst is 64 streamed completions sent at once (prompts of 16 to 128 tokens, ``max_tokens``
 32 to 256, greedy, the same for every server and burst); each server gets its first burst (what
 a user meets after start-up) reported apart, then ``--bursts`` warm ones (median and spread).
-Per burst: output tokens per second (the usage the server reports, over the burst's wall time),
+The requests are spread over ``--clients`` processes (one client process parsing every
+chunk would set the pace). The row "in-process" is ``gm.generate`` from a thread per request in
+a process of its own, no server: what the server costs is the difference. Per burst: output
+tokens per second (the usage the server reports, over the burst's wall time),
 time to first token and the gaps between chunks (p50 and p99 over every request).
 
 The model is made here with random weights (fp16 on a GPU) and saved with a word-level
@@ -17,7 +20,9 @@ words is k tokens. Needs the ``openai`` package, FastAPI and uvicorn.
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -30,6 +35,7 @@ import urllib.request
 from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 SERVERS = {
     "graphwrap": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
                                   "--served-model-name", d],
@@ -95,20 +101,83 @@ async def one(client, model: str, req: dict) -> dict:
     return {"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": usage or 0}
 
 
-async def burst(base: str, model: str, reqs: List[dict]) -> dict:
+async def _requests(base: str, model: str, reqs: List[dict]) -> List[dict]:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
-    t0 = time.perf_counter()
     out = await asyncio.gather(*(one(client, model, r) for r in reqs))
-    wall = time.perf_counter() - t0
     await client.close()
+    return list(out)
+
+
+def _part(args) -> List[dict]:
+    return asyncio.run(_requests(*args))
+
+
+def burst(pool, base: str, model: str, reqs: List[dict]) -> dict:
+    """The requests sent at once from the pool's client processes (one process would be the
+    bottleneck: the client's own parsing of every chunk); wall time from the first sent to the
+    last answered."""
+    k = pool._max_workers
+    parts = [(base, model, reqs[i::k]) for i in range(k)]
+    t0 = time.perf_counter()
+    out = [o for part in pool.map(_part, parts) for o in part]
+    return summary(out, time.perf_counter() - t0)
+
+
+def summary(out: List[dict], wall: float) -> dict:
     gaps = sorted(g for o in out for g in o["gaps"])
     ttft = sorted(o["ttft"] for o in out)
     tokens = sum(o["tokens"] for o in out)
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
             "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
             "gap_p50_ms": 1e3 * pct(gaps, 50) if gaps else None, "gap_p99_ms": 1e3 * pct(gaps, 99) if gaps else None}
+
+
+def in_process(model_dir: str, reqs: List[dict], bursts: int) -> dict:
+    """The same requests through gm.generate from a thread each, in this process (what the
+    server adds is the difference): tokens, time to first token through a streamer."""
+    import threading
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import graphwrap
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
+    gm = graphwrap.GraphedModule(model)
+    ids = [torch.tensor([[int(w[1:]) for w in r["prompt"].split()]]) for r in reqs]
+
+    class Clock:
+        def __init__(self):
+            self.t0, self.times, self.n = time.perf_counter(), [], 0
+
+        def put(self, value):
+            self.n += 1
+            if self.n > 1:
+                self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    def run():
+        clocks = [Clock() for _ in reqs]
+        threads = [threading.Thread(target=gm.generate, args=(x,), kwargs=dict(
+            max_new_tokens=r["max_tokens"], do_sample=False, streamer=c)) for x, r, c in zip(ids, reqs, clocks)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        out = [{"ttft": c.times[0] - t0, "gaps": [b - a for a, b in zip(c.times, c.times[1:])],
+                "tokens": len(c.times)} for c in clocks]
+        return summary(out, wall)
+
+    first = run()
+    warm = [run() for _ in range(bursts)]
+    return {"server": "gm.generate in process", "ready_s": 0.0, "first": first, "warm": warm}
 
 
 def pct(xs: List[float], q: float) -> float:
@@ -121,7 +190,7 @@ def wait_ready(port: int, proc, seconds: float) -> float:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                 if r.status == 200:
                     return time.perf_counter() - t0
         except OSError:
@@ -129,35 +198,51 @@ def wait_ready(port: int, proc, seconds: float) -> float:
     raise RuntimeError("the server did not answer in time")
 
 
-def race(name: str, model_dir: str, port: int, reqs: List[dict], bursts: int, log) -> dict:
+def race(name: str, model_dir: str, port: int, reqs: List[dict], bursts: int, log, clients: int) -> dict:
     proc = subprocess.Popen(SERVERS[name](model_dir, port), stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])))
     try:
-        ready = wait_ready(port, proc, 600)
+        ready = wait_ready(port, proc, 300)
         base = f"http://127.0.0.1:{port}/v1"
-        first = asyncio.run(burst(base, model_dir, reqs))
-        warm = [asyncio.run(burst(base, model_dir, reqs)) for _ in range(bursts)]
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(clients, mp_context=ctx) as pool:
+            list(pool.map(_imports, range(clients)))
+            first = burst(pool, base, model_dir, reqs)
+            warm = [burst(pool, base, model_dir, reqs) for _ in range(bursts)]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    tps = [w["tokens_per_s"] for w in warm]
-    return {"server": name, "ready_s": ready, "first": first, "warm": warm,
-            "warm_tokens_per_s_median": statistics.median(tps), "warm_tokens_per_s_min": min(tps),
-            "warm_tokens_per_s_max": max(tps)}
+    return with_spread({"server": name, "ready_s": ready, "first": first, "warm": warm})
+
+
+def with_spread(r: dict) -> dict:
+    tps = [w["tokens_per_s"] for w in r["warm"]]
+    return dict(r, warm_tokens_per_s_median=statistics.median(tps), warm_tokens_per_s_min=min(tps),
+                warm_tokens_per_s_max=max(tps))
+
+
+def _imports(_):
+    import openai  # noqa: F401 - each client process imports before the first burst
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama-1b"))
-    ap.add_argument("--servers", default="graphwrap,transformers-graphs")
+    ap.add_argument("--servers", default="in-process,graphwrap,transformers-graphs",
+                    help=f"of in-process (gm.generate from threads, no server), {', '.join(SERVERS)}")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--bursts", type=int, default=3)
     ap.add_argument("--port", type=int, default=8911)
+    ap.add_argument("--clients", type=int, default=4, help="client processes the requests are spread over")
+    ap.add_argument("--in-process", default=None, help=argparse.SUPPRESS)  # (a model directory: the in-process row)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.in_process:
+        print(json.dumps(with_spread(in_process(a.in_process, workload(a.requests), a.bursts))))
+        return
     import torch
     import transformers
 
@@ -170,7 +255,13 @@ def main():
     for name in a.servers.split(","):
         with open(os.path.join(out_dir, f"server-{name}-{a.model}.log"), "w") as log:
             try:
-                results[name] = race(name, model_dir, a.port, reqs, a.bursts, log)
+                if name == "in-process":  # a process of its own too: the servers then get the GPU's memory
+                    got = subprocess.run([sys.executable, __file__, "--in-process", model_dir, "--requests",
+                                          str(a.requests), "--bursts", str(a.bursts)], stdout=subprocess.PIPE,
+                                         stderr=log, text=True, timeout=600, check=True)
+                    results[name] = json.loads(got.stdout.strip().splitlines()[-1])
+                else:
+                    results[name] = race(name, model_dir, a.port, reqs, a.bursts, log, a.clients)
             except Exception as e:  # noqa: BLE001 - the other servers still run; the reason is written down
                 results[name] = {"server": name, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(results[name]), flush=True)

@@ -52,11 +52,14 @@ def test_the_detokenizer_gives_the_whole_text_and_never_half_a_character():
     text = "héllo 東京 ok"
     ids = list(text.encode())
     d = Detokenizer(_Bytes(), list(b"prompt "))
-    pieces = [d.add(t) for t in ids]
+    pieces = [d.add([t]) for t in ids]
     assert "".join(pieces) + d.flush() == text
     assert not any("\ufffd" in p for p in pieces)
     assert [p for p in pieces if p] == ["h", "é", "l", "l", "o", " ", "東", "京", " ", "o", "k"]
     # bytes that never make a character come out as U+FFFD once no token will come
     d = Detokenizer(_Bytes(), [])
-    assert d.add(0xE6) == "" and d.add(0x9D) == ""
+    assert d.add([0xE6]) == "" and d.add([0x9D]) == ""
     assert d.flush() == "\ufffd"
+    # several tokens at once (a stream that fell behind): the same text
+    d = Detokenizer(_Bytes(), [])
+    assert d.add(ids[:2]) + d.add(ids[2:9]) + d.add(ids[9:]) + d.flush() == text

@@ -9,9 +9,11 @@ disconnects, a task cancelled) cancels every call it has, in the ``finally`` of 
 
 import asyncio
 import concurrent.futures
+import threading
 import time
+import weakref
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,20 +42,46 @@ class Piece:
     tokens: int = 0
 
 
-class _Feed:
-    """A ``generate`` streamer into an asyncio queue (from the thread that delivers tokens)."""
+class _Inbox:
+    """Tokens for the sequences of one event loop, handed over in one wake-up of the loop however
+    many sequences got tokens meanwhile (a decode step's tokens come one sequence at a time, from
+    the batch's delivery workers; a wake-up per token would cost the loop more than the token)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: "asyncio.Queue[Any]"):
-        self.loop, self.queue, self.prompt = loop, queue, True
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()  # guards items and scheduled
+        self.items: List[Tuple["asyncio.Queue[Any]", Any]] = []
+        self.scheduled = False
+
+    def post(self, queue: "asyncio.Queue[Any]", item: Any):
+        with self.lock:
+            self.items.append((queue, item))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self):
+        with self.lock:
+            items, self.items, self.scheduled = self.items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+class _Feed:
+    """A ``generate`` streamer into a sequence's asyncio queue."""
+
+    def __init__(self, inbox: _Inbox, queue: "asyncio.Queue[Any]"):
+        self.inbox, self.queue, self.prompt = inbox, queue, True
 
     def put(self, value: torch.Tensor):
         if self.prompt:  # generate's streamer gets the prompt first
             self.prompt = False
             return
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, value.reshape(-1).tolist())
+        self.inbox.post(self.queue, value.reshape(-1).tolist())
 
     def end(self):
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, _END)
+        self.inbox.post(self.queue, _END)
 
 
 class Client:
@@ -62,11 +90,16 @@ class Client:
     def __init__(self, gm, tokenizer, metrics: Metrics):
         self.gm, self.tok, self.metrics = gm, tokenizer, metrics
         self.pool = concurrent.futures.ThreadPoolExecutor(SUBMITTERS, thread_name_prefix="graphwrap-submit")
+        self.inboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox]" = weakref.WeakKeyDictionary()
 
     async def choices(self, prompts: Sequence[List[int]], n: int, kwargs: Dict[str, Any], stops: Sequence[str],
                       seed: Optional[int], arrived: float) -> AsyncIterator[Piece]:
         """Every choice's pieces as they come (choice ``i * n + j`` is prompt ``i``'s ``j``-th),
         each choice's last piece with its finish. Leaving the loop early cancels what is left."""
+        if len(prompts) * n == 1:  # (no task between the sequence and the request: one less hop a token)
+            async for piece in self.sequence(0, prompts[0], kwargs, stops, seed, arrived):
+                yield piece
+            return
         out: "asyncio.Queue[Any]" = asyncio.Queue()
         tasks = []
         for i, ids in enumerate(prompts):
@@ -100,28 +133,35 @@ class Client:
                        seed: Optional[int], arrived: float) -> AsyncIterator[Piece]:
         """One sequence's pieces. Raises what queueing raised (QueueFull, GraphwrapError for a
         request the batch cannot hold) or what its call failed with."""
-        loop = asyncio.get_running_loop()
         queue: "asyncio.Queue[Any]" = asyncio.Queue()
-        call = dict(kwargs, streamer=_Feed(loop, queue))
+        call = dict(kwargs, streamer=_Feed(self._inbox(), queue))
         prompt = torch.tensor([ids], dtype=torch.long)
         future = await self._submit(prompt, call, seed)
         text, stop = Detokenizer(self.tok, ids), StopText(stops)
         count, first, last, finish = 0, None, None, None
         try:
-            while finish is None:
+            ended = False
+            while finish is None and not ended:
                 got = await queue.get()
-                if got is _END:
-                    break
-                for token in got:
-                    count += 1
-                    last = time.perf_counter()
-                    first = first if first is not None else last
-                    piece, hit = stop.feed(text.add(token))
-                    if hit:
-                        finish = "stop"
+                tokens: List[int] = []
+                while got is not _END:  # every token come meanwhile: one piece for them all
+                    tokens += got
+                    if queue.empty():
+                        break
+                    got = queue.get_nowait()
+                ended = got is _END
+                if not tokens:
+                    continue
+                last = time.perf_counter()
+                first = first if first is not None else last
+                # With stop strings, a token at a time: the count stops at the token that ended it.
+                for some in ([[t] for t in tokens] if stops else [tokens]):
+                    count += len(some)
+                    piece, hit = stop.feed(text.add(some))
                     if piece:
                         yield Piece(index, piece)
                     if hit:
+                        finish = "stop"
                         break
             if finish is None:
                 out = await asyncio.wrap_future(future)  # the call's error, if it failed
@@ -162,6 +202,13 @@ class Client:
             m.e2e.observe(last - arrived)
             if count > 1:
                 m.tpot.observe((last - first) / (count - 1))
+
+    def _inbox(self) -> _Inbox:
+        loop = asyncio.get_running_loop()
+        inbox = self.inboxes.get(loop)
+        if inbox is None:
+            inbox = self.inboxes[loop] = _Inbox(loop)
+        return inbox
 
     def close(self):
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -23,9 +23,9 @@ class Detokenizer:
     def _decode(self, ids: List[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def add(self, token: int) -> str:
-        """The text that ``token`` adds (empty while a character is incomplete)."""
-        self.ids.append(token)
+    def add(self, tokens: List[int]) -> str:
+        """The text that ``tokens`` add (empty while a character is incomplete)."""
+        self.ids.extend(tokens)
         before = self._decode(self.ids[self.prefix:self.read])
         now = self._decode(self.ids[self.prefix:])
         if len(now) > len(before) and not now.endswith("\ufffd"):
