@@ -2,6 +2,8 @@
 against model.generate alone (fp32, TF32 off: equal), sampling seeded alike alone and batched,
 errors, cancelling, compile=True."""
 
+import time
+
 import pytest
 import torch
 from helpers import thread_results
@@ -93,6 +95,39 @@ def test_a_bad_request_fails_alone_and_cancelling_frees_rows():
             assert torch.equal(f.result(timeout=120), model.generate(input_ids=ids, max_new_tokens=k, do_sample=False))
     assert gm.close(timeout=60)
     assert gm.stats().get("decode") is None or gm.stats()["decode"]["rows_busy"] == 0
+
+
+def test_a_lone_call_cancelled_mid_stream_gives_its_row_and_blocks_back_without_another_call():
+    """The batch was idle but for the cancelled call: its row and blocks come back at once, not
+    when the next call arrives (the decode thread used to wait with them held where the GPU had
+    handed every token out)."""
+    gm = GraphedModule(_model(), decode={"rows": 8})
+    gm.generate(input_ids=torch.tensor([[5, 6]], device=DEV), max_new_tokens=2)  # the batch made
+
+    class CancelAt:
+        future = None
+        n = 0
+
+        def put(self, value):
+            self.n += 1
+            if self.n == 4 and self.future is not None:
+                self.future.cancel()
+
+        def end(self):
+            pass
+
+    streamer = CancelAt()
+    streamer.future = gm.submit_generate(input_ids=torch.tensor([[5, 6, 7]], device=DEV), max_new_tokens=500,
+                                         streamer=streamer)
+    deadline = time.monotonic() + 10
+    while True:
+        d = gm.stats()["decode"]
+        if d["cancelled"] == 1 and d["rows_busy"] == 0 and d["cache_blocks"]["used"] == 0:
+            break
+        assert time.monotonic() < deadline, d
+        time.sleep(0.01)
+    assert streamer.future.cancelled() and d["done"] == 1
+    gm.close()
 
 
 def test_compile_true_serves_the_shared_batch_with_compiled_steps():

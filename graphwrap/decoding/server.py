@@ -270,7 +270,9 @@ class DecodeServer:
                 self.cond.notify_all()  # room in the queue
                 now = time.perf_counter()
                 self.waits.extend(now - s.submitted for s in admitted)
-            elif not self.inflight.queued and not self.sched.live() and not self.sched.chunking:
+            elif not self.inflight.queued and not any(s is not None for s in self.sched.holders):
+                # Idle: nothing to read and no row held (a sequence just cancelled or ended still
+                # holds its row and blocks: the turn goes on, and its retire gives them back).
                 if self.closed and not self.sched.queue:
                     return False
                 self._flush()  # (what a cancel just ended, before waiting)
