@@ -28,6 +28,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens-default", type=int, default=None,
                     help="new tokens of a chat request without max_tokens: the context left, at most this (default 2048)")
     ap.add_argument("--drain", type=float, default=30.0, help="seconds running requests get to finish at shutdown")
+    ap.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"),
+                    help="uvicorn's HTTP parser (auto: httptools where installed, as uvicorn[standard] does)")
+    ap.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"), help="uvicorn's event loop")
     ap.add_argument("--log-level", default="info")
     return ap
 
@@ -105,7 +108,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     served = load(a)
     app = make_app(served)
 
-    config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=1)
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=1,
+                            http=a.http, loop=a.loop)
     logger.info("serving %s at http://%s:%d/v1", served.name, a.host, a.port)
     Draining(config, served, a.drain).run()
     done = served.gm.close(cancel=True, timeout=a.drain)
