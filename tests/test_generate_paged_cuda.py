@@ -133,7 +133,7 @@ def test_thousands_of_requests_through_a_small_pool_leave_nothing_held(monkeypat
     thread_results(lambda i: gm.generate(input_ids=reqs[i % 64][0], max_new_tokens=reqs[i % 64][1],
                                          do_sample=False), 64)  # warm: the shapes captured
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    before, graphs = torch.cuda.memory_allocated(), _graph_bytes(gm)
     futs = [gm.submit_generate(reqs[i % 64][0], max_new_tokens=reqs[i % 64][1], do_sample=False)
             for i in range(3000)]
     outs = [f.result(timeout=300) for f in futs]
@@ -142,8 +142,16 @@ def test_thousands_of_requests_through_a_small_pool_leave_nothing_held(monkeypat
     d = gm.stats()["decode"]
     assert d["done"] == 3064 and d["cache_blocks"]["used"] == 0 and d["rows_busy"] == 0
     del outs, futs
-    assert torch.cuda.memory_allocated() <= before + 2**20, "memory grew over 3,000 requests"
+    # (a prompt join of a shape the warm-up did not make is captured meanwhile: its graph's memory
+    # is the batch's to keep, not a request's)
+    grown = torch.cuda.memory_allocated() - before - (_graph_bytes(gm) - graphs)
+    assert grown <= 2**20, f"memory grew by {grown} bytes over 3,000 requests, besides graphs captured"
     gm.close()
+
+
+def _graph_bytes(gm) -> int:
+    d = gm.stats()["decode"]
+    return sum(d[e]["graph_pool_bytes"] + d[e]["static_input_bytes"] for e in ("step", "prefill"))
 
 
 def test_a_sliding_window_model_shares_replayed_steps_read_in_place(monkeypatch):
