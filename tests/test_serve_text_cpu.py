@@ -11,12 +11,16 @@ from graphwrap.serve.api.text import Detokenizer, StopText  # noqa: E402
 
 
 def _cut(text, stops):
-    at = [text.find(s) for s in stops if s in text]
-    return (text[:min(at)], True) if at else (text, False)
+    """The text cut where, growing a character at a time, it first holds a stop string."""
+    for end in range(len(text) + 1):
+        ending = [s for s in stops if text[:end].endswith(s)]
+        if ending:
+            return text[:end - max(len(s) for s in ending)], True
+    return text, False
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=st.text(alphabet="abc ", max_size=40), stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4),
+@given(text=st.text(alphabet="abc ", max_size=40), stops=st.lists(st.text(alphabet="abc ", min_size=1, max_size=4),
                                                                    max_size=3), cuts=st.lists(st.integers(0, 40)))
 def test_stop_text_cuts_at_the_first_stop_string_however_the_text_is_split(text, stops, cuts):
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
@@ -30,6 +34,19 @@ def test_stop_text_cuts_at_the_first_stop_string_however_the_text_is_split(text,
     if not hit:
         out += s.flush()
     assert (out, hit or s.stopped) == _cut(text, stops)
+
+
+def test_the_stop_string_met_first_wins_however_the_text_comes():
+    # "c" is complete before "bca" is: a token at a time or all at once, the text stops at "b"
+    for pieces in (["b", "c", "a"], ["bca"]):
+        s = StopText(["bca", "c"])
+        out = ""
+        for p in pieces:
+            got, hit = s.feed(p)
+            out += got
+            if hit:
+                break
+        assert (out, hit) == ("b", True)
 
 
 def test_stop_text_holds_back_only_what_could_start_a_stop_string():

@@ -4,8 +4,8 @@
 token of a text decodes differently from the same token after others: a word's leading space),
 and holds back a piece that ends inside a character (bytes of UTF-8 split over tokens decode to
 U+FFFD until the rest comes). :class:`StopText` passes text on, holding back the end that could
-be the start of a stop string, and cuts at the first stop string found (it is not part of the
-text, as the API has it).
+be the start of a stop string, and cuts at the first stop string the text meets (it is not part
+of the text, as the API has it).
 """
 
 from typing import List, Sequence, Tuple
@@ -55,10 +55,13 @@ class StopText:
         if not self.stops:
             self.held = ""
             return text, False
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        # The stop string that a text growing a character at a time would meet first: the one that
+        # ends first (the longer where two end together), so that the cut is the same however the
+        # text was split into pieces.
+        found = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in self.stops) if i >= 0]
+        if found:
             self.held, self.stopped = "", True
-            return text[:cut], True
+            return text[:min(found)[1]], True
         keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
                     if text.endswith(s[:k])), default=0)
         self.held = text[len(text) - keep:] if keep else ""
