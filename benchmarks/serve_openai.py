@@ -39,8 +39,8 @@ sys.path.insert(0, ROOT)
 SERVERS = {
     "graphwrap": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
                                   "--served-model-name", d],
-    "graphwrap-uvloop": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
-                                         "--served-model-name", d, "--http", "httptools", "--loop", "uvloop"],
+    "graphwrap-h11": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
+                                      "--served-model-name", d, "--http", "h11", "--loop", "asyncio"],
     "transformers-graphs": lambda d, port: ["transformers", "serve", d, "--continuous-batching",
                                             "--cb-use-cuda-graph", "--port", str(port), "--host", "127.0.0.1"],
     "transformers": lambda d, port: ["transformers", "serve", d, "--continuous-batching", "--no-cb-use-cuda-graph",

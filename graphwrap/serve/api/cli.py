@@ -28,10 +28,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens-default", type=int, default=None,
                     help="new tokens of a chat request without max_tokens: the context left, at most this (default 2048)")
     ap.add_argument("--drain", type=float, default=30.0, help="seconds running requests get to finish at shutdown")
-    # (Measured on an H200, GPT-2, 64 streams: h11 and asyncio's own loop served 10,325 tokens/s where
-    # httptools and uvloop served 7,637: the loop shares the GIL with the decode thread.)
-    ap.add_argument("--http", default="h11", choices=("auto", "h11", "httptools"), help="uvicorn's HTTP parser")
-    ap.add_argument("--loop", default="asyncio", choices=("auto", "asyncio", "uvloop"), help="uvicorn's event loop")
+    ap.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"),
+                    help="uvicorn's HTTP parser (auto: httptools where it is installed)")
+    ap.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                    help="uvicorn's event loop (auto: uvloop where it is installed)")
     ap.add_argument("--log-level", default="info")
     return ap
 
