@@ -100,6 +100,15 @@ def greedy(srv, ids, n):
     return new, tok.decode(new, skip_special_tokens=True)
 
 
+def greedy_text(model_dir, prompt, n):
+    """``model.generate``'s text for ``prompt``, the model and tokenizer loaded from ``model_dir``."""
+    tok = tr.AutoTokenizer.from_pretrained(model_dir)
+    model = tr.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = tok(prompt)["input_ids"]
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
+    return tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+
+
 def _wait(cond, seconds=20.0):
     deadline = time.monotonic() + seconds
     while not cond():

@@ -8,7 +8,7 @@ def report(server) -> dict:
         pool = server.sched.pool
         blocks = {"block": server.cache.block, "used": pool.used, "free": len(pool.free)} if pool else None
     return {
-        "rows": server.rows, "max_len": server.max_len, "cache_bytes": server.store.nbytes(),
+        "rows": server.rows, "max_len": server.max_len, "device": str(server.device), "cache_bytes": server.store.nbytes(),
         "cache": "paged" if server.cache.paged else "rows", "cache_budget_bytes": server.cache.budget,
         "cache_blocks": blocks,
         "calls": c["calls"], "sequences": c["sequences"], "done": c["done"], "failed": c["failed"],

@@ -1,0 +1,53 @@
+"""The OpenAI-compatible app as a Ray Serve deployment on a local Ray instance (the CPU): a
+replica loads the model and serves completions, streamed and whole, through Ray's HTTP proxy;
+a bad request gets its status and the replica goes on."""
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+pytest.importorskip("fastapi", reason='needs FastAPI: pip install -e ".[serve]"')
+ray = pytest.importorskip("ray", reason='needs Ray Serve: pip install -e ".[serve]"')
+serve = pytest.importorskip("ray.serve")
+
+import tiny_lm  # noqa: E402
+from helpers import free_port  # noqa: E402
+from test_http_cpu import events, greedy_text, post  # noqa: E402
+
+import graphwrap.serve  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    model_dir = tiny_lm.make(str(tmp_path_factory.mktemp("tiny_lm_ray")))
+    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(graphwrap.serve.generation_deployment(model_dir, args=["--served-model-name", "tiny"]),
+              name="gen", route_prefix="/")
+    yield model_dir, port
+    serve.shutdown()
+    ray.shutdown()
+
+
+def test_a_replica_serves_the_openai_api_through_ray_s_proxy(deployed):
+    model_dir, port = deployed
+    want = greedy_text(model_dir, "the quick brown", 12)
+    status, body, _ = post(port, "/v1/completions", {"model": "tiny", "prompt": "the quick brown", "max_tokens": 12,
+                                                     "temperature": 0})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == want and body["usage"]["completion_tokens"] == 12
+    status, evs = events(port, "/v1/completions", {"prompt": "the quick brown", "max_tokens": 12, "temperature": 0,
+                                                   "stream_options": {"include_usage": True}})
+    assert status == 200 and evs[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in evs[:-2]) == want
+    status, body, _ = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 2, "best_of": 3})
+    assert status == 400 and "best_of" in json.dumps(body)
+    status, body, _ = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 3})
+    assert status == 200 and body["usage"]["completion_tokens"] <= 3
