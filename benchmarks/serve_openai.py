@@ -48,7 +48,7 @@ SERVERS = {
 }
 
 
-def make_model(shape: str, path: str, device: str) -> str:
+def make_model(shape: str, path: str, device: str, fp32: bool = False) -> str:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -71,7 +71,7 @@ def make_model(shape: str, path: str, device: str) -> str:
     torch.manual_seed(0)
     with torch.device(device):
         model = cls(cfg)
-    model = model.half() if device == "cuda" else model
+    model = model.half() if device == "cuda" and not fp32 else model
     for p in model.parameters():  # small weights: logits of random models stay finite in fp16
         torch.nn.init.normal_(p, std=0.02)
     model.save_pretrained(path)

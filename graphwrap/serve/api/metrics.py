@@ -11,6 +11,11 @@ LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
 PREFIX = "graphwrap_"
 
 
+def _num(v: float) -> str:
+    """A sample's value, whole numbers in full (``%g`` would round bytes to six digits)."""
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
 def _labels(labels: Tuple[Tuple[str, str], ...]) -> str:
     if not labels:
         return ""
@@ -35,7 +40,7 @@ class Counter:
         with self.lock:
             items = sorted(self.values.items())
         out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
-        return out + [f"{self.name}{_labels(k)} {v:g}" for k, v in (items or [((), 0.0)])]
+        return out + [f"{self.name}{_labels(k)} {_num(v)}" for k, v in (items or [((), 0.0)])]
 
 
 class Histogram:
@@ -63,13 +68,13 @@ class Histogram:
         for le, c in zip(list(self.buckets) + [float("inf")], counts):
             running += c
             out.append(f'{self.name}_bucket{{le="{"+Inf" if le == float("inf") else f"{le:g}"}"}} {running}')
-        return out + [f"{self.name}_sum {total:g}", f"{self.name}_count {running}"]
+        return out + [f"{self.name}_sum {_num(total)}", f"{self.name}_count {running}"]
 
 
 def gauge(name: str, help: str, value: Optional[float]) -> List[str]:
     if value is None:
         return []
-    return [f"# HELP {PREFIX}{name} {help}", f"# TYPE {PREFIX}{name} gauge", f"{PREFIX}{name} {value:g}"]
+    return [f"# HELP {PREFIX}{name} {help}", f"# TYPE {PREFIX}{name} gauge", f"{PREFIX}{name} {_num(value)}"]
 
 
 class Metrics:
@@ -117,6 +122,8 @@ def batch_gauges(stats: dict) -> Iterable[Tuple[str, str, Optional[float]]]:
         ("decode_steps", "Decode steps run (one for every live row at once).", d.get("steps")),
         ("step_replays", "Decode steps served by a CUDA graph's replay.", _sum(step, "replays")),
         ("step_eager_calls", "Decode steps run eagerly.", _eager(step)),
+        ("graph_bytes", "Bytes the batch's graphs hold (their pools and static inputs).",
+         sum(float(e.get("graph_pool_bytes", 0) + e.get("static_input_bytes", 0)) for e in (step, d.get("prefill") or {}))),
         ("queue_wait_p50_seconds", "Median wait for a row, over the last 10,000 sequences.",
          None if waits.get("p50") is None else waits["p50"] / 1e3),
         ("queue_wait_p99_seconds", "99th percentile of the wait for a row, over the last 10,000 sequences.",
