@@ -41,6 +41,8 @@ SERVERS = {
                                   "--served-model-name", d],
     "graphwrap-5ms": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
                                       "--served-model-name", d, "--switch-interval", "0.005"],
+    "graphwrap-nofreeze": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
+                                           "--served-model-name", d, "--no-gc-freeze"],
     "graphwrap-h11": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
                                       "--served-model-name", d, "--http", "h11", "--loop", "asyncio"],
     "transformers-graphs": lambda d, port: ["transformers", "serve", d, "--continuous-batching",

@@ -4,6 +4,7 @@ requests (503), let those running finish within ``--drain`` seconds, cancel the 
 """
 
 import argparse
+import gc
 import logging
 import sys
 from typing import List, Optional
@@ -37,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
                     help="uvicorn's event loop (auto: uvloop where it is installed)")
     ap.add_argument("--switch-interval", type=float, default=SWITCH_INTERVAL,
                     help="seconds a thread holds Python's GIL while another waits for it (Python's default: 0.005)")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="leave what start-up made to Python's garbage collector (default: frozen, see load())")
     ap.add_argument("--log-level", default="info")
     return ap
 
@@ -61,6 +64,11 @@ def load(a: argparse.Namespace):
     # The batch is made now (its cache, its probe of the model), not on the first request.
     first = tok.bos_token_id if tok.bos_token_id is not None else (tok.eos_token_id or 0)
     gm.generate(torch.tensor([[first]]), max_new_tokens=1, do_sample=False, pad_token_id=first)
+    if not a.no_gc_freeze:
+        # What start-up made (the model's modules, transformers' and torch's objects) is there for
+        # good: frozen, the collector's full passes no longer walk it while every stream waits.
+        gc.collect()
+        gc.freeze()
     d = gm.stats().get("decode")
     if d is None:
         logger.warning("the shared decode batch does not serve this model: requests take turns on it, one at a time")
