@@ -39,8 +39,6 @@ sys.path.insert(0, ROOT)
 SERVERS = {
     "graphwrap": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
                                   "--served-model-name", d],
-    "graphwrap-5ms": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
-                                      "--served-model-name", d, "--switch-interval", "0.005"],
     "graphwrap-nofreeze": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
                                            "--served-model-name", d, "--no-gc-freeze"],
     "graphwrap-h11": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),

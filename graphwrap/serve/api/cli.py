@@ -10,9 +10,6 @@ import sys
 from typing import List, Optional
 
 logger = logging.getLogger("graphwrap.serve")
-# The decode thread and the event loop share the GIL: with Python's 5 ms, a step whose thread
-# waits for the GIL behind the loop's streams waits up to 5 ms, longer than a small model's step.
-SWITCH_INTERVAL = 0.0005
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,8 +33,6 @@ def parser() -> argparse.ArgumentParser:
                     help="uvicorn's HTTP parser (auto: httptools where it is installed)")
     ap.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
                     help="uvicorn's event loop (auto: uvloop where it is installed)")
-    ap.add_argument("--switch-interval", type=float, default=SWITCH_INTERVAL,
-                    help="seconds a thread holds Python's GIL while another waits for it (Python's default: 0.005)")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave what start-up made to Python's garbage collector (default: frozen, see load())")
     ap.add_argument("--log-level", default="info")
@@ -119,7 +114,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .app import make_app
 
     Draining = draining_server()
-    sys.setswitchinterval(a.switch_interval)
     served = load(a)
     app = make_app(served)
 
