@@ -4,7 +4,6 @@ requests (503), let those running finish within ``--drain`` seconds, cancel the 
 """
 
 import argparse
-import gc
 import logging
 import sys
 from typing import List, Optional
@@ -33,8 +32,6 @@ def parser() -> argparse.ArgumentParser:
                     help="uvicorn's HTTP parser (auto: httptools where it is installed)")
     ap.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
                     help="uvicorn's event loop (auto: uvloop where it is installed)")
-    ap.add_argument("--no-gc-freeze", action="store_true",
-                    help="leave what start-up made to Python's garbage collector (default: frozen, see load())")
     ap.add_argument("--log-level", default="info")
     return ap
 
@@ -59,11 +56,6 @@ def load(a: argparse.Namespace):
     # The batch is made now (its cache, its probe of the model), not on the first request.
     first = tok.bos_token_id if tok.bos_token_id is not None else (tok.eos_token_id or 0)
     gm.generate(torch.tensor([[first]]), max_new_tokens=1, do_sample=False, pad_token_id=first)
-    if not a.no_gc_freeze:
-        # What start-up made (the model's modules, transformers' and torch's objects) is there for
-        # good: frozen, the collector's full passes no longer walk it while every stream waits.
-        gc.collect()
-        gc.freeze()
     d = gm.stats().get("decode")
     if d is None:
         logger.warning("the shared decode batch does not serve this model: requests take turns on it, one at a time")
