@@ -55,6 +55,8 @@ def make_model(shape: str, path: str, device: str, fp32: bool = False) -> str:
 
     if shape == "gpt2":
         cfg, cls, eos = GPT2Config(), GPT2LMHeadModel, 50256
+    elif shape == "tiny":  # for a CPU: the server's own cost, the model's next to nothing
+        cfg, cls, eos = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=1024), GPT2LMHeadModel, 1023
     elif shape == "llama-1b":  # TinyLlama-1.1B's shape
         cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                           num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, bos_token_id=1,
@@ -79,9 +81,10 @@ def make_model(shape: str, path: str, device: str, fp32: bool = False) -> str:
     return path
 
 
-def workload(n: int, seed: int = 0) -> List[dict]:
+def workload(n: int, seed: int = 0, top: int = 30000) -> List[dict]:
+    """``n`` requests: prompts of 16 to 128 words of ids 100 to ``top``, 32 to 256 new tokens."""
     rng = random.Random(seed)
-    return [{"prompt": " ".join(f"w{rng.randrange(100, 30000)}" for _ in range(rng.randint(16, 128))),
+    return [{"prompt": " ".join(f"w{rng.randrange(100, top)}" for _ in range(rng.randint(16, 128))),
              "max_tokens": rng.randint(32, 256)} for _ in range(n)]
 
 
@@ -232,7 +235,7 @@ def _imports(_):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama-1b"))
+    ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama-1b", "tiny"))
     ap.add_argument("--servers", default="in-process,graphwrap,transformers-graphs",
                     help=f"of in-process (gm.generate from threads, no server), {', '.join(SERVERS)}")
     ap.add_argument("--requests", type=int, default=64)
@@ -242,15 +245,16 @@ def main():
     ap.add_argument("--in-process", default=None, help=argparse.SUPPRESS)  # (a model directory: the in-process row)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    a.top = 1000 if a.model == "tiny" else 30000
     if a.in_process:
-        print(json.dumps(with_spread(in_process(a.in_process, workload(a.requests), a.bursts))))
+        print(json.dumps(with_spread(in_process(a.in_process, workload(a.requests, top=a.top), a.bursts))))
         return
     import torch
     import transformers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model_dir = make_model(a.model, tempfile.mkdtemp(prefix=f"serve-{a.model}-"), device)
-    reqs = workload(a.requests)
+    reqs = workload(a.requests, top=a.top)
     out_dir = a.out or tempfile.mkdtemp(prefix="serve-openai-")
     os.makedirs(out_dir, exist_ok=True)
     results: Dict[str, dict] = {}
@@ -259,7 +263,7 @@ def main():
             try:
                 if name == "in-process":  # a process of its own too: the servers then get the GPU's memory
                     got = subprocess.run([sys.executable, __file__, "--in-process", model_dir, "--requests",
-                                          str(a.requests), "--bursts", str(a.bursts)], stdout=subprocess.PIPE,
+                                          str(a.requests), "--bursts", str(a.bursts), "--model", a.model], stdout=subprocess.PIPE,
                                          stderr=log, text=True, timeout=600, check=True)
                     results[name] = json.loads(got.stdout.strip().splitlines()[-1])
                 else:
