@@ -215,12 +215,17 @@ def race(name: str, model_dir: str, port: int, reqs: List[dict], bursts: int, lo
             first = burst(pool, base, model_dir, reqs)
             warm = [burst(pool, base, model_dir, reqs) for _ in range(bursts)]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     return with_spread({"server": name, "ready_s": ready, "first": first, "warm": warm})
+
+
+def stop(proc):
+    """SIGTERM (the server drains), a kill where it has not ended within a minute."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def with_spread(r: dict) -> dict:

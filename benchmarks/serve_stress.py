@@ -21,7 +21,6 @@ import json
 import multiprocessing
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serve_openai import ROOT, make_model, wait_ready  # noqa: E402
+from serve_openai import ROOT, make_model, stop, wait_ready  # noqa: E402
 
 
 def metrics(port: int) -> dict:
@@ -123,11 +122,7 @@ def main():
         time.sleep(2.0)
         after = metrics(a.port)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     texts = collections.defaultdict(collections.Counter)
     kept = [g for g in got if not g["dropped"]]
     errors = [g for g in kept if "error" in g]
