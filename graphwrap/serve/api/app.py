@@ -143,8 +143,12 @@ async def _answer(served: Served, client: Client, metrics: Metrics, request: Req
             first = await _first(pieces)  # an error before the first token is answered with a status
             metrics.requests.inc(endpoint=endpoint, status="200")
             streaming = True  # (the stream counts itself out at its end)
-            return StreamingResponse(_events(served, metrics, job, body, first, pieces),
-                                     media_type="text/event-stream")
+
+            async def end():
+                served.active -= 1
+                await pieces.aclose()  # type: ignore[attr-defined]
+
+            return _Stream(_events(served, metrics, job, body, first, pieces), end)
         answer = await _unless_gone(request, _whole(served, metrics, job, body, pieces))
         metrics.requests.inc(endpoint=endpoint, status="200" if answer is not None else "499")
         return answer
@@ -323,9 +327,23 @@ async def _events(served: Served, metrics: Metrics, job: Job, body: Sampling, fi
         yield _sse(error_body(refused.message, refused.kind))
         yield "data: [DONE]\n\n"
     finally:
-        served.active -= 1
         await pieces.aclose()  # type: ignore[attr-defined]
         _log(metrics, job, _usage(job, ends), how)
+
+
+class _Stream(StreamingResponse):
+    """A stream that ends in one place however it ends: sent whole, cut by the client, or never
+    begun (a client gone before the first event, whose generator never ran its ``finally``)."""
+
+    def __init__(self, events: AsyncIterator[str], end):
+        super().__init__(events, media_type="text/event-stream")
+        self.end = end
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.end()
 
 
 async def _chain(first: Piece, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
