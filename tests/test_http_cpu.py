@@ -421,6 +421,43 @@ def test_sigterm_lets_running_requests_finish_and_refuses_new_ones(model_dir):
     assert "shutting down" in log, log
 
 
+def test_while_draining_new_requests_get_503_and_the_running_stream_ends_whole(model_dir):
+    """The drain as the first SIGTERM starts it (handle_exit called as the signal would): /health
+    and a new request answer 503 while a slowed stream goes on to its [DONE]; then the server stops."""
+    served = cli.load(_args(model_dir, rows=2))
+    app = make_app(served)
+    port = free_port()
+    server = cli.draining_server()(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"), served, 30.0)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    _wait(lambda: server.started)
+    slow = _Slow(served.gm.module, 0.01)
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        c.request("POST", "/v1/completions", json.dumps({"prompt": "the", "max_tokens": 120, "temperature": 0,
+                                                         "stream": True}), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        assert r.status == 200
+        r.readline()
+        server.handle_exit(signal.SIGTERM, None)
+        status, body, headers = post(port, "/v1/completions", {"prompt": "the", "max_tokens": 3})
+        assert status == 503 and headers["retry-after"] == "1" and "shutting down" in body["error"]["message"]
+        h = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        h.request("GET", "/health")
+        assert h.getresponse().status == 503
+        assert served.active == 1 and thread.is_alive()  # the stream still runs
+        rest = r.read().decode()
+        assert rest.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in rest
+        thread.join(30)
+        assert not thread.is_alive() and served.active == 0
+    finally:
+        slow.remove()
+        server.should_exit = True
+        thread.join(30)
+        served.gm.close(cancel=True, timeout=30)
+        app.state.client.close()
+
+
 def test_settings_follow_the_api_and_the_model_s_defaults():
     from graphwrap.serve.api.schemas import CompletionRequest, settings
 
