@@ -185,6 +185,9 @@ def test_sampling_with_a_seed_repeats_and_n_gives_distinct_choices(srv):
     assert ta == tb
     assert len(set(ta)) > 1  # three draws of 16 tokens over ~380 ids
     assert a["usage"]["completion_tokens"] == 48
+    # the next seed's first choice is not this one's second
+    _, c, _ = post(srv.port, "/v1/completions", dict(body, n=1, seed=8))
+    assert c["choices"][0]["text"] != ta[1]
     # streamed: the same texts, choice by choice
     _, evs = events(srv.port, "/v1/completions", body)
     streamed = ["", "", ""]

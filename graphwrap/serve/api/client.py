@@ -42,6 +42,11 @@ class Piece:
     tokens: int = 0
 
 
+def _seed(seed: Optional[int], index: int) -> Optional[int]:
+    """Choice ``index``'s seed: its own, and no two requests' seeds give one choice the same."""
+    return None if seed is None else (seed * 0x9E3779B1 + index) % (1 << 63)
+
+
 class _Inbox:
     """Tokens for the sequences of one event loop, handed over in one wake-up of the loop however
     many sequences got tokens meanwhile (a decode step's tokens come one sequence at a time, from
@@ -97,7 +102,7 @@ class Client:
         """Every choice's pieces as they come (choice ``i * n + j`` is prompt ``i``'s ``j``-th),
         each choice's last piece with its finish. Leaving the loop early cancels what is left."""
         if len(prompts) * n == 1:  # (no task between the sequence and the request: one less hop a token)
-            async for piece in self.sequence(0, prompts[0], kwargs, stops, seed, arrived):
+            async for piece in self.sequence(0, prompts[0], kwargs, stops, _seed(seed, 0), arrived):
                 yield piece
             return
         out: "asyncio.Queue[Any]" = asyncio.Queue()
@@ -105,8 +110,8 @@ class Client:
         for i, ids in enumerate(prompts):
             for j in range(n):
                 index = i * n + j
-                s = None if seed is None else seed + index
-                tasks.append(asyncio.ensure_future(self._pump(index, ids, kwargs, stops, s, arrived, out)))
+                tasks.append(asyncio.ensure_future(self._pump(index, ids, kwargs, stops, _seed(seed, index), arrived,
+                                                              out)))
         try:
             left = len(tasks)
             while left:
