@@ -245,6 +245,10 @@ def test_a_stop_string_cuts_the_text_and_frees_the_row(srv):
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "not served here"),
     ({"prompt": []}, 400, "empty prompt"),
+    ({"prompt": ["the", ""], "max_tokens": 2}, 400, "empty prompt"),
+    ({"prompt": [[5, 6], []], "max_tokens": 2}, 400, "empty prompt"),
+    ({"prompt": "x", "max_tokens": 2, "n": 17}, 400, "n"),
+    ({"prompt": ["x"] * 9, "max_tokens": 2, "n": 8}, 400, "at most 64"),
     (b"{not json", 400, "JSON"),
 ])
 def test_bad_requests_get_their_status_and_the_reason(srv, body, status, words):

@@ -184,9 +184,9 @@ def _job(served: Served, body: Union[CompletionRequest, ChatRequest], arrived: f
         echo = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in given]
     if len(prompts) * body.n > MAX_CHOICES:
         raise Refused(400, f"{len(prompts)} prompts x n={body.n} choices: at most {MAX_CHOICES}", param="n")
-    longest = max(len(p) for p in prompts)
-    if longest == 0:
+    if any(len(p) == 0 for p in prompts):
         raise Refused(400, "an empty prompt", param="prompt")
+    longest = max(len(p) for p in prompts)
     if limit is None:
         limit = max(1, min(served.max_new_default, served.context - longest))
     if longest + limit > served.context:
