@@ -357,6 +357,32 @@ def test_a_full_queue_answers_429_and_a_failing_request_fails_alone(srv):
     assert status == 200
 
 
+def test_a_call_the_batch_does_not_serve_that_fails_ends_its_streamer(srv):
+    """The one-call loop (no_repeat_ngram_size here) ends a failing call's streamer as the batch does: the server's
+    stream of such a call was left waiting for tokens that never came."""
+
+    class Ends:
+        ended = False
+
+        def put(self, value):
+            pass
+
+        def end(self):
+            self.ended = True
+
+    tok = srv.served.tokenizer
+    slow = _Slow(srv.served.gm.module, 0.0, bad=tok("fox")["input_ids"][0])
+    try:
+        s = Ends()
+        fut = srv.served.gm.submit_generate(torch.tensor([tok("fox")["input_ids"]]), max_new_tokens=3, no_repeat_ngram_size=2,
+                                            streamer=s)
+        with pytest.raises(RuntimeError, match="refuses this prompt"):
+            fut.result(timeout=30)
+        assert s.ended
+    finally:
+        slow.remove()
+
+
 def test_models_health_and_metrics(srv):
     c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
     c.request("GET", "/v1/models")

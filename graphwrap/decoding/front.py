@@ -233,14 +233,26 @@ def generate(gm, args, kwargs):
 
 
 def alone(gm, why: str, args, kwargs):
-    """A call the shared batch does not serve: the one-call loop, one call at a time per model."""
+    """A call the shared batch does not serve: the one-call loop, one call at a time per model.
+    A call that fails ends its streamer, as the shared batch does (a consumer waiting on the
+    streamer is let go; transformers' ``generate`` leaves it open)."""
     module = gm.module
     note(gm.__dict__, why)
     # Outside torch.inference_mode, where the caller is in it: the static cache is allocated
     # by the prompt's forward, and inference tensors could not be written by a capture.
-    with generate_lock(module), torch.inference_mode(False):
-        per_call = why != gm.__dict__.get("_gw_decode_why")  # this call's settings, not the model
-        return decode.generate(gm.engine, gm.__dict__, module, args, kwargs, not_shared=why if per_call else None)
+    try:
+        with generate_lock(module), torch.inference_mode(False):
+            per_call = why != gm.__dict__.get("_gw_decode_why")  # this call's settings, not the model
+            return decode.generate(gm.engine, gm.__dict__, module, args, kwargs,
+                                   not_shared=why if per_call else None)
+    except BaseException:
+        streamer = kwargs.get("streamer")
+        if streamer is not None:
+            try:
+                streamer.end()
+            except Exception:  # noqa: BLE001 - the call's own error is the one raised
+                pass
+        raise
 
 
 def submit(gm, args, kwargs, block: bool = True, seed: Optional[int] = None) -> concurrent.futures.Future:
