@@ -255,10 +255,13 @@ async def _whole(served: Served, metrics: Metrics, job: Job, body: Sampling, pie
     n = body.n
     texts = [job.echo[i // n] for i in range(len(job.prompts) * n)]
     ends: List[Piece] = []
-    async for p in pieces:
-        texts[p.index] += p.text
-        if p.finish is not None:
-            ends.append(p)
+    try:
+        async for p in pieces:
+            texts[p.index] += p.text
+            if p.finish is not None:
+                ends.append(p)
+    finally:  # (a client gone cancels this: its sequences are cancelled now, not when collected)
+        await pieces.aclose()  # type: ignore[attr-defined]
     finishes = {p.index: p.finish for p in ends}
     if job.chat:
         choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
