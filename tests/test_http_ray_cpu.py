@@ -16,6 +16,7 @@ import tiny_lm  # noqa: E402
 from helpers import free_port  # noqa: E402
 from test_http_cpu import events, greedy_text, post  # noqa: E402
 
+import graphwrap  # noqa: E402
 import graphwrap.serve  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,3 +52,8 @@ def test_a_replica_serves_the_openai_api_through_ray_s_proxy(deployed):
     status, body, _ = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                           "max_tokens": 3})
     assert status == 200 and body["usage"]["completion_tokens"] <= 3
+
+
+def test_options_the_server_does_not_take_are_refused_before_any_replica_starts():
+    with pytest.raises(graphwrap.GraphwrapError, match="--rowz"):
+        graphwrap.serve.generation_deployment("some-model", args=["--rowz", "8"])

@@ -32,7 +32,11 @@ def generation_deployment(model: str, *, args: Optional[List[str]] = None, name:
     from .cli import parser
 
     argv = [model, *(args or [])]
-    parser().parse_args(argv)  # a bad option fails here, not in each replica as it starts
+    try:
+        parser().parse_args(argv)  # a bad option fails here, not in each replica as it starts
+    except SystemExit:
+        raise GraphwrapError(f"the options {argv[1:]} are not those of python -m graphwrap serve "
+                             "(python -m graphwrap serve --help lists them)") from None
     if num_gpus is None:
         num_gpus = 1 if torch.cuda.is_available() else 0
     actor = dict(deployment_options.pop("ray_actor_options", None) or {})
