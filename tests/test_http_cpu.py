@@ -383,6 +383,38 @@ def test_a_call_the_batch_does_not_serve_that_fails_ends_its_streamer(srv):
         slow.remove()
 
 
+def test_a_client_that_reads_slowly_holds_up_no_one_else_and_gets_its_whole_text(srv):
+    tok = srv.served.tokenizer
+    want = greedy(srv, tok("the lazy")["input_ids"], 100)[1]
+    c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    c.request("POST", "/v1/completions", json.dumps({"prompt": "the lazy", "max_tokens": 100, "temperature": 0,
+                                                     "stream": True}), {"Content-Type": "application/json"})
+    r = c.getresponse()  # (not read while the others run)
+    for _ in range(3):
+        status, body, _ = post(srv.port, "/v1/completions", {"prompt": "a shared", "max_tokens": 40, "temperature": 0})
+        assert status == 200 and body["choices"][0]["text"] == greedy(srv, tok("a shared")["input_ids"], 40)[1]
+    time.sleep(0.5)
+    evs = [json.loads(line[6:]) for line in r.read().decode().split("\n")
+           if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in evs) == want
+    c.close()
+
+
+def test_a_model_changed_behind_the_server_is_served_as_it_is_now(srv):
+    """model.double() after start: the batch is made again for the model as it is, and the answers
+    are the changed model's."""
+    model, tok = srv.served.gm.module, srv.served.tokenizer
+    ids = tok("graphs replay")["input_ids"]
+    model.double()
+    try:
+        status, body, _ = post(srv.port, "/v1/completions", {"prompt": ids, "max_tokens": 20, "temperature": 0})
+        assert status == 200 and body["choices"][0]["text"] == greedy(srv, ids, 20)[1]
+        assert next(model.parameters()).dtype == torch.float64
+        assert srv.served.gm.__dict__["_gw_decode"].weights.changed() is False
+    finally:
+        model.float()
+
+
 def test_models_health_and_metrics(srv):
     c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
     c.request("GET", "/v1/models")
