@@ -92,6 +92,16 @@ def events(port, path, body, timeout=60):
     return r.status, out
 
 
+def _stream_begun(port, body):
+    """A streamed completion whose answer is 200 and whose first event was read: (connection, response)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    r.readline()
+    return c, r
+
+
 def greedy(srv, ids, n):
     """``model.generate``'s new tokens for ``ids`` and the text they decode to."""
     m, tok = srv.served.gm.module, srv.served.tokenizer
@@ -294,12 +304,7 @@ def test_a_client_that_goes_away_frees_its_row(srv):
     try:
         before, cancelled = _ended(srv), _decode_stats(srv)["cancelled"]
         # streamed: read a chunk, then hang up
-        c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
-        c.request("POST", "/v1/completions", json.dumps({"prompt": "the", "max_tokens": 200, "stream": True}),
-                  {"Content-Type": "application/json"})
-        r = c.getresponse()
-        assert r.status == 200
-        r.readline()
+        c, _ = _stream_begun(srv.port, {"prompt": "the", "max_tokens": 200})
         c.sock.close()
         c.close()
         # (on a GPU the 200 tokens may all be made before the hang-up is seen: the call is done)
@@ -464,12 +469,7 @@ def test_sigterm_lets_running_requests_finish_and_refuses_new_ones(model_dir):
                     break
             except OSError:
                 time.sleep(0.2)
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        c.request("POST", "/v1/completions", json.dumps({"prompt": "the", "max_tokens": 240, "temperature": 0,
-                                                         "stream": True}), {"Content-Type": "application/json"})
-        r = c.getresponse()
-        assert r.status == 200
-        r.readline()
+        _, r = _stream_begun(port, {"prompt": "the", "max_tokens": 240, "temperature": 0})
         p.send_signal(signal.SIGTERM)
         rest = r.read().decode()
         assert rest.rstrip().endswith("data: [DONE]")
@@ -498,12 +498,7 @@ def test_while_draining_new_requests_get_503_and_the_running_stream_ends_whole(m
     _wait(lambda: server.started)
     slow = _Slow(served.gm.module, 0.01)
     try:
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        c.request("POST", "/v1/completions", json.dumps({"prompt": "the", "max_tokens": 120, "temperature": 0,
-                                                         "stream": True}), {"Content-Type": "application/json"})
-        r = c.getresponse()
-        assert r.status == 200
-        r.readline()
+        _, r = _stream_begun(port, {"prompt": "the", "max_tokens": 120, "temperature": 0})
         server.handle_exit(signal.SIGTERM, None)
         status, body, headers = post(port, "/v1/completions", {"prompt": "the", "max_tokens": 3})
         assert status == 503 and headers["retry-after"] == "1" and "shutting down" in body["error"]["message"]
