@@ -65,7 +65,7 @@ def test_stats_count_rows_and_padding():
         for _ in range(calls):
             gm(torch.randn(n, 32))
     (ks,) = gm.engine.store.keys.values()
-    ks.buckets[(8, None)].count(5, None)  # a pipeline's replay of a leased graph
+    ks.buckets[(8, None)].replayed(5)  # a pipeline's replay of a leased graph
     s = gm.stats()
     st = s["keys"][0]["buckets"][8]
     assert st["replays"] == 4 and st["rows"] == 3 * 2 + 8 + 5 and st["padded_rows"] == 5 * 2 + 3

@@ -11,6 +11,7 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from ..capture.slots import owned
+from ..loops.staging import HOST_COPY_BYTES, DeviceCopy, HostCopy
 from .reasons import Eager
 from .records import Bucket, Graph, Key, tally
 
@@ -32,7 +33,8 @@ class Plan:
 
     __slots__ = ("engine", "key", "bucket", "graph", "n", "L", "size", "replay", "dsts", "pads", "outputs",
                  "is_tensor", "clone", "single_out", "rebuild", "eager", "chunked", "reason", "calls", "device",
-                 "device_index", "input", "output", "dtype", "dev", "epoch", "ring", "sid", "tune_at", "held_eager")
+                 "device_index", "input", "output", "dtype", "dev", "epoch", "ring", "sid", "tune_at", "held_eager",
+                 "host_in")
     # What a plan that replays holds. An eager or chunked plan holds None in each (it returns
     # before it would read them).
     graph: Graph
@@ -65,7 +67,7 @@ class Plan:
         self.rebuild = key.out_spec.rebuild if key is not None and key.out_spec is not None else None  # type: ignore[assignment]
         if self.eager or chunked:
             self.graph = self.replay = self.dsts = self.pads = self.outputs = self.is_tensor = None  # type: ignore[assignment]
-            self.input = self.output = self.ring = None  # type: ignore[assignment]
+            self.input = self.output = self.ring = self.host_in = None  # type: ignore[assignment]
             self.single_out = self.held_eager = False
             return
         g = self.graph = graph if graph is not None else bucket.graphs[0]
@@ -81,6 +83,17 @@ class Plan:
         self.input = self.dsts[0]
         self.output = self.outputs[0]
         self.single_out = key is not None and key.out_spec is not None and key.out_spec.single and g.is_tensor[0]
+        # gm(x) with x in host memory: copied so that the call never waits for the replay before
+        # it (graphwrap.loops.staging): small ones through pinned buffers of the plan's own, larger
+        # ones through device buffers of the graph's own, on the copy stream.
+        self.host_in = None
+        if key is not None and key.host and key.single is not None and device.type == "cuda" and L is None:
+            if self.input.numel() * self.input.element_size() <= HOST_COPY_BYTES:
+                self.host_in = HostCopy()
+            else:
+                if g.host_in is None:
+                    g.host_in = DeviceCopy(g.static_inputs[0], g.roles[0][0])
+                self.host_in = g.host_in
 
     @classmethod
     def eager_only(cls, engine, reason: Eager) -> "Plan":
@@ -101,7 +114,7 @@ class Plan:
             if sid != eng.last_sid:
                 eng.order_stream(self.device)
             if not self.clone:
-                self.input.copy_(x)
+                self.copy1(x)
                 self.calls += 1
                 if self.calls == self.tune_at:
                     eng.capturer.hot()
@@ -118,7 +131,7 @@ class Plan:
                     ring.want()
                     grow = ring.claim()
                 else:
-                    self.input.copy_(x)
+                    self.copy1(x)
                     self.calls += 1
                     if self.calls == self.tune_at:
                         eng.capturer.hot()
@@ -132,6 +145,15 @@ class Plan:
                     return eng.module(x)
             return eng.module(x)
         return outs[0] if self.single_out else self.rebuild(outs)
+
+    def copy1(self, x: Tensor):
+        """Copy ``x`` into the static input; a host tensor through ``host_in``. The caller holds
+        the lock and has ordered the stream."""
+        h = self.host_in
+        if h is not None and not x.is_cuda:
+            h.copy(self.input, x, self.engine)
+        else:
+            self.input.copy_(x)
 
     def run(self, leaves, clone: bool = True) -> List[Any]:
         """Copy ``leaves`` in and replay; the flat outputs, owned with ``outputs="clone"`` unless

@@ -63,6 +63,7 @@ class Graph:
     pool: Any = None  # the capture.cuda.Pool it was captured in: held, so its capture stream is not handed on
     copy_done: Any = None  # the pipeline's events: last copy into the inputs, last replay
     replay_done: Any = None
+    host_in: Any = None  # gm(x)'s device buffers for larger host inputs (loops.staging.DeviceCopy)
     is_tensor: List[bool] = field(init=False)
     out_bytes: int = field(init=False)
     _views: Dict[Any, Any] = field(default_factory=dict)
@@ -158,9 +159,12 @@ class Bucket:
     def name(self) -> str:
         return str(self.size) if self.seq is None else f"{self.size}x{self.seq}"
 
-    def count(self, n: int, L: Optional[int]):
-        """One replay of ``n`` real rows (and length ``L``) by a loop that holds a leased graph."""
-        self.absorb(tally(self, 1, n, L, eager=False, chosen=False))
+    def replayed(self, n: int):
+        """One replay of ``n`` real rows by a loop that holds a leased graph (no sequence
+        length: those loops serve batches without one). ``tally``'s counts, added in place."""
+        self.replays += 1
+        self.rows += n
+        self.padded_rows += self.size - n
 
     def absorb(self, c):
         """Add counts in the order of :data:`COUNTS` to this bucket's (a leased loop's replay

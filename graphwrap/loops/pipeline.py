@@ -20,7 +20,6 @@ so the device does not run dry while the host waits.
 
 import collections
 import collections.abc
-import functools
 from typing import Any, Deque, Dict, Iterable, Iterator
 
 import torch
@@ -31,24 +30,10 @@ from ..core.reasons import Eager
 from ..core.tree import Tensor, map_tensors
 from ..errors import GraphwrapError
 from .staging import Stager
-
-set_stream = torch.cuda.set_stream
-_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-# The C calls behind torch.cuda.set_stream, Event.record(stream) and Stream.wait_event(event),
-# without their Python layers: at batch 1 the loop is bound by host time, a microsecond a step
-# counts. The stream is always given, so the wrappers' only logic (defaulting it) is not needed.
-_cuda_set_stream = getattr(torch._C, "_cuda_setStream", None)
-_event_base = getattr(torch._C, "_CudaEventBase", None)  # a stand-in type, or absent, without CUDA
-_record = getattr(_event_base, "record", None) or torch.cuda.Event.record
-_wait = getattr(_event_base, "wait", None) or torch.cuda.Event.wait
-
-
-def _setter(stream):
-    """A no-argument callable that makes ``stream`` current, as ``torch.cuda.set_stream`` does."""
-    if _cuda_set_stream is None:
-        return functools.partial(set_stream, stream)
-    return functools.partial(_cuda_set_stream, stream_id=stream.stream_id, device_index=stream.device_index,
-                             device_type=stream.device_type)
+from .staging import current_device as _current_device
+from .staging import record_event as _record
+from .staging import setter as _setter
+from .staging import wait_event as _wait
 
 LEASED = 2  # graphs per bucket a loop takes turns on
 HOST_LAG = 2  # with to_host, batches issued ahead of the one yielded
@@ -136,32 +121,44 @@ def run_pipeline(engine, batches: Iterable[Any], to_host: bool = False) -> Itera
     # not their ids: a key dropped by reset() must never be mistaken for a new one that Python
     # put at the same address.
     leases: Dict[Any, Any] = {}
+    # The plan gm(t) has for a lone tensor t -> its lease: a batch of a shape seen before takes
+    # gm(t)'s own per-call checks (Engine.fast_plan) and one lookup, not the general signature.
+    by_plan: Dict[Any, Any] = {}
     events = _EventPool()
     streams: Dict[Any, Any] = {}
     epoch = engine.epoch
     lag = HOST_LAG if to_host else 0
-    facts = engine.facts
+    facts, fast_plan = engine.facts, engine.fast_plan
     try:
         for item in it:
+            entry = lease = plan = None
             if type(item) is Tensor:
-                args, kwargs = (item,), {}
+                plan = fast_plan(item)
+                if plan is not None:
+                    lease = by_plan.get(plan)
+            if lease is not None and engine.epoch == epoch:
+                entry = _issue(engine, lease, (item,), plan.n, events, to_host)
             else:
                 args, kwargs = as_call(item)
-            f = facts(args, kwargs)
-            if engine.epoch != epoch:
-                # The graphs were dropped (weights replaced or moved, reset()): so are the leases.
-                # release() synchronized the device, so no copy into their buffers is in flight.
-                _sync(streams)
-                leases.clear()
-                epoch = engine.epoch
-            entry = None
-            if type(f) is not Eager:
-                entry = _issue(engine, f, leases, streams, events, to_host)
+                f = facts(args, kwargs)
+                if engine.epoch != epoch:
+                    # The graphs were dropped (weights replaced or moved, reset()): so are the leases.
+                    # release() synchronized the device, so no copy into their buffers is in flight.
+                    _sync(streams)
+                    leases.clear()
+                    by_plan.clear()
+                    epoch = engine.epoch
+                if type(f) is not Eager:
+                    lease = _lease_for(engine, f, leases, streams)
+                    if lease is not None:
+                        if type(item) is Tensor:
+                            _remember(fast_plan(item), lease, f.n, by_plan)
+                        entry = _issue(engine, lease, f.leaves, f.n, events, to_host)
             if entry is None:
                 # Eager, a failed capture, a bucket that serves eagerly, a batch above the largest
                 # bucket, inputs with a sequence dimension: the direct call serves it, in order on
                 # the caller's stream.
-                out = engine.call(args, kwargs)
+                out = engine.call(*as_call(item))
                 if to_host:
                     out = map_tensors(_to_pinned_host, out)
                 entry = ("done", out)
@@ -174,14 +171,24 @@ def run_pipeline(engine, batches: Iterable[Any], to_host: bool = False) -> Itera
         while pending:
             yield _finish(pending.popleft(), events)
     finally:
-        # Leave no copy in flight on memory this loop owns or is about to drop.
-        _sync(streams)
-        for entry in pending:
-            if entry[0] == "host":
-                entry[3].synchronize()
-        if engine.epoch == epoch:
-            for lease in {id(v): v for v in leases.values()}.values():
-                engine.give_back(lease.lease)
+        _close(engine, streams, pending, leases, epoch)
+
+
+def _close(engine, streams, pending, leases, epoch):
+    """Leave no copy in flight on memory the loop owns or is about to drop; give its graphs back."""
+    _sync(streams)
+    for entry in pending:
+        if entry[0] == "host":
+            entry[3].synchronize()
+    if engine.epoch == epoch:
+        for lease in {id(v): v for v in leases.values()}.values():
+            engine.give_back(lease.lease)
+
+
+def _remember(plan, lease, n, by_plan):
+    """Serve later batches of ``plan`` (gm(t)'s plan for this tensor's shape) by ``lease``."""
+    if plan is not None and not plan.eager and plan.L is None and plan.n == n and plan.key is lease.key:
+        by_plan[plan] = lease
 
 
 def _sync(streams):
@@ -190,8 +197,9 @@ def _sync(streams):
         d2h_stream.synchronize()
 
 
-def _issue(engine, f, leases, streams, events, to_host):
-    """Issue one batch's copies, replay and output copies; None if the direct call must serve it."""
+def _lease_for(engine, f, leases, streams):
+    """The loop's lease for a call's facts, taken (its graphs captured) on first use; None if
+    the direct call must serve it."""
     n, device = f.n, f.device
     lease = leases.get((f.key, n))  # (key, n) -> lease: one lookup a batch once seen
     if lease is None:
@@ -210,16 +218,29 @@ def _issue(engine, f, leases, streams, events, to_host):
                 compute = engine.order_stream(device)
             lease = leases[(taken.key, taken.bucket.size)] = _Lease(taken, device, s, compute)
         leases[(f.key, n)] = lease
+    return lease
+
+
+def _issue(engine, lease, leaves, n, events, to_host):
+    """Issue one batch's copies, replay and output copies; None if the direct call must serve it."""
     if lease.key.failed is not None:
         return None
     i = lease.turn
     rep = lease.replicas[i]
     lease.turn = i + 1 if i + 1 < len(lease.replicas) else 0
-    srcs = _stage_pageable(lease, i, rep, f.leaves, n)  # outside the lock: host copies into the loop's buffers
+    read_pinned = pageable = False
+    for t in leaves:
+        if not t.is_cuda:
+            if t.is_pinned():
+                read_pinned = True
+            else:
+                pageable = True
+    # outside the lock: host copies into the loop's buffers
+    srcs = _stage_pageable(lease, i, rep, leaves, n) if pageable else leaves
     host_out = None
     if to_host and rep.out_bytes <= D2H_INLINE_BYTES:
         host_out = _pinned_like(rep.outputs_for(n, None), rep.is_tensor)
-    read_pinned = any(not t.is_cuda and t.is_pinned() for t in f.leaves)
+    device = lease.device
     with engine.lock:
         if device.index != _current_device():
             with torch.cuda.device(device):
@@ -251,8 +272,11 @@ def _issue(engine, f, leases, streams, events, to_host):
 def _issue_on(engine, lease, rep, srcs, n, events, to_host, host_out):
     """The batch's copy in, replay and copy out, in stream order; the entry for ``_finish``. The
     caller holds the engine's lock."""
-    compute = engine.order_stream(lease.device)
-    lease.bucket.count(n, None)
+    sid = current_stream_id(lease.device.index)
+    # The caller's stream: the last call's, unless another stream issued since (then ordered
+    # after it): no Stream object is made for a batch on the same stream as the last.
+    compute = engine.last_stream if sid == engine.last_sid else engine.order_stream(lease.device)
+    lease.bucket.replayed(n)
     ks = lease.key
     _copy_in(lease, rep, rep.inputs_for(n, None)[0], srcs, compute)
     if (not to_host and not engine.clone) or host_out is not None:
@@ -272,7 +296,6 @@ def _issue_on(engine, lease, rep, srcs, n, events, to_host, host_out):
     # Owned outputs: a free slot of the graph's output ring (its graph runs the forward into the
     # slot), or the graph and clones made right after it: graphs share one pool, so a static
     # output can sit in memory that the next replay of another bucket uses for intermediates.
-    sid = current_stream_id(lease.device.index)
     slot = rep.ring.take(sid) if rep.ring is not None else None
     outs = owned(rep, slot, rep.outputs_for(n, None), n, None)  # a slot due is made by _issue off the lock
     _record(rep.replay_done, compute)
@@ -295,8 +318,6 @@ def _copy_all(dsts, srcs, is_tensor):
 def _stage_pageable(lease, i, rep, leaves, n):
     """``leaves`` with each pageable host tensor copied into graph ``i``'s pinned staging buffer
     (owned by the loop), once the copy that read that buffer (two batches ago) is over."""
-    if all(t.is_cuda or t.is_pinned() for t in leaves):
-        return leaves
     rep.copy_done.synchronize()
     return [t if t.is_cuda or t.is_pinned() else _stage(lease, i, j, rep, t, n) for j, t in enumerate(leaves)]
 
@@ -305,11 +326,15 @@ def _copy_in(lease, rep, dsts, srcs, compute):
     """Copy a batch into ``rep``'s static inputs: device inputs on the compute stream (in order
     after whatever made them), host inputs (pinned by now) on the copy stream once the graph's
     last replay is done."""
-    on_copy = [(d, s) for d, s in zip(dsts, srcs) if not s.is_cuda]
+    on_copy = None
     for d, s in zip(dsts, srcs):
         if s.is_cuda:
             d.copy_(s)
-    if not on_copy:
+        elif on_copy is None:
+            on_copy = [(d, s)]
+        else:
+            on_copy.append((d, s))
+    if on_copy is None:
         return
     copy_stream = lease.copy_stream
     _wait(rep.replay_done, copy_stream)  # the inputs are free once the last replay is done
