@@ -58,7 +58,7 @@ def _pipeline_with(gm, cpu_data, to_host=False, **settings):
     return loop
 
 
-def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 1280)):
+def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 256, 1280)):
     num_batches = 128 if quick else 1280
     for bs in batch_sizes:
         torch.manual_seed(0)
@@ -75,6 +75,7 @@ def run(results, device, quick: bool, repeats: int, batch_sizes=(1, 16, 1280)):
             # memory: they capture first.
             case.add(PEER, lambda: _compiled(model, cpu_data, device))
             case.add("graphwrap gm(x) loop", lambda: (lambda: [gm(x) for x in cpu_data] and None))
+            case.add("graphwrap gm(x) loop outputs=view", lambda: (lambda: [gm_view(x) for x in cpu_data] and None))
             case.add("graphwrap pipeline", lambda: (lambda: [None for _ in gm.pipeline(cpu_data)] and None))
             case.add("graphwrap pipeline coalesce=True",
                      lambda: (lambda: [None for _ in gm.pipeline(cpu_data, coalesce=True)] and None))

@@ -107,7 +107,7 @@ def main(argv=None):
                     help="alone: the quick suite; with --suite: fewer batches and repeats")
     ap.add_argument("--out", default="bench-out", help="folder for results.json, results.csv and charts")
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds per strategy (default 5, quick 3)")
-    ap.add_argument("--batch-sizes", default="1,16,1280", help="batch sizes of the fixed scenario")
+    ap.add_argument("--batch-sizes", default="1,16,256,1280", help="batch sizes of the fixed scenario")
     ap.add_argument("--serving-models", default="mlp,bert", help="models of the serving scenario: mlp, bert or both")
     ap.add_argument("--large-sizes", default="300,512,1280", help="batch sizes of the large scenario")
     ap.add_argument("--mixed-models", default="mlp,bert", help="models of the mixed scenario: mlp, bert or both")
