@@ -105,17 +105,51 @@ def _seq(prompt_len, max_new):
     return Seq(None, 0, [1] * prompt_len, SeqSettings(max_new=max_new))
 
 
-def test_sequences_wait_in_order_for_the_blocks_they_need_and_give_them_back_with_their_row():
+def test_sequences_wait_in_order_for_the_blocks_their_prompts_need_and_give_them_back_with_their_row():
     sched = Scheduler(4, 64, [1, 2, 4], [64], Blocks(9, scratch=5), block=4)  # 4 blocks of 4 positions
-    a, b, c = _seq(5, 3), _seq(6, 6), _seq(1, 1)  # 2, 3 and 1 blocks
+    a, b, c = _seq(5, 3), _seq(10, 6), _seq(1, 1)  # whole lengths 2, 4 and 1 blocks; prompts 2, 3 and 1
     sched.enqueue([a, b, c])
     assert sched.admit() == [a] and len(a.blocks) == 2
-    assert sched.short == 1, "b lacks one block"
+    assert sched.short == 2, "b lacks one block for its prompt, and one is kept for a to grow into"
     assert list(sched.queue) == [b, c], "c does not pass b"
     a.done = True
     sched.retire()
     assert a.blocks == [] and sched.pool.used == 0
-    assert sched.admit() == [b, c] and sched.pool.used == 4 and sched.short == 0
+    assert sched.admit() == [b] and len(b.blocks) == 4, "room for its whole length: it takes it"
+    assert sched.short == 2, "c would leave b no block to grow into"
+
+
+def test_where_the_pool_lacks_room_for_a_whole_length_a_row_takes_blocks_as_it_grows():
+    sched = Scheduler(4, 64, [1, 2, 4], [64], Blocks(12, scratch=5), block=4)  # 7 blocks
+    a, b = _seq(3, 13), _seq(3, 40)  # whole lengths 4 and 11 blocks
+    sched.enqueue([a, b])
+    assert sched.admit() == [a, b] and len(a.blocks) == 4, "a: its whole length"
+    assert len(b.blocks) == 1 and b.length == 3, "b: what its prompt and first token need"
+    assert not sched.short_of(b), "position 3 is in its first block"
+    sched.advanced([b])
+    assert sched.short_of(b), "position 4 is not"
+    assert sched.grant(b) == 1, "the pool has no room for more at once (a block kept for each running row)"
+    a.done = True
+    sched.retire()
+    assert sched.grant(b) == 5, "now it has: what leaves a block for the running row (of 10 it may need, GRANT 8)"
+
+
+def test_the_sequence_admitted_last_is_preempted_and_waits_first_with_its_tokens():
+    sched = Scheduler(4, 64, [1, 2, 4], [64], Blocks(12, scratch=5), block=4)
+    a, b, c = _seq(3, 60), _seq(2, 60), _seq(2, 60)  # none fits whole
+    sched.enqueue([a, b])
+    sched.admit()
+    sched.enqueue([c])
+    assert sched.admit() == [c]
+    assert sched.newest() is c
+    c.tokens, c.launched = [7, 8], 2
+    row = sched.preempt(c)
+    assert row == 2 and c.row is None and c.blocks == [] and sched.holders[2] is None
+    assert c.feed == [1, 1, 7, 8] and c.preempted == 1 and list(sched.queue) == [c]
+    assert sched.pool.used == 2, "its block back in the pool"
+    assert sched.newest() is b
+    assert sched.admit() == [c] and c.length == 4 and len(c.blocks) == 2, "its prompt and tokens, and the next position"
+    assert c.order > b.order
 
 
 # ------------------------------------------------------------------ served through the pool
@@ -142,6 +176,67 @@ def test_more_requests_than_the_pool_holds_at_once_all_get_generates_tokens(monk
     assert d["cache_blocks"] == {"block": BLOCK, "used": 0, "free": 11}
     assert max(peak) <= 11 and d["done"] == len(prompts)
     assert gm.stats()["generate"] == {SHARED: len(prompts)}
+    gm.close()
+
+
+class _Collect:
+    """A streamer that keeps what it is given (the prompt first, then each token)."""
+
+    def __init__(self):
+        self.got, self.ended = [], 0
+
+    def put(self, value):
+        self.got.extend(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_rows_that_cannot_grow_preempt_the_newest_which_is_recomputed_with_generates_tokens(monkeypatch, kind):
+    _fixed_pool(monkeypatch, 12, rows=4)  # 192 positions; four rows each growing to 100-120 need more
+    model = _model(kind)
+    gm = GraphedModule(model, decode={"rows": 4})
+    prompts = _prompts([3, 7, 5, 9, 4, 6])
+    news = [110, 105, 112, 100, 108, 111]
+    streamers = [_Collect() for _ in prompts]
+    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i],
+                                               streamer=streamers[i]), len(prompts))
+    for p, n, out, st in zip(prompts, news, got, streamers):
+        assert torch.equal(out, _alone(model, p, max_new_tokens=n))
+        assert st.got == out[0].tolist() and st.ended == 1, "each token streamed once, across preemptions"
+    d = gm.stats()["decode"]
+    assert d["preempted"] > 0, "the pool was too small for every row at once"
+    assert d["cache_blocks"] == {"block": BLOCK, "used": 0, "free": 12} and d["done"] == len(prompts)
+    assert gm.stats()["generate"] == {SHARED: len(prompts)}
+    gm.close()
+
+
+def test_sampled_sequences_preempted_make_the_tokens_they_make_with_room(monkeypatch, gw_log):
+    # The noise of a draw depends on the sequence's seed and the position, the penalty on every
+    # token so far, the end-of-sequence hold on the tokens made: a recomputed sequence goes on
+    # as if it had never stopped.
+    model = _model("llama")
+    prompts = _prompts([3, 7, 5, 9])
+    kw = dict(max_new_tokens=110, do_sample=True, top_k=20, temperature=0.8, repetition_penalty=1.3,
+              min_new_tokens=60, eos_token_id=5)
+    roomy = GraphedModule(model, decode={"rows": 4})
+    want = []
+    for i, p in enumerate(prompts):
+        torch.manual_seed(i)
+        want.append(roomy.generate(torch.tensor([p]), **kw))
+    assert roomy.stats()["decode"]["preempted"] == 0
+    roomy.close()
+    _fixed_pool(monkeypatch, 12, rows=4)
+    gm = GraphedModule(model, decode={"rows": 4})
+    futs = []
+    for i, p in enumerate(prompts):
+        torch.manual_seed(i)
+        futs.append(gm.submit_generate(torch.tensor([p]), **kw))
+    for f, w in zip(futs, want):
+        assert torch.equal(f.result(timeout=120), w)
+    assert gm.stats()["decode"]["preempted"] > 0
+    assert "decode cache full: a sequence" in gw_log.text
     gm.close()
 
 

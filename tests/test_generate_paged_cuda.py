@@ -97,6 +97,33 @@ def test_steps_replay_over_a_pool_too_small_for_every_row_and_give_generates_tok
     gm.close()
 
 
+def test_rows_that_cannot_grow_preempt_the_newest_while_steps_replay(monkeypatch):
+    # 20 blocks (320 positions) for 8 sequences each growing to 95-160: rows take blocks as they
+    # grow, the newest gives its back when an older one cannot grow, and is recomputed later.
+    _fixed_pool(monkeypatch, 20)
+    model = _model()
+    gm = GraphedModule(model)
+    reqs = _requests(8, seed=4, lens=(3, 20), news=(90, 140))
+    got = thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False), 8)
+    _check(model, reqs, got)
+    kw = dict(do_sample=True, top_k=50, repetition_penalty=1.2, max_new_tokens=120)
+    futs = []
+    for i in range(8):  # sampled: each the tokens it makes alone, preempted or not
+        torch.manual_seed(i)
+        futs.append(gm.submit_generate(reqs[i][0], **kw))
+    sampled = [f.result(timeout=300) for f in futs]
+    d = gm.stats()["decode"]
+    assert d["preempted"] > 0 and d["cache_blocks"] == {"block": BLOCK, "used": 0, "free": 20}
+    _replayed(d)
+    gm.close()
+    roomy = GraphedModule(model)
+    for i in range(8):
+        torch.manual_seed(i)
+        assert torch.equal(roomy.generate(reqs[i][0], **kw), sampled[i])
+    assert roomy.stats()["decode"]["preempted"] == 0
+    roomy.close()
+
+
 @pytest.mark.parametrize("paged", [True, False])
 def test_long_prompts_in_pieces_beside_replayed_steps(monkeypatch, paged):
     monkeypatch.setattr(server_mod, "CHUNK", 32)

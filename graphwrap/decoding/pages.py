@@ -3,7 +3,8 @@
 Every layer keeps keys and values of shape ``[blocks, block, heads, head_dim]``. Each row has a
 line of the block table (``table [rows + 1, max_len / block]``, a device tensor at a fixed
 address): position ``p`` of row ``r`` lives at ``(table[r, p // block], p % block)``. A
-sequence's blocks are written into its row's line when it is admitted; a row given back points
+sequence's blocks are written into its row's line when it is admitted, and each block it takes as
+it grows is added to the line before the step that writes there; a row given back points
 at its own scratch block again (block ``r``), where a released row, a padding row and positions
 past a row's blocks write (never read unmasked). Each row has its own, so that what a step
 computes for a padding row never depends on which of two rows' writes landed last (a graph's
@@ -66,6 +67,12 @@ class PagedStore(Store):
             host[i, :len(b)] = torch.tensor(list(b), dtype=torch.long)
         index = to_device(torch.tensor(list(rows), dtype=torch.long), self.device)
         self.table.index_copy_(0, index, to_device(host, self.device))
+
+    def extend(self, rows: Sequence[int], at: Sequence[int], blocks: Sequence[int]):
+        """Blocks taken by growing rows: ``table[rows[i], at[i]] = blocks[i]``, one write."""
+        host = torch.tensor([list(rows), list(at), list(blocks)], dtype=torch.long)
+        r, a, b = to_device(host, self.device).unbind(0)
+        self.table.index_put_((r, a), b)
 
     def release(self, rows: Tensor):
         super().release(rows)

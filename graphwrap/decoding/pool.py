@@ -4,8 +4,9 @@ Plain Python, no tensors. :func:`plan_cache` decides once, when the batch is mad
 layouts of the same cache (see :mod:`.rows` and :mod:`.pages`):
 
 - **paged**: keys and values in blocks of ``BLOCK`` positions from one pool; a sequence takes
-  the blocks its prompt and ``max_new_tokens`` need when it is admitted and gives them back
-  when it ends, so memory follows the requests, not rows x the longest length. On a CUDA
+  the blocks its prompt needs when it is admitted, one more each time it grows past its last,
+  and gives them back when it ends, so memory follows the tokens in use, not rows x the longest
+  length (nor each request's ``max_new_tokens``). On a CUDA
   device with Triton a step reads each row's blocks in place, up to its own length (the
   default there); elsewhere it gathers each row's blocks of its window before attention (one
   copy of the window's keys and values).

@@ -12,7 +12,7 @@ def report(server) -> dict:
         "cache": "paged" if server.cache.paged else "rows", "cache_budget_bytes": server.cache.budget,
         "cache_blocks": blocks,
         "calls": c["calls"], "sequences": c["sequences"], "done": c["done"], "failed": c["failed"],
-        "cancelled": c["cancelled"], "queued": queued, "rows_busy": busy,
+        "cancelled": c["cancelled"], "queued": queued, "rows_busy": busy, "preempted": c["preempted"],
         "steps": c["steps"], "rows_per_step": c["step_rows"] / c["steps"] if c["steps"] else 0.0,
         "padded_rows_per_step": c["step_padded_rows"] / c["steps"] if c["steps"] else 0.0,
         "in_a_larger_graph": dict(server.shapes.covered), "shapes": sorted(server.shapes.ready),

@@ -91,17 +91,20 @@ class RowSettings:
         return [e for e in s.eos if 0 <= e < self.vocab]
 
     def write(self, rows: List[int], settings: List[SeqSettings], prompts: List[List[int]],
-              seeds: List[int]) -> Tensor:
-        """Set the settings of newly admitted rows (and their prompts, where a penalty needs
-        them); the rows' indices on the device."""
+              seeds: List[int], starts: Optional[List[int]] = None) -> Tensor:
+        """Set the settings of newly admitted rows (and what they prefilled, where a penalty
+        needs it); the rows' indices on the device. ``starts``: each prompt's own length where
+        ``prompts`` hold tokens made before too (a preempted sequence admitted again); the
+        lengths of ``prompts`` by default."""
+        starts = starts if starts is not None else [len(p) for p in prompts]
         eos = [self.eos_of(s) for s in settings]
         width = max([self.eos.shape[1]] + [len(e) for e in eos])
         if width > self.eos.shape[1]:  # a request with more ids than any before: a wider table
             wider = torch.full((self.eos.shape[0], width), -1, dtype=torch.long, device=self.device)
             wider[:, :self.eos.shape[1]] = self.eos
             self.eos = wider
-        longs = torch.tensor([[r, s.top_k, s.min_new, len(p), int(s.sample), seed & 0x7FFFFFFF] + e + [-1] * (width - len(e))
-                              for r, s, p, seed, e in zip(rows, settings, prompts, seeds, eos)], dtype=torch.long)
+        longs = torch.tensor([[r, s.top_k, s.min_new, n, int(s.sample), seed & 0x7FFFFFFF] + e + [-1] * (width - len(e))
+                              for r, s, n, seed, e in zip(rows, settings, starts, seeds, eos)], dtype=torch.long)
         floats = torch.tensor([[s.temperature, s.top_p, s.penalty] for s in settings], dtype=torch.float32)
         longs, floats = to_device(longs, self.device), to_device(floats, self.device)
         idx = longs[:, 0]

@@ -7,10 +7,15 @@ sequence when its prompt is admitted and given back when the sequence is done la
 ``n`` a row bucket above the highest live row, and attends over ``span`` positions, a bucket
 above the longest live row. Rows are handed out lowest first, so live rows stay low.
 
-Where the cache is paged (:mod:`.pool`), a sequence is admitted only with the blocks its prompt
-and ``max_new_tokens`` need, taken with its row and given back with it; the queue is served in
-order, so a sequence that waits for blocks holds back those behind it (none is passed over for
-good).
+Where the cache is paged (:mod:`.pool`), a sequence is admitted with the blocks of its whole
+length (its prompt and ``max_new_tokens``) where the pool has room for them, else with those its
+prompt and first token need, taking more (up to :data:`GRANT` at once) each time its row grows
+past its last, before the step that writes there; it gives them back with its row. The queue
+is served in order, a sequence admitted only where the blocks it needs leave one free for each
+running row (none is passed over for good). Where a running row cannot grow, the sequence admitted last is preempted:
+its row and blocks are given back and it waits at the head of the queue, to be admitted again
+with its prompt and the tokens it made so far as the prompt it prefills (recomputed; its later
+tokens are those it would have made, since a step's sampling noise depends on the position).
 """
 
 import heapq
@@ -21,6 +26,8 @@ from typing import Any, Deque, List, Optional, Sequence, Tuple, cast
 
 from .pool import Blocks, blocks_for
 from .settings import SeqSettings
+
+GRANT = 8  # blocks a growing row takes at once where the pool has room (one table write per 8 blocks, not per block)
 
 
 @dataclass(eq=False)
@@ -34,6 +41,9 @@ class Seq:
     tokens: List[int] = field(default_factory=list)
     row: Optional[int] = None
     blocks: List[int] = field(default_factory=list)  # of the paged pool, held with the row
+    resume: Optional[List[int]] = None  # preempted: its prompt and the tokens it made, prefilled when admitted again
+    order: int = 0  # when it was last admitted (the one admitted last is preempted first)
+    preempted: int = 0  # times it was preempted
     prefilled: Optional[int] = None  # a long prompt being prefilled in pieces: positions written so far
     length: int = 0  # positions of the cache written (host's mirror of the row's length)
     launched: int = 0  # tokens whose computation has been queued on the device
@@ -42,6 +52,11 @@ class Seq:
     submitted: float = field(default_factory=time.perf_counter)
     first_at: Optional[float] = None
     last_at: Optional[float] = None
+
+    @property
+    def feed(self) -> List[int]:
+        """What its admission prefills: the prompt, and after a preemption the tokens made too."""
+        return self.resume if self.resume is not None else self.prompt
 
     @property
     def needs_steps(self) -> bool:
@@ -85,18 +100,25 @@ class Scheduler:
         self.queue: Deque[Seq] = deque()
         self.holders: List[Optional[Seq]] = [None] * rows
         self.chunking: Deque[Seq] = deque()  # admitted long prompts, prefilled a piece a turn, oldest first
+        self.admitted = 0  # admissions so far (each sequence's ``order``)
 
     def enqueue(self, seqs: Sequence[Seq]):
         self.queue.extend(seqs)
 
     def needs(self, s: Seq) -> int:
-        """Blocks of the pool that ``s`` takes (its prompt and every token it may make)."""
+        """Blocks of the pool that ``s`` takes when admitted (what it prefills, and the position
+        its first token takes)."""
+        return blocks_for(len(s.feed) + 1, self.block) if self.pool is not None else 0
+
+    def whole(self, s: Seq) -> int:
+        """Blocks of the pool that every position ``s`` may reach takes (its prompt and
+        ``max_new_tokens``)."""
         return blocks_for(len(s.prompt) + s.settings.max_new, self.block) if self.pool is not None else 0
 
     def admit(self, limit: Optional[int] = None) -> List[Seq]:
         """Queued sequences given a free row (and their blocks) each, oldest first (at most
-        ``limit``); stops at the first whose blocks are not free (``self.short`` says how many
-        it lacks)."""
+        ``limit``); stops at the first whose blocks, with one left for each running row, are
+        not free (``self.short`` says how many it lacks)."""
         out: List[Seq] = []
         self.short = 0
         while self.queue and self.free and (limit is None or len(out) < limit):
@@ -105,18 +127,59 @@ class Scheduler:
                 self.queue.popleft()
                 continue
             if self.pool is not None:
-                need = self.needs(s)
-                blocks = self.pool.take(need)
-                if blocks is None:
-                    self.short = need - len(self.pool.free)
+                need, whole = self.needs(s), self.whole(s)
+                spare = self.rows - len(self.free)  # a block left for each running row to grow into
+                free = len(self.pool.free)
+                if need + spare > free:
+                    self.short = need + spare - free
                     break
-                s.blocks = blocks
+                # Its whole length where the pool has room for it (its row never waits for a
+                # block), else its prompt's blocks (it takes more as it grows)
+                s.blocks = cast(List[int], self.pool.take(whole if whole + spare <= free else need))
             self.queue.popleft()
             s.row = heapq.heappop(self.free)
             self.holders[s.row] = s
-            s.length = len(s.prompt)
+            s.length = len(s.feed)
+            self.admitted += 1
+            s.order = self.admitted
             out.append(s)
         return out
+
+    def short_of(self, s: Seq) -> bool:
+        """Whether ``s``'s row needs another block before its next step writes."""
+        return self.pool is not None and len(s.blocks) < blocks_for(s.length + 1, self.block)
+
+    def grant(self, s: Seq) -> int:
+        """How many blocks ``s``'s row takes now that it needs one: up to :data:`GRANT`, never
+        more than its prompt and ``max_new_tokens`` need, nor than leave a block for each running
+        row; at least one."""
+        assert self.pool is not None
+        spare = self.rows - len(self.free)
+        return max(1, min(GRANT, self.whole(s) - len(s.blocks), len(self.pool.free) - spare))
+
+    def newest(self) -> Optional[Seq]:
+        """The running sequence admitted last (the first to be preempted)."""
+        held = [s for s in self.holders if s is not None and not s.done]
+        return max(held, key=lambda s: s.order) if held else None
+
+    def preempt(self, s: Seq) -> int:
+        """``s`` gives back its row and blocks and waits at the head of the queue, to prefill its
+        prompt and the tokens it made so far when admitted again; its row (for the caller to
+        release on the device). Every token it launched must have been read."""
+        row = cast(int, s.row)
+        self.holders[row] = None
+        heapq.heappush(self.free, row)
+        if self.pool is not None:
+            self.pool.give(s.blocks)
+        s.blocks, s.row = [], None
+        if s in self.chunking:
+            self.chunking.remove(s)
+        s.prefilled = None
+        s.resume = s.prompt + s.tokens
+        s.length = 0
+        s.preempted += 1
+        self.queue.appendleft(s)
+        return row
 
     def live(self) -> List[Seq]:
         """Sequences the next step serves (those whose prompt is all in)."""

@@ -2,7 +2,9 @@
 
 Calls queue their sequences (:meth:`DecodeServer.prepare`, then :meth:`DecodeServer.enqueue`); the thread admits
 queued sequences into free rows, with the blocks of the cache they need where it is paged (one
-joined prompt forward; a long prompt a piece a turn), runs one decode step over every live row,
+joined prompt forward; a long prompt a piece a turn), gives each growing row its next block (a
+CPU's pool grows; where none is free, the sequence admitted last is preempted and recomputed
+later, see :mod:`.scheduler`), runs one decode step over every live row,
 and hands each call its tokens when its last sequence ends. The cache is made by
 :func:`make_cache` (its size and layout: :mod:`.pool`). Steps are queued ahead:
 the tokens of a step are read on the host (through pinned memory and an event) after the next
@@ -34,7 +36,7 @@ from typing import Counter, DefaultDict, Deque, List, Optional, cast
 import torch
 
 from ..errors import GraphwrapError
-from . import paged_attention
+from . import growth, paged_attention
 from .attention import folding, sdpa_model
 from .calls import Call, Closed, QueueFull, check_call, finish, put_token
 from .delivery import OUTBOX, Mailbox, on_worker
@@ -269,7 +271,7 @@ class DecodeServer:
             if admitted:
                 self.cond.notify_all()  # room in the queue
                 now = time.perf_counter()
-                self.waits.extend(now - s.submitted for s in admitted)
+                self.waits.extend(now - s.submitted for s in admitted if not s.preempted)
             elif not self.inflight.queued and not any(s is not None for s in self.sched.holders):
                 # Idle: nothing to read and no row held (a sequence just cancelled or ended still
                 # holds its row and blocks: the turn goes on, and its retire gives them back).
@@ -307,25 +309,17 @@ class DecodeServer:
         self.cancelled.clear()
 
     def _grow(self, short: int) -> bool:
-        """A pool that can grow (a CPU's) takes at least ``short`` more blocks: whether it grew."""
-        c, pool = self.cache, self.sched.pool
-        if pool is None or pool.total >= c.most:
-            return False
-        total = min(c.most, max(2 * pool.total, pool.total + short))
-        cast(PagedStore, self.store).grow(total)
-        pool.grow(total)
-        logger.info("decode cache grew to %d blocks of %d positions", total - c.scratch, c.block)
-        return True
+        return growth.grow_pool(self, short)
 
     def _admit(self, seqs: List[Seq]):
         if isinstance(self.store, PagedStore):
             self.store.assign(_rows(seqs), [s.blocks for s in seqs])
         for s in seqs:
-            if len(s.prompt) > self.chunk:
+            if len(s.feed) > self.chunk:
                 s.prefilled = 0
                 self.sched.chunking.append(s)
         seqs = [s for s in seqs if s.prefilled is None]
-        for group in self.prompts.groups([s.prompt for s in seqs]):
+        for group in self.prompts.groups([s.feed for s in seqs]):
             batch = [seqs[i] for i in group]
             try:
                 self._prefill(batch)
@@ -341,7 +335,7 @@ class DecodeServer:
 
     def _prefill(self, seqs: List[Seq]):
         rows = _rows(seqs)
-        prompts = [s.prompt for s in seqs]
+        prompts = [s.feed for s in seqs]
         shape = self.shapes.pick(("prefill",) + self.prompts.shape(prompts), self.stream is not None)
         inputs = self.prompts.inputs(prompts, rows, shape[1:], self.device)
         logits = self.prefill_engine.call(inputs, {"rows": self.store.prompt_window(shape[2])})[:len(seqs)]
@@ -353,7 +347,8 @@ class DecodeServer:
         """Each sequence's settings written into its row and its first token queued, from its
         prompt's last logits (``lengths``: the prompts' lengths, on the device)."""
         rows = _rows(seqs)
-        index = self.settings.write(rows, [s.settings for s in seqs], [s.prompt for s in seqs], [s.seed for s in seqs])
+        index = self.settings.write(rows, [s.settings for s in seqs], [s.feed for s in seqs], [s.seed for s in seqs],
+                                    [len(s.prompt) for s in seqs])
         self.active = Active.of([s.settings for s in self.sched.holders if s is not None])
         tokens = self.settings.next_tokens(logits, index, lengths, self.active)
         self.next_ids[index, 0] = tokens
@@ -370,8 +365,9 @@ class DecodeServer:
             return
         s = chunking[0]
         row, start = cast(int, s.row), cast(int, s.prefilled)
-        end = min(start + self.chunk, len(s.prompt))
-        ids = to_device(torch.tensor([s.prompt[start:end]], dtype=torch.long), self.device)
+        feed = s.feed
+        end = min(start + self.chunk, len(feed))
+        ids = to_device(torch.tensor([feed[start:end]], dtype=torch.long), self.device)
         try:
             with self.fold:
                 logits = self.chunker(ids, start, self.store.chunk_window(row, start, end - start))
@@ -382,7 +378,7 @@ class DecodeServer:
         self.store.lengths[row] = end  # (a step's padding write there is written over by the next piece)
         s.prefilled = end
         self.counts["prefill_pieces"] += 1
-        if end < len(s.prompt):
+        if end < len(feed):
             return
         chunking.popleft()
         s.prefilled = None
@@ -390,6 +386,10 @@ class DecodeServer:
         self._first_tokens([s], logits, to_device(torch.tensor([end], dtype=torch.long), self.device))
 
     def _step(self, live: List[Seq]):
+        if self.sched.pool is not None:
+            live = growth.make_room(self, live)
+            if not live:
+                return
         n, span = self.sched.step_shape(live)
         _, n, span = self.shapes.pick(("step", n, self.store.step_span(span)), self.stream is not None)
         try:
@@ -463,12 +463,16 @@ class DecodeServer:
     def _retire(self):
         rows = self.sched.retire()
         if rows:
-            index = to_device(torch.tensor(rows, dtype=torch.long), self.device)
-            self.store.release(index)
-            self.settings.release(index)
-            self.active = Active.of([s.settings for s in self.sched.holders if s is not None])
-            with self.cond:
-                self.cond.notify_all()
+            self._release(rows)
+
+    def _release(self, rows: List[int]):
+        """Rows given back: released on the device, settings and all."""
+        index = to_device(torch.tensor(rows, dtype=torch.long), self.device)
+        self.store.release(index)
+        self.settings.release(index)
+        self.active = Active.of([s.settings for s in self.sched.holders if s is not None])
+        with self.cond:
+            self.cond.notify_all()
 
     # ------------------------------------------------------------------ stats
 

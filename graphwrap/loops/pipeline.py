@@ -136,7 +136,7 @@ def run_pipeline(engine, batches: Iterable[Any], to_host: bool = False) -> Itera
                 plan = fast_plan(item)
                 if plan is not None:
                     lease = by_plan.get(plan)
-            if lease is not None and engine.epoch == epoch:
+            if lease is not None and plan is not None and engine.epoch == epoch:
                 entry = _issue(engine, lease, (item,), plan.n, events, to_host)
             else:
                 args, kwargs = as_call(item)

@@ -8,7 +8,7 @@ calls ahead of the device, and memory stays flat however far ahead it could issu
 """
 
 import functools
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -141,7 +141,11 @@ class DeviceCopy:
         self.read: List[torch.cuda.Event] = []
         self.turn = 0
         self.views: Dict[tuple, torch.Tensor] = {}  # (turn, shape) -> the buffer's first rows
-        self.copy_stream = self.to_copy = self.compute = self.back = None  # the streams, and their setters
+        # the engine's copy stream, the caller's last stream, and setters that make each current
+        self.copy_stream: Any = None
+        self.to_copy: Any = None
+        self.compute: Any = None
+        self.back: Any = None
 
     def copy(self, dst: torch.Tensor, x: torch.Tensor, engine) -> None:
         """The caller holds the engine's lock and has ordered its stream (``engine.last_stream``)."""
