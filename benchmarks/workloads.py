@@ -46,7 +46,8 @@ def stream_loop(model, cpu_data, device):
     return loop
 
 
-def capture(model, static_input, warmup=3):
+def capture(model, static_input, warmup=3, pool=None):
+    """A graph of ``model`` on ``static_input`` (warmed up on a side stream first), and its output."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -54,7 +55,7 @@ def capture(model, static_input, warmup=3):
             model(static_input)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, pool=pool):
         out = model(static_input)
     return g, out
 
@@ -75,18 +76,7 @@ def double_buffered_loop(model, cpu_data, device):
     """Hand-written: two static inputs with a graph each, copies on a copy stream, event waits."""
     statics = [torch.randn(cpu_data[0].shape, device=device) for _ in range(2)]
     pool = torch.cuda.graph_pool_handle()
-    graphs = []
-    for st in statics:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                model(st)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
-            model(st)
-        graphs.append(g)
+    graphs = [capture(model, st, pool=pool)[0] for st in statics]
     copy = torch.cuda.Stream(device)
     copied = [torch.cuda.Event(), torch.cuda.Event()]
     replayed = [torch.cuda.Event(), torch.cuda.Event()]

@@ -22,6 +22,20 @@ class MLP(nn.Module):
         return self.layers(x)
 
 
+class Slow(nn.Module):
+    """Long compute next to tiny copies: ``depth`` layers of ``width`` (the host runs ahead of the device)."""
+
+    def __init__(self, width: int = 64, depth: int = 200):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.depth = depth
+
+    def forward(self, x):
+        for _ in range(self.depth):
+            x = torch.tanh(self.lin(x))
+        return x
+
+
 class KVCache:
     """A cache object as models return: tensors inside a class of its own, registered with
     torch.utils._pytree (below) and with no __eq__."""

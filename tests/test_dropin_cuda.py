@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import MLP, Scales, assert_same, eager_answer, num_graphs, small_bert
+from helpers import MLP, Scales, Slow, assert_same, eager_answer, num_graphs, small_bert
 from torch import nn
 
 from graphwrap import Batcher, GraphedModule
@@ -206,19 +206,8 @@ def test_copies_and_pickles_capture_their_own():
     assert_same(gm(x), want)  # the copy's weights are its own
 
 
-class _Slow(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(32, 32)
-
-    def forward(self, x):
-        for _ in range(50):
-            x = torch.tanh(self.lin(x))
-        return x
-
-
 def test_submit_returns_at_once_and_requests_are_joined():
-    model = _Slow().to(DEV).eval()
+    model = Slow(32, 50).to(DEV).eval()
     b = Batcher(GraphedModule(model, max_batch_size=64), max_delay_ms=50)
     xs = [torch.randn(1, 32, device=DEV) for _ in range(100)]
     t0 = time.perf_counter()

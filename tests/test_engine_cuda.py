@@ -3,7 +3,7 @@ large batches from pinned memory."""
 
 import pytest
 import torch
-from helpers import MLP, assert_same, eager_answer
+from helpers import MLP, Slow, assert_same, eager_answer
 from torch import nn
 
 import graphwrap.capture.work
@@ -48,19 +48,6 @@ def test_a_pinned_buffer_refilled_after_each_large_call():
         assert_same(got, want)
 
 
-class _Slow(nn.Module):
-    """Long compute next to tiny copies: the host runs ahead of the device."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(32, 32)
-
-    def forward(self, x):
-        for _ in range(200):
-            x = torch.tanh(self.lin(x))
-        return x
-
-
 @pytest.mark.parametrize("outputs", ["clone", "view"])
 @pytest.mark.parametrize("pinned", [True, False])
 @pytest.mark.parametrize("width", [32, 1024])
@@ -70,7 +57,7 @@ def test_one_host_buffer_refilled_after_each_call(width, pinned, outputs):
     # graph's own on the copy stream (width 1024, 8 rows: 32 KiB). Either way the caller's
     # buffer is read when the call returns, and the buffers are written again only once the
     # copies that read them are over, however far ahead of the device the host runs.
-    model = nn.Sequential(nn.Linear(width, 32), _Slow()).to(DEV).eval()
+    model = nn.Sequential(nn.Linear(width, 32), Slow(32)).to(DEV).eval()
     gm = GraphedModule(model, buckets=[8], outputs=outputs)
     xs = [torch.randn(8 if i % 4 else 5, width) for i in range(60)]  # 5 rows: padded to 8
     bufs = {n: torch.empty(n, width) for n in (5, 8)}

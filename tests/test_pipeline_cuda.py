@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from helpers import MLP, MultiIO, assert_same
+from helpers import MLP, MultiIO, Slow, assert_same
 from torch import nn
 
 import graphwrap
@@ -88,19 +88,6 @@ def test_structured_items_and_batches_above_the_largest_bucket():
     for it, o in zip(items, gm.pipeline(items)):
         want = model(*[a.to(DEV) if torch.is_tensor(a) else a for a in it.args[:1]], (it.args[1][0], {"m": it.args[1][1]["m"].to(DEV)}), scale=0.5)
         assert_same(o, want)
-
-
-class Slow(nn.Module):
-    """Long compute next to tiny copies."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(64, 64)
-
-    def forward(self, x):
-        for _ in range(200):
-            x = torch.tanh(self.lin(x))
-        return x
 
 
 class Wide(nn.Module):

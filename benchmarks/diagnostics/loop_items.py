@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, ".")
-from workloads import SeedMLP  # noqa: E402
+from workloads import SeedMLP, capture  # noqa: E402
 
 import graphwrap  # noqa: E402
 
@@ -138,27 +138,11 @@ def primitives(bs):
 
 # ---------------------------------------------------------------------------- 2. designs by hand
 
-def _graphs(model, statics, pool):
-    graphs, outs = [], []
-    for st in statics:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                model(st)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
-            outs.append(model(st))
-        graphs.append(g)
-    return graphs, outs
-
-
 def designs(model, data):
     shape = data[0].shape
     pool = torch.cuda.graph_pool_handle()
     statics = [torch.zeros(shape, device=DEV) for _ in range(2)]
-    graphs, outs = _graphs(model, statics, pool)
+    graphs, outs = zip(*(capture(model, st, pool=pool) for st in statics))
     copy = torch.cuda.Stream()
     compute = torch.cuda.current_stream()
     copied = [torch.cuda.Event(), torch.cuda.Event()]
