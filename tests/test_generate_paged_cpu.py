@@ -8,7 +8,7 @@ from helpers import thread_results
 
 from graphwrap import GraphedModule, GraphwrapError
 from graphwrap.decoding import server as server_mod
-from graphwrap.decoding.pool import BLOCK, Blocks, plan_cache
+from graphwrap.decoding.pool import BLOCK, Blocks, plan_cache, rows_possible, scratch_blocks
 from graphwrap.decoding.scheduler import Scheduler, Seq
 from graphwrap.decoding.settings import SeqSettings
 
@@ -60,8 +60,8 @@ def _prompts(lengths, seed=1):
 
 def _fixed_pool(monkeypatch, usable, rows=64):
     """The batch sized as on a GPU with just enough free memory for ``usable`` blocks beside the
-    rows' scratch blocks (a pool that cannot grow)."""
-    free = int(((usable + rows + 1) * BLOCK * TOKEN_BYTES + 1) / server_mod.CACHE_MEMORY) + 1
+    rows' scratch blocks and the capture blocks (a pool that cannot grow)."""
+    free = int(((usable + scratch_blocks(rows, BLOCK)) * BLOCK * TOKEN_BYTES + 1) / server_mod.CACHE_MEMORY) + 1
     monkeypatch.setattr(server_mod, "_free_memory", lambda device: free)
 
 
@@ -79,15 +79,30 @@ def test_the_plan_keeps_whole_rows_where_they_fit_the_budget_and_pages_where_not
     small = plan_cache(rows=4, max_len=64, token_bytes=1000, free=10**12)
     assert small.paged is False
     roomy = plan_cache(rows=4, max_len=64, token_bytes=1000, free=10**12, paged=True)
-    assert roomy.blocks == 4 * (64 // BLOCK) + 5, "never more blocks than every row whole (and a scratch block each)"
+    # Never more blocks than every row whole, a scratch block each (and the padding prompts'), and
+    # one capture block per BLOCK of those 5.
+    assert roomy.blocks == 4 * (64 // BLOCK) + 5 + 1, "never more blocks than every row whole and the scratch blocks"
     with pytest.raises(MemoryError, match="holds no block"):
         plan_cache(rows=4, max_len=64, token_bytes=10**6, free=10**6)
+
+
+def test_the_rows_layout_is_probed_only_where_the_plan_may_choose_it():
+    assert rows_possible(False, on_gpu=False, in_place=False) and rows_possible(False, on_gpu=True, in_place=True)
+    assert not rows_possible(True, on_gpu=True, in_place=False)
+    assert not rows_possible(None, on_gpu=False, in_place=False), "a CPU's cache is paged unless asked"
+    assert not rows_possible(None, on_gpu=True, in_place=True), "paged where steps read the pool in place"
+    assert rows_possible(None, on_gpu=True, in_place=False), "whole rows where they fit the budget"
+    assert plan_cache(4, 64, 1000, None).paged, "(as the plan decides)"
+    assert plan_cache(4, 64, 1000, 10**12, in_place=True).paged
+    assert not plan_cache(4, 64, 1000, 10**12, in_place=False).paged
 
 
 def test_a_cpu_pool_starts_small_and_may_grow_to_every_row_whole():
     p = plan_cache(rows=64, max_len=1024, token_bytes=1000, free=None)
     assert p.paged and p.budget is None
-    assert p.blocks == 64 * (256 // BLOCK) + 65 and p.most == 64 * (1024 // BLOCK) + 65 and p.scratch == 65
+    scratch = 65 + 5  # a block per row and the padding prompts', and the capture blocks (65 positions)
+    assert p.blocks == 64 * (256 // BLOCK) + scratch and p.most == 64 * (1024 // BLOCK) + scratch
+    assert p.scratch == scratch
 
 
 def test_blocks_are_handed_out_lowest_first_and_the_scratch_blocks_never():

@@ -9,7 +9,7 @@ from helpers import thread_results
 
 from graphwrap import GraphedModule
 from graphwrap.decoding import server as server_mod
-from graphwrap.decoding.pool import BLOCK
+from graphwrap.decoding.pool import BLOCK, scratch_blocks
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fp32_exact")]
 DEV = "cuda"
@@ -61,7 +61,7 @@ def test_the_paged_attention_kernel_reads_each_rows_own_blocks(dtype, hq, hkv, d
 
 
 def _fixed_pool(monkeypatch, usable, rows=64):
-    free = int(((usable + rows + 1) * BLOCK * TOKEN_BYTES + 1) / server_mod.CACHE_MEMORY) + 1
+    free = int(((usable + scratch_blocks(rows, BLOCK)) * BLOCK * TOKEN_BYTES + 1) / server_mod.CACHE_MEMORY) + 1
     monkeypatch.setattr(server_mod, "_free_memory", lambda device: free)
 
 

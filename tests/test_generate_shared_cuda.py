@@ -2,6 +2,7 @@
 against model.generate alone (fp32, TF32 off: equal), sampling seeded alike alone and batched,
 errors, cancelling, compile=True."""
 
+import threading
 import time
 
 import pytest
@@ -40,8 +41,9 @@ def test_32_concurrent_calls_replay_shared_steps_and_get_generates_tokens(kind):
     model = _model(kind)
     gm = GraphedModule(model)
     reqs = _requests(32)
-    for _ in range(2):  # the second pass replays what the first captured
+    for _ in range(2):  # the second pass replays what the first captured (beside it)
         got = thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False), 32)
+        assert gm.__dict__["_gw_decode"].captures.finish(120)
     with torch.no_grad():
         for (ids, k), out in zip(reqs, got):
             assert torch.equal(out, model.generate(input_ids=ids, max_new_tokens=k, do_sample=False))
@@ -62,6 +64,41 @@ def test_32_concurrent_calls_replay_shared_steps_and_get_generates_tokens(kind):
     assert not step["module_changes"], step["module_changes"]
     assert model.config._attn_implementation == "sdpa"
     gm.close()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_first_burst_is_served_while_its_shapes_are_captured_beside_it(monkeypatch, kind):
+    """A fresh batch: its shapes are captured on the capturing thread (never the decode thread)
+    while the decode thread serves each forward eagerly or by a larger graph; every request's
+    tokens are model.generate's, during the captures and after them."""
+    from graphwrap.capture import capturer
+
+    where, capture_into = [], capturer.capture_into
+
+    def noted(*a, **k):
+        where.append(threading.current_thread().name)
+        return capture_into(*a, **k)
+
+    monkeypatch.setattr(capturer, "capture_into", noted)
+    model = _model(kind)
+    gm = GraphedModule(model)
+    reqs = _requests(32, seed=7)
+    with torch.no_grad():
+        want = [model.generate(input_ids=ids, max_new_tokens=k, do_sample=False) for ids, k in reqs]
+    for _ in range(2):
+        got = thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False),
+                             32)
+        for w, out in zip(want, got):
+            assert torch.equal(out, w)
+    server = gm.__dict__["_gw_decode"]
+    d = gm.stats()["decode"]
+    assert where and set(where) == {"graphwrap-decode-capture"}, set(where)
+    assert d["capture_failed"] == {} and any(s[0] == "step" for s in d["shapes"])
+    assert d["captures"]["done"] >= len(d["shapes"])
+    # The cache's table was loaded into the twins whose graphs served steps.
+    assert any(t.seen >= 0 for s, t in server.twins.items() if s[0] == "step")
+    gm.close()
+    assert not server.captures.thread.is_alive()
 
 
 def test_sampling_with_a_seed_repeats_alone_and_in_a_full_batch():

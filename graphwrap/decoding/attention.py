@@ -107,20 +107,35 @@ class folding:
         self.config = config if wanted and _settable(config) and _register() else None
         self.store = store if direct and self.config is not None else None
         self.set = False
+        # The decode thread and the thread capturing shapes beside it may be inside at once:
+        # the first in sets the attention, the last out puts it back.
+        self.lock = threading.Lock()
+        self.inside = 0
 
     def __enter__(self):
-        self.set = self.config is not None and vars(self.config).get(FIELD) == "sdpa"
-        if self.set:
-            object.__setattr__(self.config, FIELD, NAME)
-            if self.store is not None:
-                self.store.direct = True
+        if self.config is None:
+            return self
+        with self.lock:
+            if self.inside == 0:
+                self.set = vars(self.config).get(FIELD) == "sdpa"
+                if self.set:
+                    object.__setattr__(self.config, FIELD, NAME)
+                    if self.store is not None:
+                        self.store.direct = True
+            self.inside += 1
         return self
 
     def __exit__(self, *exc):
-        if self.store is not None:
-            self.store.direct = False
-        if self.set and vars(self.config).get(FIELD) == NAME:
-            object.__setattr__(self.config, FIELD, "sdpa")
+        if self.config is None:
+            return
+        with self.lock:
+            self.inside -= 1
+            if self.inside:
+                return
+            if self.store is not None:
+                self.store.direct = False
+            if self.set and vars(self.config).get(FIELD) == NAME:
+                object.__setattr__(self.config, FIELD, "sdpa")
 
 
 FIELD = "_attn_implementation_internal"  # what transformers' config property reads

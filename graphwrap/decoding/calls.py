@@ -37,6 +37,7 @@ class Call:
     left: int = 0
     error: Optional[BaseException] = None
     ended: bool = False  # set once, by _end_call (the decode thread)
+    queued: bool = False  # set once, when enqueued: counted among the batch's calls in flight until it ends
 
 
 def put_token(call: Call, streamer, token: int):

@@ -120,25 +120,41 @@ def _make(held: dict, module):
         return None, why
     if getattr(module.config, "is_encoder_decoder", False):
         return None, "an encoder-decoder model (the shared batch serves decoder-only models)"
+    from .pool import rows_possible
     from .probe import probe
-    from .server import DecodeServer
+    from .server import DecodeServer, reads_in_place
     from .step import DecodeStep, PrefillStep
 
     device = next(module.parameters()).device
-    why = probe(module, device)
+    in_place = reads_in_place(module, device)
+    why = probe(module, device, rows_possible(cfg.get("paged"), device.type == "cuda", in_place), in_place)
     if why is not None:
         return None, why
     rows = cfg["rows"]
-    spans = len(buckets_upto(cfg["max_len"], (64, 128, 256)))
+    # Each shape's graph is a key of its own (over its own twin of the cache, see captures.py):
+    # the reference run warms it up, and one warm-up more does (cuBLAS, Triton) where nothing is
+    # compiled; a compiled forward keeps the caller's warm-ups.
+    warmups = opts.warmup_iters if opts.compile is not None else min(opts.warmup_iters, 1)
     step_opts = dataclasses.replace(opts, outputs="view", state="rows", buckets=None, max_batch_size=rows,
+                                    warmup_iters=warmups,
                                     seq_dim=None, seq_buckets=None, max_tokens=None, pad_values=0, batch_dim=0,
                                     eager_if_faster=False, decode=False,
-                                    max_keys=max(opts.max_keys, 2 * spans * len(buckets_upto(rows, (1, 2, 4, 8, 16)))))
+                                    max_keys=max(opts.max_keys, _shapes(rows, cfg["max_len"])))
     step, prefill = Engine(DecodeStep(module), step_opts), Engine(PrefillStep(module), step_opts)
     # What the GraphedModule has logged once (no CUDA, say) is not logged again by the batch's engines.
     step.logged = prefill.logged = held["_gw_engine"].logged
     return DecodeServer(module, step, prefill, rows, cfg["max_len"], cfg["max_queue"], cfg["positions"],
                         cfg.get("cache_memory", CACHE_MEMORY), cfg.get("paged")), None
+
+
+def _shapes(rows: int, max_len: int) -> int:
+    """Keys an engine of the batch may need: a graph of each step shape (row and span buckets)
+    or prompt shape (row and width buckets), each over a twin of its own, twice over."""
+    from .step import CHUNK, Prompts
+
+    prompts = Prompts(rows, min(max_len, CHUNK), rows)
+    steps = len(buckets_upto(rows, (1, 2, 4, 8, 16))) * len(buckets_upto(max_len, (64, 128, 256)))
+    return 2 * max(steps, len(prompts.row_buckets) * len(prompts.width_buckets))
 
 
 def plan(held: dict, module, args, kwargs):
@@ -214,6 +230,23 @@ def _queued(gm, args, kwargs, block: bool = True, seed: Optional[int] = None):
             raise
         return server, p, call
     raise GraphwrapError("this GraphedModule's decode batch was closed three times while a call was being queued")
+
+
+def capture_generate(gm, timeout: Optional[float] = None) -> bool:
+    """``gm.capture_generate``: the shared batch made, and the graphs of every shape its buckets
+    make captured (beside the decode thread, which serves meanwhile); whether every capture
+    ended within ``timeout``. GraphwrapError where the batch cannot serve this model."""
+    from .captures import every_shape
+
+    held = gm.__dict__
+    if not callable(getattr(gm.module, "generate", None)):
+        raise GraphwrapError(f"{type(gm.module).__name__} has no generate(): it is not a Hugging Face generation model")
+    server, why = server_of(held, gm.module)
+    if server is None:
+        raise GraphwrapError(f"no shared decode batch for this model: {why}")
+    if "_gw_decode_finalizer" not in held:
+        held["_gw_decode_finalizer"] = weakref.finalize(gm, _close_dropped, held)
+    return every_shape(server, timeout)
 
 
 def generate(gm, args, kwargs):

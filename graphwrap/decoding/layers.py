@@ -3,6 +3,8 @@ batch's cache: a step's window, a joined prompt forward's window and a long prom
 each layout (:mod:`.rows`, :mod:`.pages`). Imported only when a store makes a window (this
 module needs transformers)."""
 
+from typing import Optional
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -98,10 +100,11 @@ class PagedLayer(RowLayer):
     pools themselves go to graphwrap's attention (``store.direct``), or the rows' blocks of the
     window are gathered for the model's own."""
 
-    def __init__(self, keys: Tensor, values: Tensor, store, span: int):
+    def __init__(self, keys: Tensor, values: Tensor, store, span: int, direct: Optional[Tensor] = None):
         super().__init__(keys, values, store.lengths, store.index, span)
         self.store, self.table, self.block = store, store.table, store.block
         self.lines = span // store.block
+        self.direct = direct  # the pool as the attention reads it in place (marked with the store)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
         n = key_states.shape[0]
@@ -110,8 +113,8 @@ class PagedLayer(RowLayer):
         offset = pos % self.block
         self.keys[where, offset] = key_states[:, :, -1].to(self.keys.dtype)
         self.values[where, offset] = value_states[:, :, -1].to(self.values.dtype)
-        if self.store.direct:
-            return self.keys, self.values
+        if self.store.base.direct:
+            return self.direct, self.values
         return self._gather(self.keys, n), self._gather(self.values, n)
 
     def _gather(self, pool: Tensor, n: int) -> Tensor:

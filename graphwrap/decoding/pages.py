@@ -20,8 +20,18 @@ of blocks. Windows span whole blocks.
 
 On a CPU the pool grows (:meth:`PagedStore.grow`): new tensors, the old blocks copied in, the
 windows made again. On a GPU it never does (the graphs hold its addresses).
+
+A shape's graph is captured on a thread of its own while the decode thread serves (see
+:mod:`.captures`), over a *twin* of the store (:meth:`PagedStore.twin`): the same pools, with
+lengths, live flags, prompt rows and a table of its own. While it is captured, the twin's table
+points every row at the capture blocks (blocks no sequence ever holds), so whatever the
+capture's runs write and read there is the capture's own: no row's keys are touched, and its
+check against eager sees no other thread's writes. Once captured, each replay of the twin's
+graph has the store's own lengths, live flags and (when it changed) table copied in first, and
+the lengths and live flags copied back after (:meth:`PagedStore.load`, :meth:`PagedStore.save`).
 """
 
+import copy
 from typing import List, Optional, Sequence
 
 import torch
@@ -46,16 +56,59 @@ class PagedStore(Store):
         self.table = self.index[:, None].repeat(1, self.per_row)
         pos = torch.arange(self.per_row * block, device=self.device)
         self.pos_block, self.pos_offset = pos // block, pos % block
+        self.base = self  # the store whose metadata a twin copies (itself for the store)
+        self.version = 0  # bumped at each write of the table: a twin copies it when it changed
+        self.seen = -1  # (a twin's) the version its table holds
+        self.twins: List["PagedStore"] = []
+        self.direct_keys: List[Tensor] = []  # what a layer hands the attention for each layer: the pool, marked
 
     def allocate(self, layer_keys: List[Tensor], layer_values: List[Tensor]):
         """Allocate every layer's pool from one prompt cache's tensors (``[batch, heads, len, dim]``)."""
         for k, v in zip(layer_keys, layer_values):
             self.keys.append(self._pool(self.blocks, k.shape[1], k.shape[3], k.dtype))
             self.values.append(self._pool(self.blocks, v.shape[1], v.shape[3], v.dtype))
+        self._mark()
+
+    def _mark(self):
+        """Each layer's pool as the attention gets it: a view marked with this store (whose table
+        and lengths the attention reads) and the layer's sliding window (None: full attention)."""
+        self.direct_keys = []
         if self.kernel:
             for t, window in zip(self.keys, self.layer_windows or [None] * len(self.keys)):
-                setattr(t, "_gw_pages", self)  # what the attention function reads the table and lengths from
-                setattr(t, "_gw_window", window)  # and the layer's sliding window (None: full attention)
+                view = t.view(t.shape)
+                setattr(view, "_gw_pages", self)
+                setattr(view, "_gw_window", window)
+                self.direct_keys.append(view)
+
+    def twin(self) -> "PagedStore":
+        """A store over the same pools with metadata of its own, laid out for a capture: row
+        ``r`` at length ``r % block`` of capture block ``first + r // block``, live, and every
+        prompt into the scratch row. A forward over it writes only the capture blocks, and each
+        row reads only positions written by that same forward."""
+        t = copy.copy(self)
+        first, rows1 = self.rows + 1, self.rows + 1
+        t.lv = torch.stack([self.index % self.block, torch.ones_like(self.index)])
+        t.lengths, t.live = t.lv[0], t.lv[1]
+        t.slots = torch.full_like(self.slots, self.scratch)
+        t.table = (first + self.index // self.block)[:, None].repeat(1, self.per_row)
+        assert first + blocks_for(rows1, self.block) <= self.blocks, "the pool holds no capture blocks"
+        t.windows, t.prompt_windows, t.twins = {}, {}, []
+        t.base, t.seen = self, -1
+        t._mark()
+        self.twins.append(t)
+        return t
+
+    def load(self, twin: "PagedStore"):
+        """Before a replay of ``twin``'s graph: this store's lengths and live flags, and its
+        table where it changed since the last load, copied into the twin's."""
+        twin.lv.copy_(self.lv)
+        if twin.seen != self.version:
+            twin.table.copy_(self.table)
+            twin.seen = self.version
+
+    def save(self, twin: "PagedStore"):
+        """After a replay of ``twin``'s graph: what it wrote of lengths and live flags, back here."""
+        self.lv.copy_(twin.lv)
 
     def _pool(self, blocks: int, heads: int, dim: int, dtype: torch.dtype) -> Tensor:
         return torch.zeros((blocks, self.block, heads, dim), dtype=dtype, device=self.device)
@@ -67,16 +120,19 @@ class PagedStore(Store):
             host[i, :len(b)] = torch.tensor(list(b), dtype=torch.long)
         index = to_device(torch.tensor(list(rows), dtype=torch.long), self.device)
         self.table.index_copy_(0, index, to_device(host, self.device))
+        self.version += 1
 
     def extend(self, rows: Sequence[int], at: Sequence[int], blocks: Sequence[int]):
         """Blocks taken by growing rows: ``table[rows[i], at[i]] = blocks[i]``, one write."""
         host = torch.tensor([list(rows), list(at), list(blocks)], dtype=torch.long)
         r, a, b = to_device(host, self.device).unbind(0)
         self.table.index_put_((r, a), b)
+        self.version += 1
 
     def release(self, rows: Tensor):
         super().release(rows)
         self.table.index_copy_(0, rows, rows[:, None].expand(-1, self.per_row))
+        self.version += 1
 
     def grow(self, blocks: int):
         """The pool holds ``blocks`` blocks now (a CPU's pool; the old ones keep their place)."""
@@ -86,8 +142,11 @@ class PagedStore(Store):
                 new[:old.shape[0]] = old
                 t[i] = new
         self.blocks = blocks
-        self.windows.clear()
-        self.prompt_windows.clear()
+        for s in [self] + self.twins:  # (the twins share the lists of pools)
+            s.blocks = blocks
+            s.windows.clear()
+            s.prompt_windows.clear()
+            s._mark()
 
     def step_span(self, span: int) -> int:
         """Where steps attend straight from the pool, one window for every step (each row reads
@@ -96,7 +155,8 @@ class PagedStore(Store):
 
     def step_layers(self, span: int) -> list:
         span = min(blocks_for(span, self.block), self.per_row) * self.block
-        return [_layers().PagedLayer(k, v, self, span) for k, v in zip(self.keys, self.values)]
+        direct: List[Optional[Tensor]] = list(self.direct_keys) or [None] * len(self.keys)
+        return [_layers().PagedLayer(k, v, self, span, d) for k, v, d in zip(self.keys, self.values, direct)]
 
     def prompt_layers(self, width: int) -> list:
         return [_layers().PagedPromptLayer(k, v, self, width) for k, v in zip(self.keys, self.values)]

@@ -36,7 +36,7 @@ class CachePlan:
     block: int  # positions per block (max_len where not paged)
     blocks: int  # blocks of the pool at first, the scratch blocks included (0 where not paged)
     most: int  # blocks the pool may grow to (== blocks where it cannot grow)
-    scratch: int  # blocks 0 .. scratch - 1: one per row (and one for padding prompts), never handed out
+    scratch: int  # blocks 0 .. scratch - 1: one per row (and one for padding prompts), then the captures', never handed out
     token_bytes: int  # bytes of keys and values of one position over every layer
     budget: Optional[int]  # bytes the cache may take (None: no device limit known)
     why: str  # how it was decided, for the log
@@ -59,7 +59,7 @@ def plan_cache(rows: int, max_len: int, token_bytes: int, free: Optional[int], f
     makes the paged layout the default."""
     whole = (rows + 1) * max_len * token_bytes  # the rows layout: every row (and the scratch row) whole
     per_row = -(-max_len // BLOCK)
-    scratch = rows + 1
+    scratch = scratch_blocks(rows, BLOCK)
     most = rows * per_row + scratch  # paged, every row whole
     if free is None:  # a CPU: no budget to keep to
         if paged is False:
@@ -110,6 +110,21 @@ class Blocks:
     @property
     def used(self) -> int:
         return self.total - self.scratch - len(self.free)
+
+
+def rows_possible(paged: Optional[bool], on_gpu: bool, in_place: bool) -> bool:
+    """Whether :func:`plan_cache` may choose the rows layout (``paged`` as given, the device a
+    GPU, steps able to read the pool in place)."""
+    if paged is not None:
+        return not paged
+    return on_gpu and not in_place
+
+
+def scratch_blocks(rows: int, block: int) -> int:
+    """Blocks never handed out: one per row and one for padding prompts (blocks ``0 .. rows``),
+    then the blocks the shapes' captures write and read (:meth:`.pages.PagedStore.twin`): one
+    position for each of those ``rows + 1``."""
+    return rows + 1 + blocks_for(rows + 1, block)
 
 
 def blocks_for(positions: int, block: int) -> int:

@@ -21,21 +21,24 @@ from .step import ChunkStep, DecodeStep, PrefillStep, Prompts, cache_layout, lay
 STEPS = 4
 
 
-def probe(model, device) -> Optional[str]:
-    """None where the rows reproduce the model's own decoding, else why not."""
+def probe(model, device, rows: bool = True, in_place: Optional[bool] = None) -> Optional[str]:
+    """None where the rows reproduce the model's own decoding, else why not (``rows``: the
+    whole-rows layout is probed too, where the batch may use it; ``in_place``: the paged pool is
+    read in place by the kernel, as the batch will, default where the kernel runs at all)."""
     try:
-        return _probe(model, torch.device(device))
+        return _probe(model, torch.device(device), rows, in_place)
     except Exception as e:  # noqa: BLE001 - a model the rows cannot drive at all
         return f"decoding through graphwrap's cache of rows failed ({type(e).__name__}: {e})"
 
 
-def _probe(model, device) -> Optional[str]:
+def _probe(model, device, rows: bool, in_place: Optional[bool]) -> Optional[str]:
     keys, values = cache_layout(model, device)
     if keys is None:
         return ("the model's own cache has no per-layer keys and values of full attention or of one sliding window "
                 "(another kind of layer?)")
-    kernel = paged_attention.available() and device.type == "cuda"
-    for store in (RowStore(4, 32, device), PagedStore(4, 32, device, 4, 4 * 8 + 5, kernel=kernel)):
+    kernel = paged_attention.available() and device.type == "cuda" if in_place is None else in_place
+    stores = [RowStore(4, 32, device)] if rows else []
+    for store in stores + [PagedStore(4, 32, device, 4, 4 * 8 + 5, kernel=kernel)]:
         if isinstance(store, PagedStore):
             store.kernel = folding(model, store).store is not None
             store.layer_windows = layer_windows(model)

@@ -15,7 +15,11 @@ def report(server) -> dict:
         "cancelled": c["cancelled"], "queued": queued, "rows_busy": busy, "preempted": c["preempted"],
         "steps": c["steps"], "rows_per_step": c["step_rows"] / c["steps"] if c["steps"] else 0.0,
         "padded_rows_per_step": c["step_padded_rows"] / c["steps"] if c["steps"] else 0.0,
-        "in_a_larger_graph": dict(server.shapes.covered), "shapes": sorted(server.shapes.ready),
+        "in_a_larger_graph": dict(server.shapes.covered), "shapes": server.shapes.served(),
+        "eager_forwards": dict(server.shapes.eager), "capture_failed": dict(server.shapes.failed),
+        "captures": None if server.captures is None else {
+            "queued": server.captures.queued(), "done": server.captures.done,
+            "seconds": round(server.captures.seconds, 3)},
         "prefills": c["prefills"], "rows_per_prefill": c["prefill_rows"] / c["prefills"] if c["prefills"] else 0.0,
         "prefill_pieces": c["prefill_pieces"],
         "queue_wait_ms": percentiles(server.waits), "ttft_ms": percentiles(server.ttft),

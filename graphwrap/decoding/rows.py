@@ -35,8 +35,10 @@ class Store:
         self.scratch = rows  # one more row: where padding prompts write
         self.keys: List[Tensor] = []
         self.values: List[Tensor] = []
-        self.lengths = torch.zeros(rows + 1, dtype=torch.long, device=self.device)
-        self.live = torch.zeros(rows + 1, dtype=torch.long, device=self.device)  # 1 for rows that advance
+        # The rows' lengths and live flags (1 for rows that advance), in one tensor: one copy
+        # moves both (see PagedStore.load).
+        self.lv = torch.zeros((2, rows + 1), dtype=torch.long, device=self.device)
+        self.lengths, self.live = self.lv[0], self.lv[1]
         self.index = torch.arange(rows + 1, device=self.device)
         self.slots = torch.full((rows,), rows, dtype=torch.long, device=self.device)  # a prompt forward's rows
         self.windows: Dict[int, object] = {}

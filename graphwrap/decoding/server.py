@@ -31,14 +31,15 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
-from typing import Counter, DefaultDict, Deque, List, Optional, cast
+from typing import Counter, DefaultDict, Deque, Dict, List, Optional, cast
 
 import torch
 
 from ..errors import GraphwrapError
-from . import growth, paged_attention
+from . import captures, growth, paged_attention, pieces
 from .attention import folding, sdpa_model
 from .calls import Call, Closed, QueueFull, check_call, finish, put_token
+from .captures import Captures, on_stream
 from .delivery import OUTBOX, Mailbox, on_worker
 from .inflight import Tokens
 from .pages import PagedStore
@@ -66,9 +67,9 @@ def _close_at_exit():
         server.stop(GraphwrapError("the process is exiting: this generate call was stopped unfinished"))
     deadline = time.monotonic() + EXIT_WAIT
     for server in servers:
-        thread = server.thread
-        if thread is not None:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        for thread in (server.thread, server.captures.thread if server.captures is not None else None):
+            if thread is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
 
 
 KEEP = 10_000  # latencies kept for the percentiles in stats()
@@ -119,7 +120,15 @@ class DecodeServer:
         self.tpot: Deque[float] = collections.deque(maxlen=KEEP)
         self.waits: Deque[float] = collections.deque(maxlen=KEEP)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.shapes = Shapes()
+        self.shapes = Shapes(self.stream is not None)
+        self.twins: Dict[tuple, PagedStore] = {}  # shape -> the twin of the cache its graph was captured over
+        self.captures: Optional[Captures] = None
+        if self.stream is not None and isinstance(self.store, PagedStore):
+            self.start_captures()
+
+    def start_captures(self):
+        """Capture new shapes on a thread of their own from now on (see :mod:`.captures`)."""
+        self.captures, self.shapes = captures.start(self)
 
     # ------------------------------------------------------------------ callers
 
@@ -158,6 +167,9 @@ class DecodeServer:
             if streamer is not None:  # the prompt first, as generate's streamer gets it
                 OUTBOX.post(call.box, lambda: streamer.put(call.plan.input_ids))
             self.sched.enqueue(call.seqs)
+            call.queued = True
+            if self.captures is not None:
+                self.captures.calls(+1)
             self.counts["calls"] += 1
             self.counts["sequences"] += n
             if self.thread is None:
@@ -194,6 +206,8 @@ class DecodeServer:
             queued = [s.call.future for s in self.sched.queue] if cancel else []
             self.cond.notify_all()
             thread = self.thread
+        if self.captures is not None:
+            self.captures.stop(timeout)
         for fut in queued:  # (outside the lock: a future's callbacks run the caller's code)
             fut.cancel()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -217,6 +231,8 @@ class DecodeServer:
             self.closed = True
             self.stopping = error
             self.cond.notify_all()
+        if self.captures is not None:
+            self.captures.stop(0)
 
     def stale(self) -> bool:
         """Whether the model's weights moved, or changed dtype or device, since the batch was
@@ -227,7 +243,7 @@ class DecodeServer:
 
     def _run(self):
         try:
-            with _on(self.stream), torch.no_grad():
+            with on_stream(self.stream), torch.no_grad():
                 while self._turn():
                     self._flush()
                 self._flush()
@@ -285,7 +301,7 @@ class DecodeServer:
         if admitted:
             self._admit(admitted)
         if self.sched.chunking:
-            self._chunk()
+            pieces.next_piece(self)
         t1 = clock()
         live = self.sched.live()
         if live:
@@ -336,9 +352,10 @@ class DecodeServer:
     def _prefill(self, seqs: List[Seq]):
         rows = _rows(seqs)
         prompts = [s.feed for s in seqs]
-        shape = self.shapes.pick(("prefill",) + self.prompts.shape(prompts), self.stream is not None)
+        shape, how = self.shapes.pick(("prefill",) + self.prompts.shape(prompts))
         inputs = self.prompts.inputs(prompts, rows, shape[1:], self.device)
-        logits = self.prefill_engine.call(inputs, {"rows": self.store.prompt_window(shape[2])})[:len(seqs)]
+        width = shape[2]
+        logits = captures.forward(self, self.prefill_engine, shape, how, inputs, lambda s: s.prompt_window(width))[:len(seqs)]
         self._first_tokens(seqs, logits, inputs[1][:len(seqs)])
         self.counts["prefills"] += 1
         self.counts["prefill_rows"] += len(seqs)
@@ -355,46 +372,16 @@ class DecodeServer:
         self.inflight.queue(seqs, list(range(len(seqs))), tokens)
         self.sched.launched(seqs)
 
-    def _chunk(self):
-        """One piece of the oldest long prompt (a failure is its call's own); after its last, the
-        sequence's first token, and it joins the steps."""
-        chunking = self.sched.chunking
-        while chunking and chunking[0].done:
-            chunking.popleft()
-        if not chunking:
-            return
-        s = chunking[0]
-        row, start = cast(int, s.row), cast(int, s.prefilled)
-        feed = s.feed
-        end = min(start + self.chunk, len(feed))
-        ids = to_device(torch.tensor([feed[start:end]], dtype=torch.long), self.device)
-        try:
-            with self.fold:
-                logits = self.chunker(ids, start, self.store.chunk_window(row, start, end - start))
-        except Exception as e:  # noqa: BLE001 - a prompt that makes the model raise fails alone
-            chunking.popleft()
-            self._end_call(s.call, e)
-            return
-        self.store.lengths[row] = end  # (a step's padding write there is written over by the next piece)
-        s.prefilled = end
-        self.counts["prefill_pieces"] += 1
-        if end < len(feed):
-            return
-        chunking.popleft()
-        s.prefilled = None
-        self.store.live[row] = 1
-        self._first_tokens([s], logits, to_device(torch.tensor([end], dtype=torch.long), self.device))
-
     def _step(self, live: List[Seq]):
         if self.sched.pool is not None:
             live = growth.make_room(self, live)
             if not live:
                 return
         n, span = self.sched.step_shape(live)
-        _, n, span = self.shapes.pick(("step", n, self.store.step_span(span)), self.stream is not None)
+        shape, how = self.shapes.pick(("step", n, self.store.step_span(span)))
+        _, n, span = shape
         try:
-            with self.fold:
-                logits = self.engine.call((self.next_ids[:n],), {"rows": self.store.window(span)})
+            logits = captures.forward(self, self.engine, shape, how, (self.next_ids[:n],), lambda s: s.window(span))
             tokens = self.settings.next_tokens(logits, n, self.store.lengths[:n], self.active)
         except Exception as e:  # noqa: BLE001 - the step serves every live row: each fails with it
             logger.exception("a decode step failed; its %d sequences fail with the error", len(live))
@@ -440,6 +427,8 @@ class DecodeServer:
         if call.ended:
             return
         call.ended = True
+        if call.queued and self.captures is not None:
+            self.captures.calls(-1)
         for s in call.seqs:
             s.done = True
         if error is not None and call.error is None:
@@ -451,6 +440,8 @@ class DecodeServer:
     def _finish(self, call: Call):
         # call.error read now: a streamer that raised on a token delivered before this one
         # (after the decode thread ended the call) fails the call all the same.
+        if self.captures is not None:
+            self.captures.settle()
         try:
             finish(call, call.error)
         finally:
@@ -484,7 +475,7 @@ def make_cache(model, rows: int, max_len: int, device: torch.device, cache_memor
     """``(plan, store, fold)``: the cache's layout and size (:mod:`.pool`), its tensors, and the
     attention the steps run in (grouped key heads folded; a paged pool read in place)."""
     keys, values = cache_layout(model, device)
-    in_place = paged_attention.available() and device.type == "cuda" and sdpa_model(model)
+    in_place = reads_in_place(model, device)
     plan = plan_cache(rows, max_len, _token_bytes(keys, values), _free_memory(device), cache_memory, paged, in_place)
     logger.info("decode cache of %s: %s", type(model).__name__, plan.why)
     store = PagedStore(rows, max_len, device, plan.block, plan.blocks, kernel=in_place) if plan.paged \
@@ -495,6 +486,15 @@ def make_cache(model, rows: int, max_len: int, device: torch.device, cache_memor
         store.layer_windows = layer_windows(model)
     store.allocate(keys, values)
     return plan, store, fold
+
+
+def reads_in_place(model, device: torch.device) -> bool:
+    """Whether a step of ``model`` can read the paged pool in place: the Triton kernel, on CUDA,
+    where the model's attention is transformers' sdpa and its weights are of a dtype the kernel
+    serves (fp16, bf16, fp32; elsewhere, ``model.double()`` say, each row's blocks are gathered)."""
+    p = next(model.parameters(), None)
+    served = p is None or p.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return paged_attention.available() and device.type == "cuda" and sdpa_model(model) and served
 
 
 def _token_bytes(keys, values) -> int:
@@ -522,18 +522,3 @@ def _out_vocab(model, default: int) -> int:
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     n = getattr(head, "out_features", None)
     return int(n) if isinstance(n, int) else default
-
-
-class _on:
-    """``torch.cuda.stream(s)`` for a stream, nothing for None."""
-
-    def __init__(self, stream):
-        self.ctx = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)

@@ -1,31 +1,99 @@
-"""Which graph shape serves a forward of the shared batch (plain Python)."""
+"""Which graph shape serves a forward of the shared batch, and how (plain Python).
+
+Shapes are ``(kind, rows, positions)``. Where shapes are captured on a thread of their own
+(:mod:`.captures`, a paged cache on a GPU), a forward is served by its shape's graph once it
+is captured, else by the smallest captured graph of its kind that holds it (more padding rows
+and masked positions, the same tokens), else eagerly, and the decode thread never waits for a
+capture. A shape's own capture is asked for at once where nothing holds it (an eager forward
+costs many replays), and once it has been wanted ``CAPTURE_AFTER`` times where a larger graph
+holds it (so that a shape that passes by takes no capture's time from the rows). Elsewhere
+(the rows layout) the capture runs in the decode thread, by the same rule.
+"""
 
 import collections
-from typing import Counter, Set
+import threading
+from typing import Callable, Counter, Dict, List, Optional, Set, Tuple
 
-CAPTURE_AFTER = 16  # steps a shape is wanted, served by a larger captured one, before it is captured
+CAPTURE_AFTER = 16  # steps a shape is wanted, served by a larger captured one, before it is captured (inline)
+
+INLINE = "inline"  # the engine's call: it captures a new shape there and then
+GRAPH = "graph"  # a graph captured beside the decode thread (over a twin of the cache)
+EAGER = "eager"  # the forward itself: no graph holds the shape yet (or its capture failed)
+NEEDED, COVERED = 0, 2  # a capture's queue (see captures.py): nothing holds the shape meanwhile, or a larger graph
 
 
 class Shapes:
-    """Which graph shape serves a forward: its own buckets once they have a graph, or once they
-    have been wanted ``CAPTURE_AFTER`` times (the capture then runs in the decode thread); until
-    then the smallest shape of its kind already captured that holds it (more padding rows and
-    masked positions, the same tokens), so that a passing shape does not stall every row for a
-    capture. Shapes are ``(kind, rows, positions)``."""
+    """Which shape serves a forward, and how (:data:`INLINE`, :data:`GRAPH` or :data:`EAGER`).
 
-    def __init__(self):
+    ``want(shape, queue)``, where given, asks for a shape's capture beside the decode thread
+    (once per shape; ``queue`` is ``NEEDED`` where nothing holds the shape meanwhile, else
+    ``COVERED``, see :mod:`.captures`); the capturing thread reports each shape through
+    :meth:`captured`."""
+
+    def __init__(self, graphs: bool = True, want: Optional[Callable[[tuple, int], None]] = None):
+        self.graphs, self.want = graphs, want
         self.ready: Set[tuple] = set()
         self.wanted: Counter[tuple] = collections.Counter()
-        self.covered: Counter[tuple] = collections.Counter()
+        self.covered: Counter[str] = collections.Counter()
+        self.eager: Counter[str] = collections.Counter()  # forwards run eagerly while no graph held them, by kind
+        self.asked: Set[tuple] = set()
+        self.failed: Dict[tuple, str] = {}
+        self.reports: List[Tuple[tuple, Optional[str]]] = []  # (shape, None or why it failed), from the capturing thread
+        self.lock = threading.Lock()  # guards reports
 
-    def pick(self, shape: tuple, graphs: bool) -> tuple:
-        if not graphs or shape in self.ready:
+    def captured(self, shape: tuple, why: Optional[str] = None):
+        """From the capturing thread: ``shape`` serves by graph now (``why`` None), or never."""
+        with self.lock:
+            self.reports.append((shape, why))
+
+    def served(self) -> List[tuple]:
+        """The shapes a graph serves (from any thread)."""
+        with self.lock:
+            return sorted(set(self.ready) | {s for s, why in self.reports if why is None})
+
+    def _take_reports(self):
+        with self.lock:
+            reports, self.reports = self.reports, []
+        for got, why in reports:
+            if why is None:
+                self.ready.add(got)
+            else:
+                self.failed[got] = why
+
+    def pick(self, shape: tuple) -> Tuple[tuple, str]:
+        if not self.graphs:
+            return shape, INLINE
+        if self.want is None:
+            return self._inline(shape), INLINE
+        if self.reports:
+            self._take_reports()
+        if shape in self.ready:
+            return shape, GRAPH
+        cover = self._cover(shape)
+        if shape not in self.asked:
+            self.wanted[shape] += 1
+            if cover is None or self.wanted[shape] >= CAPTURE_AFTER:
+                self.asked.add(shape)
+                del self.wanted[shape]
+                self.want(shape, NEEDED if cover is None else COVERED)
+        if cover is not None:
+            self.covered[shape[0]] += 1
+            return cover, GRAPH
+        self.eager[shape[0]] += 1
+        return shape, EAGER
+
+    def _cover(self, shape: tuple) -> Optional[tuple]:
+        cover = [s for s in self.ready if s[0] == shape[0] and s[1] >= shape[1] and s[2] >= shape[2]]
+        return min(cover, key=lambda s: s[1] * s[2]) if cover else None
+
+    def _inline(self, shape: tuple) -> tuple:
+        if shape in self.ready:
             return shape
         self.wanted[shape] += 1
-        cover = [s for s in self.ready if s[0] == shape[0] and s[1] >= shape[1] and s[2] >= shape[2]]
-        if cover and self.wanted[shape] < CAPTURE_AFTER:
+        cover = self._cover(shape)
+        if cover is not None and self.wanted[shape] < CAPTURE_AFTER:
             self.covered[shape[0]] += 1
-            return min(cover, key=lambda s: s[1] * s[2])
+            return cover
         self.ready.add(shape)
         del self.wanted[shape]
         return shape

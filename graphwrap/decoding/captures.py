@@ -1,0 +1,235 @@
+"""The shared batch's graphs, captured on a thread of their own while the decode thread serves.
+
+A step or prompt shape the batch has no graph for is served at once, by a larger captured
+graph or eagerly (:mod:`.shapes`), and its capture is queued here. This thread captures each
+queued shape through the batch's engines (warm-up, capture, the check against eager), over a
+*twin* of the paged cache (:meth:`.pages.PagedStore.twin`): the same pools, metadata of its
+own, pointed at blocks no sequence holds, so the capture's runs touch no row of the batch. The
+shape is reported to the decode thread once its graph serves (and every run of it has ended on
+the device); from then on each of its replays has the cache's metadata copied in and back.
+
+The order: first the shapes a forward asked for that no captured graph holds (they run eagerly
+meanwhile, which costs many replays' time, the more so beside a capture, which takes turns with
+the decode thread for the interpreter); then the shapes queued ahead (when the batch was made,
+where one window serves every step: the largest row bucket's, which holds every step; or by
+``gm.capture_generate``); last the shapes a larger graph serves meanwhile, once wanted often
+(:mod:`.shapes`). One capture runs at a time, and only while the batch serves a call (or
+``capture_generate`` asked); a capture that fails leaves its shape to larger graphs or to eager
+forwards, and says why in the log and in ``stats()``.
+"""
+
+import collections
+import logging
+import threading
+import time
+from typing import Deque, List, Optional, Set
+
+import torch
+
+from ..core.reasons import Eager
+from .shapes import COVERED, EAGER, GRAPH, NEEDED, Shapes
+
+logger = logging.getLogger("graphwrap")
+AHEAD = 1  # the queues, first to last: NEEDED (0), AHEAD, COVERED (2)
+
+
+def start(server):
+    """``(captures, shapes)`` of a batch whose new shapes are captured beside its decode thread
+    (a paged cache only). Where one window serves every step, the step of the largest row bucket
+    is queued now: it holds every step until theirs are captured."""
+    caps = Captures(server)
+    store = server.store
+    span = store.step_span(1)
+    if span == store.step_span(server.max_len):
+        caps.want(("step", server.sched.row_buckets[-1], span), AHEAD)
+    return caps, Shapes(True, caps.want)
+
+
+def every_shape(server, timeout: Optional[float] = None) -> bool:
+    """Queue every shape the batch's buckets make (each step's row and span buckets, each prompt
+    forward's row and width buckets) and wait for the queue to empty; whether it did within
+    ``timeout``. Nothing to do where shapes are captured in the decode thread."""
+    caps = server.captures
+    if caps is None:
+        return True
+    store = server.store
+    spans = sorted({store.step_span(s) for s in server.sched.span_buckets})
+    for span in spans:
+        for n in server.sched.row_buckets:
+            caps.want(("step", n, span), AHEAD)
+    for k in server.prompts.row_buckets:
+        for width in server.prompts.width_buckets:
+            caps.want(("prefill", k, width), AHEAD)
+    return caps.finish(timeout)
+
+
+def forward(server, engine, shape: tuple, how: str, args: tuple, window):
+    """One forward of ``shape`` (``window(store)``: the cache it sees): by the graph captured
+    over the shape's twin (the cache's lengths, live flags and table copied in, and what it
+    wrote of them back), eagerly, or through the engine (which captures a new shape there and
+    then)."""
+    with server.fold:
+        if how == GRAPH:
+            twin = server.twins[shape]
+            server.store.load(twin)
+            out = engine.call(args, {"rows": window(twin)})
+            server.store.save(twin)
+            return out
+        if how == EAGER:
+            return engine.module(*args, rows=window(server.store))
+        return engine.call(args, {"rows": window(server.store)})
+
+
+class Captures:
+    """The capturing thread of one shared batch (started on the first shape queued)."""
+
+    def __init__(self, server):
+        self.server = server
+        self.cond = threading.Condition(threading.Lock())
+        self.queues: List[Deque[tuple]] = [collections.deque() for _ in (NEEDED, AHEAD, COVERED)]
+        self.seen: Set[tuple] = set()
+        self.running: Optional[tuple] = None
+        self.stopped = False
+        self.thread: Optional[threading.Thread] = None
+        self.stream = torch.cuda.Stream(server.device) if server.device.type == "cuda" else None
+        self.seconds = 0.0
+        self.done = 0
+        self.serving = 0  # calls of the batch in flight: captures run only while there are some
+        self.ahead_of_calls = False  # capture whatever is queued, calls or not (every_shape)
+
+    def want(self, shape: tuple, queue: int = NEEDED):
+        """Queue ``shape``'s capture (once), in ``queue``: :data:`NEEDED`, :data:`AHEAD` or
+        :data:`COVERED`."""
+        with self.cond:
+            if shape in self.seen or self.stopped:
+                return
+            self.seen.add(shape)
+            self.queues[queue].append(shape)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="graphwrap-decode-capture", daemon=True)
+                self.thread.start()
+            self.cond.notify_all()
+
+    def calls(self, change: int):
+        """A call of the batch was queued (+1) or ended (-1)."""
+        with self.cond:
+            self.serving += change
+            self.cond.notify_all()
+
+    def settle(self):
+        """Before a call's result is handed over: where no other call is in flight, wait for the
+        capture under way to end, so that a caller done with the batch finds no capture running
+        (a device-wide ``torch.cuda.synchronize()`` fails while any stream captures)."""
+        with self.cond:
+            while self.running is not None and self.serving == 0 and not self.ahead_of_calls:
+                self.cond.wait()
+
+    def queued(self) -> list:
+        with self.cond:
+            return [s for q in self.queues for s in q] + ([self.running] if self.running else [])
+
+    def finish(self, timeout: Optional[float] = None) -> bool:
+        """Capture what is queued now, calls in flight or not, and wait until nothing is queued or
+        being captured; whether that happened within ``timeout``."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            self.ahead_of_calls = bool(any(self.queues) or self.running)
+            self.cond.notify_all()
+            while (any(self.queues) or self.running is not None) and not self.stopped:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.cond.wait(left)
+            return not any(self.queues) and self.running is None
+
+    def stop(self, timeout: Optional[float] = None) -> bool:
+        """Capture nothing more (a capture under way ends first); whether the thread ended in time."""
+        with self.cond:
+            self.stopped = True
+            for q in self.queues:
+                q.clear()
+            self.cond.notify_all()
+            thread = self.thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def _next(self) -> Optional[tuple]:
+        with self.cond:
+            while not self.stopped and not (any(self.queues) and (self.serving or self.ahead_of_calls)):
+                self.cond.wait()
+            if self.stopped:
+                return None
+            self.running = next(q for q in self.queues if q).popleft()
+            return self.running
+
+    def _run(self):
+        while True:
+            shape = self._next()
+            if shape is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                why = self._capture(shape)
+            except Exception as e:  # noqa: BLE001 - the shape is served eagerly; the batch goes on
+                why = f"{type(e).__name__}: {e}"
+            self.seconds += time.perf_counter() - t0
+            self.done += 1
+            if why is not None:
+                logger.warning("no graph for the shared batch's %s shape %s (%s): it runs in a larger graph or eagerly",
+                               shape[0], shape[1:], why)
+            else:
+                logger.info("captured the shared batch's %s shape %s beside the decode thread in %.0f ms",
+                            shape[0], shape[1:], 1e3 * (time.perf_counter() - t0))
+            self.server.shapes.captured(shape, why)
+            with self.cond:
+                self.running = None
+                if not any(self.queues):
+                    self.ahead_of_calls = False
+                self.cond.notify_all()
+
+    def _capture(self, shape: tuple) -> Optional[str]:
+        """Capture ``shape`` over a new twin of the cache; None once its graph serves, else why not."""
+        server = self.server
+        kind, n, width = shape
+        twin = server.store.twin()
+        device = server.device
+        if kind == "step":
+            engine = server.engine
+            args: tuple = (torch.zeros((n, 1), dtype=torch.long, device=device),)
+            kwargs = {"rows": twin.window(width)}
+        else:
+            engine = server.prefill_engine
+            args = (torch.zeros((n, width), dtype=torch.long, device=device),
+                    torch.full((n,), width, dtype=torch.long, device=device),
+                    torch.full((n,), server.store.scratch, dtype=torch.long, device=device))
+            kwargs = {"rows": twin.prompt_window(width)}
+        with on_stream(self.stream), torch.no_grad(), server.fold:
+            engine.call(args, kwargs)
+            f = engine.facts(args, kwargs)
+            why = str(f) if type(f) is Eager else None
+            if why is None:
+                plan = engine.plan(f)
+                if plan.eager:
+                    why = str(plan.reason) if plan.reason is not None else "the engine serves it eagerly"
+        if self.stream is not None:
+            self.stream.synchronize()  # the capture's last replay has ended before the decode thread loads the twin
+        if why is None:
+            server.twins[shape] = twin
+        return why
+
+
+class on_stream:
+    """``torch.cuda.stream(s)`` for a stream, nothing for None."""
+
+    def __init__(self, stream):
+        self.ctx = torch.cuda.stream(stream) if stream is not None else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)

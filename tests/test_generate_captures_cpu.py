@@ -1,0 +1,259 @@
+"""Shapes of the shared batch captured on a thread of their own while the decode thread serves:
+which shape serves a forward and how, the twin of the paged cache a capture runs over, and
+greedy tokens against model.generate alone with the engines on the CPU stand-in for CUDA
+graphs (a replay recomputes the forward over the twin's inputs, as a graph would over its
+addresses). Needs transformers (skipped with the reason without it)."""
+
+import threading
+import time
+
+import pytest
+import torch
+from helpers import CpuBackend, thread_results
+
+from graphwrap import GraphedModule
+from graphwrap.decoding.captures import AHEAD, Captures
+from graphwrap.decoding.pages import PagedStore
+from graphwrap.decoding.pool import BLOCK, scratch_blocks
+from graphwrap.decoding.shapes import CAPTURE_AFTER, COVERED, EAGER, GRAPH, INLINE, NEEDED, Shapes
+
+tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+
+
+# ------------------------------------------------------------------ which shape, and how
+
+def test_without_graphs_every_shape_is_its_own_and_goes_to_the_engine():
+    shapes = Shapes(graphs=False)
+    assert shapes.pick(("step", 4, 64)) == (("step", 4, 64), INLINE)
+
+
+def test_inline_captures_wait_for_a_covered_shape_to_be_wanted_often():
+    shapes = Shapes(graphs=True)
+    assert shapes.pick(("step", 8, 128)) == (("step", 8, 128), INLINE), "nothing covers it: captured at once"
+    for _ in range(CAPTURE_AFTER - 1):
+        assert shapes.pick(("step", 4, 64)) == (("step", 8, 128), INLINE)
+    assert shapes.pick(("step", 4, 64)) == (("step", 4, 64), INLINE)
+    assert shapes.covered["step"] == CAPTURE_AFTER - 1
+
+
+def test_beside_the_decode_thread_a_shape_is_asked_for_once_and_served_eagerly_or_larger_meanwhile():
+    asked = []
+    shapes = Shapes(graphs=True, want=lambda shape, queue: asked.append((shape, queue)))
+    assert shapes.pick(("step", 4, 64)) == (("step", 4, 64), EAGER)
+    assert shapes.pick(("step", 4, 64)) == (("step", 4, 64), EAGER)
+    assert asked == [(("step", 4, 64), NEEDED)] and shapes.eager["step"] == 2
+    shapes.captured(("step", 8, 64))  # (reported by the capturing thread)
+    shapes.captured(("prefill", 4, 64), "it failed")
+    assert shapes.pick(("step", 4, 64)) == (("step", 8, 64), GRAPH), "a larger graph serves it meanwhile"
+    assert shapes.pick(("prefill", 2, 32)) == (("prefill", 2, 32), EAGER), "a failed capture serves nothing"
+    assert shapes.failed == {("prefill", 4, 64): "it failed"}
+    for _ in range(CAPTURE_AFTER - 1):  # a larger graph holds it: asked for once it is wanted often
+        assert shapes.pick(("step", 2, 64)) == (("step", 8, 64), GRAPH)
+    assert asked == [(("step", 4, 64), NEEDED), (("prefill", 2, 32), NEEDED)]
+    assert shapes.pick(("step", 2, 64)) == (("step", 8, 64), GRAPH)
+    shapes.captured(("step", 4, 64))
+    assert shapes.pick(("step", 4, 64)) == (("step", 4, 64), GRAPH)
+    assert asked == [(("step", 4, 64), NEEDED), (("prefill", 2, 32), NEEDED), (("step", 2, 64), COVERED)]
+
+
+# ------------------------------------------------------------------ the twin of the cache
+
+def _store(rows=20, kernel=False):
+    store = PagedStore(rows, 64, "cpu", BLOCK, scratch_blocks(rows, BLOCK) + 12, kernel=kernel)
+    store.allocate([torch.zeros(1, 2, 1, 8)], [torch.zeros(1, 2, 1, 8)])
+    return store
+
+
+def test_a_twin_points_every_row_at_the_capture_blocks_one_position_each():
+    store = _store(rows=20)
+    twin = store.twin()
+    first = 21  # after the 20 rows' scratch blocks and the padding prompts' one
+    spots = {(int(twin.table[r, 0]), int(twin.lengths[r])) for r in range(21)}
+    assert len(spots) == 21, "no two rows write the same position"
+    assert all(first <= b < scratch_blocks(20, BLOCK) for b, _ in spots), "only capture blocks, never a row's"
+    assert all((twin.table[r] == twin.table[r, 0]).all() for r in range(21))
+    assert twin.slots.eq(store.scratch).all() and twin.live.eq(1).all()
+    assert twin.keys[0] is store.keys[0], "the same pools"
+
+
+def test_a_twin_loads_the_cache_metadata_and_copies_the_table_only_when_it_changed():
+    store = _store(rows=4)
+    twin = store.twin()
+    store.assign([1], [[7, 9]])
+    store.lengths[1], store.live[1] = 20, 1
+    store.load(twin)
+    assert torch.equal(twin.table, store.table) and torch.equal(twin.lv, store.lv)
+    twin.table[1, 0] = 3  # (what a stale copy would keep)
+    store.load(twin)
+    assert int(twin.table[1, 0]) == 3, "unchanged table: not copied again"
+    store.extend([1], [2], [11])
+    store.load(twin)
+    assert twin.table[1].tolist()[:3] == [7, 9, 11]
+    twin.lengths[1] += 1
+    store.save(twin)
+    assert int(store.lengths[1]) == 21
+
+
+# ------------------------------------------------------------------ served beside captures
+
+def _model(kind):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = tr.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=101, n_positions=256, bos_token_id=1,
+                            eos_token_id=None, pad_token_id=0)
+    else:
+        cfg = tr.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=101, max_position_embeddings=256, bos_token_id=1,
+                             eos_token_id=None, pad_token_id=0)
+    return tr.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _alone(model, prompt, n):
+    with torch.no_grad():
+        return model.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
+
+
+def _idle(server, timeout=60.0):
+    assert server.captures.finish(timeout) and not server.captures.queued()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_tokens_are_the_models_while_shapes_are_captured_beside_the_decode_thread_and_after(kind):
+    model = _model(kind)
+    gm = GraphedModule(model, decode={"rows": 8})
+    gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)  # makes the batch
+    server = gm.__dict__["_gw_decode"]
+    for engine in (server.engine, server.prefill_engine):
+        engine.backend, engine.where = CpuBackend(), None
+    server.start_captures()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 101, (n,), generator=g).tolist() for n in (5, 11, 3, 14, 9, 2, 13, 6, 8, 12)]
+    news = [6 + 3 * (i % 5) for i in range(len(prompts))]
+    for _ in range(2):  # first with shapes captured meanwhile, then served by them
+        got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i],
+                                                   do_sample=False), len(prompts))
+        for p, n, out in zip(prompts, news, got):
+            assert torch.equal(out, _alone(model, p, n))
+        _idle(server)
+    d = gm.stats()["decode"]
+    assert d["eager_forwards"].get("step", 0) > 0, "steps ran eagerly while their shapes were captured"
+    assert any(s[0] == "step" for s in d["shapes"]) and any(s[0] == "prefill" for s in d["shapes"])
+    assert d["capture_failed"] == {} and d["captures"]["done"] == len(server.twins)
+    assert sum(b["replays"] for k in d["step"]["keys"] for b in k["buckets"].values()) > 0
+    twins = list(server.twins.values())
+    assert all(t.base is server.store for t in twins) and len({id(t.table) for t in twins}) == len(twins)
+    gm.close()
+    assert not server.captures.thread.is_alive(), "closing the batch ends its capturing thread"
+
+
+def test_a_capture_that_fails_leaves_its_shape_to_eager_forwards_and_says_why(caplog):
+    model = _model("gpt2")
+    gm = GraphedModule(model, decode={"rows": 4})
+    gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+    server = gm.__dict__["_gw_decode"]
+    for engine in (server.engine, server.prefill_engine):
+        engine.backend, engine.where = CpuBackend(), None
+    server.start_captures()
+    calls = threading.local()
+
+    def broken(*a, **k):
+        calls.n = getattr(calls, "n", 0) + 1
+        raise RuntimeError("no capture today")
+
+    server.captures._capture = broken
+    out = gm.generate(torch.tensor([[9, 8, 7, 6]]), max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, _alone(model, [9, 8, 7, 6], 12))
+    _idle(server)
+    d = gm.stats()["decode"]
+    assert d["capture_failed"] and all("no capture today" in why for why in d["capture_failed"].values())
+    assert d["eager_forwards"]["step"] >= 11 and d["shapes"] == []
+    assert "no graph for the shared batch" in caplog.text
+    gm.close()
+
+
+def test_captures_go_needed_first_then_queued_ahead_then_covered():
+    order, go = [], threading.Event()
+
+    class Server:
+        device = torch.device("cpu")
+        shapes = Shapes()
+
+    caps = Captures(Server())
+
+    def capture(shape):
+        go.wait(10)
+        order.append(shape)
+
+    caps._capture = capture
+    caps.want(("step", 64, 1024), AHEAD)
+    time.sleep(0.05)
+    assert caps.running is None, "no capture while no call is in flight"
+    caps.calls(+1)  # a call: the first is taken at once, held until the others are queued
+    while caps.queued() != [("step", 64, 1024)] or caps.running is None:
+        time.sleep(0.001)
+    caps.want(("step", 2, 1024), COVERED)
+    caps.want(("step", 1, 1024), AHEAD)
+    caps.want(("prefill", 4, 64), NEEDED)
+    caps.want(("prefill", 4, 64), NEEDED)  # once
+    caps.want(("prefill", 1, 16), NEEDED)
+    go.set()
+    assert caps.finish(10)
+    assert order == [("step", 64, 1024), ("prefill", 4, 64), ("prefill", 1, 16), ("step", 1, 1024), ("step", 2, 1024)]
+    caps.calls(-1)
+    assert caps.stop(10) and not caps.thread.is_alive()
+    caps.want(("step", 4, 1024))
+    assert caps.queued() == [], "a stopped thread takes nothing more"
+
+
+def test_capture_generate_captures_every_shape_of_the_buckets_and_later_calls_replay_them():
+    model = _model("llama")
+    gm = GraphedModule(model, decode={"rows": 4, "max_len": 64})
+    gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+    server = gm.__dict__["_gw_decode"]
+    for engine in (server.engine, server.prefill_engine):
+        engine.backend, engine.where = CpuBackend(), None
+    server.start_captures()
+    assert gm.capture_generate(timeout=120)
+    d = gm.stats()["decode"]
+    steps = {s for s in d["shapes"] if s[0] == "step"}
+    prefills = {s for s in d["shapes"] if s[0] == "prefill"}
+    assert {n for _, n, _ in steps} == set(server.sched.row_buckets) == {1, 2, 3, 4}
+    assert prefills == {("prefill", k, w) for k in (1, 2, 3, 4) for w in (16, 32, 48, 64)}
+    before = dict(d["eager_forwards"])
+    out = gm.generate(torch.tensor([[9, 8, 7, 6]]), max_new_tokens=10, do_sample=False)
+    assert torch.equal(out, _alone(model, [9, 8, 7, 6], 10))
+    assert gm.stats()["decode"]["eager_forwards"] == before, "every forward served by a graph"
+    gm.close()
+
+
+def test_no_capture_runs_once_a_lone_call_has_returned_and_none_starts_until_the_next_call():
+    """A device-wide torch.cuda.synchronize() fails while any stream captures: a caller done
+    with the batch must find no capture running."""
+    model = _model("gpt2")
+    gm = GraphedModule(model, decode={"rows": 4})
+    gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+    server = gm.__dict__["_gw_decode"]
+    for engine in (server.engine, server.prefill_engine):
+        engine.backend, engine.where = CpuBackend(), None
+    server.start_captures()
+    caps, capture, spans = server.captures, server.captures._capture, []
+
+    def slow(shape):
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        try:
+            return capture(shape)
+        finally:
+            spans.append((t0, time.monotonic()))
+
+    caps._capture = slow
+    for n in (12, 3, 20):
+        out = gm.generate(torch.tensor([[9, 8, 7, 6][:max(1, n % 5)]]), max_new_tokens=n, do_sample=False)
+        returned = time.monotonic()
+        assert caps.running is None, "the call waited for the capture under way"
+        time.sleep(0.35)
+        assert caps.running is None and all(end <= returned for _, end in spans), "none started after it"
+        assert out.shape[1] > 0
+    assert spans, "captures ran while the calls were in flight"
+    assert caps.finish(60) and not caps.queued()
+    gm.close()
