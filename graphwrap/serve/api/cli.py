@@ -27,6 +27,10 @@ def parser() -> argparse.ArgumentParser:
                     help="share of the GPU memory free after the weights that the KV cache takes (default 0.7)")
     ap.add_argument("--max-tokens-default", type=int, default=None,
                     help="new tokens of a chat request without max_tokens: the context left, at most this (default 2048)")
+    ap.add_argument("--capture", default="ahead", choices=("ahead", "lazy"),
+                    help="ahead: capture every step and prompt shape's graph at start (on a GPU); lazy: each when "
+                         "first needed, beside the decode thread (a sooner start; the first requests run eagerly "
+                         "meanwhile)")
     ap.add_argument("--drain", type=float, default=30.0, help="seconds running requests get to finish at shutdown")
     ap.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"),
                     help="uvicorn's HTTP parser (auto: httptools where it is installed)")
@@ -53,13 +57,33 @@ def load(a: argparse.Namespace):
                                 ("cache_memory", a.cache_memory)) if v is not None}
     gm = GraphedModule(model, decode=decode)
     context = min([x for x in (a.max_len, model_positions(model.config)) if x] or [MAX_LEN])
-    # The batch is made now (its cache, its probe of the model), not on the first request.
-    first = tok.bos_token_id if tok.bos_token_id is not None else (tok.eos_token_id or 0)
-    gm.generate(torch.tensor([[first]]), max_new_tokens=1, do_sample=False, pad_token_id=first)
+    # The batch is made now (its cache, its probe of the model), not on the first request; with
+    # --capture ahead, the graphs of every shape its buckets make are captured now too.
+    if a.capture == "ahead" and _captured_ahead(gm):
+        pass
+    else:
+        first = tok.bos_token_id if tok.bos_token_id is not None else (tok.eos_token_id or 0)
+        gm.generate(torch.tensor([[first]]), max_new_tokens=1, do_sample=False, pad_token_id=first)
     d = gm.stats().get("decode")
-    if d is None:
+    if d is None or "off" in d:
         logger.warning("the shared decode batch does not serve this model: requests take turns on it, one at a time")
     return Served(gm, tok, a.served_model_name or a.model, context, a.max_tokens_default or MAX_NEW_DEFAULT)
+
+
+def _captured_ahead(gm) -> bool:
+    """``gm.capture_generate()`` with a log line; False where the batch does not serve the model."""
+    import time
+
+    from ...errors import GraphwrapError
+
+    t0 = time.perf_counter()
+    try:
+        gm.capture_generate()
+    except GraphwrapError:
+        return False
+    d = gm.stats()["decode"]
+    logger.info("captured the graphs of %d step and prompt shapes in %.1f s", len(d["shapes"]), time.perf_counter() - t0)
+    return True
 
 
 def draining_server():
