@@ -1,0 +1,93 @@
+"""The shared batch's first seconds: a first burst against warm ones, and a closed loop from cold.
+
+The bench ``generate`` workload (64 requests, prompts 16..128, 32..256 new tokens, greedy, fp16,
+random weights) on GPT-2 or the 1.1B Llama shape, in this process:
+
+1. a GraphedModule made here: its first burst (the batch made, every shape new), then three
+   warm bursts, then a burst with a streamer on each request (time to first token and per
+   output token, from the streamers);
+2. a second GraphedModule of the same model (the process warm: cuBLAS, attention kernels and
+   Triton set up; its batch and shapes new): its first burst;
+3. a third: a closed loop of 64 client threads for ``--seconds``, then another once warm.
+   Latencies from the batch's own ``stats()``.
+
+Each part prints what the batch says of its shapes (captured, run eagerly, in a larger graph).
+Run from the project root, or from an older tree's root for a before/after:
+``python3 benchmarks/diagnostics/first_burst.py gpt2 [--seconds 5]``
+"""
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, ".")
+import generate as g  # noqa: E402
+
+from graphwrap import GraphedModule  # noqa: E402
+
+
+def shapes(gm) -> str:
+    d = gm.stats()["decode"]
+    caps = d.get("captures") or {}
+    return (f"shapes {len(d['shapes'])}, eager forwards {d.get('eager_forwards', '-')}, in a larger graph "
+            f"{d['in_a_larger_graph']}, captures beside the decode thread {caps.get('done', '-')} in "
+            f"{caps.get('seconds', '-')} s (queued {len(caps.get('queued', []))}), failed {d.get('capture_failed', '-')}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", choices=["gpt2", "llama"])
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--log", action="store_true", help="graphwrap's log on stderr, ms since the process began")
+    a = ap.parse_args()
+    if a.log:
+        logging.basicConfig(format="%(relativeCreated)7.0f ms %(threadName)s: %(message)s")
+        logging.getLogger("graphwrap").setLevel(logging.INFO)
+    dev = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"graphwrap from {os.path.dirname(sys.modules['graphwrap'].__file__)}", flush=True)
+    model = g._model(a.model, dev)
+    reqs = g.workload(model.config.vocab_size)
+    tokens = sum(k for _, k in reqs)
+
+    gm = GraphedModule(model)
+    first, *_ = g.burst(gm, reqs, dev)
+    print(f"[{a.model}] first burst: {first:.3f} s ({tokens / first:,.0f} tokens/s); {shapes(gm)}; decode thread "
+          f"{gm.stats()['decode']['thread_s']}", flush=True)
+    warm = [g.burst(gm, reqs, dev)[0] for _ in range(3)]
+    w = statistics.median(warm)
+    print(f"[{a.model}] warm bursts: median {w:.3f} s (min {min(warm):.3f}, max {max(warm):.3f}; "
+          f"{tokens / w:,.0f} tokens/s); first / warm = {first / w:.2f}x", flush=True)
+    t, _, clocks, _ = g.burst(gm, reqs, dev, stream=True)
+    ttft, tpot = g.latencies(clocks)
+    print(f"[{a.model}] burst with a streamer on each request: {t:.3f} s; time to first token p50 "
+          f"{1e3 * g.pct(ttft, .5):.1f} / p99 {1e3 * g.pct(ttft, .99):.1f} ms, per output token p50 "
+          f"{1e3 * g.pct(tpot, .5):.2f} / p99 {1e3 * g.pct(tpot, .99):.2f} ms", flush=True)
+    print(f"[{a.model}] after the bursts: {shapes(gm)}", flush=True)
+    gm.close()
+
+    gm = GraphedModule(model)
+    again, *_ = g.burst(gm, reqs, dev)
+    print(f"[{a.model}] first burst of another GraphedModule, the process warm: {again:.3f} s; first / warm = "
+          f"{again / w:.2f}x; {shapes(gm)}", flush=True)
+    gm.close()
+
+    gm = GraphedModule(model)
+    for name in ("closed loop from cold", "closed loop, warm"):
+        g.fresh_latencies(gm)
+        rate, _ = g.closed_loop(gm, reqs, dev, a.seconds)
+        lat = g.server_latencies(gm)
+        print(f"[{a.model}] {name}, {g.CLIENTS} clients, {a.seconds:.0f} s: {rate:,.0f} tokens/s; time to first token "
+              f"p50 {lat['ttft_p50_ms']:.1f} / p99 {lat['ttft_p99_ms']:.1f} ms, per output token p50 "
+              f"{lat['tpot_p50_ms']:.2f} / p99 {lat['tpot_p99_ms']:.2f} ms; {shapes(gm)}", flush=True)
+    gm.close()
+
+
+if __name__ == "__main__":
+    main()
