@@ -15,7 +15,9 @@
 - :mod:`.calls`: a call's record, its ending (streamer, result) and the errors of a full or
   closed batch.
 - :mod:`.delivery`: the workers that hand each call its tokens and result, off the decode thread.
-- :mod:`.shapes`: which captured shape serves a forward; :mod:`.weights`: whether the model's
+- :mod:`.shapes`: which captured shape serves a forward, and how; :mod:`.captures`: the thread
+  that captures new shapes beside the decode thread, over twins of the paged cache;
+  :mod:`.pieces`: a long prompt prefilled a piece a turn; :mod:`.weights`: whether the model's
   weights moved since the batch was made.
 - :mod:`.front`: ``gm.generate``'s way in: which batch, made when, and the one-call loop's turn.
 """
