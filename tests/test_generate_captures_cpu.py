@@ -113,6 +113,18 @@ def _alone(model, prompt, n):
         return model.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
 
 
+def _captured_beside(model, **decode):
+    """A GraphedModule whose batch (made here) captures shapes beside its decode thread, its
+    engines on the CPU stand-in for CUDA graphs: ``(gm, server)``."""
+    gm = GraphedModule(model, decode=decode)
+    gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)  # makes the batch
+    server = gm.__dict__["_gw_decode"]
+    for engine in (server.engine, server.prefill_engine):
+        engine.backend, engine.where = CpuBackend(), None
+    server.start_captures()
+    return gm, server
+
+
 def _idle(server, timeout=60.0):
     assert server.captures.finish(timeout) and not server.captures.queued()
 
@@ -120,12 +132,7 @@ def _idle(server, timeout=60.0):
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_tokens_are_the_models_while_shapes_are_captured_beside_the_decode_thread_and_after(kind):
     model = _model(kind)
-    gm = GraphedModule(model, decode={"rows": 8})
-    gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)  # makes the batch
-    server = gm.__dict__["_gw_decode"]
-    for engine in (server.engine, server.prefill_engine):
-        engine.backend, engine.where = CpuBackend(), None
-    server.start_captures()
+    gm, server = _captured_beside(model, rows=8)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 101, (n,), generator=g).tolist() for n in (5, 11, 3, 14, 9, 2, 13, 6, 8, 12)]
     news = [6 + 3 * (i % 5) for i in range(len(prompts))]
@@ -148,16 +155,8 @@ def test_tokens_are_the_models_while_shapes_are_captured_beside_the_decode_threa
 
 def test_a_capture_that_fails_leaves_its_shape_to_eager_forwards_and_says_why(caplog):
     model = _model("gpt2")
-    gm = GraphedModule(model, decode={"rows": 4})
-    gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
-    server = gm.__dict__["_gw_decode"]
-    for engine in (server.engine, server.prefill_engine):
-        engine.backend, engine.where = CpuBackend(), None
-    server.start_captures()
-    calls = threading.local()
-
+    gm, server = _captured_beside(model, rows=4)
     def broken(*a, **k):
-        calls.n = getattr(calls, "n", 0) + 1
         raise RuntimeError("no capture today")
 
     server.captures._capture = broken
@@ -207,12 +206,7 @@ def test_captures_go_needed_first_then_queued_ahead_then_covered():
 
 def test_capture_generate_captures_every_shape_of_the_buckets_and_later_calls_replay_them():
     model = _model("llama")
-    gm = GraphedModule(model, decode={"rows": 4, "max_len": 64})
-    gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
-    server = gm.__dict__["_gw_decode"]
-    for engine in (server.engine, server.prefill_engine):
-        engine.backend, engine.where = CpuBackend(), None
-    server.start_captures()
+    gm, server = _captured_beside(model, rows=4, max_len=64)
     assert gm.capture_generate(timeout=120)
     d = gm.stats()["decode"]
     steps = {s for s in d["shapes"] if s[0] == "step"}
@@ -230,12 +224,7 @@ def test_no_capture_runs_once_a_lone_call_has_returned_and_none_starts_until_the
     """A device-wide torch.cuda.synchronize() fails while any stream captures: a caller done
     with the batch must find no capture running."""
     model = _model("gpt2")
-    gm = GraphedModule(model, decode={"rows": 4})
-    gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
-    server = gm.__dict__["_gw_decode"]
-    for engine in (server.engine, server.prefill_engine):
-        engine.backend, engine.where = CpuBackend(), None
-    server.start_captures()
+    gm, server = _captured_beside(model, rows=4)
     caps, capture, spans = server.captures, server.captures._capture, []
 
     def slow(shape):
