@@ -406,3 +406,19 @@ def test_the_masks_follow_each_kind_of_layer():
     with pytest.raises(ValueError, match="different sliding windows"):
         Masks([4, 8])
 
+
+
+def test_the_paged_kernel_is_an_operator_of_torch_with_its_output_shape_for_tracing():
+    """torch.compile calls the kernel as torch's operator (Inductor failed on its source): the
+    shape of its output, without running it, is what the kernel makes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphwrap.decoding import paged_attention
+
+    assert torch.ops.graphwrap.paged_attend.default is not None
+    with FakeTensorMode():
+        query = torch.empty(5, 8, 1, 64)
+        pool = torch.empty(40, BLOCK, 2, 64)
+        out = paged_attention.attend(query, pool, pool, torch.zeros(5, 4, dtype=torch.long),
+                                     torch.ones(5, dtype=torch.long), None, 16, 5.0)
+    assert out.shape == (5, 1, 8, 64) and out.dtype == query.dtype

@@ -38,22 +38,43 @@ def attend(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths
     ``[blocks, block, hkv, d]`` (row ``i``'s blocks in ``table[i]``) -> ``[n, 1, hq, d]``. With
     ``window``, only the last ``window`` positions (transformers' sliding window: the query at
     ``p`` sees keys after ``p - window``); with ``softcap``, scores are ``softcap * tanh(s /
-    softcap)`` (Gemma 2)."""
-    n, hq, _, d = query.shape
+    softcap)`` (Gemma 2). An operator of torch's own (``graphwrap::paged_attend``), so that
+    ``torch.compile`` calls the kernel as it is, around what it compiles (Inductor could not
+    compile the kernel's source into its own)."""
+    d = query.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    return paged_attend(query[:, :, 0], k_pool, v_pool, table, lengths, scale, int(window or 0),
+                        float(softcap or 0.0))[:, None]
+
+
+def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor, scale: float, window: int,
+            softcap: float) -> Tensor:
+    """The kernel over ``q [n, hq, d]`` -> ``[n, hq, d]``."""
+    n, hq, d = q.shape
     block, hkv = k_pool.shape[1], k_pool.shape[2]
     group = hq // hkv
-    q = query[:, :, 0]
     if q.stride(-1) != 1:
         q = q.contiguous()
-    out = torch.empty((n, hq, d), dtype=query.dtype, device=query.device)
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
     _kernel()[(n, hkv)](
-        q, k_pool, v_pool, table, lengths, out, scale, int(window or 0), float(softcap or 0.0),
+        q, k_pool, v_pool, table, lengths, out, scale, window, softcap,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), table.stride(0),
         out.stride(0), out.stride(1),
         G=group, GP=max(16, _pow2(group)), D=d, DP=max(16, _pow2(d)), BLOCK=block, TILE=TILE,
-        IEEE=query.dtype == torch.float32, SOFTCAP=bool(softcap), num_warps=4)
-    return out[:, None]
+        IEEE=q.dtype == torch.float32, SOFTCAP=bool(softcap), num_warps=4)
+    return out
+
+
+@torch.library.custom_op("graphwrap::paged_attend", mutates_args=())
+def paged_attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor, scale: float,
+                 window: int, softcap: float) -> Tensor:
+    """``_launch`` as torch's operator ``graphwrap::paged_attend``."""
+    return _launch(q, k_pool, v_pool, table, lengths, scale, window, softcap)
+
+
+@paged_attend.register_fake
+def _(q, k_pool, v_pool, table, lengths, scale, window, softcap):
+    return q.new_empty(q.shape)
 
 
 def reference(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor,
