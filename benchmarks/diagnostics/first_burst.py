@@ -13,7 +13,8 @@ random weights) on GPT-2 or the 1.1B Llama shape, in this process:
 
 Each part prints what the batch says of its shapes (captured, run eagerly, in a larger graph).
 Run from the project root, or from an older tree's root for a before/after:
-``python3 benchmarks/diagnostics/first_burst.py gpt2 [--seconds 5]``
+``python3 benchmarks/diagnostics/first_burst.py gpt2 [--seconds 5] [--compile]`` (``--compile``: part 1's
+bursts alone, with ``compile=True``)
 """
 
 import argparse
@@ -45,6 +46,8 @@ def main():
     ap.add_argument("model", choices=["gpt2", "llama"])
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--log", action="store_true", help="graphwrap's log on stderr, ms since the process began")
+    ap.add_argument("--compile", action="store_true", help="GraphedModule(model, compile=True): the first burst "
+                    "and three more, nothing else")
     a = ap.parse_args()
     if a.log:
         logging.basicConfig(format="%(relativeCreated)7.0f ms %(threadName)s: %(message)s")
@@ -56,7 +59,7 @@ def main():
     reqs = g.workload(model.config.vocab_size)
     tokens = sum(k for _, k in reqs)
 
-    gm = GraphedModule(model)
+    gm = GraphedModule(model, compile=True) if a.compile else GraphedModule(model)
     first, *_ = g.burst(gm, reqs, dev)
     print(f"[{a.model}] first burst: {first:.3f} s ({tokens / first:,.0f} tokens/s); {shapes(gm)}; decode thread "
           f"{gm.stats()['decode']['thread_s']}", flush=True)
@@ -64,6 +67,10 @@ def main():
     w = statistics.median(warm)
     print(f"[{a.model}] warm bursts: median {w:.3f} s (min {min(warm):.3f}, max {max(warm):.3f}; "
           f"{tokens / w:,.0f} tokens/s); first / warm = {first / w:.2f}x", flush=True)
+    if a.compile:
+        print(f"[{a.model}] compile=True, after the bursts: {shapes(gm)}", flush=True)
+        gm.close()
+        return
     t, _, clocks, _ = g.burst(gm, reqs, dev, stream=True)
     ttft, tpot = g.latencies(clocks)
     print(f"[{a.model}] burst with a streamer on each request: {t:.3f} s; time to first token p50 "
