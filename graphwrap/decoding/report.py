@@ -15,8 +15,7 @@ def report(server) -> dict:
         "cancelled": c["cancelled"], "queued": queued, "rows_busy": busy, "preempted": c["preempted"],
         "steps": c["steps"], "rows_per_step": c["step_rows"] / c["steps"] if c["steps"] else 0.0,
         "padded_rows_per_step": c["step_padded_rows"] / c["steps"] if c["steps"] else 0.0,
-        "in_a_larger_graph": dict(server.shapes.covered), "shapes": server.shapes.served(),
-        "eager_forwards": dict(server.shapes.eager), "capture_failed": dict(server.shapes.failed),
+        **server.shapes.counts(),
         "captures": None if server.captures is None else {
             "queued": server.captures.queued(), "done": server.captures.done,
             "seconds": round(server.captures.seconds, 3)},

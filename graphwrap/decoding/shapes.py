@@ -39,26 +39,36 @@ class Shapes:
         self.asked: Set[tuple] = set()
         self.failed: Dict[tuple, str] = {}
         self.reports: List[Tuple[tuple, Optional[str]]] = []  # (shape, None or why it failed), from the capturing thread
-        self.lock = threading.Lock()  # guards reports
+        # Guards reports, and the changes of ready, failed and the counts (the decode thread alone
+        # makes them; stats() reads them from other threads).
+        self.lock = threading.Lock()
 
     def captured(self, shape: tuple, why: Optional[str] = None):
         """From the capturing thread: ``shape`` serves by graph now (``why`` None), or never."""
         with self.lock:
             self.reports.append((shape, why))
 
-    def served(self) -> List[tuple]:
-        """The shapes a graph serves (from any thread)."""
+    def counts(self) -> dict:
+        """What ``stats()`` says of the shapes (from any thread): those a graph serves (reported
+        ones included), forwards in a larger graph and eager ones by kind, failed captures."""
         with self.lock:
-            return sorted(set(self.ready) | {s for s, why in self.reports if why is None})
+            return {"in_a_larger_graph": dict(self.covered), "shapes": sorted(set(self.ready) | {
+                        s for s, why in self.reports if why is None}),
+                    "eager_forwards": dict(self.eager), "capture_failed": {**self.failed, **{
+                        s: why for s, why in self.reports if why is not None}}}
+
+    def _count(self, counter: Counter[str], kind: str):
+        with self.lock:
+            counter[kind] += 1
 
     def _take_reports(self):
         with self.lock:
-            reports, self.reports = self.reports, []
-        for got, why in reports:
-            if why is None:
-                self.ready.add(got)
-            else:
-                self.failed[got] = why
+            for got, why in self.reports:
+                if why is None:
+                    self.ready.add(got)
+                else:
+                    self.failed[got] = why
+            self.reports = []
 
     def pick(self, shape: tuple) -> Tuple[tuple, str]:
         if not self.graphs:
@@ -77,9 +87,9 @@ class Shapes:
                 del self.wanted[shape]
                 self.want(shape, NEEDED if cover is None else COVERED)
         if cover is not None:
-            self.covered[shape[0]] += 1
+            self._count(self.covered, shape[0])
             return cover, GRAPH
-        self.eager[shape[0]] += 1
+        self._count(self.eager, shape[0])
         return shape, EAGER
 
     def _cover(self, shape: tuple) -> Optional[tuple]:
@@ -92,8 +102,9 @@ class Shapes:
         self.wanted[shape] += 1
         cover = self._cover(shape)
         if cover is not None and self.wanted[shape] < CAPTURE_AFTER:
-            self.covered[shape[0]] += 1
+            self._count(self.covered, shape[0])
             return cover
-        self.ready.add(shape)
+        with self.lock:
+            self.ready.add(shape)
         del self.wanted[shape]
         return shape
