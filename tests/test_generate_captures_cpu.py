@@ -246,3 +246,19 @@ def test_no_capture_runs_once_a_lone_call_has_returned_and_none_starts_until_the
     assert spans, "captures ran while the calls were in flight"
     assert caps.finish(60) and not caps.queued()
     gm.close()
+
+
+def test_under_inference_mode_shapes_captured_ahead_and_beside_serve_the_models_tokens():
+    """The caller in torch.inference_mode(): the twins and graphs are made outside it (the rows
+    are written in place every step), and the tokens are the model's."""
+    model = _model("llama")
+    with torch.inference_mode():
+        gm, server = _captured_beside(model, rows=4, max_len=64)
+        assert gm.capture_generate(timeout=120)
+        got = thread_results(lambda i: gm.generate(torch.tensor([[9, 8, 7, 6 + i]]), max_new_tokens=8 + i,
+                                                   do_sample=False), 3)
+    for i, out in enumerate(got):
+        assert torch.equal(out, _alone(model, [9, 8, 7, 6 + i], 8 + i))
+    assert all(not t.lengths.is_inference() and not t.table.is_inference() for t in server.twins.values())
+    assert gm.stats()["decode"]["capture_failed"] == {}
+    gm.close()
