@@ -39,6 +39,8 @@ sys.path.insert(0, ROOT)
 SERVERS = {
     "graphwrap": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
                                   "--served-model-name", d],
+    "graphwrap-thread": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
+                                         "--served-model-name", d, "--engine", "thread"],
     "graphwrap-h11": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
                                       "--served-model-name", d, "--http", "h11", "--loop", "asyncio"],
     "transformers-graphs": lambda d, port: ["transformers", "serve", d, "--continuous-batching",

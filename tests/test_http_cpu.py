@@ -29,7 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _args(path, **kw):
-    a = cli.parser().parse_args([path])
+    """``python -m graphwrap serve PATH``'s arguments, the batch in this process (its tests reach
+    into it; tests/test_http_engine_cpu.py serves from the child process)."""
+    a = cli.parser().parse_args([path, "--engine", "thread"])
     for k, v in kw.items():
         setattr(a, k, v)
     return a
@@ -51,8 +53,7 @@ class Running:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(30)
-        self.served.gm.close(cancel=True, timeout=30)
-        self.app.state.client.close()
+        self.served.engine.close(cancel=True, timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -514,8 +515,7 @@ def test_while_draining_new_requests_get_503_and_the_running_stream_ends_whole(m
         slow.remove()
         server.should_exit = True
         thread.join(30)
-        served.gm.close(cancel=True, timeout=30)
-        app.state.client.close()
+        served.engine.close(cancel=True, timeout=30)
 
 
 def test_settings_follow_the_api_and_the_model_s_defaults():

@@ -24,7 +24,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ...decoding.calls import Closed, QueueFull
-from .client import Client, Piece, Unservable
+from .client import Client, Piece
+from .engines import EngineGone, Failed, Unservable
 from .metrics import Metrics
 from .schemas import MAX_CHOICES, ChatRequest, CompletionRequest, Sampling, settings
 
@@ -43,9 +44,9 @@ class Refused(Exception):
 
 @dataclass
 class Served:
-    """What the app serves: the model wrapped, its tokenizer and its limits."""
+    """What the app serves: the engine that generates (:mod:`.engines`), the tokenizer, the limits."""
 
-    gm: Any
+    engine: Any  # engines.Local or remote.Remote
     tokenizer: Any
     name: str
     context: int  # positions a sequence may hold (prompt and new tokens)
@@ -53,6 +54,11 @@ class Served:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     active: int = 0  # requests being answered, streams until their end (event loop only)
+
+    @property
+    def gm(self):
+        """The GraphedModule, where the batch runs in this process."""
+        return self.engine.gm
 
 
 def error_body(message: str, kind: str, param: Optional[str] = None) -> Dict[str, Any]:
@@ -72,15 +78,18 @@ def as_refusal(e: BaseException) -> Refused:
         return Refused(429, str(e), "rate_limit_error")
     if isinstance(e, Closed):
         return Refused(503, "the server is shutting down: it takes no new requests", "service_unavailable")
+    if isinstance(e, EngineGone):
+        return Refused(503, f"the server cannot generate: {e}", "service_unavailable")
     if isinstance(e, Unservable):
         return Refused(400, str(e))
-    return Refused(500, f"the model failed on this request ({type(e).__name__}: {e})", "server_error")
+    kind = e.kind if isinstance(e, Failed) else type(e).__name__
+    return Refused(500, f"the model failed on this request ({kind}: {e})", "server_error")
 
 
 def make_app(served: Served) -> FastAPI:
     app = FastAPI(title="graphwrap", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics()
-    client = Client(served.gm, served.tokenizer, metrics)
+    client = Client(served.engine, served.tokenizer, metrics)
     app.state.served, app.state.metrics, app.state.client = served, metrics, client
 
     @app.exception_handler(RequestValidationError)
@@ -106,11 +115,15 @@ def make_app(served: Served) -> FastAPI:
     async def health():
         if served.draining:
             return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": RETRY_AFTER})
+        gone = served.engine.gone()
+        if gone is not None:
+            return JSONResponse({"status": "failed", "reason": gone}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def _metrics():
-        text = metrics.render(served.gm.stats(), served.active)
+        stats = await asyncio.get_running_loop().run_in_executor(None, served.engine.stats)
+        text = metrics.render(stats, served.active)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
@@ -192,19 +205,11 @@ def _job(served: Served, body: Union[CompletionRequest, ChatRequest], arrived: f
     if longest + limit > served.context:
         raise Refused(400, f"the prompt has {longest} tokens and max_tokens is {limit}: {longest + limit} positions, "
                            f"past the model's context of {served.context} (pass fewer tokens)", param="max_tokens")
-    eos = _eos(served.gm.module)
-    kwargs = settings(body, limit, getattr(served.gm.module, "generation_config", None), eos)
-    kwargs["pad_token_id"] = _pad(served, eos)
+    info = served.engine.info
+    kwargs = settings(body, limit, info.generation, info.eos)
+    kwargs["pad_token_id"] = _pad(served, info.eos)
     prefix = "chatcmpl-" if isinstance(body, ChatRequest) else "cmpl-"
     return Job(prefix + uuid.uuid4().hex, isinstance(body, ChatRequest), prompts, kwargs, echo, arrived)
-
-
-def _eos(model) -> List[int]:
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
-    return [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
 def _pad(served: Served, eos: List[int]) -> int:

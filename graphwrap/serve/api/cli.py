@@ -31,6 +31,9 @@ def parser() -> argparse.ArgumentParser:
                     help="ahead: capture every step and prompt shape's graph at start (on a GPU); lazy: each when "
                          "first needed, beside the decode thread (a sooner start; the first requests run eagerly "
                          "meanwhile)")
+    ap.add_argument("--engine", default="process", choices=("process", "thread"),
+                    help="process: the decode batch in a child process, the HTTP side's Python apart from it (the "
+                         "faster); thread: both in one process")
     ap.add_argument("--drain", type=float, default=30.0, help="seconds running requests get to finish at shutdown")
     ap.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"),
                     help="uvicorn's HTTP parser (auto: httptools where it is installed)")
@@ -40,14 +43,32 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def load(a: argparse.Namespace):
-    """The :class:`~.app.Served` of these arguments: the model loaded, wrapped and its decode batch made."""
+def load(a: argparse.Namespace, engine: Optional[str] = None):
+    """The :class:`~.app.Served` of these arguments: the model loaded, wrapped and its decode
+    batch made, in this process (``engine="thread"``) or in a child (``"process"``; default:
+    ``a.engine``)."""
+    from transformers import AutoTokenizer
+
+    from .app import MAX_NEW_DEFAULT, Served
+
+    if (engine or getattr(a, "engine", "thread")) == "process":
+        from .remote import Remote
+
+        remote = Remote(a, a.log_level)
+        tok = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
+        return Served(remote, tok, a.served_model_name or a.model, remote.context,
+                      a.max_tokens_default or MAX_NEW_DEFAULT)
+    return _load_here(a)
+
+
+def _load_here(a: argparse.Namespace):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ...decoding.front import MAX_LEN, model_positions
     from ...module import GraphedModule
     from .app import MAX_NEW_DEFAULT, Served
+    from .engines import Local
 
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, a.dtype) if a.dtype != "auto" else ("auto" if device.type == "cuda" else torch.float32)
@@ -67,7 +88,7 @@ def load(a: argparse.Namespace):
     d = gm.stats().get("decode")
     if d is None or "off" in d:
         logger.warning("the shared decode batch does not serve this model: requests take turns on it, one at a time")
-    return Served(gm, tok, a.served_model_name or a.model, context, a.max_tokens_default or MAX_NEW_DEFAULT)
+    return Served(Local(gm), tok, a.served_model_name or a.model, context, a.max_tokens_default or MAX_NEW_DEFAULT)
 
 
 def _captured_ahead(gm) -> bool:
@@ -137,7 +158,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                             http=a.http, loop=a.loop)
     logger.info("serving %s at http://%s:%d/v1", served.name, a.host, a.port)
     Draining(config, served, a.drain).run()
-    done = served.gm.close(cancel=True, timeout=a.drain)
-    app.state.client.close()
+    done = served.engine.close(cancel=True, timeout=a.drain)
     logger.info("stopped%s", "" if done else " (the decode batch was still finishing)")
     return 0

@@ -1,6 +1,7 @@
-"""The server's way into the shared decode batch: each sequence a ``generate`` call of the
-GraphedModule with a streamer that hands its tokens to the request's own asyncio queue, drained
-by the request's task (never by a callback on the batch's thread).
+"""The server's way into the shared decode batch: each sequence queued on the engine
+(:mod:`.engines`: the batch in this process or in a child) with a feed that hands its tokens to
+the request's own asyncio queue, drained by the request's task (never by a callback on the
+engine's threads).
 
 A sequence's tokens become text (:mod:`.text`); a stop string found ends it there and cancels
 its call, which frees its row at the batch's next step; a request that goes away (a client that
@@ -8,28 +9,16 @@ disconnects, a task cancelled) cancels every call it has, in the ``finally`` of 
 """
 
 import asyncio
-import concurrent.futures
 import threading
 import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
-import torch
-
-from ...decoding import front
-from ...decoding.calls import Closed, QueueFull
-from ...errors import GraphwrapError
 from .metrics import Metrics
 from .text import Detokenizer, StopText
 
 _END = object()
-
-
-class Unservable(GraphwrapError):
-    """A request the batch cannot take as it is (the client's to change)."""
-
-SUBMITTERS = 8  # threads that queue calls (a call the batch cannot serve runs whole in one)
 
 
 @dataclass(slots=True)
@@ -74,27 +63,25 @@ class _Inbox:
 
 
 class _Feed:
-    """A ``generate`` streamer into a sequence's asyncio queue."""
+    """A sequence's tokens into its asyncio queue (from whatever thread the engine hands them on)."""
+
+    __slots__ = ("inbox", "queue")
 
     def __init__(self, inbox: _Inbox, queue: "asyncio.Queue[Any]"):
-        self.inbox, self.queue, self.prompt = inbox, queue, True
+        self.inbox, self.queue = inbox, queue
 
-    def put(self, value: torch.Tensor):
-        if self.prompt:  # generate's streamer gets the prompt first
-            self.prompt = False
-            return
-        self.inbox.post(self.queue, value.reshape(-1).tolist())
+    def add(self, tokens: List[int]):
+        self.inbox.post(self.queue, tokens)
 
     def end(self):
         self.inbox.post(self.queue, _END)
 
 
 class Client:
-    """Generation for the HTTP handlers, over one GraphedModule and its tokenizer."""
+    """Generation for the HTTP handlers, over an engine (:mod:`.engines`) and the tokenizer."""
 
-    def __init__(self, gm, tokenizer, metrics: Metrics):
-        self.gm, self.tok, self.metrics = gm, tokenizer, metrics
-        self.pool = concurrent.futures.ThreadPoolExecutor(SUBMITTERS, thread_name_prefix="graphwrap-submit")
+    def __init__(self, engine, tokenizer, metrics: Metrics):
+        self.engine, self.tok, self.metrics = engine, tokenizer, metrics
         self.inboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox]" = weakref.WeakKeyDictionary()
 
     async def choices(self, prompts: Sequence[List[int]], n: int, kwargs: Dict[str, Any], stops: Sequence[str],
@@ -136,12 +123,10 @@ class Client:
 
     async def sequence(self, index: int, ids: List[int], kwargs: Dict[str, Any], stops: Sequence[str],
                        seed: Optional[int], arrived: float) -> AsyncIterator[Piece]:
-        """One sequence's pieces. Raises what queueing raised (QueueFull, GraphwrapError for a
-        request the batch cannot hold) or what its call failed with."""
+        """One sequence's pieces. Raises what queueing raised (QueueFull, Closed, Unservable for a
+        request the batch cannot hold, EngineGone) or what its call failed with."""
         queue: "asyncio.Queue[Any]" = asyncio.Queue()
-        call = dict(kwargs, streamer=_Feed(self._inbox(), queue))
-        prompt = torch.tensor([ids], dtype=torch.long)
-        future = await self._submit(prompt, call, seed)
+        future = await self.engine.queue(ids, kwargs, seed, _Feed(self._inbox(), queue))
         text, stop = Detokenizer(self.tok, ids), StopText(stops)
         count, first, last, finish = 0, None, None, None
         try:
@@ -169,9 +154,9 @@ class Client:
                         finish = "stop"
                         break
             if finish is None:
-                out = await asyncio.wrap_future(future)  # the call's error, if it failed
-                count = out.shape[1] - len(ids)
-                on_eos = count > 0 and int(out[0, -1]) in (kwargs.get("eos_token_id") or [])
+                result = await asyncio.wrap_future(future)  # the call's error, if it failed
+                count = result.count
+                on_eos = count > 0 and result.last in (kwargs.get("eos_token_id") or [])
                 finish = "stop" if on_eos else "length"
                 tail = stop.flush(text.flush())
                 finish = "stop" if stop.stopped else finish
@@ -182,22 +167,6 @@ class Client:
         finally:
             if not future.done():
                 future.cancel()  # a stop string, a client gone: its row is freed at the next step
-
-    async def _submit(self, prompt: torch.Tensor, call: Dict[str, Any], seed: Optional[int]):
-        """The call queued on the batch (its future), in a thread: making the batch, on the
-        first call, takes a while. A task cancelled meanwhile cancels the call once queued."""
-        loop = asyncio.get_running_loop()
-        queued = loop.run_in_executor(self.pool, lambda: front.submit(self.gm, (prompt,), call, False, seed))
-        try:
-            return await asyncio.shield(queued)
-        except asyncio.CancelledError:
-            queued.add_done_callback(lambda f: f.result().cancel() if not f.cancelled() and f.exception() is None
-                                     else None)
-            raise
-        except (QueueFull, Closed):
-            raise
-        except GraphwrapError as e:  # the request itself: too long for the cache, ids past the vocabulary
-            raise Unservable(str(e)) from e
 
     def _count(self, count: int, first: Optional[float], last: Optional[float], arrived: float):
         m = self.metrics
@@ -214,6 +183,3 @@ class Client:
         if inbox is None:
             inbox = self.inboxes[loop] = _Inbox(loop)
         return inbox
-
-    def close(self):
-        self.pool.shutdown(wait=False, cancel_futures=True)

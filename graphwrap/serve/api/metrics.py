@@ -95,12 +95,9 @@ class Metrics:
         out += gauge("requests_running", "HTTP requests being answered (streams until their end).", running)
         for name, help, value in batch_gauges(stats):
             out += gauge(name, help, value)
-        device = (stats.get("decode") or {}).get("device")
-        if device is not None and device.startswith("cuda"):
-            import torch
-
+        if stats.get("gpu_memory_allocated") is not None:
             out += gauge("gpu_memory_allocated_bytes", "Bytes torch's allocator has handed out on the GPU.",
-                         torch.cuda.memory_allocated(device))
+                         stats["gpu_memory_allocated"])
         return "\n".join(out) + "\n"
 
 

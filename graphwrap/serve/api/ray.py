@@ -47,7 +47,7 @@ def generation_deployment(model: str, *, args: Optional[List[str]] = None, name:
         from .app import make_app
         from .cli import load
 
-        return make_app(load(parser().parse_args(argv)))
+        return make_app(load(parser().parse_args(argv), engine="thread"))  # (a replica is a process of its own)
 
     ingress = serve.ingress(build)()
     return serve.deployment(ingress, name=name, num_replicas=num_replicas, ray_actor_options=actor,

@@ -1,0 +1,190 @@
+"""The shared decode batch in a process of its own (the child of :class:`~.remote.Remote`).
+
+Why a process: the HTTP side runs Python for every token of every stream (text, events, the
+socket), and in the batch's process that Python takes the interpreter from the decode thread,
+so it slows the batch itself, not only the streams. Here the decode thread shares the
+interpreter with nothing but the batch's own work and two threads that move messages.
+
+Messages on the pipe, parent to child (one tuple each):
+    ("submit", rid, ids, kwargs, seed)   a sequence to queue
+    ("cancel", rid)                      its row freed at the next step (or never queued)
+    ("stats", qid)                       the batch's stats(), answered under ``qid``
+    ("close", cancel, timeout)           close the batch, answer, and exit
+Child to parent: first ("ready", info) or ("failed", traceback), then lists of items, all that
+came meanwhile in one message (a decode step's tokens for every row, usually):
+    ("q", rid, error)                    queued (error None) or refused (error (kind, message))
+    ("t", rid, tokens)                   new tokens of a sequence
+    ("e", rid, count, last, error)       its end: new tokens' count and the last, or its error
+    ("s", qid, stats)                    an answer to "stats"
+    ("closed", done)                     the batch closed (done: its thread ended in time)
+"""
+
+import concurrent.futures
+import logging
+import signal
+import threading
+import traceback
+import types
+from typing import Any, Dict, List, Optional, Set
+
+from .engines import SUBMITTERS, Ended, batch_stats, error_kind, model_eos, submit
+
+logger = logging.getLogger("graphwrap.serve")
+
+
+class Outbox:
+    """Items for the parent, sent by one thread, everything that came meanwhile in one message."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.cond = threading.Condition(threading.Lock())  # guards items and closed
+        self.items: List[tuple] = []
+        self.closed = False
+        self.thread = threading.Thread(target=self._send, name="graphwrap-engine-send", daemon=True)
+        self.thread.start()
+
+    def post(self, item: tuple):
+        with self.cond:
+            self.items.append(item)
+            if len(self.items) == 1:
+                self.cond.notify()
+
+    def _send(self):
+        while True:
+            with self.cond:
+                while not self.items and not self.closed:
+                    self.cond.wait()
+                if not self.items:
+                    return
+                items, self.items = self.items, []
+            try:
+                self.conn.send(items)
+            except (OSError, EOFError):  # the parent is gone: nothing more to tell it
+                return
+
+    def close(self, timeout: float = 10.0):
+        """Send what is left, then stop."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join(timeout)
+
+
+class _Tap:
+    """A sequence's tokens into the outbox."""
+
+    __slots__ = ("out", "rid")
+
+    def __init__(self, out: Outbox, rid: int):
+        self.out, self.rid = out, rid
+
+    def add(self, tokens: List[int]):
+        self.out.post(("t", self.rid, tokens))
+
+    def end(self):  # (its end goes with the call's result: ("e", ...))
+        pass
+
+
+class Worker:
+    """The child's side: calls queued on ``gm``'s batch as the parent asks, their tokens and ends
+    sent back."""
+
+    def __init__(self, conn, gm):
+        self.conn, self.gm = conn, gm
+        self.out = Outbox(conn)
+        self.lock = threading.Lock()  # guards calls, pending and cancelled
+        self.calls: Dict[int, concurrent.futures.Future] = {}
+        self.pending: Set[int] = set()  # asked for, not queued yet
+        self.cancelled: Set[int] = set()  # of those pending, cancelled meanwhile
+        self.pool = concurrent.futures.ThreadPoolExecutor(SUBMITTERS, thread_name_prefix="graphwrap-submit")
+
+    def serve(self):
+        """Answer the parent until it asks to close or goes away."""
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                logger.warning("the server's process went away: the engine closes its batch and exits")
+                self.gm.close(cancel=True, timeout=10)
+                return
+            op = msg[0]
+            if op == "submit":
+                with self.lock:
+                    self.pending.add(msg[1])
+                self.pool.submit(self._submit, *msg[1:])
+            elif op == "cancel":
+                self._cancel(msg[1])
+            elif op == "stats":
+                self.out.post(("s", msg[1], batch_stats(self.gm)))
+            elif op == "close":
+                done = self.gm.close(cancel=msg[1], timeout=msg[2])
+                self.pool.shutdown(wait=False, cancel_futures=True)
+                self.out.post(("closed", done))
+                self.out.close()
+                return
+
+    def _submit(self, rid: int, ids: List[int], kwargs: Dict[str, Any], seed: Optional[int]):
+        try:
+            fut = submit(self.gm, ids, kwargs, seed, _Tap(self.out, rid))
+        except BaseException as e:  # noqa: BLE001 - the request's: answered with it
+            with self.lock:
+                self.pending.discard(rid)
+                self.cancelled.discard(rid)
+            self.out.post(("q", rid, (error_kind(e), str(e))))
+            return
+        with self.lock:
+            self.pending.discard(rid)
+            cancel = rid in self.cancelled
+            self.cancelled.discard(rid)
+            if not cancel:
+                self.calls[rid] = fut
+        self.out.post(("q", rid, None))
+        fut.add_done_callback(lambda f: self._ended(rid, f))
+        if cancel:
+            fut.cancel()
+
+    def _ended(self, rid: int, f: concurrent.futures.Future):
+        with self.lock:
+            self.calls.pop(rid, None)
+        if f.cancelled():
+            self.out.post(("e", rid, 0, -1, ("cancelled", "the sequence was cancelled")))
+        elif f.exception() is not None:
+            e = f.exception()
+            self.out.post(("e", rid, 0, -1, (type(e).__name__, str(e))))
+        else:
+            r: Ended = f.result()
+            self.out.post(("e", rid, r.count, r.last, None))
+
+    def _cancel(self, rid: int):
+        with self.lock:
+            fut = self.calls.get(rid)
+            if fut is None and rid in self.pending:
+                self.cancelled.add(rid)
+        if fut is not None:
+            fut.cancel()
+
+
+def _sampling(model) -> Any:
+    """What the parent reads of the model's generation config (it holds no model)."""
+    gen = getattr(model, "generation_config", None)
+    if gen is None:
+        return None
+    return types.SimpleNamespace(**{k: getattr(gen, k, None) for k in ("do_sample", "temperature", "top_p", "top_k")})
+
+
+def run(conn, args, log_level: str = "info"):
+    """The child's entry: load the model and make its batch as ``args`` say (``python -m
+    graphwrap serve``'s), tell the parent, then serve it. Signals are the parent's to act on."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s[engine] %(levelname)s %(message)s")
+    from .cli import load
+
+    try:
+        served = load(args, engine="thread")
+    except BaseException:  # noqa: BLE001 - told to the parent, which raises it
+        conn.send(("failed", traceback.format_exc()))
+        return
+    gm = served.engine.gm
+    conn.send(("ready", {"eos": model_eos(gm.module), "generation": _sampling(gm.module), "context": served.context}))
+    Worker(conn, gm).serve()

@@ -1,0 +1,263 @@
+"""The server with its decode batch in a child process (``--engine process``, the default of
+``python -m graphwrap serve``), on a CPU: a tiny GPT-2 made on the spot, its forward slowed in
+the child so that requests overlap. The answers are ``model.generate``'s; a client that goes
+away, a full queue, a failing request and a dead child each end as the API says."""
+
+import http.client
+import json
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+uvicorn = pytest.importorskip("uvicorn", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+
+import tiny_lm  # noqa: E402
+from helpers import free_port  # noqa: E402
+
+from graphwrap.serve.api import Served, cli, engine_process, make_app  # noqa: E402
+from graphwrap.serve.api.remote import Remote  # noqa: E402
+
+STEP = 0.005  # seconds each forward of the child's model sleeps
+BAD = "fox"  # a prompt holding this word's first token makes the child's model raise
+
+
+def slowed(conn, args, log_level):
+    """The child's entry: its model's every forward slowed by STEP and failing on BAD."""
+    real = tr.AutoModelForCausalLM.from_pretrained
+
+    def load(*a, **k):
+        model = real(*a, **k)
+        bad = tr.AutoTokenizer.from_pretrained(args.model)(BAD)["input_ids"][0]
+
+        def hook(module, a, kw):
+            ids = kw.get("input_ids", a[0] if a else None)
+            if ids is not None and bool((ids == bad).any()):
+                raise RuntimeError("the model refuses this prompt")
+            time.sleep(STEP)
+
+        model.register_forward_pre_hook(hook, with_kwargs=True)
+        return model
+
+    tr.AutoModelForCausalLM.from_pretrained = load
+    engine_process.run(conn, args, log_level)
+
+
+class Running:
+    """The app on a thread of this process, its batch in a child."""
+
+    def __init__(self, model_dir, **options):
+        a = cli.parser().parse_args([model_dir, "--served-model-name", "tiny"])
+        for k, v in options.items():
+            setattr(a, k, v)
+        engine = Remote(a, "warning", entry=slowed)
+        self.served = Served(engine, tr.AutoTokenizer.from_pretrained(model_dir), "tiny", engine.context)
+        self.app, self.port = make_app(self.served), free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        _wait(lambda: self.server.started)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        return self.served.engine.close(cancel=True, timeout=30)
+
+
+def _wait(cond, seconds=30.0):
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_lm.make(str(tmp_path_factory.mktemp("tiny_lm")))
+
+
+@pytest.fixture(scope="module")
+def srv(model_dir):
+    r = Running(model_dir, rows=2, max_queue=4)
+    yield r
+    assert r.stop() is True  # the child's batch closed in time, and the child exited
+    assert r.served.engine.proc.exitcode == 0
+
+
+def post(port, body, timeout=60):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    out = r.status, json.loads(r.read()), {k.lower(): v for k, v in r.getheaders()}
+    c.close()
+    return out
+
+
+def events(port, body):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)).encode(),
+              {"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        return r.status, [json.loads(r.read())]
+    out = [line[6:] for line in r.read().decode().split("\n") if line.startswith("data: ")]
+    c.close()
+    return r.status, [x if x == "[DONE]" else json.loads(x) for x in out]
+
+
+def greedy_text(model_dir, prompt, n):
+    tok = tr.AutoTokenizer.from_pretrained(model_dir)
+    model = tr.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = tok(prompt)["input_ids"]
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
+    return tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+
+
+def _decode(srv):
+    return srv.served.engine.stats()["decode"]
+
+
+def test_answers_from_the_engine_process_are_generate_s_whole_and_streamed(srv, model_dir):
+    text = greedy_text(model_dir, "the quick brown", 20)
+    status, body, _ = post(srv.port, {"prompt": "the quick brown", "max_tokens": 20, "temperature": 0})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == text and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 20
+    status, evs = events(srv.port, {"prompt": "the quick brown", "max_tokens": 20, "temperature": 0,
+                                    "stream_options": {"include_usage": True}})
+    assert status == 200 and evs[-1] == "[DONE]" and evs[-2]["usage"]["completion_tokens"] == 20
+    assert "".join(e["choices"][0]["text"] for e in evs[:-2]) == text
+    assert evs[-3]["choices"][0]["finish_reason"] == "length"
+    # several at once share the child's batch, each its own answer
+    out = {}
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, post(srv.port, {
+        "prompt": "the quick brown", "max_tokens": 20, "temperature": 0, "n": 2}))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(out[i][0] == 200 and [c["text"] for c in out[i][1]["choices"]] == [text, text] for i in range(2)), out
+
+
+def test_a_client_gone_frees_its_row_in_the_engine_process(srv):
+    before = _decode(srv)["cancelled"]
+    c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    c.request("POST", "/v1/completions", json.dumps({"prompt": "the", "max_tokens": 200, "stream": True}),
+              {"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    r.readline()
+    c.sock.close()  # 200 tokens at STEP each: a second of work left
+    c.close()
+    _wait(lambda: _decode(srv)["cancelled"] >= before + 1 and _decode(srv)["rows_busy"] == 0)
+    assert srv.served.active == 0
+
+
+def test_a_full_queue_429_a_bad_id_400_and_a_failing_request_500_each_alone(srv, model_dir):
+    results = {}
+
+    def send(name, body):
+        results[name] = post(srv.port, body)
+
+    # 2 rows and a queue of 4: 10 long requests at once, some must be refused
+    threads = [threading.Thread(target=send, args=(i, {"prompt": "the", "max_tokens": 60, "temperature": 0}))
+               for i in range(10)]
+    threads.append(threading.Thread(target=send, args=("bad", {"prompt": BAD, "max_tokens": 5})))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    statuses = [results[i][0] for i in range(10)]
+    assert statuses.count(429) >= 1 and statuses.count(200) >= 2, statuses
+    assert all(results[i][2].get("retry-after") == "1" for i in range(10) if results[i][0] == 429)
+    assert {results[i][1]["choices"][0]["text"] for i in range(10) if results[i][0] == 200} == \
+        {greedy_text(model_dir, "the", 60)}
+    status, body, _ = post(srv.port, {"prompt": BAD, "max_tokens": 5})
+    assert status == 500 and "RuntimeError: the model refuses this prompt" in body["error"]["message"]
+    status, body, _ = post(srv.port, {"prompt": [10**6], "max_tokens": 5})  # past the vocabulary: the child's check
+    assert status == 400 and "vocab" in body["error"]["message"], body
+    status, body, _ = post(srv.port, {"prompt": "the", "max_tokens": 3})
+    assert status == 200
+    _wait(lambda: _decode(srv)["rows_busy"] == 0 and _decode(srv)["queued"] == 0)
+
+
+def test_metrics_and_health_read_the_engine_process(srv):
+    post(srv.port, {"prompt": "the", "max_tokens": 3})
+    c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    c.request("GET", "/metrics")
+    text = c.getresponse().read().decode()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["graphwrap_rows"] == 2 and values["graphwrap_decode_steps"] >= 3
+    assert values["graphwrap_generation_tokens_total"] >= 3
+    c.request("GET", "/health")
+    r = c.getresponse()
+    assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    c.close()
+
+
+def test_the_engine_process_dying_ends_what_runs_and_refuses_the_rest(model_dir):
+    r = Running(model_dir, rows=2)
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", r.port, timeout=60)
+        c.request("POST", "/v1/completions", json.dumps({"prompt": "the", "max_tokens": 200, "stream": True}),
+                  {"Content-Type": "application/json"})
+        resp = c.getresponse()
+        assert resp.status == 200
+        resp.readline()
+        os.kill(r.served.engine.proc.pid, signal.SIGKILL)
+        rest = [line[6:] for line in resp.read().decode().split("\n") if line.startswith("data: ")]
+        assert rest[-1] == "[DONE]" and "engine process ended" in json.loads(rest[-2])["error"]["message"]
+        status, body, headers = post(r.port, {"prompt": "the", "max_tokens": 3})
+        assert status == 503 and "engine process ended" in body["error"]["message"]
+        h = http.client.HTTPConnection("127.0.0.1", r.port, timeout=10)
+        h.request("GET", "/health")
+        resp = h.getresponse()
+        assert resp.status == 503 and json.loads(resp.read())["status"] == "failed"
+        assert r.served.active == 0
+    finally:
+        assert r.stop() is False  # (nothing left to close)
+
+
+def test_the_engine_s_side_cancels_a_sequence_whether_or_not_it_was_queued_yet(model_dir):
+    """The child's Worker over a pipe in this process: a cancel that comes right behind its
+    submit (before or after the call is queued) ends the sequence as cancelled, frees its row,
+    and leaves nothing pending."""
+    from graphwrap import GraphedModule
+
+    model = tr.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    hook = model.register_forward_pre_hook(lambda m, a: time.sleep(STEP))
+    gm = GraphedModule(model, decode={"rows": 2})
+    ours, theirs = multiprocessing.Pipe()
+    worker = engine_process.Worker(theirs, gm)
+    thread = threading.Thread(target=worker.serve, daemon=True)
+    thread.start()
+    try:
+        kw = {"max_new_tokens": 100, "do_sample": False, "pad_token_id": 0}
+        for rid in range(4):
+            ours.send(("submit", rid, [5, 6, 7], kw, None))
+            ours.send(("cancel", rid))
+        ours.send(("submit", 9, [5, 6, 7], dict(kw, max_new_tokens=4), None))
+        got, ends = [], {}
+        while len(ends) < 5:
+            for item in ours.recv():
+                got.append(item)
+                if item[0] == "e":
+                    ends[item[1]] = item
+        assert all(ends[rid][4][0] == "cancelled" for rid in range(4)), ends
+        assert ends[9][2:] == (4, ends[9][3], None)
+        assert [t for i in got if i[0] == "t" and i[1] == 9 for t in i[2]][-1] == ends[9][3]
+        ours.send(("stats", 100))
+        (stats,) = [i for i in ours.recv() if i[0] == "s"]
+        assert stats[2]["decode"]["rows_busy"] == 0 and stats[2]["decode"]["cancelled"] >= 4
+        assert not worker.calls and not worker.pending and not worker.cancelled
+    finally:
+        ours.send(("close", True, 30))
+        thread.join(30)
+        hook.remove()
