@@ -80,3 +80,30 @@ def test_the_detokenizer_gives_the_whole_text_and_never_half_a_character():
     # several tokens at once (a stream that fell behind): the same text
     d = Detokenizer(_Bytes(), [])
     assert d.add(ids[:2]) + d.add(ids[2:9]) + d.add(ids[9:]) + d.flush() == text
+
+
+def test_the_fast_decode_is_the_tokenizer_s_own_and_a_class_that_changes_decode_keeps_its_own(tmp_path):
+    """``decoder`` goes straight to the Rust tokenizer only where that is what ``decode`` does:
+    equal text on ids with special tokens and split characters; a subclass's own decode is kept."""
+    import random
+
+    tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+    import tiny_lm
+
+    from graphwrap.serve.api.text import decoder
+
+    tok = tr.AutoTokenizer.from_pretrained(tiny_lm.make(str(tmp_path)))
+    fast = decoder(tok)
+    assert fast.__code__ is not decoder(object()).__code__  # (the fast path was taken)
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 8))]
+        assert fast(ids) == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False), ids
+
+    class Shouting(type(tok)):
+        def decode(self, ids, **kw):
+            return super().decode(ids, **kw).upper()
+
+    loud = Shouting.from_pretrained(str(tmp_path))
+    ids = tok("the quick brown fox")["input_ids"]
+    assert decoder(loud)(ids) == loud.decode(ids) == "THE QUICK BROWN FOX"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 from .metrics import Metrics
-from .text import Detokenizer, StopText
+from .text import Detokenizer, StopText, decoder
 
 _END = object()
 
@@ -82,6 +82,7 @@ class Client:
 
     def __init__(self, engine, tokenizer, metrics: Metrics):
         self.engine, self.tok, self.metrics = engine, tokenizer, metrics
+        self.decode = decoder(tokenizer)
         self.inboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox]" = weakref.WeakKeyDictionary()
 
     async def choices(self, prompts: Sequence[List[int]], n: int, kwargs: Dict[str, Any], stops: Sequence[str],
@@ -127,7 +128,7 @@ class Client:
         request the batch cannot hold, EngineGone) or what its call failed with."""
         queue: "asyncio.Queue[Any]" = asyncio.Queue()
         future = await self.engine.queue(ids, kwargs, seed, _Feed(self._inbox(), queue))
-        text, stop = Detokenizer(self.tok, ids), StopText(stops)
+        text, stop = Detokenizer(self.tok, ids, self.decode), StopText(stops)
         count, first, last, finish = 0, None, None, None
         try:
             ended = False
