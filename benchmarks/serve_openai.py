@@ -216,9 +216,27 @@ def race(name: str, model_dir: str, port: int, reqs: List[dict], bursts: int, lo
             list(pool.map(_imports, range(clients)))
             first = burst(pool, base, model_dir, reqs)
             warm = [burst(pool, base, model_dir, reqs) for _ in range(bursts)]
+        seen = scrape(port) if name.startswith("graphwrap") else {}
     finally:
         stop(proc)
-    return with_spread({"server": name, "ready_s": ready, "first": first, "warm": warm})
+    return with_spread({"server": name, "ready_s": ready, "first": first, "warm": warm, "metrics": seen})
+
+
+SCRAPED = ("decode_turn_p99_seconds", "decode_turn_max_seconds", "graph_captures", "eager_forwards",
+           "step_eager_calls", "event_loop_lag_seconds_sum", "event_loop_lag_seconds_count")
+
+
+def scrape(port: int) -> dict:
+    """What the server's /metrics says of its batch and event loop after the bursts, and how
+    many of its event loop's lag samples were 100 ms late or more."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    out = {k: values.get("graphwrap_" + k) for k in SCRAPED}
+    under = values.get('graphwrap_event_loop_lag_seconds_bucket{le="0.1"}')
+    if under is not None and out["event_loop_lag_seconds_count"] is not None:
+        out["event_loop_lag_100ms_or_more"] = out["event_loop_lag_seconds_count"] - under
+    return out
 
 
 def stop(proc):

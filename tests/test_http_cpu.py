@@ -438,6 +438,8 @@ def test_models_health_and_metrics(srv):
         values["graphwrap_time_to_first_token_seconds_count"]
     assert values["graphwrap_rows"] == 4 and "graphwrap_sequences_running" in values
     assert "graphwrap_cache_blocks_used" in values and "graphwrap_step_eager_calls" in values
+    assert values["graphwrap_decode_turn_max_seconds"] >= values["graphwrap_decode_turn_p99_seconds"] > 0
+    assert values["graphwrap_event_loop_lag_seconds_count"] >= 1  # sampled since the app started
     c.request("GET", "/health")
     r = c.getresponse()
     assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}

@@ -196,6 +196,7 @@ def test_metrics_and_health_read_the_engine_process(srv):
               if line and not line.startswith("#")}
     assert values["graphwrap_rows"] == 2 and values["graphwrap_decode_steps"] >= 3
     assert values["graphwrap_generation_tokens_total"] >= 3
+    assert values["graphwrap_decode_turn_max_seconds"] >= STEP  # the child's turns, each a slowed forward at least
     c.request("GET", "/health")
     r = c.getresponse()
     assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}

@@ -22,7 +22,7 @@ def report(server) -> dict:
         "prefills": c["prefills"], "rows_per_prefill": c["prefill_rows"] / c["prefills"] if c["prefills"] else 0.0,
         "prefill_pieces": c["prefill_pieces"],
         "queue_wait_ms": percentiles(server.waits), "ttft_ms": percentiles(server.ttft),
-        "tpot_ms": percentiles(server.tpot),
+        "tpot_ms": percentiles(server.tpot), "turn_ms": dict(percentiles(server.turns), max=_max_ms(server.turns)),
         "thread_s": {k: round(v, 3) for k, v in server.spent.items()},
     }
 
@@ -32,3 +32,7 @@ def percentiles(xs) -> dict:
         return {"p50": None, "p99": None}
     xs = sorted(xs)
     return {"p50": 1e3 * xs[len(xs) // 2], "p99": 1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
+
+
+def _max_ms(xs) -> "float | None":
+    return 1e3 * max(xs) if xs else None

@@ -118,6 +118,7 @@ class DecodeServer:
         self.spent: DefaultDict[str, float] = collections.defaultdict(float)  # seconds of the thread's turns, by part
         self.ttft: Deque[float] = collections.deque(maxlen=KEEP)
         self.tpot: Deque[float] = collections.deque(maxlen=KEEP)
+        self.turns: Deque[float] = collections.deque(maxlen=KEEP)  # seconds of each working turn (a stall shows here)
         self.waits: Deque[float] = collections.deque(maxlen=KEEP)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.shapes = Shapes(self.stream is not None)
@@ -314,7 +315,9 @@ class DecodeServer:
         spent["prefill"] += t1 - t0
         spent["step"] += t2 - t1
         spent["read"] += t3 - t2
-        spent["retire"] += clock() - t3
+        t4 = clock()
+        spent["retire"] += t4 - t3
+        self.turns.append(t4 - t0)
         return True
 
     def _take_cancelled(self):

@@ -9,6 +9,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
            80.0)
 PREFIX = "graphwrap_"
+LAG_EVERY = 0.05  # seconds between the event loop's lag samples
 
 
 def _num(v: float) -> str:
@@ -87,11 +88,14 @@ class Metrics:
         self.ttft = Histogram("time_to_first_token_seconds", "From a request's arrival to its first token.")
         self.tpot = Histogram("time_per_output_token_seconds", "Between the tokens of a sequence, on average.")
         self.e2e = Histogram("request_latency_seconds", "From a request's arrival to its last token.")
+        self.loop_lag = Histogram("event_loop_lag_seconds", "How late the HTTP event loop ran a timer due every "
+                                  f"{LAG_EVERY * 1e3:g} ms (a loop that falls behind delays every stream).")
 
     def render(self, stats: dict, running: int) -> str:
         out: List[str] = []
         for m in (self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e):
             out += m.lines()
+        out += self.loop_lag.lines()
         out += gauge("requests_running", "HTTP requests being answered (streams until their end).", running)
         for name, help, value in batch_gauges(stats):
             out += gauge(name, help, value)
@@ -121,11 +125,23 @@ def batch_gauges(stats: dict) -> Iterable[Tuple[str, str, Optional[float]]]:
         ("step_eager_calls", "Decode steps run eagerly.", _eager(step)),
         ("graph_bytes", "Bytes the batch's graphs hold (their pools and static inputs).",
          sum(float(e.get("graph_pool_bytes", 0) + e.get("static_input_bytes", 0)) for e in (step, d.get("prefill") or {}))),
+        ("graph_captures", "Graphs the batch captured beside its decode thread since it was made.",
+         (d.get("captures") or {}).get("done")),
+        ("eager_forwards", "Forwards run eagerly while their shape's graph was being captured.",
+         sum((d.get("eager_forwards") or {}).values()) if "eager_forwards" in d else None),
+        ("decode_turn_p99_seconds", "99th percentile of the decode thread's turns (a step and its tokens), over the "
+         "last 10,000.", _seconds((d.get("turn_ms") or {}).get("p99"))),
+        ("decode_turn_max_seconds", "The decode thread's longest turn of the last 10,000.",
+         _seconds((d.get("turn_ms") or {}).get("max"))),
         ("queue_wait_p50_seconds", "Median wait for a row, over the last 10,000 sequences.",
          None if waits.get("p50") is None else waits["p50"] / 1e3),
         ("queue_wait_p99_seconds", "99th percentile of the wait for a row, over the last 10,000 sequences.",
          None if waits.get("p99") is None else waits["p99"] / 1e3),
     ]
+
+
+def _seconds(ms: Optional[float]) -> Optional[float]:
+    return None if ms is None else ms / 1e3
 
 
 def _sum(engine: dict, name: str) -> float:
