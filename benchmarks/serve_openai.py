@@ -223,7 +223,8 @@ def race(name: str, model_dir: str, port: int, reqs: List[dict], bursts: int, lo
 
 
 SCRAPED = ("decode_turn_p99_seconds", "decode_turn_max_seconds", "graph_captures", "eager_forwards",
-           "step_eager_calls", "event_loop_lag_seconds_sum", "event_loop_lag_seconds_count")
+           "step_eager_calls", "event_loop_lag_seconds_sum", "event_loop_lag_seconds_count",
+           "engine_gc_pause_max_seconds")
 
 
 def scrape(port: int) -> dict:

@@ -197,6 +197,9 @@ def test_metrics_and_health_read_the_engine_process(srv):
     assert values["graphwrap_rows"] == 2 and values["graphwrap_decode_steps"] >= 3
     assert values["graphwrap_generation_tokens_total"] >= 3
     assert values["graphwrap_decode_turn_max_seconds"] >= STEP  # the child's turns, each a slowed forward at least
+    assert "graphwrap_engine_gc_pause_max_seconds" in values
+    d = srv.served.engine.stats()["decode"]
+    assert d["slowest_turns"][0]["ms"] >= d["slowest_turns"][-1]["ms"] >= STEP * 1e3
     c.request("GET", "/health")
     r = c.getresponse()
     assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}

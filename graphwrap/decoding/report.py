@@ -1,5 +1,11 @@
 """What ``stats()["decode"]`` says of a shared batch."""
 
+import collections
+import heapq
+from typing import List, Tuple
+
+SLOWEST = 5  # turns kept whole, with their parts
+
 
 def report(server) -> dict:
     c = server.counts
@@ -22,7 +28,8 @@ def report(server) -> dict:
         "prefills": c["prefills"], "rows_per_prefill": c["prefill_rows"] / c["prefills"] if c["prefills"] else 0.0,
         "prefill_pieces": c["prefill_pieces"],
         "queue_wait_ms": percentiles(server.waits), "ttft_ms": percentiles(server.ttft),
-        "tpot_ms": percentiles(server.tpot), "turn_ms": dict(percentiles(server.turns), max=_max_ms(server.turns)),
+        "tpot_ms": percentiles(server.tpot), "turn_ms": dict(percentiles(server.turns.seconds), max=_max_ms(server.turns.seconds)),
+        "slowest_turns": server.turns.slowest(),
         "thread_s": {k: round(v, 3) for k, v in server.spent.items()},
     }
 
@@ -36,3 +43,25 @@ def percentiles(xs) -> dict:
 
 def _max_ms(xs) -> "float | None":
     return 1e3 * max(xs) if xs else None
+
+
+class Turns:
+    """The decode thread's working turns: the last ``keep`` durations, and the slowest few since
+    the batch was made with what they did (admit and prefill, step, read, retire; sequences
+    admitted, rows live). Appended by the decode thread, read by any."""
+
+    def __init__(self, keep: int):
+        self.seconds: "collections.deque[float]" = collections.deque(maxlen=keep)
+        self.top: List[Tuple[float, Tuple[float, ...], int, int]] = []  # a min-heap of the slowest
+
+    def add(self, seconds: float, parts: Tuple[float, ...], admitted: int, live: int):
+        self.seconds.append(seconds)
+        if len(self.top) < SLOWEST:
+            heapq.heappush(self.top, (seconds, parts, admitted, live))
+        elif seconds > self.top[0][0]:
+            heapq.heapreplace(self.top, (seconds, parts, admitted, live))
+
+    def slowest(self) -> List[dict]:
+        return [{"ms": round(1e3 * t, 2), "admit_prefill_ms": round(1e3 * p[0], 2), "step_ms": round(1e3 * p[1], 2),
+                 "read_ms": round(1e3 * p[2], 2), "retire_ms": round(1e3 * p[3], 2), "admitted": a, "live": n}
+                for t, p, a, n in sorted(list(self.top), reverse=True)]

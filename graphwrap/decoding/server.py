@@ -44,7 +44,7 @@ from .delivery import OUTBOX, Mailbox, on_worker
 from .inflight import Tokens
 from .pages import PagedStore
 from .pool import CACHE_MEMORY, Blocks, plan_cache
-from .report import report
+from .report import Turns, report
 from .rows import RowStore, to_device
 from .sampling import Active, RowSettings
 from .scheduler import Scheduler, Seq, buckets_upto
@@ -118,7 +118,7 @@ class DecodeServer:
         self.spent: DefaultDict[str, float] = collections.defaultdict(float)  # seconds of the thread's turns, by part
         self.ttft: Deque[float] = collections.deque(maxlen=KEEP)
         self.tpot: Deque[float] = collections.deque(maxlen=KEEP)
-        self.turns: Deque[float] = collections.deque(maxlen=KEEP)  # seconds of each working turn (a stall shows here)
+        self.turns = Turns(KEEP)  # the working turns' seconds (a stall shows here)
         self.waits: Deque[float] = collections.deque(maxlen=KEEP)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.shapes = Shapes(self.stream is not None)
@@ -317,7 +317,7 @@ class DecodeServer:
         spent["read"] += t3 - t2
         t4 = clock()
         spent["retire"] += t4 - t3
-        self.turns.append(t4 - t0)
+        self.turns.add(t4 - t0, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), len(admitted), len(live))
         return True
 
     def _take_cancelled(self):

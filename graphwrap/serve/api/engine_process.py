@@ -20,9 +20,11 @@ came meanwhile in one message (a decode step's tokens for every row, usually):
 """
 
 import concurrent.futures
+import gc
 import logging
 import signal
 import threading
+import time
 import traceback
 import types
 from typing import Any, Dict, List, Optional, Set
@@ -70,6 +72,30 @@ class Outbox:
         self.thread.join(timeout)
 
 
+class GcClock:
+    """How long the collector paused this process, by generation (``gc.callbacks``)."""
+
+    def __init__(self):
+        self.began = 0.0
+        self.count = [0, 0, 0]
+        self.total = [0.0, 0.0, 0.0]
+        self.longest = [0.0, 0.0, 0.0]
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: Dict[str, int]):
+        if phase == "start":
+            self.began = time.perf_counter()
+            return
+        g, took = info["generation"], time.perf_counter() - self.began
+        self.count[g] += 1
+        self.total[g] += took
+        self.longest[g] = max(self.longest[g], took)
+
+    def report(self) -> Dict[str, dict]:
+        return {f"gen{g}": {"collections": self.count[g], "total_ms": round(1e3 * self.total[g], 2),
+                            "max_ms": round(1e3 * self.longest[g], 2)} for g in range(3)}
+
+
 class _Tap:
     """A sequence's tokens into the outbox."""
 
@@ -89,8 +115,8 @@ class Worker:
     """The child's side: calls queued on ``gm``'s batch as the parent asks, their tokens and ends
     sent back."""
 
-    def __init__(self, conn, gm):
-        self.conn, self.gm = conn, gm
+    def __init__(self, conn, gm, gc_clock: Optional[GcClock] = None):
+        self.conn, self.gm, self.gc = conn, gm, gc_clock
         self.out = Outbox(conn)
         self.lock = threading.Lock()  # guards calls, pending and cancelled
         self.calls: Dict[int, concurrent.futures.Future] = {}
@@ -115,13 +141,22 @@ class Worker:
             elif op == "cancel":
                 self._cancel(msg[1])
             elif op == "stats":
-                self.out.post(("s", msg[1], batch_stats(self.gm)))
+                self.out.post(("s", msg[1], self._stats()))
             elif op == "close":
+                d = self._stats().get("decode") or {}
+                logger.info("closing the batch; its slowest turns: %s; the collector's pauses: %s",
+                            d.get("slowest_turns"), self.gc and self.gc.report())
                 done = self.gm.close(cancel=msg[1], timeout=msg[2])
                 self.pool.shutdown(wait=False, cancel_futures=True)
                 self.out.post(("closed", done))
                 self.out.close()
                 return
+
+    def _stats(self) -> dict:
+        stats = batch_stats(self.gm)
+        if self.gc is not None:
+            stats["engine_gc"] = self.gc.report()
+        return stats
 
     def _submit(self, rid: int, ids: List[int], kwargs: Dict[str, Any], seed: Optional[int]):
         try:
@@ -186,5 +221,10 @@ def run(conn, args, log_level: str = "info"):
         conn.send(("failed", traceback.format_exc()))
         return
     gm = served.engine.gm
+    # What start-up made (the model, its libraries, the graphs) lives as long as the process: out
+    # of the collector's sight, so that a full collection walks only what serving makes.
+    gc.collect()
+    gc.freeze()
+    clock = GcClock()
     conn.send(("ready", {"eos": model_eos(gm.module), "generation": _sampling(gm.module), "context": served.context}))
-    Worker(conn, gm).serve()
+    Worker(conn, gm, clock).serve()

@@ -99,6 +99,10 @@ class Metrics:
         out += gauge("requests_running", "HTTP requests being answered (streams until their end).", running)
         for name, help, value in batch_gauges(stats):
             out += gauge(name, help, value)
+        pauses = stats.get("engine_gc")
+        if pauses:
+            out += gauge("engine_gc_pause_max_seconds", "The longest pause of the engine process's garbage collector.",
+                         max(g["max_ms"] for g in pauses.values()) / 1e3)
         if stats.get("gpu_memory_allocated") is not None:
             out += gauge("gpu_memory_allocated_bytes", "Bytes torch's allocator has handed out on the GPU.",
                          stats["gpu_memory_allocated"])
