@@ -3,6 +3,8 @@
 the child so that requests overlap. The answers are ``model.generate``'s; a client that goes
 away, a full queue, a failing request and a dead child each end as the API says."""
 
+import asyncio
+import concurrent.futures
 import http.client
 import json
 import multiprocessing
@@ -265,3 +267,88 @@ def test_the_engine_s_side_cancels_a_sequence_whether_or_not_it_was_queued_yet(m
         ours.send(("close", True, 30))
         thread.join(30)
         hook.remove()
+
+
+class _Ends:
+    def __init__(self):
+        self.tokens, self.ended = [], 0
+
+    def add(self, tokens):
+        self.tokens += tokens
+
+    def end(self):
+        self.ended += 1
+
+
+def _remote_without_a_child():
+    """A Remote's receiving side with no process behind it (what the child sends is fed to
+    ``_take`` by hand; what it would send goes to ``sent``)."""
+    r = Remote.__new__(Remote)
+    r.lock, r.send_lock, r.join_lock = threading.Lock(), threading.Lock(), threading.Lock()
+    r.seqs, r.asks, r.dead, r.closing = {}, {}, None, False
+    r.ids = iter(range(1000))
+    r.closed = concurrent.futures.Future()
+    r.sent = []
+    r._send = r.sent.append
+    r._join = lambda timeout: -9
+    return r
+
+
+def test_the_http_side_takes_the_child_s_words_in_any_order_and_a_dead_child_ends_everything():
+    from graphwrap.decoding.calls import QueueFull
+    from graphwrap.serve.api.engines import Ended, EngineGone, Failed
+
+    r = _remote_without_a_child()
+
+    async def queue(feed):
+        return await r.queue([1, 2], {}, None, feed)
+
+    async def scenario():
+        # an end that comes before the word that the sequence was queued: both settle
+        a = _Ends()
+        task = asyncio.ensure_future(queue(a))
+        await asyncio.sleep(0)
+        rid = r.sent[-1][1]
+        r._take(("t", rid, [5, 6]))
+        r._take(("e", rid, 2, 6, None))
+        r._take(("q", rid, None))
+        result = await asyncio.wait_for(task, 5)
+        assert result.result(1) == Ended(2, 6) and a.tokens == [5, 6] and a.ended == 1 and rid not in r.seqs
+        # refused at queueing: the request's error, nothing left behind
+        task = asyncio.ensure_future(queue(_Ends()))
+        await asyncio.sleep(0)
+        r._take(("q", r.sent[-1][1], ("queue_full", "the queue is full")))
+        with pytest.raises(QueueFull, match="the queue is full"):
+            await task
+        # a call that failed there: its error by name; a cancel here is sent there once
+        task = asyncio.ensure_future(queue(_Ends()))
+        await asyncio.sleep(0)
+        rid = r.sent[-1][1]
+        r._take(("q", rid, None))
+        failing = await task
+        r._take(("e", rid, 0, -1, ("RuntimeError", "boom")))
+        with pytest.raises(Failed, match="boom"):
+            failing.result(1)
+        task = asyncio.ensure_future(queue(_Ends()))
+        await asyncio.sleep(0)
+        rid = r.sent[-1][1]
+        r._take(("q", rid, None))
+        cancelled = await task
+        assert cancelled.cancel() and r.sent[-1] == ("cancel", rid)
+        cancelled.cancel()
+        assert r.sent.count(("cancel", rid)) == 1
+        r._take(("t", rid, [9]))  # (tokens still on their way are dropped)
+        # the child dies: what is in flight ends with why, and new sequences are refused
+        running = _Ends()
+        task = asyncio.ensure_future(queue(running))
+        await asyncio.sleep(0)
+        r._take(("q", r.sent[-1][1], None))
+        live = await task
+        r._died()
+        assert running.ended == 1 and isinstance(live.exception(1), EngineGone)
+        assert "exit code -9" in r.gone() and r.stats() == {}
+        with pytest.raises(EngineGone):
+            await queue(_Ends())
+        assert not r.seqs
+
+    asyncio.run(scenario())
