@@ -21,6 +21,7 @@ words is k tokens. Needs the ``openai`` package, FastAPI and uvicorn.
 import argparse
 import asyncio
 import concurrent.futures
+import gc
 import json
 import multiprocessing
 import os
@@ -34,6 +35,7 @@ import time
 import urllib.request
 from typing import Dict, List
 
+CLIENT_GC = [True]  # whether the client processes collect garbage during a burst (--client-gc)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SERVERS = {
@@ -118,7 +120,17 @@ async def _requests(base: str, model: str, reqs: List[dict]) -> List[dict]:
 
 
 def _part(args) -> List[dict]:
-    return asyncio.run(_requests(*args))
+    """One client process's share of a burst. With ``--client-gc off``, its garbage collector is
+    off during the burst (and collects after): a collection in a client pauses its streams, and
+    the pause would be counted in the server's gaps."""
+    *args, gc_on = args
+    if not gc_on:
+        gc.disable()
+    try:
+        return asyncio.run(_requests(*args))
+    finally:
+        gc.enable()
+        gc.collect()
 
 
 def burst(pool, base: str, model: str, reqs: List[dict]) -> dict:
@@ -126,7 +138,7 @@ def burst(pool, base: str, model: str, reqs: List[dict]) -> dict:
     bottleneck: the client's own parsing of every chunk); wall time from the first sent to the
     last answered."""
     k = pool._max_workers
-    parts = [(base, model, reqs[i::k]) for i in range(k)]
+    parts = [(base, model, reqs[i::k], CLIENT_GC[0]) for i in range(k)]
     t0 = time.perf_counter()
     out = [o for part in pool.map(_part, parts) for o in part]
     return summary(out, time.perf_counter() - t0)
@@ -269,9 +281,13 @@ def main():
     ap.add_argument("--port", type=int, default=8911)
     ap.add_argument("--clients", type=int, default=4, help="client processes the requests are spread over")
     ap.add_argument("--in-process", default=None, help=argparse.SUPPRESS)  # (a model directory: the in-process row)
+    ap.add_argument("--client-gc", default="on", choices=("off", "on"),
+                    help="the client processes' garbage collector during a burst (off: its pauses are not counted "
+                         "as the server's)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     a.top = 1000 if a.model == "tiny" else 30000
+    CLIENT_GC[0] = a.client_gc == "on"
     if a.in_process:
         print(json.dumps(with_spread(in_process(a.in_process, workload(a.requests, top=a.top), a.bursts))))
         return
