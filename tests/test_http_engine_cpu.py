@@ -189,6 +189,23 @@ def test_a_full_queue_429_a_bad_id_400_and_a_failing_request_500_each_alone(srv,
     _wait(lambda: _decode(srv)["rows_busy"] == 0 and _decode(srv)["queued"] == 0)
 
 
+def test_a_client_that_reads_slowly_holds_up_no_one_else_and_gets_its_whole_text(srv, model_dir):
+    want = greedy_text(model_dir, "the lazy", 100)
+    c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    c.request("POST", "/v1/completions", json.dumps({"prompt": "the lazy", "max_tokens": 100, "temperature": 0,
+                                                     "stream": True}), {"Content-Type": "application/json"})
+    r = c.getresponse()  # (not read while the others run)
+    other = greedy_text(model_dir, "a shared", 30)
+    for _ in range(3):  # (answered while the slow reader's stream is not read)
+        status, body, _ = post(srv.port, {"prompt": "a shared", "max_tokens": 30, "temperature": 0})
+        assert status == 200 and body["choices"][0]["text"] == other
+    time.sleep(0.5)
+    evs = [json.loads(line[6:]) for line in r.read().decode().split("\n")
+           if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in evs) == want
+    c.close()
+
+
 def test_metrics_and_health_read_the_engine_process(srv):
     post(srv.port, {"prompt": "the", "max_tokens": 3})
     c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)

@@ -213,10 +213,10 @@ def run(conn, args, log_level: str = "info"):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s[engine] %(levelname)s %(message)s")
-    from .cli import load
+    from .loading import load_here
 
     try:
-        served = load(args, engine="thread")
+        served = load_here(args)
     except BaseException:  # noqa: BLE001 - told to the parent, which raises it
         conn.send(("failed", traceback.format_exc()))
         return

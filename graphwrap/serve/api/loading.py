@@ -1,0 +1,55 @@
+"""The model of ``python -m graphwrap serve``'s arguments loaded and wrapped, and its decode batch
+made, in the process that calls (the server's, or its engine process)."""
+
+import argparse
+import logging
+
+logger = logging.getLogger("graphwrap.serve")
+
+
+def load_here(a: argparse.Namespace):
+    """The model loaded, wrapped and its decode batch made in this process: a :class:`~.app.Served`
+    over a :class:`~.engines.Local`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ...decoding.front import MAX_LEN, model_positions
+    from ...module import GraphedModule
+    from .app import MAX_NEW_DEFAULT, Served
+    from .engines import Local
+
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, a.dtype) if a.dtype != "auto" else ("auto" if device.type == "cuda" else torch.float32)
+    tok = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, local_files_only=True).to(device).eval()
+    decode = {k: v for k, v in (("rows", a.rows), ("max_len", a.max_len), ("max_queue", a.max_queue),
+                                ("cache_memory", a.cache_memory)) if v is not None}
+    gm = GraphedModule(model, decode=decode)
+    context = min([x for x in (a.max_len, model_positions(model.config)) if x] or [MAX_LEN])
+    # The batch is made now (its cache, its probe of the model), not on the first request; with
+    # --capture ahead, the graphs of every shape its buckets make are captured now too.
+    if a.capture == "ahead" and _captured_ahead(gm):
+        pass
+    else:
+        first = tok.bos_token_id if tok.bos_token_id is not None else (tok.eos_token_id or 0)
+        gm.generate(torch.tensor([[first]]), max_new_tokens=1, do_sample=False, pad_token_id=first)
+    d = gm.stats().get("decode")
+    if d is None or "off" in d:
+        logger.warning("the shared decode batch does not serve this model: requests take turns on it, one at a time")
+    return Served(Local(gm), tok, a.served_model_name or a.model, context, a.max_tokens_default or MAX_NEW_DEFAULT)
+
+
+def _captured_ahead(gm) -> bool:
+    """``gm.capture_generate()`` with a log line; False where the batch does not serve the model."""
+    import time
+
+    from ...errors import GraphwrapError
+
+    t0 = time.perf_counter()
+    try:
+        gm.capture_generate()
+    except GraphwrapError:
+        return False
+    d = gm.stats()["decode"]
+    logger.info("captured the graphs of %d step and prompt shapes in %.1f s", len(d["shapes"]), time.perf_counter() - t0)
+    return True
