@@ -15,6 +15,10 @@ The model is made here with random weights (fp16 on a GPU) and saved with a word
 tokenizer over its whole vocabulary ("w0".."wN"), so any token id decodes and a prompt of k
 words is k tokens. Needs the ``openai`` package, FastAPI and uvicorn.
 
+``--client raw`` streams over bare sockets instead of the ``openai`` client, and ``--client-gc
+off`` keeps the client processes' collector off during bursts: both tell the clients' own
+pauses and costs from the server's.
+
     python3 benchmarks/serve_openai.py --model gpt2 --servers graphwrap,transformers-graphs --out DIR
 """
 
@@ -36,6 +40,7 @@ import urllib.request
 from typing import Dict, List
 
 CLIENT_GC = [True]  # whether the client processes collect garbage during a burst (--client-gc)
+CLIENT = ["openai"]  # what the client processes stream with (--client)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SERVERS = {
@@ -110,7 +115,41 @@ async def one(client, model: str, req: dict) -> dict:
     return {"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": usage or 0}
 
 
-async def _requests(base: str, model: str, reqs: List[dict]) -> List[dict]:
+async def one_raw(base: str, model: str, req: dict) -> dict:
+    """``one`` over a bare socket: HTTP/1.1 written by hand, each event's JSON read with
+    ``json.loads`` (what any client must do), nothing else (the ``openai`` client's own cost
+    per chunk left out)."""
+    host, port = base.split("//")[1].split("/")[0].split(":")
+    body = json.dumps({"model": model, "prompt": req["prompt"], "max_tokens": req["max_tokens"], "temperature": 0,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    t0 = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % (host.encode(), len(body)) + body)
+    first, last, gaps, usage = None, None, [], None
+    while True:
+        line = await reader.readline()
+        if not line or line.startswith(b"data: [DONE]"):
+            break
+        if not line.startswith(b"data: "):
+            continue  # (the status line, headers, chunk sizes, blank lines)
+        now = time.perf_counter()
+        event = json.loads(line[6:])
+        if event.get("choices") and event["choices"][0].get("text"):
+            if first is None:
+                first = now
+            else:
+                gaps.append(now - last)
+            last = now
+        if event.get("usage"):
+            usage = event["usage"]["completion_tokens"]
+    writer.close()
+    return {"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": usage or 0}
+
+
+async def _requests(base: str, model: str, reqs: List[dict], raw: bool = False) -> List[dict]:
+    if raw:
+        return list(await asyncio.gather(*(one_raw(base, model, r) for r in reqs)))
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
@@ -123,11 +162,11 @@ def _part(args) -> List[dict]:
     """One client process's share of a burst. With ``--client-gc off``, its garbage collector is
     off during the burst (and collects after): a collection in a client pauses its streams, and
     the pause would be counted in the server's gaps."""
-    *args, gc_on = args
+    *args, gc_on, raw = args
     if not gc_on:
         gc.disable()
     try:
-        return asyncio.run(_requests(*args))
+        return asyncio.run(_requests(*args, raw=raw))
     finally:
         gc.enable()
         gc.collect()
@@ -138,7 +177,7 @@ def burst(pool, base: str, model: str, reqs: List[dict]) -> dict:
     bottleneck: the client's own parsing of every chunk); wall time from the first sent to the
     last answered."""
     k = pool._max_workers
-    parts = [(base, model, reqs[i::k], CLIENT_GC[0]) for i in range(k)]
+    parts = [(base, model, reqs[i::k], CLIENT_GC[0], CLIENT[0] == "raw") for i in range(k)]
     t0 = time.perf_counter()
     out = [o for part in pool.map(_part, parts) for o in part]
     return summary(out, time.perf_counter() - t0)
@@ -284,10 +323,14 @@ def main():
     ap.add_argument("--client-gc", default="on", choices=("off", "on"),
                     help="the client processes' garbage collector during a burst (off: its pauses are not counted "
                          "as the server's)")
+    ap.add_argument("--client", default="openai", choices=("openai", "raw"),
+                    help="the official openai client, or a bare socket reading each event's JSON (the client "
+                         "library's own cost per chunk left out)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     a.top = 1000 if a.model == "tiny" else 30000
     CLIENT_GC[0] = a.client_gc == "on"
+    CLIENT[0] = a.client
     if a.in_process:
         print(json.dumps(with_spread(in_process(a.in_process, workload(a.requests, top=a.top), a.bursts))))
         return
