@@ -213,12 +213,15 @@ def test_metrics_and_health_read_the_engine_process(srv):
     text = c.getresponse().read().decode()
     values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line and not line.startswith("#")}
-    assert values["graphwrap_rows"] == 2 and values["graphwrap_decode_steps"] >= 3
+    assert values["graphwrap_rows"] == 2 and values["graphwrap_decode_steps"] >= 2  # (3 tokens: a prefill, 2 steps)
     assert values["graphwrap_generation_tokens_total"] >= 3
     assert values["graphwrap_decode_turn_max_seconds"] >= STEP  # the child's turns, each a slowed forward at least
     assert "graphwrap_engine_gc_pause_max_seconds" in values
-    d = srv.served.engine.stats()["decode"]
-    assert d["slowest_turns"][0]["ms"] >= d["slowest_turns"][-1]["ms"] >= STEP * 1e3
+    stats = srv.served.engine.stats()
+    assert stats["engine_frozen_objects"] > 10_000  # start-up's objects, out of the collector's sight
+    d = stats["decode"]
+    ms = [t["ms"] for t in d["slowest_turns"]]
+    assert ms == sorted(ms, reverse=True) and ms[0] >= STEP * 1e3 and d["slowest_turns"][0]["step_ms"] >= 0
     c.request("GET", "/health")
     r = c.getresponse()
     assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}

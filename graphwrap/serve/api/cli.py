@@ -109,6 +109,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     Draining = draining_server()
     served = load(a)
     app = make_app(served)
+    if a.engine == "thread":  # (the engine process does the same for itself)
+        from .loading import freeze_startup
+
+        freeze_startup()
 
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=1,
                             http=a.http, loop=a.loop)

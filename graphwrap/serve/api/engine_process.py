@@ -156,6 +156,7 @@ class Worker:
         stats = batch_stats(self.gm)
         if self.gc is not None:
             stats["engine_gc"] = self.gc.report()
+            stats["engine_frozen_objects"] = gc.get_freeze_count()
         return stats
 
     def _submit(self, rid: int, ids: List[int], kwargs: Dict[str, Any], seed: Optional[int]):
@@ -213,7 +214,7 @@ def run(conn, args, log_level: str = "info"):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s[engine] %(levelname)s %(message)s")
-    from .loading import load_here
+    from .loading import freeze_startup, load_here
 
     try:
         served = load_here(args)
@@ -221,10 +222,7 @@ def run(conn, args, log_level: str = "info"):
         conn.send(("failed", traceback.format_exc()))
         return
     gm = served.engine.gm
-    # What start-up made (the model, its libraries, the graphs) lives as long as the process: out
-    # of the collector's sight, so that a full collection walks only what serving makes.
-    gc.collect()
-    gc.freeze()
+    freeze_startup()
     clock = GcClock()
     conn.send(("ready", {"eos": model_eos(gm.module), "generation": _sampling(gm.module), "context": served.context}))
     Worker(conn, gm, clock).serve()
