@@ -370,5 +370,20 @@ def test_the_http_side_takes_the_child_s_words_in_any_order_and_a_dead_child_end
         with pytest.raises(EngineGone):
             await queue(_Ends())
         assert not r.seqs
+        # a pipe that broke before the receiving thread saw the child die: the send fails, the
+        # sequence is not left behind, and a cancel of one in flight does not raise
+        r.dead = None
+
+        def broken(msg):
+            raise EngineGone("the engine process is gone")
+
+        task = asyncio.ensure_future(queue(_Ends()))
+        await asyncio.sleep(0)
+        r._take(("q", r.sent[-1][1], None))
+        held = await task
+        r._send = broken
+        with pytest.raises(EngineGone):
+            await queue(_Ends())
+        assert held.cancel() and not r.seqs
 
     asyncio.run(scenario())

@@ -103,7 +103,12 @@ class Remote:
             if self.dead is not None:
                 raise EngineGone(self.dead)
             self.seqs[rid] = seq
-        self._send(("submit", rid, ids, kwargs, seed))
+        try:
+            self._send(("submit", rid, ids, kwargs, seed))
+        except EngineGone:
+            with self.lock:
+                self.seqs.pop(rid, None)
+            raise
         try:
             await asyncio.wrap_future(seq.queued)
         except asyncio.CancelledError:
@@ -116,7 +121,10 @@ class Remote:
         with self.lock:
             gone = self.seqs.pop(rid, None) is None or self.dead is not None
         if not gone:
-            self._send(("cancel", rid))
+            try:
+                self._send(("cancel", rid))
+            except EngineGone:  # (the child is gone: nothing of the sequence is left there)
+                pass
 
     def stats(self) -> dict:
         """The child's ``stats()`` (waits for it: not for the event loop's own thread)."""
