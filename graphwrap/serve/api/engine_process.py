@@ -153,7 +153,11 @@ class Worker:
                 return
 
     def _stats(self) -> dict:
-        stats = batch_stats(self.gm)
+        try:
+            stats = batch_stats(self.gm)
+        except Exception:  # noqa: BLE001 - the metrics go without it; the engine serves on
+            logger.exception("the batch's stats could not be read")
+            return {}
         if self.gc is not None:
             stats["engine_gc"] = self.gc.report()
             stats["engine_frozen_objects"] = gc.get_freeze_count()
