@@ -37,10 +37,12 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 CLIENT_GC = [True]  # whether the client processes collect garbage during a burst (--client-gc)
 CLIENT = ["openai"]  # what the client processes stream with (--client)
+STALLS_KEPT = 300
+STALL = 0.1  # a gap between one stream's chunks this long (s) is listed with its times
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SERVERS = {
@@ -102,6 +104,7 @@ async def one(client, model: str, req: dict) -> dict:
     first, last, gaps, usage = None, None, [], None
     stream = await client.completions.create(model=model, prompt=req["prompt"], max_tokens=req["max_tokens"],
                                              temperature=0, stream=True, stream_options={"include_usage": True})
+    stalls = []
     async for chunk in stream:
         now = time.perf_counter()
         if chunk.choices and chunk.choices[0].text:
@@ -109,10 +112,12 @@ async def one(client, model: str, req: dict) -> dict:
                 first = now
             else:
                 gaps.append(now - last)
+                if now - last > STALL:
+                    stalls.append((last, now))
             last = now
         if chunk.usage is not None:
             usage = chunk.usage.completion_tokens
-    return {"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": usage or 0}
+    return {"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": usage or 0, "stalls": stalls}
 
 
 async def one_raw(base: str, model: str, req: dict) -> dict:
@@ -126,7 +131,7 @@ async def one_raw(base: str, model: str, req: dict) -> dict:
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % (host.encode(), len(body)) + body)
-    first, last, gaps, usage = None, None, [], None
+    first, last, gaps, usage, stalls = None, None, [], None, []
     while True:
         line = await reader.readline()
         if not line or line.startswith(b"data: [DONE]"):
@@ -140,11 +145,13 @@ async def one_raw(base: str, model: str, req: dict) -> dict:
                 first = now
             else:
                 gaps.append(now - last)
+                if now - last > STALL:
+                    stalls.append((last, now))
             last = now
         if event.get("usage"):
             usage = event["usage"]["completion_tokens"]
     writer.close()
-    return {"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": usage or 0}
+    return {"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": usage or 0, "stalls": stalls}
 
 
 async def _requests(base: str, model: str, reqs: List[dict], raw: bool = False) -> List[dict]:
@@ -158,38 +165,76 @@ async def _requests(base: str, model: str, reqs: List[dict], raw: bool = False) 
     return list(out)
 
 
-def _part(args) -> List[dict]:
-    """One client process's share of a burst. With ``--client-gc off``, its garbage collector is
-    off during the burst (and collects after): a collection in a client pauses its streams, and
-    the pause would be counted in the server's gaps."""
+def _part(args) -> Tuple[List[dict], float]:
+    """One client process's share of a burst, and the CPU seconds it spent on it. With
+    ``--client-gc off``, its garbage collector is off during the burst (and collects after): a
+    collection in a client pauses its streams, and the pause would be counted in the server's gaps."""
     *args, gc_on, raw = args
     if not gc_on:
         gc.disable()
+    cpu = time.process_time()
     try:
-        return asyncio.run(_requests(*args, raw=raw))
+        return asyncio.run(_requests(*args, raw=raw)), time.process_time() - cpu
     finally:
         gc.enable()
         gc.collect()
 
 
-def burst(pool, base: str, model: str, reqs: List[dict]) -> dict:
+def _ticks(pid: int) -> Dict[str, int]:
+    """CPU clock ticks of every thread of ``pid`` and of its descendants, by "pid/tid" (Linux)."""
+    out: Dict[str, int] = {}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out[f"{p}/{tid}"] = int(fields[11]) + int(fields[12])  # utime, stime
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def busiest(before: Dict[str, int], after: Dict[str, int], wall: float, k: int = 6) -> List[str]:
+    """The server's ``k`` busiest threads over a burst: "pid/tid share-of-one-core"."""
+    hz = os.sysconf("SC_CLK_TCK")
+    used = sorted(((after[t] - before.get(t, 0)) / hz / wall, t) for t in after)[::-1][:k]
+    return [f"{t} {u:.0%}" for u, t in used]
+
+
+def burst(pool, base: str, model: str, reqs: List[dict], server_pid: Optional[int] = None) -> dict:
     """The requests sent at once from the pool's client processes (one process would be the
     bottleneck: the client's own parsing of every chunk); wall time from the first sent to the
-    last answered."""
+    last answered. Each client process's CPU over the wall time, and the server's busiest
+    threads (its own and its children's), say who was saturated."""
     k = pool._max_workers
     parts = [(base, model, reqs[i::k], CLIENT_GC[0], CLIENT[0] == "raw") for i in range(k)]
+    ticks = _ticks(server_pid) if server_pid else {}
     t0 = time.perf_counter()
-    out = [o for part in pool.map(_part, parts) for o in part]
-    return summary(out, time.perf_counter() - t0)
+    got = list(pool.map(_part, parts))
+    wall = time.perf_counter() - t0
+    out = [dict(o, client=i) for i, (part, _) in enumerate(got) for o in part]
+    r = summary(out, wall, t0)
+    r["client_cpu"] = [round(cpu / wall, 2) for _, cpu in got]
+    if server_pid:
+        r["server_threads"] = busiest(ticks, _ticks(server_pid), wall)
+    return r
 
 
-def summary(out: List[dict], wall: float) -> dict:
+def summary(out: List[dict], wall: float, t0: Optional[float] = None) -> dict:
     gaps = sorted(g for o in out for g in o["gaps"])
     ttft = sorted(o["ttft"] for o in out)
     tokens = sum(o["tokens"] for o in out)
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
-            "gap_p50_ms": 1e3 * pct(gaps, 50) if gaps else None, "gap_p99_ms": 1e3 * pct(gaps, 99) if gaps else None}
+    r = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+         "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+         "gap_p50_ms": 1e3 * pct(gaps, 50) if gaps else None, "gap_p99_ms": 1e3 * pct(gaps, 99) if gaps else None}
+    if t0 is not None:  # every gap past STALL: when it began and ended (ms into the burst), and in which client
+        r["stalls"] = sorted((round(1e3 * (a - t0)), round(1e3 * (b - t0)), o["client"])
+                             for o in out for a, b in o.get("stalls", ()))[:STALLS_KEPT]
+    return r
 
 
 def in_process(model_dir: str, reqs: List[dict], bursts: int) -> dict:
@@ -265,8 +310,8 @@ def race(name: str, model_dir: str, port: int, reqs: List[dict], bursts: int, lo
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(clients, mp_context=ctx) as pool:
             list(pool.map(_imports, range(clients)))
-            first = burst(pool, base, model_dir, reqs)
-            warm = [burst(pool, base, model_dir, reqs) for _ in range(bursts)]
+            first = burst(pool, base, model_dir, reqs, proc.pid)
+            warm = [burst(pool, base, model_dir, reqs, proc.pid) for _ in range(bursts)]
         seen = scrape(port) if name.startswith("graphwrap") else {}
     finally:
         stop(proc)
