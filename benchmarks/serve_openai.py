@@ -318,7 +318,7 @@ def race(name: str, model_dir: str, port: int, reqs: List[dict], bursts: int, lo
     return with_spread({"server": name, "ready_s": ready, "first": first, "warm": warm, "metrics": seen})
 
 
-SCRAPED = ("decode_turn_p99_seconds", "decode_turn_max_seconds", "graph_captures", "eager_forwards",
+SCRAPED = ("decode_turn_p99_seconds", "decode_turn_max_seconds", "token_delivery_p99_seconds", "graph_captures", "eager_forwards",
            "step_eager_calls", "event_loop_lag_seconds_sum", "event_loop_lag_seconds_count",
            "engine_gc_pause_max_seconds")
 

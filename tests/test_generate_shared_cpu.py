@@ -150,6 +150,17 @@ def test_a_streamer_gets_every_token_as_it_is_made():
     out = gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, do_sample=False, streamer=s)
     assert s.ended and s.got[0] == [5, 6, 7] and [t for (t,) in s.got[1:]] == out[0, 3:].tolist()
 
+    class Ids(Collect):  # graphwrap's own streamer form: the batch's tokens as ints, no tensor per token
+        def put_ids(self, ids):
+            assert isinstance(ids, list) and all(type(t) is int for t in ids), ids
+            self.ids.append(ids)
+
+    s = Ids()
+    s.ids = []
+    out = gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, do_sample=False, streamer=s)
+    assert s.ended and s.got == [[5, 6, 7]], "put gets the prompt alone"
+    assert [t for (t,) in s.ids] == out[0, 3:].tolist()
+
 
 def test_calls_the_batch_does_not_serve_run_the_one_call_loop_with_the_reason(gw_log):
     model = _model()

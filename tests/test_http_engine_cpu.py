@@ -217,6 +217,7 @@ def test_metrics_and_health_read_the_engine_process(srv):
     assert values["graphwrap_generation_tokens_total"] >= 3
     assert values["graphwrap_decode_turn_max_seconds"] >= STEP  # the child's turns, each a slowed forward at least
     assert "graphwrap_engine_gc_pause_max_seconds" in values
+    assert 0 < values["graphwrap_token_delivery_p99_seconds"] < 5  # each token timed from its step to its feed
     stats = srv.served.engine.stats()
     assert stats["engine_frozen_objects"] > 10_000  # start-up's objects, out of the collector's sight
     d = stats["decode"]

@@ -2,9 +2,10 @@
 ends (its streamer's tokens and end, then its result or error, delivered off the decode
 thread), and the errors a caller gets where the batch takes no call."""
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Deque, List, Optional
 
 import torch
 
@@ -40,10 +41,22 @@ class Call:
     queued: bool = False  # set once, when enqueued: counted among the batch's calls in flight until it ends
 
 
-def put_token(call: Call, streamer, token: int):
-    """A token to a call's streamer (none once the call was cancelled or failed)."""
+def put_token(call: Call, streamer, token: int, made: float = 0.0, lag: Optional[Deque[float]] = None):
+    """A token to a call's streamer (none once the call was cancelled or failed): as a list of
+    one int to a streamer that has ``put_ids`` (graphwrap's server has), else as generate's
+    streamers take it, a tensor. A tensor made per token costs the delivery worker torch calls
+    that each let go of the GIL, and taking it back waits for whichever thread took it (up to the
+    interpreter's switch interval, 5 ms): with the decode thread and a server's threads busy, a
+    step's tokens then reach their streams one every few milliseconds. ``lag`` gets the seconds
+    from ``made`` (the step that made it read it) to its delivery."""
     if call.error is None and not call.future.done():
-        streamer.put(torch.tensor([token]))
+        put_ids = getattr(streamer, "put_ids", None)
+        if put_ids is not None:
+            put_ids([token])
+        else:
+            streamer.put(torch.tensor([token]))
+        if lag is not None:
+            lag.append(time.perf_counter() - made)
 
 
 def finish(call: Call, error: Optional[BaseException]):

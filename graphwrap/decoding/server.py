@@ -119,6 +119,7 @@ class DecodeServer:
         self.ttft: Deque[float] = collections.deque(maxlen=KEEP)
         self.tpot: Deque[float] = collections.deque(maxlen=KEEP)
         self.turns = Turns(KEEP)  # the working turns' seconds (a stall shows here)
+        self.lag: Deque[float] = collections.deque(maxlen=KEEP)  # a token's made-to-streamer seconds
         self.waits: Deque[float] = collections.deque(maxlen=KEEP)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.shapes = Shapes(self.stream is not None)
@@ -415,7 +416,7 @@ class DecodeServer:
         call = s.call
         streamer = call.plan.streamer
         if streamer is not None:
-            self.outgoing.append((call.box, lambda: put_token(call, streamer, token)))
+            self.outgoing.append((call.box, lambda: put_token(call, streamer, token, now, self.lag)))
         if token in s.settings.eos or len(s.tokens) >= s.settings.max_new:
             s.done = True
             if len(s.tokens) > 1:

@@ -105,6 +105,9 @@ class _Streamer:
             return
         self.feed.add(value.reshape(-1).tolist())
 
+    def put_ids(self, ids: List[int]):  # (the shared batch's tokens, no tensor made: calls.put_token)
+        self.feed.add(ids)
+
     def end(self):
         self.feed.end()
 

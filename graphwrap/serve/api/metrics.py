@@ -137,6 +137,9 @@ def batch_gauges(stats: dict) -> Iterable[Tuple[str, str, Optional[float]]]:
          "last 10,000.", _seconds((d.get("turn_ms") or {}).get("p99"))),
         ("decode_turn_max_seconds", "The decode thread's longest turn of the last 10,000.",
          _seconds((d.get("turn_ms") or {}).get("max"))),
+        ("token_delivery_p99_seconds", "99th percentile of a token's wait from its step to its stream's feed, over the "
+         "last 10,000 (the batch's delivery threads falling behind shows here, not in the turns).",
+         _seconds((d.get("delivery_lag_ms") or {}).get("p99"))),
         ("queue_wait_p50_seconds", "Median wait for a row, over the last 10,000 sequences.",
          None if waits.get("p50") is None else waits["p50"] / 1e3),
         ("queue_wait_p99_seconds", "99th percentile of the wait for a row, over the last 10,000 sequences.",
