@@ -280,7 +280,9 @@ def in_process(model_dir: str, reqs: List[dict], bursts: int) -> dict:
 
     first = run()
     warm = [run() for _ in range(bursts)]
-    return {"server": "gm.generate in process", "ready_s": 0.0, "first": first, "warm": warm}
+    d = gm.stats()["decode"]  # (the decode thread's seconds by part: to set beside the server's log)
+    return {"server": "gm.generate in process", "ready_s": 0.0, "first": first, "warm": warm,
+            "decode": {k: d.get(k) for k in ("steps", "thread_s", "delivery_lag_ms", "turn_ms")}}
 
 
 def pct(xs: List[float], q: float) -> float:

@@ -3,6 +3,7 @@ against model.generate alone, per-sequence settings, errors, cancelling and clos
 scheduler's decisions. Needs transformers (skipped with the reason without it)."""
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -160,6 +161,47 @@ def test_a_streamer_gets_every_token_as_it_is_made():
     out = gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, do_sample=False, streamer=s)
     assert s.ended and s.got == [[5, 6, 7]], "put gets the prompt alone"
     assert [t for (t,) in s.ids] == out[0, 3:].tolist()
+
+
+def test_a_streamer_with_a_sink_gets_each_turns_tokens_at_once_on_the_decode_thread_before_its_result():
+    model = _model()
+    gm = GraphedModule(model)
+    prompts = [[5, 6, 7], [8, 9], [3, 4, 5, 6]]
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+
+    class Sink:  # (graphwrap's own kind of consumer: the server's engine process)
+        def __init__(self):
+            self.turns, self.threads, self.done_when_put = [], set(), []
+
+        def put_step(self, keys, tokens):
+            self.turns.append(list(zip(keys, tokens)))
+            self.threads.add(threading.current_thread().name)
+            self.done_when_put += [futs[k].done() for k in keys]
+
+    class Keyed:
+        def __init__(self, sink, key):
+            self.sink, self.key, self.puts, self.ended = sink, key, [], False
+
+        def put(self, v):  # the prompt alone comes here
+            self.puts.append(v.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    sink = Sink()
+    streamers = [Keyed(sink, k) for k in range(3)]
+    futs = [gm.submit_generate(torch.tensor([p]), max_new_tokens=5, do_sample=False, streamer=st)
+            for p, st in zip(prompts, streamers)]
+    outs = [f.result(timeout=60) for f in futs]
+    for k, (p, st, out) in enumerate(zip(prompts, streamers, outs)):
+        assert [t for turn in sink.turns for key, t in turn if key == k] == out[0, len(p):].tolist() == want[k]
+        assert st.puts == [p] and st.ended
+    assert not any(sink.done_when_put), "every token reached the sink before its call's result"
+    assert max(len(t) for t in sink.turns) > 1, "a turn's tokens of several calls in one put_step"
+    assert all(name.startswith("graphwrap-decode") for name in sink.threads), sink.threads
+    assert gm.stats()["decode"]["delivery_lag_ms"]["p50"] is not None
 
 
 def test_calls_the_batch_does_not_serve_run_the_one_call_loop_with_the_reason(gw_log):

@@ -279,7 +279,10 @@ def test_the_engine_s_side_cancels_a_sequence_whether_or_not_it_was_queued_yet(m
                     ends[item[1]] = item
         assert all(ends[rid][4][0] == "cancelled" for rid in range(4)), ends
         assert ends[9][2:] == (4, ends[9][3], None)
-        assert [t for i in got if i[0] == "t" and i[1] == 9 for t in i[2]][-1] == ends[9][3]
+        tokens = [t for i in got if i[0] == "T" for r, t in zip(i[1], i[2]) if r == 9]
+        assert len(tokens) == 4 and tokens[-1] == ends[9][3], got  # a turn's tokens in one item (the batch's sink)
+        assert not [i for i in got if i[0] == "t" and i[1] == 9]
+        assert got.index(ends[9]) > max(k for k, i in enumerate(got) if i[0] == "T"), "its end after its tokens"
         ours.send(("stats", 100))
         (stats,) = [i for i in ours.recv() if i[0] == "s"]
         assert stats[2]["decode"]["rows_busy"] == 0 and stats[2]["decode"]["cancelled"] >= 4

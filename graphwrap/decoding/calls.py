@@ -2,10 +2,11 @@
 ends (its streamer's tokens and end, then its result or error, delivered off the decode
 thread), and the errors a caller gets where the batch takes no call."""
 
+import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Deque, List, Optional
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -14,6 +15,8 @@ from .delivery import Mailbox
 from .pool import CachePlan, blocks_for
 from .scheduler import Seq
 from .settings import CallPlan
+
+logger = logging.getLogger("graphwrap")
 
 
 class Closed(GraphwrapError):
@@ -39,6 +42,10 @@ class Call:
     error: Optional[BaseException] = None
     ended: bool = False  # set once, by _end_call (the decode thread)
     queued: bool = False  # set once, when enqueued: counted among the batch's calls in flight until it ends
+    sink: Any = None  # its streamer's sink, where it has one (:class:`Sinks`)
+
+    def __post_init__(self):
+        self.sink = getattr(self.plan.streamer, "sink", None)
 
 
 def put_token(call: Call, streamer, token: int, made: float = 0.0, lag: Optional[Deque[float]] = None):
@@ -112,3 +119,43 @@ def check_call(plan: CallPlan, max_len: int, positions: Optional[int], cache: Ca
     bad = [t for p in plan.prompts for t in p if not 0 <= t < vocab]
     if bad:
         raise GraphwrapError(f"token id {bad[0]} is outside the model's vocabulary of {vocab}")
+
+
+class Sinks:
+    """Tokens for graphwrap's own consumers, handed over on the decode thread, a turn's at once.
+
+    A streamer with a ``sink`` (an object with ``put_step(keys, tokens)`` that never blocks or
+    raises: the server's engine process has one) and a ``key`` gets its tokens this way, not one
+    delivery each on a worker: at the end of the turn each sink gets every token of its calls
+    in one call, before the turn's ends and results are posted to the workers (so a call's last
+    token reaches the sink before its result). The workers' share of the interpreter, which the
+    decode thread waits for, then holds no per-token work for these calls. The prompt, ``end``
+    and results still go the workers' way."""
+
+    def __init__(self, lag: Deque[float]):
+        self.pending: Dict[Any, Tuple[List[Any], List[int]]] = {}
+        self.made: Optional[float] = None  # when the turn's first token was read
+        self.lag = lag
+
+    def add(self, call: Call, token: int, made: float):
+        if call.error is not None or call.future.done():  # (cancelled or failed: no token after)
+            return
+        got = self.pending.get(call.sink)
+        if got is None:
+            got = self.pending[call.sink] = ([], [])
+            self.made = made if self.made is None else self.made
+        got[0].append(call.plan.streamer.key)
+        got[1].append(token)
+
+    def flush(self):
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, {}
+        for sink, (keys, tokens) in pending.items():
+            try:
+                sink.put_step(keys, tokens)
+            except BaseException:  # noqa: BLE001 - a sink must not raise; the decode thread lives on
+                logger.exception("a token sink raised: %d tokens lost", len(tokens))
+        if self.made is not None:
+            self.lag.append(time.perf_counter() - self.made)
+            self.made = None

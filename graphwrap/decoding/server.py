@@ -38,7 +38,7 @@ import torch
 from ..errors import GraphwrapError
 from . import captures, growth, paged_attention, pieces
 from .attention import folding, sdpa_model
-from .calls import Call, Closed, QueueFull, check_call, finish, put_token
+from .calls import Call, Closed, QueueFull, Sinks, check_call, finish, put_token
 from .captures import Captures, on_stream
 from .delivery import OUTBOX, Mailbox, on_worker
 from .inflight import Tokens
@@ -120,6 +120,7 @@ class DecodeServer:
         self.tpot: Deque[float] = collections.deque(maxlen=KEEP)
         self.turns = Turns(KEEP)  # the working turns' seconds (a stall shows here)
         self.lag: Deque[float] = collections.deque(maxlen=KEEP)  # a token's made-to-streamer seconds
+        self.sinks = Sinks(self.lag)
         self.waits: Deque[float] = collections.deque(maxlen=KEEP)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.shapes = Shapes(self.stream is not None)
@@ -262,7 +263,9 @@ class DecodeServer:
             self._flush()
 
     def _flush(self):
-        """Hand the turn's deliveries (tokens, ends) to the workers, in one go."""
+        """Hand the turn's tokens to their sinks, then its deliveries (tokens, ends) to the
+        workers, in one go."""
+        self.sinks.flush()
         if self.outgoing:
             OUTBOX.post_many(self.outgoing)
             self.outgoing = []
@@ -415,7 +418,9 @@ class DecodeServer:
         s.last_at = now
         call = s.call
         streamer = call.plan.streamer
-        if streamer is not None:
+        if call.sink is not None:
+            self.sinks.add(call, token, now)
+        elif streamer is not None:
             self.outgoing.append((call.box, lambda: put_token(call, streamer, token, now, self.lag)))
         if token in s.settings.eos or len(s.tokens) >= s.settings.max_new:
             s.done = True

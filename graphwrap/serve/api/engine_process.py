@@ -14,6 +14,7 @@ Child to parent: first ("ready", info) or ("failed", traceback), then lists of i
 came meanwhile in one message (a decode step's tokens for every row, usually):
     ("q", rid, error)                    queued (error None) or refused (error (kind, message))
     ("t", rid, tokens)                   new tokens of a sequence
+    ("T", rids, tokens)                  a decode turn's tokens: one for each of rids
     ("e", rid, count, last, error)       its end: new tokens' count and the last, or its error
     ("s", qid, stats)                    an answer to "stats"
     ("closed", done)                     the batch closed (done: its thread ended in time)
@@ -50,6 +51,11 @@ class Outbox:
             self.items.append(item)
             if len(self.items) == 1:
                 self.cond.notify()
+
+    def put_step(self, rids: List[int], tokens: List[int]):
+        """A decode turn's tokens, one for each of ``rids`` (called on the decode thread: a
+        sink of the shared batch, which never blocks)."""
+        self.post(("T", rids, tokens))
 
     def _send(self):
         while True:
@@ -97,12 +103,21 @@ class GcClock:
 
 
 class _Tap:
-    """A sequence's tokens into the outbox."""
+    """A sequence's tokens into the outbox: the shared batch's through the outbox as its sink,
+    a turn's tokens for every sequence in one item; any other way (a loop of one call) here."""
 
     __slots__ = ("out", "rid")
 
     def __init__(self, out: Outbox, rid: int):
         self.out, self.rid = out, rid
+
+    @property
+    def sink(self) -> Outbox:
+        return self.out
+
+    @property
+    def key(self) -> int:
+        return self.rid
 
     def add(self, tokens: List[int]):
         self.out.post(("t", self.rid, tokens))
@@ -144,8 +159,10 @@ class Worker:
                 self.out.post(("s", msg[1], self._stats()))
             elif op == "close":
                 d = self._stats().get("decode") or {}
-                logger.info("closing the batch; its slowest turns: %s; the collector's pauses: %s",
-                            d.get("slowest_turns"), self.gc and self.gc.report())
+                logger.info("closing the batch after %s steps; the decode thread's seconds by part: %s; a token's "
+                            "wait for its stream (ms): %s; its slowest turns: %s; the collector's pauses: %s",
+                            d.get("steps"), d.get("thread_s"), d.get("delivery_lag_ms"), d.get("slowest_turns"),
+                            self.gc and self.gc.report())
                 done = self.gm.close(cancel=msg[1], timeout=msg[2])
                 self.pool.shutdown(wait=False, cancel_futures=True)
                 self.out.post(("closed", done))

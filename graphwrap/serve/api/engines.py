@@ -92,12 +92,15 @@ def batch_stats(gm) -> dict:
 
 
 class _Streamer:
-    """``generate``'s streamer onto a :class:`Feed` (the prompt, which comes first, left out)."""
+    """``generate``'s streamer onto a :class:`Feed` (the prompt, which comes first, left out).
+    A feed with a ``sink`` and a ``key`` (the engine process's) lends them to the shared batch,
+    which then hands the sink each turn's tokens at once (:class:`~graphwrap.decoding.calls.Sinks`)."""
 
-    __slots__ = ("feed", "prompt")
+    __slots__ = ("feed", "prompt", "sink", "key")
 
     def __init__(self, feed: Feed):
         self.feed, self.prompt = feed, True
+        self.sink, self.key = getattr(feed, "sink", None), getattr(feed, "key", None)
 
     def put(self, value: torch.Tensor):
         if self.prompt:

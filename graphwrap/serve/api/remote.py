@@ -187,7 +187,13 @@ class Remote:
 
     def _take(self, item: tuple):
         op = item[0]
-        if op == "t":
+        if op == "T":
+            seqs = self.seqs
+            for rid, token in zip(item[1], item[2]):
+                seq = seqs.get(rid)
+                if seq is not None:
+                    seq.feed.add([token])
+        elif op == "t":
             seq = self.seqs.get(item[1])
             if seq is not None:
                 seq.feed.add(item[2])
