@@ -283,7 +283,9 @@ def test_chat_messages_are_checked(srv):
 
 
 class _Slow:
-    """A forward hook that makes each call of the model take ``seconds`` (and fail on ``bad``)."""
+    """A forward hook that makes each call of the model take ``seconds`` (and a prompt's fail on
+    ``bad``: decode steps, a token a row, never fail, since their padding rows hold whatever
+    token their last sequence had)."""
 
     def __init__(self, model, seconds, bad=None):
         self.seconds, self.bad = seconds, bad
@@ -291,7 +293,7 @@ class _Slow:
 
     def __call__(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if self.bad is not None and ids is not None and bool((ids == self.bad).any()):
+        if self.bad is not None and ids is not None and ids.shape[-1] > 1 and bool((ids == self.bad).any()):
             raise RuntimeError("the model refuses this prompt")
         time.sleep(self.seconds)
 

@@ -31,7 +31,9 @@ BAD = "fox"  # a prompt holding this word's first token makes the child's model 
 
 
 def slowed(conn, args, log_level):
-    """The child's entry: its model's every forward slowed by STEP and failing on BAD."""
+    """The child's entry: its model's every forward slowed by STEP, and a prompt's failing on
+    BAD. Decode steps (a token a row) never fail: a step's padding rows hold whatever token their
+    last sequence had, which may be BAD's."""
     real = tr.AutoModelForCausalLM.from_pretrained
 
     def load(*a, **k):
@@ -40,7 +42,7 @@ def slowed(conn, args, log_level):
 
         def hook(module, a, kw):
             ids = kw.get("input_ids", a[0] if a else None)
-            if ids is not None and bool((ids == bad).any()):
+            if ids is not None and ids.shape[-1] > 1 and bool((ids == bad).any()):
                 raise RuntimeError("the model refuses this prompt")
             time.sleep(STEP)
 
