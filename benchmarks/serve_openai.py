@@ -133,8 +133,8 @@ async def one_raw(base: str, model: str, req: dict) -> dict:
                  b"Content-Length: %d\r\n\r\n" % (host.encode(), len(body)) + body)
     first, last, gaps, usage, stalls = None, None, [], None, []
     while True:
-        line = await reader.readline()
-        if not line or line.startswith(b"data: [DONE]"):
+        line = await asyncio.wait_for(reader.readline(), 60)  # (a server that never ends the body fails the race)
+        if not line or line.startswith(b"data: [DONE]") or line == b"0\r\n":  # (or the body's last chunk)
             break
         if not line.startswith(b"data: "):
             continue  # (the status line, headers, chunk sizes, blank lines)
