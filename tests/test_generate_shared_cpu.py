@@ -204,6 +204,32 @@ def test_a_streamer_with_a_sink_gets_each_turns_tokens_at_once_on_the_decode_thr
     assert gm.stats()["decode"]["delivery_lag_ms"]["p50"] is not None
 
 
+def test_a_sink_that_raises_fails_the_calls_whose_tokens_it_lost_and_the_batch_serves_on():
+    model = _model()
+    gm = GraphedModule(model)
+
+    class Broken:
+        def put_step(self, keys, tokens):
+            raise OSError("the sink's pipe broke")
+
+    class Keyed:
+        sink, key = Broken(), 0
+
+        def put(self, v):
+            pass
+
+        def end(self):
+            pass
+
+    fut = gm.submit_generate(torch.tensor([[5, 6, 7]]), max_new_tokens=20, do_sample=False, streamer=Keyed())
+    with pytest.raises(OSError, match="pipe broke"):
+        fut.result(timeout=60)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
+    assert torch.equal(gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False), want)
+    assert gm.stats()["decode"]["failed"] >= 1
+
+
 def test_calls_the_batch_does_not_serve_run_the_one_call_loop_with_the_reason(gw_log):
     model = _model()
     gm = GraphedModule(model)

@@ -6,7 +6,7 @@ import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -124,38 +124,42 @@ def check_call(plan: CallPlan, max_len: int, positions: Optional[int], cache: Ca
 class Sinks:
     """Tokens for graphwrap's own consumers, handed over on the decode thread, a turn's at once.
 
-    A streamer with a ``sink`` (an object with ``put_step(keys, tokens)`` that never blocks or
-    raises: the server's engine process has one) and a ``key`` gets its tokens this way, not one
-    delivery each on a worker: at the end of the turn each sink gets every token of its calls
-    in one call, before the turn's ends and results are posted to the workers (so a call's last
-    token reaches the sink before its result). The workers' share of the interpreter, which the
-    decode thread waits for, then holds no per-token work for these calls. The prompt, ``end``
-    and results still go the workers' way."""
+    A streamer with a ``sink`` (an object with ``put_step(keys, tokens)`` that never blocks: the
+    server's engine process has one) and a ``key`` gets its tokens this way, not one delivery
+    each on a worker: at the end of the turn each sink gets every token of its calls in one
+    call, before the turn's ends and results are posted to the workers (so a call's last token
+    reaches the sink before its result). The workers' share of the interpreter, which the decode
+    thread waits for, then holds no per-token work for these calls. The prompt, ``end`` and
+    results still go the workers' way. A sink that raises fails the calls whose tokens it lost
+    (``on_error``), as a streamer that raises does."""
 
-    def __init__(self, lag: Deque[float]):
-        self.pending: Dict[Any, Tuple[List[Any], List[int]]] = {}
+    def __init__(self, lag: Deque[float], on_error: Callable[[Call, BaseException], None]):
+        self.pending: Dict[Any, Tuple[List[Any], List[int], List[Call]]] = {}
         self.made: Optional[float] = None  # when the turn's first token was read
-        self.lag = lag
+        self.lag, self.on_error = lag, on_error
 
     def add(self, call: Call, token: int, made: float):
         if call.error is not None or call.future.done():  # (cancelled or failed: no token after)
             return
         got = self.pending.get(call.sink)
         if got is None:
-            got = self.pending[call.sink] = ([], [])
+            got = self.pending[call.sink] = ([], [], [])
             self.made = made if self.made is None else self.made
         got[0].append(call.plan.streamer.key)
         got[1].append(token)
+        got[2].append(call)
 
     def flush(self):
         if not self.pending:
             return
         pending, self.pending = self.pending, {}
-        for sink, (keys, tokens) in pending.items():
+        for sink, (keys, tokens, calls) in pending.items():
             try:
                 sink.put_step(keys, tokens)
-            except BaseException:  # noqa: BLE001 - a sink must not raise; the decode thread lives on
-                logger.exception("a token sink raised: %d tokens lost", len(tokens))
+            except BaseException as e:  # noqa: BLE001 - the decode thread lives on; those calls fail
+                logger.exception("a token sink raised: its %d calls of this turn fail", len(set(calls)))
+                for call in set(calls):
+                    self.on_error(call, e)
         if self.made is not None:
             self.lag.append(time.perf_counter() - self.made)
             self.made = None

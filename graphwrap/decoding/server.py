@@ -120,7 +120,7 @@ class DecodeServer:
         self.tpot: Deque[float] = collections.deque(maxlen=KEEP)
         self.turns = Turns(KEEP)  # the working turns' seconds (a stall shows here)
         self.lag: Deque[float] = collections.deque(maxlen=KEEP)  # a token's made-to-streamer seconds
-        self.sinks = Sinks(self.lag)
+        self.sinks = Sinks(self.lag, self.abort)
         self.waits: Deque[float] = collections.deque(maxlen=KEEP)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.shapes = Shapes(self.stream is not None)
