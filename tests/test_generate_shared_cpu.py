@@ -230,6 +230,46 @@ def test_a_sink_that_raises_fails_the_calls_whose_tokens_it_lost_and_the_batch_s
     assert gm.stats()["decode"]["failed"] >= 1
 
 
+def test_a_streamer_that_asks_gets_each_tokens_log_probability_and_the_top_k_as_the_model_gives_them():
+    model = _model()
+    gm = GraphedModule(model)
+    prompt = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        ref = model.generate(prompt, max_new_tokens=6, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    want_lp = [torch.log_softmax(x[0].float(), -1) for x in ref.logits]
+
+    class Asks:  # (the server's streamers ask so: logprobs = k)
+        def __init__(self, k):
+            self.logprobs, self.ids, self.lps = k, [], []
+
+        def put(self, v):
+            pass
+
+        def put_ids(self, ids, logprobs=None):
+            self.ids += ids
+            self.lps += logprobs or [None] * len(ids)
+
+        def end(self):
+            pass
+
+    plain = Asks(None)
+    plain.logprobs = None
+    for k, s in ((3, Asks(3)), (0, Asks(0))):
+        others = [gm.submit_generate(torch.tensor([[8, 9]]), max_new_tokens=6, do_sample=False, streamer=plain)]
+        out = gm.generate(prompt, max_new_tokens=6, do_sample=False, streamer=s)
+        others[0].result(timeout=60)
+        assert s.ids == out[0, 3:].tolist() == ref.sequences[0, 3:].tolist()
+        for t, (chosen, top), lp in zip(s.ids, s.lps, want_lp):
+            assert abs(chosen - lp[t].item()) < 1e-4
+            values, ids = lp.topk(3)
+            assert [i for i, _ in top] == ids[:k].tolist()
+            assert all(abs(v - w) < 1e-4 for (_, v), w in zip(top, values[:k].tolist()))
+    assert plain.lps and all(x is None for x in plain.lps), "a streamer that did not ask gets none"
+    with pytest.raises(GraphwrapError, match="log-probabilities come from the shared batch only"):
+        gm.generate(prompt, max_new_tokens=3, num_beams=2, do_sample=False, streamer=Asks(1))
+
+
 def test_calls_the_batch_does_not_serve_run_the_one_call_loop_with_the_reason(gw_log):
     model = _model()
     gm = GraphedModule(model)

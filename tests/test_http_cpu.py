@@ -111,6 +111,33 @@ def greedy(srv, ids, n):
     return new, tok.decode(new, skip_special_tokens=True)
 
 
+def model_logprobs(model, tok, ids, n, k):
+    """``model.generate``'s greedy tokens for ``ids``, each with its log-probability and its step's
+    ``k`` most likely ``(id, log-probability)``, from the model's own logits."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
+    got = []
+    for t, x in zip(out.sequences[0, len(ids):].tolist(), out.logits):
+        lp = torch.log_softmax(x[0].float(), -1)
+        top = lp.topk(k)
+        got.append((t, lp[t].item(), list(zip(top.indices.tolist(), top.values.tolist()))))
+    return got
+
+
+def check_completion_logprobs(lp, want, tok):
+    """Completions' ``logprobs`` against :func:`model_logprobs`: each token's text and
+    log-probability, its step's most likely (with the chosen one), and the text offsets."""
+    text = [tok.decode([t], skip_special_tokens=False) for t, _, _ in want]
+    assert lp["tokens"] == text
+    assert all(abs(a - b) < 1e-4 for a, (_, b, _) in zip(lp["token_logprobs"], want, strict=True))
+    for top, (t, v, best) in zip(lp["top_logprobs"], want, strict=True):
+        expect = {tok.decode([i], skip_special_tokens=False): x for i, x in best}
+        expect.setdefault(tok.decode([t], skip_special_tokens=False), v)
+        assert top.keys() == expect.keys() and all(abs(top[w] - expect[w]) < 1e-4 for w in top), (top, expect)
+    assert lp["text_offset"] == [sum(len(x) for x in text[:i]) for i in range(len(text))]
+
+
 def greedy_text(model_dir, prompt, n):
     """``model.generate``'s text for ``prompt``, the model and tokenizer loaded from ``model_dir``."""
     tok = tr.AutoTokenizer.from_pretrained(model_dir)
@@ -247,7 +274,8 @@ def test_a_stop_string_cuts_the_text_and_frees_the_row(srv):
 
 @pytest.mark.parametrize("body,status,words", [
     ({"prompt": "x", "max_tokens": 2, "frobnicate": 1}, 400, "frobnicate"),
-    ({"prompt": "x", "max_tokens": 2, "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "x", "max_tokens": 2, "logprobs": 2, "echo": True}, 400, "logprobs with echo"),
+    ({"prompt": "x", "max_tokens": 2, "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "x", "max_tokens": 2, "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"prompt": "x", "max_tokens": 2, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "x", "max_tokens": 300}, 400, "context of 256"),
@@ -269,6 +297,38 @@ def test_bad_requests_get_their_status_and_the_reason(srv, body, status, words):
     # the server goes on
     ok, again, _ = post(srv.port, "/v1/completions", {"prompt": "the", "max_tokens": 2, "temperature": 0})
     assert ok == 200 and again["usage"]["completion_tokens"] == 2
+
+
+def test_log_probabilities_are_the_model_s_whole_streamed_and_in_chat(srv):
+    model, tok = srv.served.gm.module, srv.served.tokenizer
+    ids = tok("the quick brown")["input_ids"]
+    want = model_logprobs(model, tok, ids, 6, 3)
+    body = {"prompt": "the quick brown", "max_tokens": 6, "temperature": 0, "logprobs": 3}
+    status, answer, _ = post(srv.port, "/v1/completions", body)
+    assert status == 200, answer
+    check_completion_logprobs(answer["choices"][0]["logprobs"], want, tok)
+    status, evs = events(srv.port, "/v1/completions", body)
+    parts = [e["choices"][0]["logprobs"] for e in evs[:-1] if e["choices"][0]["logprobs"]]
+    streamed = {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    check_completion_logprobs(streamed, want, tok)
+    _, plain, _ = post(srv.port, "/v1/completions", dict(body, logprobs=None))
+    assert plain["choices"][0]["logprobs"] is None and plain["choices"][0]["text"] == answer["choices"][0]["text"]
+    # chat: the same numbers in chat's form, for the template's prompt
+    messages = [{"role": "user", "content": "the quick brown"}]
+    chat_ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"]
+    want = model_logprobs(model, tok, chat_ids, 4, 2)
+    status, answer, _ = post(srv.port, "/v1/chat/completions", {"messages": messages, "max_tokens": 4,
+                                                                 "temperature": 0, "logprobs": True, "top_logprobs": 2})
+    assert status == 200, answer
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [tok.decode([t], skip_special_tokens=False) for t, _, _ in want]
+    for c, (t, v, best) in zip(content, want, strict=True):
+        assert abs(c["logprob"] - v) < 1e-4 and c["bytes"] == list(c["token"].encode())
+        assert [x["token"] for x in c["top_logprobs"]] == [tok.decode([i], skip_special_tokens=False) for i, _ in best]
+        assert all(abs(x["logprob"] - w) < 1e-4 for x, (_, w) in zip(c["top_logprobs"], best, strict=True))
+    s, body, _ = post(srv.port, "/v1/chat/completions", {"messages": messages, "top_logprobs": 2})
+    assert s == 400 and "top_logprobs needs logprobs" in body["error"]["message"]
 
 
 def test_chat_messages_are_checked(srv):

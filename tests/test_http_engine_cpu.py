@@ -22,6 +22,7 @@ uvicorn = pytest.importorskip("uvicorn", reason='needs FastAPI and uvicorn: pip 
 
 import tiny_lm  # noqa: E402
 from helpers import free_port  # noqa: E402
+from test_http_cpu import check_completion_logprobs, model_logprobs  # noqa: E402
 
 from graphwrap.serve.api import Served, cli, engine_process, make_app  # noqa: E402
 from graphwrap.serve.api.remote import Remote  # noqa: E402
@@ -147,6 +148,23 @@ def test_answers_from_the_engine_process_are_generate_s_whole_and_streamed(srv, 
     for t in threads:
         t.join(60)
     assert all(out[i][0] == 200 and [c["text"] for c in out[i][1]["choices"]] == [text, text] for i in range(2)), out
+
+
+def test_log_probabilities_come_through_the_engine_process_beside_other_streams(srv, model_dir):
+    tok = tr.AutoTokenizer.from_pretrained(model_dir)
+    model = tr.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    want = model_logprobs(model, tok, tok("the quick brown")["input_ids"], 8, 2)
+    body = {"prompt": "the quick brown", "max_tokens": 8, "temperature": 0, "logprobs": 2}
+    out = {}
+    plain = threading.Thread(target=lambda: out.__setitem__("plain", post(srv.port, dict(body, logprobs=None))))
+    plain.start()  # (beside it in the child's batch: a sequence that asked for none)
+    status, evs = events(srv.port, body)
+    plain.join(60)
+    assert status == 200 and evs[-1] == "[DONE]"
+    parts = [e["choices"][0]["logprobs"] for e in evs[:-1] if e["choices"][0]["logprobs"]]
+    check_completion_logprobs({k: [x for p in parts for x in p[k]] for k in parts[0]}, want, tok)
+    assert out["plain"][0] == 200 and out["plain"][1]["choices"][0]["logprobs"] is None
+    assert out["plain"][1]["choices"][0]["text"] == "".join(e["choices"][0]["text"] for e in evs[:-1])
 
 
 def test_a_client_gone_frees_its_row_in_the_engine_process(srv):

@@ -48,18 +48,30 @@ class Call:
         self.sink = getattr(self.plan.streamer, "sink", None)
 
 
-def put_token(call: Call, streamer, token: int, made: float = 0.0, lag: Optional[Deque[float]] = None):
+def token_logprob(row: List[float], k: int) -> Optional[Tuple[float, List[Tuple[int, float]]]]:
+    """A token's log-probability and its step's ``k`` most likely tokens ``(id, log-probability)``,
+    from its row of :func:`~.sampling.logprobs` (which holds the most any row asked for); None
+    where its sequence asked for none (``k`` -1)."""
+    if k < 0:
+        return None
+    most = (len(row) - 1) // 2
+    return row[0], [(int(row[1 + most + j]), row[1 + j]) for j in range(k)]
+
+
+def put_token(call: Call, streamer, token: int, made: float = 0.0, lag: Optional[Deque[float]] = None,
+              lp: Optional[tuple] = None):
     """A token to a call's streamer (none once the call was cancelled or failed): as a list of
     one int to a streamer that has ``put_ids`` (graphwrap's server has), else as generate's
     streamers take it, a tensor. A tensor made per token costs the delivery worker torch calls
     that each let go of the GIL, and taking it back waits for whichever thread took it (up to the
     interpreter's switch interval, 5 ms): with the decode thread and a server's threads busy, a
     step's tokens then reach their streams one every few milliseconds. ``lag`` gets the seconds
-    from ``made`` (the step that made it read it) to its delivery."""
+    from ``made`` (the step that made it read it) to its delivery. ``lp``: its log-probabilities
+    (:func:`token_logprob`), to ``put_ids`` only, where its streamer asked."""
     if call.error is None and not call.future.done():
         put_ids = getattr(streamer, "put_ids", None)
         if put_ids is not None:
-            put_ids([token])
+            put_ids([token]) if lp is None else put_ids([token], [lp])
         else:
             streamer.put(torch.tensor([token]))
         if lag is not None:
@@ -131,31 +143,33 @@ class Sinks:
     reaches the sink before its result). The workers' share of the interpreter, which the decode
     thread waits for, then holds no per-token work for these calls. The prompt, ``end`` and
     results still go the workers' way. A sink that raises fails the calls whose tokens it lost
-    (``on_error``), as a streamer that raises does."""
+    (``on_error``), as a streamer that raises does. Where a call asked for log-probabilities,
+    ``put_step`` gets a third list: each token's (:func:`token_logprob`), None for the others."""
 
     def __init__(self, lag: Deque[float], on_error: Callable[[Call, BaseException], None]):
-        self.pending: Dict[Any, Tuple[List[Any], List[int], List[Call]]] = {}
+        self.pending: Dict[Any, Tuple[List[Any], List[int], List[Call], List[Optional[tuple]]]] = {}
         self.made: Optional[float] = None  # when the turn's first token was read
         self.lag, self.on_error = lag, on_error
 
-    def add(self, call: Call, token: int, made: float):
+    def add(self, call: Call, token: int, made: float, lp: Optional[tuple] = None):
         if call.error is not None or call.future.done():  # (cancelled or failed: no token after)
             return
         got = self.pending.get(call.sink)
         if got is None:
-            got = self.pending[call.sink] = ([], [], [])
+            got = self.pending[call.sink] = ([], [], [], [])
             self.made = made if self.made is None else self.made
         got[0].append(call.plan.streamer.key)
         got[1].append(token)
         got[2].append(call)
+        got[3].append(lp)
 
     def flush(self):
         if not self.pending:
             return
         pending, self.pending = self.pending, {}
-        for sink, (keys, tokens, calls) in pending.items():
+        for sink, (keys, tokens, calls, lps) in pending.items():
             try:
-                sink.put_step(keys, tokens)
+                sink.put_step(keys, tokens) if not any(lps) else sink.put_step(keys, tokens, lps)
             except BaseException as e:  # noqa: BLE001 - the decode thread lives on; those calls fail
                 logger.exception("a token sink raised: its %d calls of this turn fail", len(set(calls)))
                 for call in set(calls):

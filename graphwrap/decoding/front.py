@@ -217,6 +217,9 @@ def _queued(gm, args, kwargs, block: bool = True, seed: Optional[int] = None):
     for _ in range(3):
         server, p = plan(held, gm.module, args, kwargs)
         if server is None:
+            if getattr(kwargs.get("streamer"), "logprobs", None) is not None:  # (no loop but the batch's gives them)
+                raise GraphwrapError(f"log-probabilities come from the shared batch only, which does not serve this "
+                                     f"call: {p}")
             return None, p, None
         if "_gw_decode_finalizer" not in held:
             held["_gw_decode_finalizer"] = weakref.finalize(gm, _close_dropped, held)

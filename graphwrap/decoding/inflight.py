@@ -24,6 +24,8 @@ class InFlight:
     host: torch.Tensor
     event: Optional[torch.cuda.Event]
     buf: Optional[torch.Tensor] = None  # the pinned buffer ``host`` is a view of
+    extra: Optional[torch.Tensor] = None  # rows' log-probabilities where some row asked (sampling.logprobs)
+    extras: Optional[List[List[float]]] = None  # the same, read
 
 
 class Tokens:
@@ -34,17 +36,20 @@ class Tokens:
         self.queued: Deque[InFlight] = collections.deque()
         self.spare: List[tuple] = []  # (pinned buffer, event) pairs read and free again
 
-    def queue(self, seqs: list, at: List[int], tokens: torch.Tensor):
-        """The tokens of a step just queued (``tokens[at[i]]`` is ``seqs[i]``'s)."""
+    def queue(self, seqs: list, at: List[int], tokens: torch.Tensor, extra: Optional[torch.Tensor] = None):
+        """The tokens of a step just queued (``tokens[at[i]]`` is ``seqs[i]``'s), and their
+        log-probabilities where some row asked (``extra``, rows as ``tokens``)."""
         if self.device.type == "cuda":
             buf, event = self.spare.pop() if self.spare else (
                 torch.empty(self.rows, dtype=torch.long, pin_memory=True), torch.cuda.Event())
             host = buf[:tokens.shape[0]]
             host.copy_(tokens, non_blocking=True)
+            if extra is not None:  # (a fresh pinned buffer: only steps with a row that asked)
+                extra = torch.empty(extra.shape, dtype=extra.dtype, pin_memory=True).copy_(extra, non_blocking=True)
             event.record()
         else:
             buf, host, event = None, tokens, None
-        self.queued.append(InFlight(seqs, at, host, event, buf))
+        self.queued.append(InFlight(seqs, at, host, event, buf, extra))
 
     def read(self, keep: int, spent: dict) -> Iterator[Tuple[InFlight, List[int], float]]:
         """Each step's tokens, oldest first, but the last ``keep`` steps' (unless already done);
@@ -59,6 +64,8 @@ class Tokens:
                 spent["read_wait"] += time.perf_counter() - t0
             self.queued.popleft()
             tokens = f.host.tolist()
+            if f.extra is not None:
+                f.extras = f.extra.tolist()
             if f.buf is not None:
                 self.spare.append((f.buf, f.event))
             yield f, tokens, time.perf_counter()

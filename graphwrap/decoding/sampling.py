@@ -50,6 +50,7 @@ class Active:
     min_new: bool = False
     top_k: int = 0  # the largest top_k of a sampled row (0: none)
     top_p: bool = False
+    logprobs: int = -1  # the most top log-probabilities a row asks for (-1: no row wants any)
 
     @staticmethod
     def of(settings: Sequence[SeqSettings]) -> "Active":
@@ -57,11 +58,24 @@ class Active:
         for s in settings:
             a.penalty |= s.penalty != 1.0
             a.min_new |= s.min_new > 0 and bool(s.eos)
+            a.logprobs = max(a.logprobs, s.logprobs)
             if s.sample:
                 a.sample = True
                 a.top_k = max(a.top_k, s.top_k)
                 a.top_p |= s.top_p < 1.0
         return a
+
+
+def logprobs(logits: Tensor, tokens: Tensor, k: int) -> Tensor:
+    """``[n, 1 + 2k]`` float32: each row's chosen token's log-probability under the model's own
+    distribution (its logits' log-softmax, before temperature, top-k/p and penalties), then the
+    ``k`` highest log-probabilities and their token ids (exact in float32 below 2**24)."""
+    lp = logits.float().log_softmax(-1)
+    out = [lp.gather(1, tokens[:, None])]
+    if k > 0:
+        top = lp.topk(k, dim=-1)
+        out += [top.values, top.indices.float()]
+    return torch.cat(out, 1)
 
 
 class RowSettings:

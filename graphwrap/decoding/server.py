@@ -38,7 +38,7 @@ import torch
 from ..errors import GraphwrapError
 from . import captures, growth, paged_attention, pieces
 from .attention import folding, sdpa_model
-from .calls import Call, Closed, QueueFull, Sinks, check_call, finish, put_token
+from .calls import Call, Closed, QueueFull, Sinks, check_call, finish, put_token, token_logprob
 from .captures import Captures, on_stream
 from .delivery import OUTBOX, Mailbox, on_worker
 from .inflight import Tokens
@@ -46,7 +46,7 @@ from .pages import PagedStore
 from .pool import CACHE_MEMORY, Blocks, plan_cache
 from .report import Turns, report
 from .rows import RowStore, to_device
-from .sampling import Active, RowSettings
+from .sampling import Active, RowSettings, logprobs
 from .scheduler import Scheduler, Seq, buckets_upto
 from .settings import CallPlan
 from .shapes import Shapes
@@ -376,7 +376,7 @@ class DecodeServer:
         self.active = Active.of([s.settings for s in self.sched.holders if s is not None])
         tokens = self.settings.next_tokens(logits, index, lengths, self.active)
         self.next_ids[index, 0] = tokens
-        self.inflight.queue(seqs, list(range(len(seqs))), tokens)
+        self.inflight.queue(seqs, list(range(len(seqs))), tokens, _logprobs(self.active, logits, tokens))
         self.sched.launched(seqs)
 
     def _step(self, live: List[Seq]):
@@ -390,13 +390,14 @@ class DecodeServer:
         try:
             logits = captures.forward(self, self.engine, shape, how, (self.next_ids[:n],), lambda s: s.window(span))
             tokens = self.settings.next_tokens(logits, n, self.store.lengths[:n], self.active)
+            extra = _logprobs(self.active, logits, tokens)
         except Exception as e:  # noqa: BLE001 - the step serves every live row: each fails with it
             logger.exception("a decode step failed; its %d sequences fail with the error", len(live))
             for s in live:
                 self._end_call(s.call, e)
             return
         self.next_ids[:n, 0] = tokens
-        self.inflight.queue(live, _rows(live), tokens)
+        self.inflight.queue(live, _rows(live), tokens, extra)
         self.sched.launched(live)
         self.sched.advanced(live)
         self.counts["steps"] += 1
@@ -408,9 +409,9 @@ class DecodeServer:
         for f, tokens, now in self.inflight.read(keep, self.spent):
             for s, at in zip(f.seqs, f.rows):
                 if not s.done:
-                    self._token(s, tokens[at], now)
+                    self._token(s, tokens[at], now, token_logprob(f.extras[at], s.settings.logprobs) if f.extras else None)
 
-    def _token(self, s: Seq, token: int, now: float):
+    def _token(self, s: Seq, token: int, now: float, lp: Optional[tuple] = None):
         s.tokens.append(token)
         if s.first_at is None:
             s.first_at = now
@@ -419,9 +420,9 @@ class DecodeServer:
         call = s.call
         streamer = call.plan.streamer
         if call.sink is not None:
-            self.sinks.add(call, token, now)
+            self.sinks.add(call, token, now, lp)
         elif streamer is not None:
-            self.outgoing.append((call.box, lambda: put_token(call, streamer, token, now, self.lag)))
+            self.outgoing.append((call.box, lambda: put_token(call, streamer, token, now, self.lag, lp)))
         if token in s.settings.eos or len(s.tokens) >= s.settings.max_new:
             s.done = True
             if len(s.tokens) > 1:
@@ -531,3 +532,8 @@ def _out_vocab(model, default: int) -> int:
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     n = getattr(head, "out_features", None)
     return int(n) if isinstance(n, int) else default
+
+
+def _logprobs(active: Active, logits: torch.Tensor, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+    """The rows' log-probabilities where a live row asked for them (:func:`sampling.logprobs`)."""
+    return logprobs(logits, tokens, active.logprobs) if active.logprobs >= 0 else None

@@ -59,6 +59,7 @@ class SeqSettings:
     top_k: int = 0
     top_p: float = 1.0
     penalty: float = 1.0
+    logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and the top k (a streamer asks: calls.logprobs_of)
 
 
 @dataclass(slots=True)
@@ -102,6 +103,9 @@ def plan_call(model, args, kwargs) -> Union[CallPlan, str]:
     settings = _settings(gen, ids.shape[1])
     if isinstance(settings, str):
         return settings
+    asked = getattr(streamer, "logprobs", None)  # (graphwrap's own streamers: the server's)
+    if asked is not None:
+        settings.logprobs = int(asked)
     # A copy, taken now: the caller may refill its tensor before the call ends.
     host = ids.detach().to("cpu", copy=True)
     prompts = _prompts(host, passed.get("attention_mask"), settings)

@@ -25,7 +25,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ...decoding.calls import Closed, QueueFull
-from .client import Client, Piece
+from . import logprobs
+from .client import Client, Piece, TokenLogprob
 from .engines import EngineGone, Failed, Unservable
 from .metrics import LAG_EVERY, Metrics
 from .schemas import MAX_CHOICES, ChatRequest, CompletionRequest, Sampling, settings
@@ -170,7 +171,8 @@ async def _answer(served: Served, client: Client, metrics: Metrics, request: Req
     streaming = False
     try:
         job = _job(served, body, arrived)
-        pieces = client.choices(job.prompts, body.n, job.kwargs, body.stops(), body.seed, arrived)
+        pieces = client.choices(job.prompts, body.n, job.kwargs, body.stops(), body.seed, arrived,
+                                body.wanted_logprobs())
         if body.stream:
             first = await _first(pieces)  # an error before the first token is answered with a status
             metrics.requests.inc(endpoint=endpoint, status="200")
@@ -278,21 +280,26 @@ def _head(served: Served, job: Job) -> Dict[str, Any]:
 async def _whole(served: Served, metrics: Metrics, job: Job, body: Sampling, pieces: AsyncIterator[Piece]):
     n = body.n
     texts = [job.echo[i // n] for i in range(len(job.prompts) * n)]
+    scored: List[List[TokenLogprob]] = [[] for _ in texts]
     ends: List[Piece] = []
     try:
         async for p in pieces:
             texts[p.index] += p.text
+            scored[p.index] += p.logprobs or ()
             if p.finish is not None:
                 ends.append(p)
     finally:  # (a client gone cancels this: its sequences are cancelled now, not when collected)
         await pieces.aclose()  # type: ignore[attr-defined]
     finishes = {p.index: p.finish for p in ends}
+    asked = body.wanted_logprobs() is not None
     if job.chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+        choices = [{"index": i, "message": {"role": "assistant", "content": t},
+                    "logprobs": logprobs.chat(scored[i]) if asked else None,
                     "finish_reason": finishes[i]} for i, t in enumerate(texts)]
     else:
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": finishes[i]}
-                   for i, t in enumerate(texts)]
+        choices = [{"index": i, "text": t,
+                    "logprobs": logprobs.completion(scored[i], len(job.echo[i // n]))[0] if asked else None,
+                    "finish_reason": finishes[i]} for i, t in enumerate(texts)]
     usage = _usage(job, ends)
     _log(metrics, job, usage, "done")
     return dict(_head(served, job), choices=choices, usage=usage)
@@ -327,15 +334,27 @@ async def _events(served: Served, metrics: Metrics, job: Job, body: Sampling, fi
     ends: List[Piece] = []
     how = "cancelled"
 
-    def chunk(index: int, text: str, finish: Optional[str], role: bool = False) -> str:
+    offsets = [len(job.echo[i // body.n]) for i in range(len(job.prompts) * body.n)]  # (completions' text_offset)
+
+    def scores(index: int, scored: Optional[List[TokenLogprob]]) -> str:
+        if not scored:
+            return "null"
+        if job.chat:
+            return _json(logprobs.chat(scored))
+        got, offsets[index] = logprobs.completion(scored, offsets[index])
+        return _json(got)
+
+    def chunk(index: int, text: str, finish: Optional[str], role: bool = False,
+              scored: Optional[List[TokenLogprob]] = None) -> str:
         # (json.dumps without options reuses one encoder: a string's dump costs a microsecond, not five)
         end = _FINISH[finish]
         if job.chat:
             delta = ('{"role":"assistant","content":' + json.dumps(text) + "}" if role else
                      '{"content":' + json.dumps(text) + "}" if text or finish is None else "{}")
-            choice = f'{{"index":{index},"delta":{delta},"logprobs":null,"finish_reason":{end}}}'
+            choice = f'{{"index":{index},"delta":{delta},"logprobs":{scores(index, scored)},"finish_reason":{end}}}'
         else:
-            choice = f'{{"index":{index},"text":{json.dumps(text)},"logprobs":null,"finish_reason":{end}}}'
+            choice = (f'{{"index":{index},"text":{json.dumps(text)},"logprobs":{scores(index, scored)},'
+                      f'"finish_reason":{end}}}')
         return before + choice + after
 
     try:
@@ -345,8 +364,8 @@ async def _events(served: Served, metrics: Metrics, job: Job, body: Sampling, fi
         async for p in _chain(first, pieces):
             if p.finish is not None:
                 ends.append(p)
-            if p.text or p.finish is not None:
-                yield chunk(p.index, p.text, p.finish)
+            if p.text or p.finish is not None or p.logprobs:
+                yield chunk(p.index, p.text, p.finish, scored=p.logprobs)
         usage = _usage(job, ends)
         if body.usage_in_stream():
             yield _sse(dict(head, choices=[], usage=usage))

@@ -22,13 +22,33 @@ _END = object()
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """A token as the API reports it: its text, its log-probability, and the step's most likely
+    tokens (text, log-probability), most likely first."""
+
+    text: str
+    logprob: float
+    top: List[Tuple[str, float]]
+
+
+@dataclass(slots=True)
 class Piece:
-    """Text of one choice: more of it, or its end (``finish`` set, ``tokens`` its count)."""
+    """Text of one choice: more of it, or its end (``finish`` set, ``tokens`` its count);
+    ``logprobs``: one for each token this piece took in, where the request asked."""
 
     index: int
     text: str
     finish: Optional[str] = None  # "stop" or "length" at the end
     tokens: int = 0
+    logprobs: Optional[List[TokenLogprob]] = None
+
+
+@dataclass(slots=True)
+class _Scored:
+    """Tokens with their log-probabilities, as the engine hands them to a feed that asked."""
+
+    tokens: List[int]
+    logprobs: List[Any]
 
 
 def _seed(seed: Optional[int], index: int) -> Optional[int]:
@@ -65,13 +85,13 @@ class _Inbox:
 class _Feed:
     """A sequence's tokens into its asyncio queue (from whatever thread the engine hands them on)."""
 
-    __slots__ = ("inbox", "queue")
+    __slots__ = ("inbox", "queue", "logprobs")
 
-    def __init__(self, inbox: _Inbox, queue: "asyncio.Queue[Any]"):
-        self.inbox, self.queue = inbox, queue
+    def __init__(self, inbox: _Inbox, queue: "asyncio.Queue[Any]", logprobs: Optional[int] = None):
+        self.inbox, self.queue, self.logprobs = inbox, queue, logprobs
 
-    def add(self, tokens: List[int]):
-        self.inbox.post(self.queue, tokens)
+    def add(self, tokens: List[int], logprobs: Optional[List[Any]] = None):
+        self.inbox.post(self.queue, tokens if logprobs is None else _Scored(tokens, logprobs))
 
     def end(self):
         self.inbox.post(self.queue, _END)
@@ -83,14 +103,16 @@ class Client:
     def __init__(self, engine, tokenizer, metrics: Metrics):
         self.engine, self.tok, self.metrics = engine, tokenizer, metrics
         self.decode = decoder(tokenizer)
+        self.texts: Dict[int, str] = {}  # a token's own text (log-probabilities name tokens so)
         self.inboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox]" = weakref.WeakKeyDictionary()
 
     async def choices(self, prompts: Sequence[List[int]], n: int, kwargs: Dict[str, Any], stops: Sequence[str],
-                      seed: Optional[int], arrived: float) -> AsyncIterator[Piece]:
+                      seed: Optional[int], arrived: float, logprobs: Optional[int] = None) -> AsyncIterator[Piece]:
         """Every choice's pieces as they come (choice ``i * n + j`` is prompt ``i``'s ``j``-th),
-        each choice's last piece with its finish. Leaving the loop early cancels what is left."""
+        each choice's last piece with its finish. Leaving the loop early cancels what is left.
+        ``logprobs`` (k): each token's log-probability and the step's k most likely tokens."""
         if len(prompts) * n == 1:  # (no task between the sequence and the request: one less hop a token)
-            async for piece in self.sequence(0, prompts[0], kwargs, stops, _seed(seed, 0), arrived):
+            async for piece in self.sequence(0, prompts[0], kwargs, stops, _seed(seed, 0), arrived, logprobs):
                 yield piece
             return
         out: "asyncio.Queue[Any]" = asyncio.Queue()
@@ -99,7 +121,7 @@ class Client:
             for j in range(n):
                 index = i * n + j
                 tasks.append(asyncio.ensure_future(self._pump(index, ids, kwargs, stops, _seed(seed, index), arrived,
-                                                              out)))
+                                                              out, logprobs)))
         try:
             left = len(tasks)
             while left:
@@ -113,9 +135,10 @@ class Client:
             for t in tasks:
                 t.cancel()
 
-    async def _pump(self, index: int, ids: List[int], kwargs, stops, seed, arrived: float, out: "asyncio.Queue[Any]"):
+    async def _pump(self, index: int, ids: List[int], kwargs, stops, seed, arrived: float, out: "asyncio.Queue[Any]",
+                    logprobs: Optional[int]):
         try:
-            async for piece in self.sequence(index, ids, kwargs, stops, seed, arrived):
+            async for piece in self.sequence(index, ids, kwargs, stops, seed, arrived, logprobs):
                 out.put_nowait(piece)
         except asyncio.CancelledError:
             raise
@@ -123,11 +146,11 @@ class Client:
             out.put_nowait(e)
 
     async def sequence(self, index: int, ids: List[int], kwargs: Dict[str, Any], stops: Sequence[str],
-                       seed: Optional[int], arrived: float) -> AsyncIterator[Piece]:
+                       seed: Optional[int], arrived: float, logprobs: Optional[int] = None) -> AsyncIterator[Piece]:
         """One sequence's pieces. Raises what queueing raised (QueueFull, Closed, Unservable for a
         request the batch cannot hold, EngineGone) or what its call failed with."""
         queue: "asyncio.Queue[Any]" = asyncio.Queue()
-        future = await self.engine.queue(ids, kwargs, seed, _Feed(self._inbox(), queue))
+        future = await self.engine.queue(ids, kwargs, seed, _Feed(self._inbox(), queue, logprobs))
         text, stop = Detokenizer(self.tok, ids, self.decode), StopText(stops)
         count, first, last, finish = 0, None, None, None
         try:
@@ -135,8 +158,13 @@ class Client:
             while finish is None and not ended:
                 got = await queue.get()
                 tokens: List[int] = []
+                scores: List[Any] = []
                 while got is not _END:  # every token come meanwhile: one piece for them all
-                    tokens += got
+                    if type(got) is _Scored:
+                        tokens += got.tokens
+                        scores += got.logprobs
+                    else:
+                        tokens += got
                     if queue.empty():
                         break
                     got = queue.get_nowait()
@@ -146,11 +174,14 @@ class Client:
                 last = time.perf_counter()
                 first = first if first is not None else last
                 # With stop strings, a token at a time: the count stops at the token that ended it.
-                for some in ([[t] for t in tokens] if stops else [tokens]):
+                step = 1 if stops else len(tokens)
+                for at in range(0, len(tokens), step):
+                    some = tokens[at:at + step]
                     count += len(some)
                     piece, hit = stop.feed(text.add(some))
-                    if piece:
-                        yield Piece(index, piece)
+                    scored = self._scored(some, scores[at:at + step]) if scores else None
+                    if piece or scored:
+                        yield Piece(index, piece, logprobs=scored)
                     if hit:
                         finish = "stop"
                         break
@@ -168,6 +199,18 @@ class Client:
         finally:
             if not future.done():
                 future.cancel()  # a stop string, a client gone: its row is freed at the next step
+
+    def _scored(self, tokens: List[int], scores: List[Any]) -> List[TokenLogprob]:
+        """The API's form of each token's log-probabilities: texts for the ids."""
+        text = self._text
+        return [TokenLogprob(text(t), lp, [(text(i), v) for i, v in top]) for t, (lp, top) in zip(tokens, scores)]
+
+    def _text(self, token: int) -> str:
+        """A token's own text, as the API reports it beside its log-probability (cached)."""
+        got = self.texts.get(token)
+        if got is None:
+            got = self.texts[token] = self.tok.decode([token], skip_special_tokens=False)
+        return got
 
     def _count(self, count: int, first: Optional[float], last: Optional[float], arrived: float):
         m = self.metrics

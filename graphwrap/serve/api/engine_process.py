@@ -6,15 +6,18 @@ so it slows the batch itself, not only the streams. Here the decode thread share
 interpreter with nothing but the batch's own work and two threads that move messages.
 
 Messages on the pipe, parent to child (one tuple each):
-    ("submit", rid, ids, kwargs, seed)   a sequence to queue
+    ("submit", rid, ids, kwargs, seed, logprobs)
+                                         a sequence to queue (logprobs: None, or k: each
+                                         token's log-probability and the top k)
     ("cancel", rid)                      its row freed at the next step (or never queued)
     ("stats", qid)                       the batch's stats(), answered under ``qid``
     ("close", cancel, timeout)           close the batch, answer, and exit
 Child to parent: first ("ready", info) or ("failed", traceback), then lists of items, all that
 came meanwhile in one message (a decode step's tokens for every row, usually):
     ("q", rid, error)                    queued (error None) or refused (error (kind, message))
-    ("t", rid, tokens)                   new tokens of a sequence
-    ("T", rids, tokens)                  a decode turn's tokens: one for each of rids
+    ("t", rid, tokens[, logprobs])       new tokens of a sequence
+    ("T", rids, tokens[, logprobs])      a decode turn's tokens: one for each of rids
+                                         (logprobs: each token's, None where not asked)
     ("e", rid, count, last, error)       its end: new tokens' count and the last, or its error
     ("s", qid, stats)                    an answer to "stats"
     ("closed", done)                     the batch closed (done: its thread ended in time)
@@ -52,10 +55,11 @@ class Outbox:
             if len(self.items) == 1:
                 self.cond.notify()
 
-    def put_step(self, rids: List[int], tokens: List[int]):
-        """A decode turn's tokens, one for each of ``rids`` (called on the decode thread: a
-        sink of the shared batch, which never blocks)."""
-        self.post(("T", rids, tokens))
+    def put_step(self, rids: List[int], tokens: List[int], logprobs: Optional[List[Any]] = None):
+        """A decode turn's tokens, one for each of ``rids``, and their log-probabilities where a
+        sequence asked (called on the decode thread: a sink of the shared batch, which never
+        blocks)."""
+        self.post(("T", rids, tokens) if logprobs is None else ("T", rids, tokens, logprobs))
 
     def _send(self):
         while True:
@@ -106,10 +110,10 @@ class _Tap:
     """A sequence's tokens into the outbox: the shared batch's through the outbox as its sink,
     a turn's tokens for every sequence in one item; any other way (a loop of one call) here."""
 
-    __slots__ = ("out", "rid")
+    __slots__ = ("out", "rid", "logprobs")
 
-    def __init__(self, out: Outbox, rid: int):
-        self.out, self.rid = out, rid
+    def __init__(self, out: Outbox, rid: int, logprobs: Optional[int] = None):
+        self.out, self.rid, self.logprobs = out, rid, logprobs
 
     @property
     def sink(self) -> Outbox:
@@ -119,8 +123,8 @@ class _Tap:
     def key(self) -> int:
         return self.rid
 
-    def add(self, tokens: List[int]):
-        self.out.post(("t", self.rid, tokens))
+    def add(self, tokens: List[int], logprobs: Optional[List[Any]] = None):
+        self.out.post(("t", self.rid, tokens) if logprobs is None else ("t", self.rid, tokens, logprobs))
 
     def end(self):  # (its end goes with the call's result: ("e", ...))
         pass
@@ -180,9 +184,10 @@ class Worker:
             stats["engine_frozen_objects"] = gc.get_freeze_count()
         return stats
 
-    def _submit(self, rid: int, ids: List[int], kwargs: Dict[str, Any], seed: Optional[int]):
+    def _submit(self, rid: int, ids: List[int], kwargs: Dict[str, Any], seed: Optional[int],
+                logprobs: Optional[int] = None):
         try:
-            fut = submit(self.gm, ids, kwargs, seed, _Tap(self.out, rid))
+            fut = submit(self.gm, ids, kwargs, seed, _Tap(self.out, rid, logprobs))
         except BaseException as e:  # noqa: BLE001 - the request's: answered with it
             with self.lock:
                 self.pending.discard(rid)

@@ -45,7 +45,11 @@ class Ended:
 
 
 class Feed(Protocol):
-    def add(self, tokens: List[int]) -> None: ...  # new tokens, in order
+    """Where a sequence's tokens go. A feed with a ``logprobs`` attribute other than None (k)
+    asks for each token's log-probability and the step's k most likely tokens: ``add`` then gets
+    them beside the tokens, one ``(log-probability, [(id, log-probability), ...])`` each."""
+
+    def add(self, tokens: List[int], logprobs: Optional[List[Any]] = None) -> None: ...  # new tokens, in order
     def end(self) -> None: ...  # no more tokens (always called, however the sequence ends)
 
 
@@ -96,11 +100,12 @@ class _Streamer:
     A feed with a ``sink`` and a ``key`` (the engine process's) lends them to the shared batch,
     which then hands the sink each turn's tokens at once (:class:`~graphwrap.decoding.calls.Sinks`)."""
 
-    __slots__ = ("feed", "prompt", "sink", "key")
+    __slots__ = ("feed", "prompt", "sink", "key", "logprobs")
 
     def __init__(self, feed: Feed):
         self.feed, self.prompt = feed, True
         self.sink, self.key = getattr(feed, "sink", None), getattr(feed, "key", None)
+        self.logprobs = getattr(feed, "logprobs", None)  # (the batch reads it: settings.plan_call)
 
     def put(self, value: torch.Tensor):
         if self.prompt:
@@ -108,8 +113,8 @@ class _Streamer:
             return
         self.feed.add(value.reshape(-1).tolist())
 
-    def put_ids(self, ids: List[int]):  # (the shared batch's tokens, no tensor made: calls.put_token)
-        self.feed.add(ids)
+    def put_ids(self, ids: List[int], logprobs: Optional[List[Any]] = None):  # (the shared batch's: calls.put_token)
+        self.feed.add(ids) if logprobs is None else self.feed.add(ids, logprobs)
 
     def end(self):
         self.feed.end()

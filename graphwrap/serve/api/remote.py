@@ -104,7 +104,7 @@ class Remote:
                 raise EngineGone(self.dead)
             self.seqs[rid] = seq
         try:
-            self._send(("submit", rid, ids, kwargs, seed))
+            self._send(("submit", rid, ids, kwargs, seed, getattr(feed, "logprobs", None)))
         except EngineGone:
             with self.lock:
                 self.seqs.pop(rid, None)
@@ -189,14 +189,15 @@ class Remote:
         op = item[0]
         if op == "T":
             seqs = self.seqs
-            for rid, token in zip(item[1], item[2]):
+            lps = item[3] if len(item) > 3 else None
+            for i, (rid, token) in enumerate(zip(item[1], item[2])):
                 seq = seqs.get(rid)
                 if seq is not None:
-                    seq.feed.add([token])
+                    seq.feed.add([token]) if lps is None or lps[i] is None else seq.feed.add([token], [lps[i]])
         elif op == "t":
             seq = self.seqs.get(item[1])
             if seq is not None:
-                seq.feed.add(item[2])
+                seq.feed.add(item[2]) if len(item) < 4 else seq.feed.add(item[2], item[3])
         elif op == "e":
             with self.lock:
                 seq = self.seqs.pop(item[1], None)

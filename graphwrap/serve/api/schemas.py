@@ -1,7 +1,7 @@
 """The OpenAI request bodies the server takes, as pydantic models: a field the server does not
-know is an error naming it (``extra="forbid"``), and a field it knows but does not serve (log
-probabilities, penalties on presence, tools, ...) is an error too where it asks for anything,
-never ignored. :func:`settings` turns a request into ``generate``'s keywords.
+know is an error naming it (``extra="forbid"``), and a field it knows but does not serve
+(penalties on presence, tools, the prompt's log-probabilities, ...) is an error too where it asks
+for anything, never ignored. :func:`settings` turns a request into ``generate``'s keywords.
 
 Beside the API's own fields the server takes vLLM's extensions ``top_k``, ``min_tokens``,
 ``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos``.
@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # choices per request (prompts x n)
 MAX_STOPS = 16
+MAX_LOGPROBS = 20  # the most likely tokens a step reports, besides the one chosen
 
 
 class Strict(BaseModel):
@@ -65,6 +66,11 @@ class Sampling(Strict):
     def _unserved(self) -> List[str]:
         return []
 
+    def wanted_logprobs(self) -> Optional[int]:
+        """How many of each step's most likely tokens to report with each token's own
+        log-probability (0: its own alone), or None where none are asked for."""
+        return None
+
     def stops(self) -> List[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -75,14 +81,17 @@ class Sampling(Strict):
 class CompletionRequest(Sampling):
     prompt: Union[str, List[str], List[int], List[List[int]]]
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
     def _unserved(self) -> List[str]:
-        out = ["logprobs"] if self.logprobs is not None else []
+        out = ["logprobs with echo (the prompt's log-probabilities)"] if self.logprobs is not None and self.echo else []
         out += ["best_of"] if self.best_of is not None and self.best_of != self.n else []
         return out + (["suffix"] if self.suffix else [])
+
+    def wanted_logprobs(self) -> Optional[int]:
+        return self.logprobs
 
     def prompts(self) -> List[Union[str, List[int]]]:
         """Each prompt: its text or its token ids."""
@@ -122,16 +131,23 @@ class ChatRequest(Sampling):
     messages: List[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: Optional[Dict[str, Any]] = None
     tools: Optional[List[Any]] = None
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[bool] = None
 
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    def wanted_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def _unserved(self) -> List[str]:
-        out = ["logprobs"] if self.logprobs else []
-        out += ["top_logprobs"] if self.top_logprobs else []
-        out += ["response_format"] if self.response_format and self.response_format.get("type") != "text" else []
+        out = ["response_format"] if self.response_format and self.response_format.get("type") != "text" else []
         out += ["tools"] if self.tools else []
         return out + (["tool_choice"] if self.tool_choice not in (None, "none", "auto") else [])
 
