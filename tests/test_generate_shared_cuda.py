@@ -178,3 +178,47 @@ def test_compile_true_serves_the_shared_batch_with_compiled_steps():
     assert same >= 7, f"{same} of 8 equal (Inductor's kernels round differently: at most one near tie)"
     assert gm.stats()["decode"]["done"] == 8
     gm.close()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_log_probabilities_asked_by_a_streamer_are_the_model_s_beside_replayed_steps(kind):
+    """Steps replayed from graphs, 16 calls at once, half of whose streamers ask for
+    log-probabilities: each token's and its step's top 3 are the model's own (its logits'
+    log-softmax, fp32), and the calls that did not ask get none."""
+    model = _model(kind)
+    gm = GraphedModule(model)
+    reqs = _requests(16, seed=3)
+
+    class Asks:
+        def __init__(self, k):
+            self.logprobs, self.ids, self.lps = k, [], []
+
+        def put(self, v):
+            pass
+
+        def put_ids(self, ids, logprobs=None):
+            self.ids += ids
+            self.lps += logprobs or [None] * len(ids)
+
+        def end(self):
+            pass
+
+    for _ in range(2):  # (the second pass replays what the first captured)
+        streamers = [Asks(3 if i % 2 == 0 else None) for i in range(16)]
+        thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False,
+                                             streamer=streamers[i]), 16)
+        assert gm.__dict__["_gw_decode"].captures.finish(120)
+    with torch.no_grad():
+        for i, ((ids, k), s) in enumerate(zip(reqs, streamers)):
+            ref = model.generate(input_ids=ids, max_new_tokens=k, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+            assert s.ids == ref.sequences[0, ids.shape[1]:].tolist()
+            if i % 2:
+                assert all(x is None for x in s.lps)
+                continue
+            for t, (chosen, top), logits in zip(s.ids, s.lps, ref.logits, strict=True):
+                lp = torch.log_softmax(logits[0].float(), -1)
+                assert abs(chosen - lp[t].item()) < 1e-3
+                assert [j for j, _ in top] == lp.topk(3).indices.tolist()
+    replays = sum(b["replays"] for k in gm.stats()["decode"]["step"]["keys"] for b in k["buckets"].values())
+    assert replays > 0
