@@ -2,10 +2,12 @@
 replica loads the model and serves completions, streamed and whole, through Ray's HTTP proxy;
 a bad request gets its status and the replica goes on."""
 
+import http.client
 import json
 import os
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
 pytest.importorskip("fastapi", reason='needs FastAPI: pip install -e ".[serve]"')
@@ -52,6 +54,14 @@ def test_a_replica_serves_the_openai_api_through_ray_s_proxy(deployed):
     status, body, _ = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                           "max_tokens": 3})
     assert status == 200 and body["usage"]["completion_tokens"] <= 3
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", "/metrics")
+    text = c.getresponse().read().decode()
+    gpu = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("graphwrap_gpu_memory_allocated")]
+    if torch.cuda.is_available():  # (the replica asked Ray for a GPU, and its batch lives there)
+        assert gpu and gpu[0] > 0, text
+    else:
+        assert not gpu
 
 
 def test_options_the_server_does_not_take_are_refused_before_any_replica_starts():
