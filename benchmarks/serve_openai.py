@@ -102,8 +102,10 @@ def workload(n: int, seed: int = 0, top: int = 30000) -> List[dict]:
 async def one(client, model: str, req: dict) -> dict:
     t0 = time.perf_counter()
     first, last, gaps, usage = None, None, [], None
+    asks = {"logprobs": req["logprobs"]} if req.get("logprobs") is not None else {}
     stream = await client.completions.create(model=model, prompt=req["prompt"], max_tokens=req["max_tokens"],
-                                             temperature=0, stream=True, stream_options={"include_usage": True})
+                                             temperature=0, stream=True, stream_options={"include_usage": True},
+                                             **asks)
     stalls = []
     async for chunk in stream:
         now = time.perf_counter()
@@ -125,8 +127,9 @@ async def one_raw(base: str, model: str, req: dict) -> dict:
     ``json.loads`` (what any client must do), nothing else (the ``openai`` client's own cost
     per chunk left out)."""
     host, port = base.split("//")[1].split("/")[0].split(":")
+    asks = {"logprobs": req["logprobs"]} if req.get("logprobs") is not None else {}
     body = json.dumps({"model": model, "prompt": req["prompt"], "max_tokens": req["max_tokens"], "temperature": 0,
-                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+                       "stream": True, "stream_options": {"include_usage": True}, **asks}).encode()
     t0 = time.perf_counter()
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
@@ -373,6 +376,9 @@ def main():
     ap.add_argument("--client", default="openai", choices=("openai", "raw"),
                     help="the official openai client, or a bare socket reading each event's JSON (the client "
                          "library's own cost per chunk left out)")
+    ap.add_argument("--logprobs", type=int, default=None,
+                    help="each request asks for its tokens' log-probabilities and this many of the most likely "
+                         "(the servers' rows; the in-process row asks for none)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     a.top = 1000 if a.model == "tiny" else 30000
@@ -387,6 +393,8 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model_dir = make_model(a.model, tempfile.mkdtemp(prefix=f"serve-{a.model}-"), device)
     reqs = workload(a.requests, top=a.top)
+    if a.logprobs is not None:
+        reqs = [dict(r, logprobs=a.logprobs) for r in reqs]
     out_dir = a.out or tempfile.mkdtemp(prefix="serve-openai-")
     os.makedirs(out_dir, exist_ok=True)
     results: Dict[str, dict] = {}
