@@ -3,10 +3,11 @@ ends (its streamer's tokens and end, then its result or error, delivered off the
 thread), and the errors a caller gets where the batch takes no call."""
 
 import logging
+import struct
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -48,18 +49,27 @@ class Call:
         self.sink = getattr(self.plan.streamer, "sink", None)
 
 
-def token_logprob(row: List[float], k: int) -> Optional[Tuple[float, List[Tuple[int, float]]]]:
-    """A token's log-probability and its step's ``k`` most likely tokens ``(id, log-probability)``,
-    from its row of :func:`~.sampling.logprobs` (which holds the most any row asked for); None
-    where its sequence asked for none (``k`` -1)."""
-    if k < 0:
-        return None
-    most = (len(row) - 1) // 2
-    return row[0], [(int(row[1 + most + j]), row[1 + j]) for j in range(k)]
+class Logprobs(NamedTuple):
+    """A token's log-probabilities, still packed: its step's rows as float32 bytes
+    (:func:`~.sampling.logprobs`: each row the chosen token's log-probability, then the ``most``
+    highest and their ids), its row, and how many of the highest its sequence asked for (``k``).
+    Made on the decode thread without a Python number per value, pickled with its step's bytes
+    once per message, unpacked where the numbers are wanted (:meth:`unpack`)."""
+
+    step: bytes
+    row: int
+    most: int
+    k: int
+
+    def unpack(self) -> Tuple[float, List[Tuple[int, float]]]:
+        """``(log-probability, [(id, log-probability), ...])``, the ``k`` most likely first."""
+        width = 1 + 2 * self.most
+        v = struct.unpack_from(f"{width}f", self.step, 4 * width * self.row)
+        return v[0], [(int(v[1 + self.most + j]), v[1 + j]) for j in range(self.k)]
 
 
 def put_token(call: Call, streamer, token: int, made: float = 0.0, lag: Optional[Deque[float]] = None,
-              lp: Optional[tuple] = None):
+              lp: Optional[Logprobs] = None):
     """A token to a call's streamer (none once the call was cancelled or failed): as a list of
     one int to a streamer that has ``put_ids`` (graphwrap's server has), else as generate's
     streamers take it, a tensor. A tensor made per token costs the delivery worker torch calls
@@ -67,11 +77,11 @@ def put_token(call: Call, streamer, token: int, made: float = 0.0, lag: Optional
     interpreter's switch interval, 5 ms): with the decode thread and a server's threads busy, a
     step's tokens then reach their streams one every few milliseconds. ``lag`` gets the seconds
     from ``made`` (the step that made it read it) to its delivery. ``lp``: its log-probabilities
-    (:func:`token_logprob`), to ``put_ids`` only, where its streamer asked."""
+    where its streamer asked, to ``put_ids`` only, unpacked (:meth:`Logprobs.unpack`)."""
     if call.error is None and not call.future.done():
         put_ids = getattr(streamer, "put_ids", None)
         if put_ids is not None:
-            put_ids([token]) if lp is None else put_ids([token], [lp])
+            put_ids([token]) if lp is None else put_ids([token], [lp.unpack()])
         else:
             streamer.put(torch.tensor([token]))
         if lag is not None:
@@ -144,14 +154,14 @@ class Sinks:
     thread waits for, then holds no per-token work for these calls. The prompt, ``end`` and
     results still go the workers' way. A sink that raises fails the calls whose tokens it lost
     (``on_error``), as a streamer that raises does. Where a call asked for log-probabilities,
-    ``put_step`` gets a third list: each token's (:func:`token_logprob`), None for the others."""
+    ``put_step`` gets a third list: each token's, packed (:class:`Logprobs`), None for the others."""
 
     def __init__(self, lag: Deque[float], on_error: Callable[[Call, BaseException], None]):
-        self.pending: Dict[Any, Tuple[List[Any], List[int], List[Call], List[Optional[tuple]]]] = {}
+        self.pending: Dict[Any, Tuple[List[Any], List[int], List[Call], List[Optional[Logprobs]]]] = {}
         self.made: Optional[float] = None  # when the turn's first token was read
         self.lag, self.on_error = lag, on_error
 
-    def add(self, call: Call, token: int, made: float, lp: Optional[tuple] = None):
+    def add(self, call: Call, token: int, made: float, lp: Optional[Logprobs] = None):
         if call.error is not None or call.future.done():  # (cancelled or failed: no token after)
             return
         got = self.pending.get(call.sink)

@@ -8,6 +8,7 @@ does not have).
 """
 
 import collections
+import ctypes
 import time
 from dataclasses import dataclass
 from typing import Deque, Iterator, List, Optional, Tuple
@@ -25,7 +26,8 @@ class InFlight:
     event: Optional[torch.cuda.Event]
     buf: Optional[torch.Tensor] = None  # the pinned buffer ``host`` is a view of
     extra: Optional[torch.Tensor] = None  # rows' log-probabilities where some row asked (sampling.logprobs)
-    extras: Optional[List[List[float]]] = None  # the same, read
+    extras: Optional[bytes] = None  # the same, read: float32 rows of 1 + 2 * most values
+    most: int = 0
 
 
 class Tokens:
@@ -64,8 +66,9 @@ class Tokens:
                 spent["read_wait"] += time.perf_counter() - t0
             self.queued.popleft()
             tokens = f.host.tolist()
-            if f.extra is not None:
-                f.extras = f.extra.tolist()
+            if f.extra is not None:  # (its bytes as they are: no Python number per value here)
+                x = f.extra.contiguous()
+                f.extras, f.most = ctypes.string_at(x.data_ptr(), x.numel() * x.element_size()), (x.shape[1] - 1) // 2
             if f.buf is not None:
                 self.spare.append((f.buf, f.event))
             yield f, tokens, time.perf_counter()

@@ -38,7 +38,7 @@ import torch
 from ..errors import GraphwrapError
 from . import captures, growth, paged_attention, pieces
 from .attention import folding, sdpa_model
-from .calls import Call, Closed, QueueFull, Sinks, check_call, finish, put_token, token_logprob
+from .calls import Call, Closed, Logprobs, QueueFull, Sinks, check_call, finish, put_token
 from .captures import Captures, on_stream
 from .delivery import OUTBOX, Mailbox, on_worker
 from .inflight import Tokens
@@ -409,9 +409,10 @@ class DecodeServer:
         for f, tokens, now in self.inflight.read(keep, self.spent):
             for s, at in zip(f.seqs, f.rows):
                 if not s.done:
-                    self._token(s, tokens[at], now, token_logprob(f.extras[at], s.settings.logprobs) if f.extras else None)
+                    k = s.settings.logprobs
+                    self._token(s, tokens[at], now, Logprobs(f.extras, at, f.most, k) if k >= 0 and f.extras else None)
 
-    def _token(self, s: Seq, token: int, now: float, lp: Optional[tuple] = None):
+    def _token(self, s: Seq, token: int, now: float, lp: Optional[Logprobs] = None):
         s.tokens.append(token)
         if s.first_at is None:
             s.first_at = now

@@ -15,6 +15,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
+from ...decoding.calls import Logprobs
 from .metrics import Metrics
 from .text import Detokenizer, StopText, decoder
 
@@ -201,9 +202,14 @@ class Client:
                 future.cancel()  # a stop string, a client gone: its row is freed at the next step
 
     def _scored(self, tokens: List[int], scores: List[Any]) -> List[TokenLogprob]:
-        """The API's form of each token's log-probabilities: texts for the ids."""
+        """The API's form of each token's log-probabilities (packed as the engine process sends
+        them, or unpacked as the batch in this process gives them): texts for the ids."""
         text = self._text
-        return [TokenLogprob(text(t), lp, [(text(i), v) for i, v in top]) for t, (lp, top) in zip(tokens, scores)]
+        out = []
+        for t, x in zip(tokens, scores):
+            lp, top = x.unpack() if isinstance(x, Logprobs) else x
+            out.append(TokenLogprob(text(t), lp, [(text(i), v) for i, v in top]))
+        return out
 
     def _text(self, token: int) -> str:
         """A token's own text, as the API reports it beside its log-probability (cached)."""
