@@ -266,6 +266,11 @@ def test_a_streamer_that_asks_gets_each_tokens_log_probability_and_the_top_k_as_
             assert [i for i, _ in top] == ids[:k].tolist()
             assert all(abs(v - w) < 1e-4 for (_, v), w in zip(top, values[:k].tolist()))
     assert plain.lps and all(x is None for x in plain.lps), "a streamer that did not ask gets none"
+    small = tr.AutoModelForCausalLM.from_config(tr.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=8,
+                                                              n_positions=32, pad_token_id=0)).eval()
+    s = Asks(20)  # (more than the vocabulary: all of it, the step fails no one)
+    out = GraphedModule(small).generate(torch.tensor([[1, 2]]), max_new_tokens=3, do_sample=False, streamer=s)
+    assert s.ids == out[0, 2:].tolist() and all(len(top) == 8 for _, top in s.lps)
     with pytest.raises(GraphwrapError, match="log-probabilities come from the shared batch only"):
         gm.generate(prompt, max_new_tokens=3, num_beams=2, do_sample=False, streamer=Asks(1))
 

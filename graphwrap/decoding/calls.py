@@ -65,7 +65,7 @@ class Logprobs(NamedTuple):
         """``(log-probability, [(id, log-probability), ...])``, the ``k`` most likely first."""
         width = 1 + 2 * self.most
         v = struct.unpack_from(f"{width}f", self.step, 4 * width * self.row)
-        return v[0], [(int(v[1 + self.most + j]), v[1 + j]) for j in range(self.k)]
+        return v[0], [(int(v[1 + self.most + j]), v[1 + j]) for j in range(min(self.k, self.most))]
 
 
 def put_token(call: Call, streamer, token: int, made: float = 0.0, lag: Optional[Deque[float]] = None,

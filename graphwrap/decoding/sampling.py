@@ -72,6 +72,7 @@ def logprobs(logits: Tensor, tokens: Tensor, k: int) -> Tensor:
     ``k`` highest log-probabilities and their token ids (exact in float32 below 2**24)."""
     lp = logits.float().log_softmax(-1)
     out = [lp.gather(1, tokens[:, None])]
+    k = min(k, lp.shape[-1])  # (a vocabulary smaller than what was asked: all of it)
     if k > 0:
         top = lp.topk(k, dim=-1)
         out += [top.values, top.indices.float()]
