@@ -331,6 +331,26 @@ def test_log_probabilities_are_the_model_s_whole_streamed_and_in_chat(srv):
     assert s == 400 and "top_logprobs needs logprobs" in body["error"]["message"]
 
 
+def test_log_probabilities_with_a_stop_string_and_n_follow_each_choice_s_tokens(srv):
+    model, tok = srv.served.gm.module, srv.served.tokenizer
+    ids = tok("the quick brown")["input_ids"]
+    new, text = greedy(srv, ids, 10)
+    want = model_logprobs(model, tok, ids, 10, 1)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    body = {"prompt": ids, "max_tokens": 10, "temperature": 0, "logprobs": 1, "stop": [stop], "n": 2}
+    status, answer, _ = post(srv.port, "/v1/completions", body)
+    assert status == 200, answer
+    made = answer["usage"]["completion_tokens"] // 2  # (n=2: each choice's tokens, up to the one that ended it)
+    assert made < 10
+    for choice in answer["choices"]:
+        assert choice["text"] == text[:text.index(stop)] and choice["finish_reason"] == "stop"
+        check_completion_logprobs(choice["logprobs"], want[:made], tok)
+    status, evs = events(srv.port, "/v1/completions", body)
+    for index in (0, 1):
+        parts = [c["logprobs"] for e in evs[:-1] for c in e["choices"] if c["index"] == index and c["logprobs"]]
+        check_completion_logprobs({k: [x for p in parts for x in p[k]] for k in parts[0]}, want[:made], tok)
+
+
 def test_chat_messages_are_checked(srv):
     s, body, _ = post(srv.port, "/v1/chat/completions", {"messages": [], "max_tokens": 2})
     assert s == 400 and "messages" in body["error"]["message"]
