@@ -99,27 +99,43 @@ def workload(n: int, seed: int = 0, top: int = 30000) -> List[dict]:
              "max_tokens": rng.randint(32, 256)} for _ in range(n)]
 
 
+class Chunks:
+    """One stream's text chunks as they come: time to the first, the gaps between the others
+    (those past STALL with their times), and the usage the server reports."""
+
+    def __init__(self, t0: float):
+        self.t0, self.first, self.last, self.usage = t0, None, 0.0, None
+        self.gaps: List[float] = []
+        self.stalls: List[Tuple[float, float]] = []
+
+    def text(self):
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            self.gaps.append(now - self.last)
+            if now - self.last > STALL:
+                self.stalls.append((self.last, now))
+        self.last = now
+
+    def result(self) -> dict:
+        return {"ttft": (self.first or time.perf_counter()) - self.t0, "gaps": self.gaps, "tokens": self.usage or 0,
+                "stalls": self.stalls}
+
+
 async def one(client, model: str, req: dict) -> dict:
     t0 = time.perf_counter()
-    first, last, gaps, usage = None, None, [], None
     asks = {"logprobs": req["logprobs"]} if req.get("logprobs") is not None else {}
     stream = await client.completions.create(model=model, prompt=req["prompt"], max_tokens=req["max_tokens"],
                                              temperature=0, stream=True, stream_options={"include_usage": True},
                                              **asks)
-    stalls = []
+    clock = Chunks(t0)
     async for chunk in stream:
-        now = time.perf_counter()
         if chunk.choices and chunk.choices[0].text:
-            if first is None:
-                first = now
-            else:
-                gaps.append(now - last)
-                if now - last > STALL:
-                    stalls.append((last, now))
-            last = now
+            clock.text()
         if chunk.usage is not None:
-            usage = chunk.usage.completion_tokens
-    return {"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": usage or 0, "stalls": stalls}
+            clock.usage = chunk.usage.completion_tokens
+    return clock.result()
 
 
 async def one_raw(base: str, model: str, req: dict) -> dict:
@@ -134,27 +150,20 @@ async def one_raw(base: str, model: str, req: dict) -> dict:
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % (host.encode(), len(body)) + body)
-    first, last, gaps, usage, stalls = None, None, [], None, []
+    clock = Chunks(t0)
     while True:
         line = await asyncio.wait_for(reader.readline(), 60)  # (a server that never ends the body fails the race)
         if not line or line.startswith(b"data: [DONE]") or line == b"0\r\n":  # (or the body's last chunk)
             break
         if not line.startswith(b"data: "):
             continue  # (the status line, headers, chunk sizes, blank lines)
-        now = time.perf_counter()
         event = json.loads(line[6:])
         if event.get("choices") and event["choices"][0].get("text"):
-            if first is None:
-                first = now
-            else:
-                gaps.append(now - last)
-                if now - last > STALL:
-                    stalls.append((last, now))
-            last = now
+            clock.text()
         if event.get("usage"):
-            usage = event["usage"]["completion_tokens"]
+            clock.usage = event["usage"]["completion_tokens"]
     writer.close()
-    return {"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": usage or 0, "stalls": stalls}
+    return clock.result()
 
 
 async def _requests(base: str, model: str, reqs: List[dict], raw: bool = False) -> List[dict]:

@@ -445,3 +445,22 @@ def thread_results(fn, n: int) -> list:
     errors = run_threads(work, n)
     assert not errors, errors
     return out
+
+
+class IdsStreamer:
+    """A streamer as graphwrap's server makes them: the batch's tokens as ints (``put_ids``), and
+    with ``logprobs = k`` (None: none asked) each token's log-probabilities beside it; ``put``
+    gets the prompt alone."""
+
+    def __init__(self, logprobs=None):
+        self.logprobs, self.ids, self.lps = logprobs, [], []
+
+    def put(self, value):
+        pass
+
+    def put_ids(self, ids, logprobs=None):
+        self.ids += ids
+        self.lps += logprobs or [None] * len(ids)
+
+    def end(self):
+        pass

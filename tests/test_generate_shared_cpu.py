@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from helpers import IdsStreamer as Asks
 from helpers import thread_results
 
 from graphwrap import GraphedModule, GraphwrapError
@@ -239,22 +240,7 @@ def test_a_streamer_that_asks_gets_each_tokens_log_probability_and_the_top_k_as_
                              return_dict_in_generate=True)
     want_lp = [torch.log_softmax(x[0].float(), -1) for x in ref.logits]
 
-    class Asks:  # (the server's streamers ask so: logprobs = k)
-        def __init__(self, k):
-            self.logprobs, self.ids, self.lps = k, [], []
-
-        def put(self, v):
-            pass
-
-        def put_ids(self, ids, logprobs=None):
-            self.ids += ids
-            self.lps += logprobs or [None] * len(ids)
-
-        def end(self):
-            pass
-
     plain = Asks(None)
-    plain.logprobs = None
     for k, s in ((3, Asks(3)), (0, Asks(0))):
         others = [gm.submit_generate(torch.tensor([[8, 9]]), max_new_tokens=6, do_sample=False, streamer=plain)]
         out = gm.generate(prompt, max_new_tokens=6, do_sample=False, streamer=s)

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from helpers import IdsStreamer as Asks
 from helpers import thread_results
 
 from graphwrap import GraphedModule, GraphwrapError
@@ -188,20 +189,6 @@ def test_log_probabilities_asked_by_a_streamer_are_the_model_s_beside_replayed_s
     model = _model(kind)
     gm = GraphedModule(model)
     reqs = _requests(16, seed=3)
-
-    class Asks:
-        def __init__(self, k):
-            self.logprobs, self.ids, self.lps = k, [], []
-
-        def put(self, v):
-            pass
-
-        def put_ids(self, ids, logprobs=None):
-            self.ids += ids
-            self.lps += logprobs or [None] * len(ids)
-
-        def end(self):
-            pass
 
     for _ in range(2):  # (the second pass replays what the first captured)
         streamers = [Asks(3 if i % 2 == 0 else None) for i in range(16)]
