@@ -135,3 +135,44 @@ def test_the_models_own_generate_on_another_thread_keeps_its_tokens_while_the_ba
     assert all(torch.equal(out, want) for out in got[0])
     assert model.config._attn_implementation == "sdpa"
     gm.close()
+
+
+# ------------------------------------------------------------------ without_cudnn
+
+def test_without_cudnn_turns_the_switch_off_inside_and_puts_it_back_after_the_last_block():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with attention.without_cudnn(cpu):
+        assert torch.backends.cuda.cudnn_sdp_enabled(), "a CPU's forwards leave the switch alone"
+    outer = attention.without_cudnn(cuda)
+    with outer:
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        inner = attention.without_cudnn(cuda)  # (the decode thread and the capturing thread, say)
+        inner.__enter__()
+        outer.__exit__(None, None, None)
+        assert not torch.backends.cuda.cudnn_sdp_enabled(), "another block is still inside"
+        inner.__exit__(None, None, None)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        outer.__enter__()  # (for the with's own exit)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_without_cudnn_leaves_a_switch_the_user_turned_off_off():
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        with attention.without_cudnn(torch.device("cuda")):
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
+def test_without_cudnn_from_many_threads_ends_as_it_began():
+    def one(i):
+        for _ in range(200):
+            with attention.without_cudnn(torch.device("cuda")):
+                assert not torch.backends.cuda.cudnn_sdp_enabled()
+        return i
+
+    assert thread_results(one, 8) == list(range(8))
+    assert torch.backends.cuda.cudnn_sdp_enabled()

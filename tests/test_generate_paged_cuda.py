@@ -138,6 +138,31 @@ def test_long_prompts_in_pieces_beside_replayed_steps(monkeypatch, paged):
     gm.close()
 
 
+def test_pieces_and_shapes_not_yet_captured_run_without_cudnn_attention(monkeypatch):
+    """The batch's eager forwards (a long prompt's pieces, here) run with torch's cuDNN attention
+    off (a cuDNN graph built per new shape cost 60-70 ms each on an H200), and the switch is
+    back on once the batch is idle."""
+    from graphwrap.decoding.step import ChunkStep
+
+    monkeypatch.setattr(server_mod, "CHUNK", 32)
+    seen = []
+    forward = ChunkStep.forward
+
+    def noted(self, input_ids, start, rows):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return forward(self, input_ids, start, rows)
+
+    monkeypatch.setattr(ChunkStep, "forward", noted)
+    model = _model()
+    gm = GraphedModule(model)
+    reqs = _requests(4, seed=2, lens=(70, 100))
+    got = thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False), 4)
+    _check(model, reqs, got)
+    assert seen and not any(seen), seen
+    gm.close()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def test_the_pool_keeps_to_its_share_of_the_free_memory():
     model = _model(positions=4096)
     torch.cuda.empty_cache()

@@ -14,6 +14,9 @@ position, a mask per head, a position bias) the function is transformers' ``sdpa
 a caller that runs the model meanwhile, on another thread, gets ``sdpa``'s answers either way.
 transformers 5.24's own ``sdpa`` folds the same way (``pack_gqa``); with it, the model's
 attention is left as it is.
+
+:class:`without_cudnn` keeps torch's attention off its cuDNN backend around the batch's eager
+forwards and its captures (see there).
 """
 
 import threading
@@ -139,6 +142,50 @@ class folding:
 
 
 FIELD = "_attn_implementation_internal"  # what transformers' config property reads
+
+
+class without_cudnn:
+    """Within the block, on a GPU, torch's ``scaled_dot_product_attention`` does not pick its
+    cuDNN backend; flash and memory-efficient kernels serve instead.
+
+    Where torch prefers cuDNN's attention (Hopper and later, with a recent cuDNN), the first call
+    at each new shape builds a cuDNN graph on the host: on an H200 with torch 2.11, the shared
+    batch's first burst took 9.4 s with it against 2.3 s without (GPT-2, a fresh process), a
+    7B model's first ``model.generate`` calls ran at a third of their pace, and each piece of a
+    long prompt (a new key length every time) cost 60-70 ms more
+    (``benchmarks/diagnostics/sdpa_shapes.py``). The batch's eager forwards (pieces, shapes not
+    captured yet, the probe) and its captures meet new shapes all the time; replays of captured
+    graphs are not wrapped, and run whichever kernels their capture chose.
+
+    torch's switch is the process's (``torch.backends.cuda.enable_cudnn_sdp``): the first block
+    in turns it off, the last one out puts back what it was, so another thread's attention
+    meanwhile runs the same flash or memory-efficient kernels (equal to rounding). A switch the
+    user turned off stays off."""
+
+    _lock = threading.Lock()
+    _inside = 0
+    _was = True
+
+    def __init__(self, device):
+        self.on = getattr(device, "type", None) == "cuda"
+
+    def __enter__(self):
+        if self.on:
+            cls = without_cudnn
+            with cls._lock:
+                if cls._inside == 0:
+                    cls._was = torch.backends.cuda.cudnn_sdp_enabled()
+                    torch.backends.cuda.enable_cudnn_sdp(False)
+                cls._inside += 1
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            cls = without_cudnn
+            with cls._lock:
+                cls._inside -= 1
+                if cls._inside == 0:
+                    torch.backends.cuda.enable_cudnn_sdp(cls._was)
 
 
 def sdpa_folds() -> bool:

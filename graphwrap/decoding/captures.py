@@ -27,6 +27,7 @@ from typing import Deque, List, Optional, Set
 import torch
 
 from ..core.reasons import Eager
+from .attention import without_cudnn
 from .shapes import COVERED, EAGER, GRAPH, NEEDED, Shapes
 
 logger = logging.getLogger("graphwrap")
@@ -75,9 +76,10 @@ def forward(server, engine, shape: tuple, how: str, args: tuple, window):
             out = engine.call(args, {"rows": window(twin)})
             server.store.save(twin)
             return out
-        if how == EAGER:
-            return engine.module(*args, rows=window(server.store))
-        return engine.call(args, {"rows": window(server.store)})
+        with without_cudnn(server.device):
+            if how == EAGER:
+                return engine.module(*args, rows=window(server.store))
+            return engine.call(args, {"rows": window(server.store)})
 
 
 class Captures:
@@ -205,7 +207,7 @@ class Captures:
                     torch.full((n,), width, dtype=torch.long, device=device),
                     torch.full((n,), server.store.scratch, dtype=torch.long, device=device))
             kwargs = {"rows": twin.prompt_window(width)}
-        with on_stream(self.stream), torch.no_grad(), server.fold:
+        with on_stream(self.stream), torch.no_grad(), server.fold, without_cudnn(device):
             engine.call(args, kwargs)
             f = engine.facts(args, kwargs)
             why = str(f) if type(f) is Eager else None

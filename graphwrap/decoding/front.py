@@ -120,6 +120,7 @@ def _make(held: dict, module):
         return None, why
     if getattr(module.config, "is_encoder_decoder", False):
         return None, "an encoder-decoder model (the shared batch serves decoder-only models)"
+    from .attention import without_cudnn
     from .pool import rows_possible
     from .probe import probe
     from .server import DecodeServer, reads_in_place
@@ -127,7 +128,8 @@ def _make(held: dict, module):
 
     device = next(module.parameters()).device
     in_place = reads_in_place(module, device)
-    why = probe(module, device, rows_possible(cfg.get("paged"), device.type == "cuda", in_place), in_place)
+    with without_cudnn(device):  # (its eager forwards meet new shapes: see attention.py)
+        why = probe(module, device, rows_possible(cfg.get("paged"), device.type == "cuda", in_place), in_place)
     if why is not None:
         return None, why
     rows = cfg["rows"]

@@ -6,6 +6,7 @@ from typing import cast
 
 import torch
 
+from .attention import without_cudnn
 from .rows import to_device
 
 
@@ -23,7 +24,7 @@ def next_piece(server):
     end = min(start + server.chunk, len(feed))
     ids = to_device(torch.tensor([feed[start:end]], dtype=torch.long), server.device)
     try:
-        with server.fold:
+        with server.fold, without_cudnn(server.device):
             logits = server.chunker(ids, start, server.store.chunk_window(row, start, end - start))
     except Exception as e:  # noqa: BLE001 - a prompt that makes the model raise fails alone
         chunking.popleft()
