@@ -95,22 +95,37 @@ class ChunkLayer(WindowLayer):
         return self.start
 
 
+class StepSlots:
+    """Where a step's rows write their new keys (block, offset), shared by one window's layers."""
+
+    where: Tensor
+    offset: Tensor
+
+
 class PagedLayer(RowLayer):
     """One layer of a paged window: each row's new key goes at its own length; then either the
     pools themselves go to graphwrap's attention (``store.direct``), or the rows' blocks of the
-    window are gathered for the model's own."""
+    window are gathered for the model's own. The first layer of a forward finds each row's
+    block and offset from the lengths (which no layer changes); the others reuse them: a step's
+    graph holds those few kernels once, not once a layer."""
 
-    def __init__(self, keys: Tensor, values: Tensor, store, span: int, direct: Optional[Tensor] = None):
+    def __init__(self, keys: Tensor, values: Tensor, store, span: int, direct: Optional[Tensor] = None,
+                 slots: Optional[StepSlots] = None, first: bool = True):
         super().__init__(keys, values, store.lengths, store.index, span)
         self.store, self.table, self.block = store, store.table, store.block
         self.lines = span // store.block
         self.direct = direct  # the pool as the attention reads it in place (marked with the store)
+        self.slots = slots if slots is not None else StepSlots()
+        self.first = first or slots is None
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
         n = key_states.shape[0]
-        pos = self.lengths[:n]
-        where = self.table[:n].gather(1, (pos // self.block)[:, None])[:, 0]
-        offset = pos % self.block
+        slots = self.slots
+        if self.first:
+            pos = self.lengths[:n]
+            slots.where = self.table[:n].gather(1, (pos // self.block)[:, None])[:, 0]
+            slots.offset = pos % self.block
+        where, offset = slots.where, slots.offset
         self.keys[where, offset] = key_states[:, :, -1].to(self.keys.dtype)
         self.values[where, offset] = value_states[:, :, -1].to(self.values.dtype)
         if self.store.base.direct:

@@ -156,7 +156,10 @@ class PagedStore(Store):
     def step_layers(self, span: int) -> list:
         span = min(blocks_for(span, self.block), self.per_row) * self.block
         direct: List[Optional[Tensor]] = list(self.direct_keys) or [None] * len(self.keys)
-        return [_layers().PagedLayer(k, v, self, span, d) for k, v, d in zip(self.keys, self.values, direct)]
+        lay = _layers()
+        where = lay.StepSlots()  # each row's write slot, found by the first layer, read by the rest
+        return [lay.PagedLayer(k, v, self, span, d, where, first=i == 0)
+                for i, (k, v, d) in enumerate(zip(self.keys, self.values, direct))]
 
     def prompt_layers(self, width: int) -> list:
         return [_layers().PagedPromptLayer(k, v, self, width) for k, v in zip(self.keys, self.values)]
