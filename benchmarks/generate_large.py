@@ -4,7 +4,7 @@ Llama-2-7B (32 key heads, 4,096 positions), Llama-3-8B (8 key heads, 8,192 posit
 Mistral-7B (8 key heads, a sliding window of 4,096 over 32,768 positions) shapes, fp16, random weights made on the GPU (built on the meta device, then filled). The
 burst: 64 requests at once, prompts 16..1,024 and new tokens 32..512 from a fixed seed, no
 end-of-sequence token, greedy. Rows, each in this process: ``model.generate`` one request after
-another (the first 2 requests, 64 new tokens each), ``gm.generate`` from 64 threads with default
+another (the first 2 requests, 64 new tokens each; the median of 3 passes after 2 untimed), ``gm.generate`` from 64 threads with default
 settings (its first burst, which captures, timed apart), and one prompt of 6,000 tokens (on a
 model of 8,192 positions) sent while 32 other requests decode, with those rows' time per output
 token. The cache's layout, its blocks and its budget are printed; 4 requests' tokens are
@@ -123,14 +123,22 @@ def run(results, device, quick: bool, repeats: int, models=("llama2-7b", "llama3
 
 
 def _alone_rate(model, reqs, device) -> float:
+    """tokens/s of ``model.generate`` over the first 2 requests one after another (64 new tokens
+    each), the median of 3 passes after 2 untimed ones: a 7-8B model's first calls run at a
+    quarter of its pace (on an H200: 13 and 10 tokens/s, then 44 and 36;
+    ``diagnostics/generate_alone.py``)."""
+    rates = []
     with torch.no_grad():
-        model.generate(input_ids=reqs[0][0].to(device), max_new_tokens=4, do_sample=False)  # warm-up
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for p, _ in reqs[:2]:
-            model.generate(input_ids=p.to(device), max_new_tokens=64, do_sample=False)
-        torch.cuda.synchronize()
-    return 128 / (time.perf_counter() - t0)
+        for i in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for p, _ in reqs[:2]:
+                model.generate(input_ids=p.to(device), max_new_tokens=64, do_sample=False)
+            torch.cuda.synchronize()
+            if i >= 2:
+                rates.append(128 / (time.perf_counter() - t0))
+    _say("model.generate", f"passes over the 2 requests: {', '.join(f'{r:.1f}' for r in rates)} tokens/s")
+    return statistics.median(rates)
 
 
 def _cache(case, gm):

@@ -48,7 +48,10 @@ def main():
     ap.add_argument("--log", action="store_true", help="graphwrap's log on stderr, ms since the process began")
     ap.add_argument("--compile", action="store_true", help="GraphedModule(model, compile=True): the first burst "
                     "and three more, nothing else")
+    ap.add_argument("--no-cudnn", action="store_true", help="torch's cuDNN attention turned off for the run")
     a = ap.parse_args()
+    if a.no_cudnn:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if a.log:
         logging.basicConfig(format="%(relativeCreated)7.0f ms %(threadName)s: %(message)s")
         logging.getLogger("graphwrap").setLevel(logging.INFO)

@@ -1,0 +1,61 @@
+"""A long prompt beside decoding rows, by the width of its pieces: a Llama-3-8B shape (fp16,
+random weights), one 6,000-token prompt sent while 32 requests decode (the generate-large
+scenario), once to warm up, then with pieces of each width in turn (``--widths``, the batch's
+``chunk``) in this one batch: the long prompt's time, the others' gaps between tokens
+(p50, p99, longest), and its 16 tokens against ``model.generate``'s.
+
+``python3 benchmarks/diagnostics/long_prompt_beside.py [--widths 512,256,128]`` from the
+repository root, on a GPU.
+"""
+
+import argparse
+import sys
+
+import torch
+
+sys.path.insert(0, "benchmarks")
+from generate_large import _long, big_model  # noqa: E402
+
+from graphwrap import GraphedModule  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+class _Results:
+    def __init__(self):
+        self.rows = []
+
+    def add(self, *args, **extra):
+        self.rows.append((args, extra))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--widths", default="512,256,128")
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--no-cudnn", action="store_true", help="torch's cuDNN attention turned off for the run")
+    a = ap.parse_args()
+    if a.no_cudnn:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    print(f"long_prompt_beside: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    model = big_model(a.model, DEV)
+    gm = GraphedModule(model)
+    gm.generate(input_ids=torch.randint(3, 1000, (1, 20), device=DEV), max_new_tokens=2, do_sample=False)
+    server = gm.__dict__["_gw_decode"]
+    results = _Results()
+    print("warm-up run, pieces of 512 beside the others:", flush=True)
+    server.chunk = 512
+    _long("warm-up", gm, model, DEV, results)
+    for w in (int(x) for x in a.widths.split(",")):
+        server.chunk = w
+        pieces = server.counts["prefill_pieces"]
+        _long(f"pieces of {w}", gm, model, DEV, results)
+        args, extra = results.rows[-1]
+        print(f"  pieces of {w}: {server.counts['prefill_pieces'] - pieces} pieces, the prompt in {args[3][0]:.2f} s, "
+              f"the others' gaps p50 {extra['gap_p50_ms']:.1f} / p99 {extra['gap_p99_ms']:.1f} ms "
+              f"({extra['gap_p99_ms'] / extra['gap_p50_ms']:.2f}x), tokens equal: {extra['equal']}", flush=True)
+    gm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Where the shared batch's decode step spends its time, against the memory-bandwidth floor:
+GPT-2 or the 1.1B Llama shape (fp16, random weights), the generate workload's warm burst
+(tokens/s, the decode thread's turn and its parts), then the 64-row step captured by hand over
+``--span`` positions (each row at half of it, as midway through the burst): a bare replay's
+time, the bytes it must read (weights, and the live keys and values) over the bandwidth, and the
+profiler's kernels of one replay by kind (matrix products, attention, the rest), then the
+kernels of a whole warm burst by kind, with the GPU's busy share of the burst's wall time.
+
+``python3 benchmarks/diagnostics/step_profile.py gpt2|llama [--span 512]`` from the repository
+root, on a GPU.
+"""
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import generate as g  # noqa: E402
+
+from graphwrap import GraphedModule  # noqa: E402
+
+DEV = torch.device("cuda")
+BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def kind(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "splitk")):
+        return "matrix products"
+    if any(k in n for k in ("attend", "attention", "fmha", "flash", "softmax")):
+        return "attention"
+    if "memcpy" in n or "memset" in n:
+        return "copies"
+    if any(k in n for k in ("norm", "rsqrt")):
+        return "norms"
+    return "other kernels"
+
+
+def kernels(prof, per: int = 1):
+    """(total µs by kind per ``per``, top 12 kernels by time) from a profile's device events."""
+    by_kind, by_name = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        t = getattr(e, "device_time", 0) or getattr(e, "cuda_time", 0)
+        if t and e.device_type == torch.autograd.DeviceType.CUDA:
+            by_kind[kind(e.name)] += t / per
+            by_name[e.name[:90]] += t / per
+    return by_kind, by_name.most_common(12)
+
+
+def say_kernels(title, by_kind, top, wall_us=None):
+    total = sum(by_kind.values())
+    busy = f", {total / wall_us:.0%} of {wall_us / 1e3:.2f} ms wall" if wall_us else ""
+    print(f"{title}: kernels {total / 1e3:.3f} ms{busy}", flush=True)
+    for k, v in by_kind.most_common():
+        print(f"    {k:16s} {v / 1e3:8.3f} ms  {v / total:5.1%}", flush=True)
+    for name, v in top:
+        print(f"      {v / 1e3:8.3f} ms  {name}", flush=True)
+
+
+def main():
+    from torch.profiler import ProfilerActivity, profile
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", choices=["gpt2", "llama"])
+    ap.add_argument("--span", type=int, default=512)
+    a = ap.parse_args()
+    name = torch.cuda.get_device_name()
+    bw = next((v for k, v in BANDWIDTH.items() if k in name), 3.35e12)
+    print(f"step_profile {a.model}: {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
+    model = g._model(a.model, DEV)
+    gm = GraphedModule(model)
+    reqs = g.workload(model.config.vocab_size)
+    tokens = sum(k for _, k in reqs)
+    g.burst(gm, reqs, DEV)
+    times = [g.burst(gm, reqs, DEV)[0] for _ in range(3)]
+    d = gm.stats()["decode"]
+    print(f"warm bursts: {tokens / statistics.median(times):,.0f} tokens/s (median of 3, {min(times):.3f}-"
+          f"{max(times):.3f} s); turn p50 {d['turn_ms']['p50']:.3f} ms, time per output token p50 "
+          f"{d['tpot_ms']['p50']:.3f} ms", flush=True)
+    server = gm.__dict__["_gw_decode"]
+    parts = {k: round(v, 3) for k, v in server.spent.items()}
+    print(f"the decode thread's seconds by part, all bursts: {parts}; steps {d['steps']}", flush=True)
+    replay = statistics.median(g.step_graph(gm, 64, a.span))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = 64 * (a.span // 2) * server.cache.token_bytes
+    floor = (weights + kv) / bw
+    print(f"64-row step over {a.span} (rows at {a.span // 2}): bare replay {1e3 * replay:.3f} ms; floor "
+          f"{weights / 1e9:.2f} GB weights + {kv / 1e9:.2f} GB keys and values at {bw / 1e12:.2f} TB/s = "
+          f"{1e3 * floor:.3f} ms: {floor / replay:.0%} of the roofline; 64 rows / replay = "
+          f"{64 / replay:,.0f} tokens/s", flush=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.step_graph(gm, 64, a.span)  # (3 eager warm-ups, then 5 x 50 replays)
+    by_kind, top = kernels(prof, per=253)
+    say_kernels("one replay (from 253 runs: 3 eager warm-ups, 250 replays)", by_kind, top, 1e6 * replay)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = g.burst(gm, reqs, DEV)[0]
+    by_kind, top = kernels(prof)
+    say_kernels(f"a warm burst under the profiler ({t:.3f} s)", by_kind, top, 1e6 * t)
+    gm.close()
+
+
+if __name__ == "__main__":
+    main()
