@@ -154,7 +154,8 @@ class without_cudnn:
     7B model's first ``model.generate`` calls ran at a third of their pace, and each piece of a
     long prompt (a new key length every time) cost 60-70 ms more
     (``benchmarks/diagnostics/sdpa_shapes.py``). The batch's eager forwards (pieces, shapes not
-    captured yet, the probe) and its captures meet new shapes all the time; replays of captured
+    captured yet, the probe, the cache's layout) and its captures meet new shapes all the time,
+    as does a call in the one-call loop (its prompt's length); the batch's replays of captured
     graphs are not wrapped, and run whichever kernels their capture chose.
 
     torch's switch is the process's (``torch.backends.cuda.enable_cudnn_sdp``): the first block

@@ -22,6 +22,7 @@ from ..core.engine import Engine
 from ..errors import GraphwrapError
 from ..loops import decode
 from ..process import generate_lock
+from .attention import without_cudnn
 from .pool import CACHE_MEMORY
 from .scheduler import buckets_upto
 from .settings import CallPlan, plan_call
@@ -120,7 +121,6 @@ def _make(held: dict, module):
         return None, why
     if getattr(module.config, "is_encoder_decoder", False):
         return None, "an encoder-decoder model (the shared batch serves decoder-only models)"
-    from .attention import without_cudnn
     from .pool import rows_possible
     from .probe import probe
     from .server import DecodeServer, reads_in_place
@@ -279,7 +279,7 @@ def alone(gm, why: str, args, kwargs):
     # Outside torch.inference_mode, where the caller is in it: the static cache is allocated
     # by the prompt's forward, and inference tensors could not be written by a capture.
     try:
-        with generate_lock(module), torch.inference_mode(False):
+        with generate_lock(module), torch.inference_mode(False), without_cudnn(_device(module)):
             per_call = why != gm.__dict__.get("_gw_decode_why")  # this call's settings, not the model
             return decode.generate(gm.engine, gm.__dict__, module, args, kwargs,
                                    not_shared=why if per_call else None)
@@ -291,6 +291,11 @@ def alone(gm, why: str, args, kwargs):
             except Exception:  # noqa: BLE001 - the call's own error is the one raised
                 pass
         raise
+
+
+def _device(module) -> Optional[torch.device]:
+    p = next(module.parameters(), None)
+    return p.device if p is not None else None
 
 
 def submit(gm, args, kwargs, block: bool = True, seed: Optional[int] = None) -> concurrent.futures.Future:

@@ -37,7 +37,7 @@ import torch
 
 from ..errors import GraphwrapError
 from . import captures, growth, paged_attention, pieces
-from .attention import folding, sdpa_model
+from .attention import folding, sdpa_model, without_cudnn
 from .calls import Call, Closed, Logprobs, QueueFull, Sinks, check_call, finish, put_token
 from .captures import Captures, on_stream
 from .delivery import OUTBOX, Mailbox, on_worker
@@ -485,7 +485,8 @@ class DecodeServer:
 def make_cache(model, rows: int, max_len: int, device: torch.device, cache_memory: float, paged: Optional[bool]):
     """``(plan, store, fold)``: the cache's layout and size (:mod:`.pool`), its tensors, and the
     attention the steps run in (grouped key heads folded; a paged pool read in place)."""
-    keys, values = cache_layout(model, device)
+    with without_cudnn(device):
+        keys, values = cache_layout(model, device)
     in_place = reads_in_place(model, device)
     plan = plan_cache(rows, max_len, _token_bytes(keys, values), _free_memory(device), cache_memory, paged, in_place)
     logger.info("decode cache of %s: %s", type(model).__name__, plan.why)
