@@ -32,7 +32,7 @@ def kind(name: str) -> str:
     n = name.lower()
     if any(k in n for k in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "splitk")):
         return "matrix products"
-    if any(k in n for k in ("attend", "attention", "fmha", "flash", "softmax")):
+    if any(k in n for k in ("attend", "attention", "fmha", "flash", "softmax", "paged_decode")):
         return "attention"
     if "memcpy" in n or "memset" in n:
         return "copies"
@@ -71,7 +71,10 @@ def main():
     a = ap.parse_args()
     name = torch.cuda.get_device_name()
     bw = next((v for k, v in BANDWIDTH.items() if k in name), 3.35e12)
-    print(f"step_profile {a.model}: {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
+    import graphwrap
+
+    print(f"step_profile {a.model}: {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, graphwrap from "
+          f"{os.path.dirname(graphwrap.__file__)}", flush=True)
     model = g._model(a.model, DEV)
     gm = GraphedModule(model)
     reqs = g.workload(model.config.vocab_size)
