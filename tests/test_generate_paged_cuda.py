@@ -140,7 +140,7 @@ def test_long_prompts_in_pieces_beside_replayed_steps(monkeypatch, paged):
 
 def test_pieces_and_shapes_not_yet_captured_run_without_cudnn_attention(monkeypatch):
     """The batch's eager forwards (a long prompt's pieces, here) run with torch's cuDNN attention
-    off (a cuDNN graph built per new shape cost 60-70 ms each on an H200), and the switch is
+    off (a cuDNN graph built per new shape cost 40-45 ms each on an H200), and the switch is
     back on once the batch is idle."""
     from graphwrap.decoding.step import ChunkStep
 

@@ -149,11 +149,11 @@ class without_cudnn:
     cuDNN backend; flash and memory-efficient kernels serve instead.
 
     Where torch prefers cuDNN's attention (Hopper and later, with a recent cuDNN), the first call
-    at each new shape builds a cuDNN graph on the host: on an H200 with torch 2.11, the shared
-    batch's first burst took 9.4 s with it against 2.3 s without (GPT-2, a fresh process), a
-    7B model's first ``model.generate`` calls ran at a third of their pace, and each piece of a
-    long prompt (a new key length every time) cost 60-70 ms more
-    (``benchmarks/diagnostics/sdpa_shapes.py``). The batch's eager forwards (pieces, shapes not
+    at each new shape builds a cuDNN graph on the host: 40-45 ms on an H200 with torch 2.11
+    (``benchmarks/diagnostics/sdpa_shapes.py``). The shared batch's first burst took 9.4 s with
+    it against 2.3 s without (GPT-2, a fresh process), a 7B model's first ``model.generate``
+    calls ran at a third of their pace, and each piece of a long prompt (a new key length every
+    time) took 87 ms of the decode thread against 32. The batch's eager forwards (pieces, shapes not
     captured yet, the probe, the cache's layout) and its captures meet new shapes all the time,
     as does a call in the one-call loop (its prompt's length); the batch's replays of captured
     graphs are not wrapped, and run whichever kernels their capture chose.
