@@ -176,3 +176,10 @@ def test_without_cudnn_from_many_threads_ends_as_it_began():
 
     assert thread_results(one, 8) == list(range(8))
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_without_cudnn_puts_the_switch_back_when_its_block_raises():
+    with pytest.raises(RuntimeError, match="a forward failed"):
+        with attention.without_cudnn(torch.device("cuda")):
+            raise RuntimeError("a forward failed")
+    assert torch.backends.cuda.cudnn_sdp_enabled()
