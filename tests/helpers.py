@@ -363,6 +363,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_cli(model_dir: str, *args: str, timeout: float = 120.0):
+    """``python -m graphwrap serve model_dir --port P *args`` started as a user runs it, and
+    waited for until ``/health`` answers 200: ``(process, port)`` (output on its stdout)."""
+    import http.client
+    import os
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen([sys.executable, "-m", "graphwrap", "serve", model_dir, "--port", str(port), *args],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        if p.poll() is not None or time.monotonic() >= deadline:
+            p.kill()
+            raise AssertionError(f"the server did not start: {p.communicate()[0]}")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return p, port
+        except OSError:  # (not listening yet)
+            time.sleep(0.2)
+
+
 def post_json(port: int, body, route: str, timeout: float = 120):
     """POST ``body`` (an object sent as JSON, or bytes as they are) to ``/route``: (status, JSON answer)."""
     import json

@@ -6,10 +6,7 @@ request ends alone with its status; a client that goes away frees its row."""
 import argparse
 import http.client
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,11 +18,9 @@ pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e
 uvicorn = pytest.importorskip("uvicorn", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
 
 import tiny_lm  # noqa: E402
-from helpers import free_port  # noqa: E402
+from helpers import free_port, serve_cli  # noqa: E402
 
 from graphwrap.serve.api import cli, make_app  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _args(path, **kw):
@@ -539,21 +534,8 @@ def test_models_health_and_metrics(srv):
 
 
 def test_sigterm_lets_running_requests_finish_and_refuses_new_ones(model_dir):
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.Popen([sys.executable, "-m", "graphwrap", "serve", model_dir, "--port", str(port), "--drain", "20"],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p, port = serve_cli(model_dir, "--drain", "20")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert p.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    break
-            except OSError:
-                time.sleep(0.2)
         _, r = _stream_begun(port, {"prompt": "the", "max_tokens": 240, "temperature": 0})
         p.send_signal(signal.SIGTERM)
         rest = r.read().decode()

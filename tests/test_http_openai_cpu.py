@@ -5,9 +5,7 @@ the API has them, log-probabilities the model's; a stream closed by the client f
 full queue is ``RateLimitError`` (429); a bad request ``BadRequestError`` (400)."""
 
 import json
-import os
 import subprocess
-import sys
 import threading
 import time
 
@@ -19,10 +17,8 @@ pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e
 openai = pytest.importorskip("openai", reason='needs the openai client: pip install -e ".[test]"')
 
 import tiny_lm  # noqa: E402
-from helpers import free_port  # noqa: E402
+from helpers import serve_cli  # noqa: E402
 from test_http_cpu import model_logprobs  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def curl(url):
@@ -36,20 +32,8 @@ def curl(url):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     model_dir = tiny_lm.make(str(tmp_path_factory.mktemp("tiny_lm_openai")))
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.Popen([sys.executable, "-m", "graphwrap", "serve", model_dir, "--port", str(port),
-                          "--served-model-name", "tiny", "--rows", "2", "--max-queue", "2"],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p, port = serve_cli(model_dir, "--served-model-name", "tiny", "--rows", "2", "--max-queue", "2")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert p.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if curl(f"http://127.0.0.1:{port}/health")[0] == 200:
-                    break
-            except subprocess.CalledProcessError:  # (not listening yet)
-                time.sleep(0.2)
         tok = tr.AutoTokenizer.from_pretrained(model_dir)
         model = tr.AutoModelForCausalLM.from_pretrained(model_dir).eval()
         yield port, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0), tok, model
