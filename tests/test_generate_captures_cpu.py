@@ -76,6 +76,27 @@ def test_a_twin_points_every_row_at_the_capture_blocks_one_position_each():
     assert twin.keys[0] is store.keys[0], "the same pools"
 
 
+def test_a_piece_twin_writes_only_the_pieces_capture_blocks():
+    from graphwrap.decoding.pool import PIECE, blocks_for
+
+    store = PagedStore(20, 256, "cpu", BLOCK, scratch_blocks(20, BLOCK) + 12)
+    store.allocate([torch.zeros(1, 2, 1, 8)], [torch.zeros(1, 2, 1, 8)])
+    twin = store.piece_twin(PIECE)
+    first = 21 + blocks_for(21, BLOCK)  # after the rows' scratch blocks and the steps' capture blocks
+    own = blocks_for(PIECE, BLOCK)
+    line = twin.table[0].tolist()
+    assert line[:own] == list(range(first, first + own)), "the piece's positions in blocks of their own"
+    assert set(line) == set(range(first, first + own)) and first + own <= scratch_blocks(20, BLOCK)
+    assert store.table[0].tolist() == [0] * store.per_row, "the cache's own table untouched"
+    window = twin.piece_window(PIECE, 256)
+    twin.at.copy_(torch.tensor([0, PIECE, 0]))
+    before = store.keys[0].clone()
+    k = torch.randn(1, 2, PIECE, 8)
+    window.layers[0].update(k, k.clone())
+    changed = (store.keys[0] != before).flatten(1).any(1).nonzero().flatten().tolist()
+    assert changed and set(changed) <= set(range(first, first + own))
+
+
 def test_a_twin_loads_the_cache_metadata_and_copies_the_table_only_when_it_changed():
     store = _store(rows=4)
     twin = store.twin()
@@ -119,7 +140,7 @@ def _captured_beside(model, **decode):
     gm = GraphedModule(model, decode=decode)
     gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)  # makes the batch
     server = gm.__dict__["_gw_decode"]
-    for engine in (server.engine, server.prefill_engine):
+    for engine in (server.engine, server.prefill_engine, server.piece_engine):
         engine.backend, engine.where = CpuBackend(), None
     server.start_captures()
     return gm, server
@@ -151,6 +172,34 @@ def test_tokens_are_the_models_while_shapes_are_captured_beside_the_decode_threa
     assert all(t.base is server.store for t in twins) and len({id(t.table) for t in twins}) == len(twins)
     gm.close()
     assert not server.captures.thread.is_alive(), "closing the batch ends its capturing thread"
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_long_prompts_pieces_are_captured_beside_and_then_replayed_with_the_models_tokens(monkeypatch, kind):
+    """Pieces of a long prompt (8 positions here) go to graphs of their (width, span) shape,
+    captured over a twin whose row writes only the piece's capture blocks, then replayed over the
+    cache's own table (the piece's place read from the device); tokens as model.generate's."""
+    from graphwrap.decoding import server as server_mod
+
+    monkeypatch.setattr(server_mod, "CHUNK", 8)
+    model = _model(kind)
+    gm, server = _captured_beside(model, rows=4)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 101, (n,), generator=g).tolist() for n in (30, 4, 21, 9, 17)]
+    news = [7, 30, 9, 12, 5]
+    for _ in range(2):  # first while the pieces' shapes are captured, then served by them
+        got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i],
+                                                   do_sample=False), len(prompts))
+        for p, n, out in zip(prompts, news, got):
+            assert torch.equal(out, _alone(model, p, n))
+        _idle(server)
+    d = gm.stats()["decode"]
+    pieces = {s for s in d["shapes"] if s[0] == "piece"}
+    assert pieces and all(w == 8 for _, w, _ in pieces), d["shapes"]
+    assert d["capture_failed"] == {}
+    replays = sum(b["replays"] for k in server.piece_engine.stats()["keys"] for b in k["buckets"].values())
+    assert replays > 0, "pieces replayed"
+    gm.close()
 
 
 def test_a_capture_that_fails_leaves_its_shape_to_eager_forwards_and_says_why(caplog):

@@ -8,7 +8,7 @@ from helpers import thread_results
 
 from graphwrap import GraphedModule, GraphwrapError
 from graphwrap.decoding import server as server_mod
-from graphwrap.decoding.pool import BLOCK, Blocks, plan_cache, rows_possible, scratch_blocks
+from graphwrap.decoding.pool import BLOCK, PIECE, Blocks, plan_cache, rows_possible, scratch_blocks
 from graphwrap.decoding.scheduler import Scheduler, Seq
 from graphwrap.decoding.settings import SeqSettings
 
@@ -79,9 +79,9 @@ def test_the_plan_keeps_whole_rows_where_they_fit_the_budget_and_pages_where_not
     small = plan_cache(rows=4, max_len=64, token_bytes=1000, free=10**12)
     assert small.paged is False
     roomy = plan_cache(rows=4, max_len=64, token_bytes=1000, free=10**12, paged=True)
-    # Never more blocks than every row whole, a scratch block each (and the padding prompts'), and
-    # one capture block per BLOCK of those 5.
-    assert roomy.blocks == 4 * (64 // BLOCK) + 5 + 1, "never more blocks than every row whole and the scratch blocks"
+    # Never more blocks than every row whole, a scratch block each (and the padding prompts'), one
+    # capture block per BLOCK of those 5, and a piece's capture blocks.
+    assert roomy.blocks == 4 * (64 // BLOCK) + 5 + 1 + PIECE // BLOCK, "never more blocks than every row whole and the scratch blocks"
     with pytest.raises(MemoryError, match="holds no block"):
         plan_cache(rows=4, max_len=64, token_bytes=10**6, free=10**6)
 
@@ -100,7 +100,7 @@ def test_the_rows_layout_is_probed_only_where_the_plan_may_choose_it():
 def test_a_cpu_pool_starts_small_and_may_grow_to_every_row_whole():
     p = plan_cache(rows=64, max_len=1024, token_bytes=1000, free=None)
     assert p.paged and p.budget is None
-    scratch = 65 + 5  # a block per row and the padding prompts', and the capture blocks (65 positions)
+    scratch = 65 + 5 + PIECE // BLOCK  # a block per row and the padding prompts', the capture blocks (65 positions), a piece's
     assert p.blocks == 64 * (256 // BLOCK) + scratch and p.most == 64 * (1024 // BLOCK) + scratch
     assert p.scratch == scratch
 
@@ -303,25 +303,34 @@ def test_long_prompts_go_in_pieces_beside_rows_that_decode(monkeypatch, paged):
     gm.close()
 
 
-def test_a_failing_piece_fails_its_call_alone(monkeypatch):
-    from graphwrap.decoding.step import ChunkStep
+@pytest.mark.parametrize("paged", [True, False])
+def test_a_failing_piece_fails_its_call_alone(monkeypatch, paged):
+    from graphwrap.decoding.step import ChunkStep, PieceStep
 
     monkeypatch.setattr(server_mod, "CHUNK", 8)
-    forward = ChunkStep.forward
+    chunk, piece = ChunkStep.forward, PieceStep.forward
 
-    def fails_on_start_8(self, input_ids, start, rows):
+    def chunk_fails_on_start_8(self, input_ids, start, rows):
         if start == 8:
             raise RuntimeError("a piece failed")
-        return forward(self, input_ids, start, rows)
+        return chunk(self, input_ids, start, rows)
 
-    monkeypatch.setattr(ChunkStep, "forward", fails_on_start_8)
+    def piece_fails_on_start_8(self, input_ids, at, rows):
+        if int(at[0]) == 8:
+            raise RuntimeError("a piece failed")
+        return piece(self, input_ids, at, rows)
+
+    monkeypatch.setattr(ChunkStep, "forward", chunk_fails_on_start_8)
+    monkeypatch.setattr(PieceStep, "forward", piece_fails_on_start_8)
     model = _model()
-    gm = GraphedModule(model)
+    gm = GraphedModule(model, decode={"paged": paged})
     ok = gm.submit_generate(torch.tensor([[5, 6, 7]]), max_new_tokens=30, do_sample=False)
     with pytest.raises(RuntimeError, match="a piece failed"):
         gm.generate(torch.tensor([list(range(2, 22))]), max_new_tokens=5, do_sample=False)
     assert torch.equal(ok.result(timeout=60), _alone(model, [5, 6, 7], max_new_tokens=30))
-    assert gm.stats()["decode"]["cache_blocks"]["used"] == 0
+    assert gm.stats()["decode"]["cache"] == ("paged" if paged else "rows")
+    if paged:
+        assert gm.stats()["decode"]["cache_blocks"]["used"] == 0
     gm.close()
 
 
@@ -334,7 +343,7 @@ def test_a_prompt_past_2048_tokens_on_a_model_of_4096_positions_is_served():
     assert torch.equal(got[0], _alone(model, prompt, max_new_tokens=6))
     assert torch.equal(got[1], _alone(model, short, max_new_tokens=20))
     d = gm.stats()["decode"]
-    assert d["max_len"] == 4096 and d["prefill_pieces"] == 5
+    assert d["max_len"] == 4096 and d["prefill_pieces"] == 20, "2,500 positions in pieces of 128"
     gm.close()
 
 

@@ -142,17 +142,22 @@ def test_pieces_and_shapes_not_yet_captured_run_without_cudnn_attention(monkeypa
     """The batch's eager forwards (a long prompt's pieces, here) run with torch's cuDNN attention
     off (a cuDNN graph built per new shape cost 40-45 ms each on an H200), and the switch is
     back on once the batch is idle."""
-    from graphwrap.decoding.step import ChunkStep
+    from graphwrap.decoding.step import ChunkStep, PieceStep
 
     monkeypatch.setattr(server_mod, "CHUNK", 32)
     seen = []
-    forward = ChunkStep.forward
+    chunk, piece = ChunkStep.forward, PieceStep.forward
 
     def noted(self, input_ids, start, rows):
         seen.append(torch.backends.cuda.cudnn_sdp_enabled())
-        return forward(self, input_ids, start, rows)
+        return chunk(self, input_ids, start, rows)
+
+    def noted_piece(self, input_ids, at, rows):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return piece(self, input_ids, at, rows)
 
     monkeypatch.setattr(ChunkStep, "forward", noted)
+    monkeypatch.setattr(PieceStep, "forward", noted_piece)
     model = _model()
     gm = GraphedModule(model)
     reqs = _requests(4, seed=2, lens=(70, 100))
@@ -161,6 +166,26 @@ def test_pieces_and_shapes_not_yet_captured_run_without_cudnn_attention(monkeypa
     assert seen and not any(seen), seen
     gm.close()
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_a_long_prompts_pieces_replay_their_graphs_beside_replayed_steps(monkeypatch):
+    """Every shape captured ahead (pieces of 32 positions here, a graph per span bucket), then
+    long prompts beside short ones: the pieces replay, the tokens are model.generate's."""
+    monkeypatch.setattr(server_mod, "CHUNK", 32)
+    model = _model()
+    gm = GraphedModule(model)
+    assert gm.capture_generate(timeout=300)
+    d = gm.stats()["decode"]
+    assert any(s[0] == "piece" for s in d["shapes"]), d["shapes"]
+    reqs = _requests(12, seed=4, lens=(3, 300))
+    got = thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False), 12)
+    _check(model, reqs, got)
+    server = gm.__dict__["_gw_decode"]
+    replays = sum(b["replays"] for k in server.piece_engine.stats()["keys"] for b in k["buckets"].values())
+    d = gm.stats()["decode"]
+    assert d["prefill_pieces"] > 0 and replays > 0 and d["capture_failed"] == {}
+    assert d["eager_forwards"].get("piece", 0) == 0, "every piece served by a graph"
+    gm.close()
 
 
 def test_the_pool_keeps_to_its_share_of_the_free_memory():

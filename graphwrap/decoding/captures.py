@@ -61,6 +61,9 @@ def every_shape(server, timeout: Optional[float] = None) -> bool:
     for k in server.prompts.row_buckets:
         for width in server.prompts.width_buckets:
             caps.want(("prefill", k, width), AHEAD)
+    if server.piece_engine is not None and server.max_len > server.chunk:
+        for span in sorted({store.piece_span(b) for b in server.sched.span_buckets if b >= server.piece}):
+            caps.want(("piece", server.piece, span), AHEAD)
     return caps.finish(timeout)
 
 
@@ -195,13 +198,20 @@ class Captures:
         """Capture ``shape`` over a new twin of the cache; None once its graph serves, else why not."""
         server = self.server
         kind, n, width = shape
-        twin = server.store.twin()
         device = server.device
-        if kind == "step":
+        if kind == "piece":  # (n: the piece's positions; width: the span it attends over)
+            twin = server.store.piece_twin(n)
+            engine = server.piece_engine
+            args: tuple = (torch.zeros((1, n), dtype=torch.long, device=device),
+                           torch.tensor([0, n, 0], dtype=torch.long, device=device))
+            kwargs = {"rows": twin.piece_window(n, width)}
+        elif kind == "step":
+            twin = server.store.twin()
             engine = server.engine
-            args: tuple = (torch.zeros((n, 1), dtype=torch.long, device=device),)
+            args = (torch.zeros((n, 1), dtype=torch.long, device=device),)
             kwargs = {"rows": twin.window(width)}
         else:
+            twin = server.store.twin()
             engine = server.prefill_engine
             args = (torch.zeros((n, width), dtype=torch.long, device=device),
                     torch.full((n,), width, dtype=torch.long, device=device),

@@ -124,7 +124,7 @@ def _make(held: dict, module):
     from .pool import rows_possible
     from .probe import probe
     from .server import DecodeServer, reads_in_place
-    from .step import DecodeStep, PrefillStep
+    from .step import DecodeStep, PieceStep, PrefillStep
 
     device = next(module.parameters()).device
     in_place = reads_in_place(module, device)
@@ -143,20 +143,23 @@ def _make(held: dict, module):
                                     eager_if_faster=False, decode=False,
                                     max_keys=max(opts.max_keys, _shapes(rows, cfg["max_len"])))
     step, prefill = Engine(DecodeStep(module), step_opts), Engine(PrefillStep(module), step_opts)
+    piece = Engine(PieceStep(module), step_opts)
     # What the GraphedModule has logged once (no CUDA, say) is not logged again by the batch's engines.
-    step.logged = prefill.logged = held["_gw_engine"].logged
+    step.logged = prefill.logged = piece.logged = held["_gw_engine"].logged
     return DecodeServer(module, step, prefill, rows, cfg["max_len"], cfg["max_queue"], cfg["positions"],
-                        cfg.get("cache_memory", CACHE_MEMORY), cfg.get("paged")), None
+                        cfg.get("cache_memory", CACHE_MEMORY), cfg.get("paged"), piece), None
 
 
 def _shapes(rows: int, max_len: int) -> int:
-    """Keys an engine of the batch may need: a graph of each step shape (row and span buckets)
-    or prompt shape (row and width buckets), each over a twin of its own, twice over."""
+    """Keys an engine of the batch may need: a graph of each step shape (row and span buckets),
+    prompt shape (row and width buckets) or piece shape (span buckets), each over a twin of its
+    own, twice over."""
     from .step import CHUNK, Prompts
 
     prompts = Prompts(rows, min(max_len, CHUNK), rows)
-    steps = len(buckets_upto(rows, (1, 2, 4, 8, 16))) * len(buckets_upto(max_len, (64, 128, 256)))
-    return 2 * max(steps, len(prompts.row_buckets) * len(prompts.width_buckets))
+    spans = len(buckets_upto(max_len, (64, 128, 256)))
+    steps = len(buckets_upto(rows, (1, 2, 4, 8, 16))) * spans
+    return 2 * max(steps, len(prompts.row_buckets) * len(prompts.width_buckets), spans)
 
 
 def plan(held: dict, module, args, kwargs):

@@ -184,6 +184,49 @@ class PagedChunkLayer(WindowLayer):
         return self.start
 
 
+class PagedPieceLayer(WindowLayer):
+    """One layer of a piece of a long prompt in a paged row, as a graph runs it: the piece's place
+    comes from the store's ``at`` (start, valid positions, row: written by the forward from its
+    input); its keys go at ``[start, start + valid)`` of the row's blocks (the padding after them
+    into the row's own scratch block), and attention sees the row's first ``span`` positions,
+    gathered (the mask hides what the piece may not see)."""
+
+    def __init__(self, keys: Tensor, values: Tensor, store, width: int, span: int):
+        super().__init__(keys, values, span)
+        self.store, self.width = store, width
+        self.lines = span // store.block
+        self.steps = torch.arange(width, device=store.device)
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        store = self.store
+        at = store.at
+        line = store.table.index_select(0, at[2:3])[0]  # the row's blocks
+        pos = (at[0] + self.steps).clamp_(max=store.per_row * store.block - 1)
+        kept = self.steps < at[1]
+        where = torch.where(kept, line[pos // store.block], at[2])  # (padding: the row's scratch block, its number)
+        offset = pos % store.block
+        self.keys[where, offset] = key_states[0].transpose(0, 1).to(self.keys.dtype)
+        self.values[where, offset] = value_states[0].transpose(0, 1).to(self.values.dtype)
+        seen = line[:self.lines]
+        return self._seen(self.keys, seen), self._seen(self.values, seen)
+
+    def _seen(self, pool: Tensor, seen: Tensor) -> Tensor:
+        return pool[seen].flatten(0, 1).transpose(0, 1)[None]  # [1, heads, span, dim]
+
+    def get_seq_length(self, *args, **kwargs):
+        return 0
+
+
+class PieceWindow(Cache):
+    """What a piece of a long prompt writes through and attends over, as a ``Cache`` (one per
+    piece shape: a graph over it replays for any piece of that shape)."""
+
+    def __init__(self, store, layers: list):
+        super().__init__(layers=layers)
+        self.at = store.at
+        self.capture_restores = [store.at]
+
+
 class RowWindow(Cache):
     """The first ``span`` positions of every row of a store, as a ``Cache``."""
 

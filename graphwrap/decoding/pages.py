@@ -32,7 +32,7 @@ the lengths and live flags copied back after (:meth:`PagedStore.load`, :meth:`Pa
 """
 
 import copy
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -61,6 +61,8 @@ class PagedStore(Store):
         self.seen = -1  # (a twin's) the version its table holds
         self.twins: List["PagedStore"] = []
         self.direct_keys: List[Tensor] = []  # what a layer hands the attention for each layer: the pool, marked
+        self.at = torch.zeros(3, dtype=torch.long, device=self.device)  # a piece's start, valid positions and row
+        self.piece_windows: Dict[Tuple[int, int], object] = {}
 
     def allocate(self, layer_keys: List[Tensor], layer_values: List[Tensor]):
         """Allocate every layer's pool from one prompt cache's tensors (``[batch, heads, len, dim]``)."""
@@ -92,10 +94,22 @@ class PagedStore(Store):
         t.slots = torch.full_like(self.slots, self.scratch)
         t.table = (first + self.index // self.block)[:, None].repeat(1, self.per_row)
         assert first + blocks_for(rows1, self.block) <= self.blocks, "the pool holds no capture blocks"
-        t.windows, t.prompt_windows, t.twins = {}, {}, []
+        t.windows, t.prompt_windows, t.piece_windows, t.twins = {}, {}, {}, []
+        t.at = torch.zeros_like(self.at)
         t.base, t.seen = self, -1
         t._mark()
         self.twins.append(t)
+        return t
+
+    def piece_twin(self, width: int) -> "PagedStore":
+        """A twin laid out for a piece's capture: row 0's line is the piece's own capture blocks
+        (after the steps'), over and over, so the piece writes positions ``[0, width)`` there and
+        every position it reads was written by that same forward or is masked."""
+        t = self.twin()
+        first = self.rows + 1 + blocks_for(self.rows + 1, self.block)
+        own = blocks_for(width, self.block)
+        assert first + own <= self.blocks, "the pool holds no capture blocks for a piece"
+        t.table[0] = first + torch.arange(self.per_row, device=self.device) % own
         return t
 
     def load(self, twin: "PagedStore"):
@@ -146,6 +160,7 @@ class PagedStore(Store):
             s.blocks = blocks
             s.windows.clear()
             s.prompt_windows.clear()
+            s.piece_windows.clear()
             s._mark()
 
     def step_span(self, span: int) -> int:
@@ -166,3 +181,18 @@ class PagedStore(Store):
 
     def chunk_layers(self, row: int, start: int, width: int) -> list:
         return [_layers().PagedChunkLayer(k, v, self, row, start, width) for k, v in zip(self.keys, self.values)]
+
+    def piece_span(self, bucket: int) -> int:
+        """The positions a piece attends over, for a span bucket: whole blocks, at most a row's."""
+        return min(blocks_for(bucket, self.block), self.per_row) * self.block
+
+    def piece_window(self, width: int, span: int):
+        """What a piece of ``width`` positions of a long prompt writes through and attends over
+        (its row's first ``span`` positions), the piece's place read from ``at`` (made once per
+        shape, so a graph over it replays)."""
+        w = self.piece_windows.get((width, span))
+        if w is None:
+            lay = _layers()
+            w = self.piece_windows[(width, span)] = lay.PieceWindow(self, [
+                lay.PagedPieceLayer(k, v, self, width, span) for k, v in zip(self.keys, self.values)])
+        return w

@@ -16,7 +16,7 @@ from . import paged_attention
 from .attention import folding
 from .pages import PagedStore
 from .rows import RowStore
-from .step import ChunkStep, DecodeStep, PrefillStep, Prompts, cache_layout, layer_windows, output_cache
+from .step import ChunkStep, DecodeStep, PieceStep, PrefillStep, Prompts, cache_layout, layer_windows, output_cache
 
 STEPS = 4
 
@@ -76,6 +76,10 @@ def _through(model, device, store) -> Optional[str]:
         why = _differ(piece[0].float(), want[1], model)
         if why is not None:
             return f"{why}, for a prompt in pieces"
+        if isinstance(store, PagedStore):  # the pieces as their graphs run them, the last one padded
+            why = _pieces(model, device, store, p, want[1])
+            if why is not None:
+                return f"{why}, for a prompt in pieces read from the device"
         ids = torch.zeros((2, 1), dtype=torch.long, device=device)
         for _ in range(STEPS):
             ref = torch.stack(want[::-1])  # rows 0, 1 hold prompts 1, 0
@@ -90,6 +94,19 @@ def _through(model, device, store) -> Optional[str]:
                 out = model(input_ids=tok, use_cache=True, return_dict=True, **{step.cache_name: c})
                 want[i] = out.logits[0, -1].float()
         return _differ(got[-1], torch.stack(want[::-1]), model)
+
+
+def _pieces(model, device, store, prompt, want) -> Optional[str]:
+    """``prompt`` through :class:`PieceStep` into row 3 (blocks out of order), 4 positions a
+    piece over a window of 8, the last piece padded: its logits against the model's own."""
+    store.assign([3], [[36, 23, 34, 26, 27, 35, 29, 31]])
+    piece = PieceStep(model)
+    for a in range(0, len(prompt), 4):
+        ids = torch.zeros((1, 4), dtype=torch.long, device=device)
+        ids[0, :len(prompt[a:a + 4])] = torch.tensor(prompt[a:a + 4], device=device)
+        at = torch.tensor([a, len(prompt[a:a + 4]), 3], device=device)
+        logits = piece(ids, at, store.piece_window(4, 8))
+    return _differ(logits[0].float(), want, model)
 
 
 def _differ(got: torch.Tensor, want: torch.Tensor, model) -> Optional[str]:

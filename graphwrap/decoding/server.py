@@ -43,7 +43,7 @@ from .captures import Captures, on_stream
 from .delivery import OUTBOX, Mailbox, on_worker
 from .inflight import Tokens
 from .pages import PagedStore
-from .pool import CACHE_MEMORY, Blocks, plan_cache
+from .pool import CACHE_MEMORY, PIECE, Blocks, plan_cache
 from .report import Turns, report
 from .rows import RowStore, to_device
 from .sampling import Active, RowSettings, logprobs
@@ -86,8 +86,10 @@ class DecodeServer:
     """Continuous batching for one Hugging Face model (see :meth:`GraphedModule.generate`)."""
 
     def __init__(self, model, step_engine, prefill_engine, rows: int, max_len: int, max_queue: int,
-                 positions: Optional[int] = None, cache_memory: float = CACHE_MEMORY, paged: Optional[bool] = None):
+                 positions: Optional[int] = None, cache_memory: float = CACHE_MEMORY, paged: Optional[bool] = None,
+                 piece_engine=None):
         self.model, self.engine, self.prefill_engine = model, step_engine, prefill_engine
+        self.piece_engine = piece_engine  # a long prompt's pieces, in the paged pool (see pieces.py)
         p = next(model.parameters())
         self.device = p.device
         self.rows, self.max_len, self.max_queue, self.positions = rows, max_len, max_queue, positions
@@ -97,7 +99,7 @@ class DecodeServer:
                                Blocks(self.cache.blocks, self.cache.scratch) if self.cache.paged else None, self.cache.block)
         self.vocab = _vocab(model)
         self.settings = RowSettings(rows, max_len, self.device, _out_vocab(model, self.vocab))
-        self.chunk = CHUNK
+        self.chunk, self.piece = CHUNK, min(PIECE, CHUNK)  # prompts longer than a chunk go in pieces
         self.prompts = Prompts(rows, min(max_len, self.chunk), self.store.scratch)
         self.chunker = ChunkStep(model)
         self.next_ids = torch.zeros((rows, 1), dtype=torch.long, device=self.device)

@@ -100,6 +100,44 @@ class ChunkStep(nn.Module):
         return out.logits[:, -1]
 
 
+class PieceStep(nn.Module):
+    """One piece of a long prompt in its row, as a graph runs it: ``[1, width]`` token ids (the
+    piece, right-padded) and ``at`` ``[3]`` (its start, its valid positions, its row: on the
+    device) -> the logits of its last valid position ``[1, vocab]``. The piece sees its row's
+    earlier positions and its own, causally, within a window of ``span`` positions of the row."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.cache_name = cache_keyword(model)
+        self.masks = Masks(layer_windows(model))
+        self.training = model.training
+
+    def forward(self, input_ids: Tensor, at: Tensor, rows) -> Tensor:
+        width = input_ids.shape[1]
+        rows.at.copy_(at)
+        span = rows.layers[0].span
+        start = rows.at[0]
+        mask = self.masks(piece_mask, start, width, span, _mask_dtype(self.model))
+        pos = (start + torch.arange(width, device=input_ids.device))[None]
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True, return_dict=True,
+                         **{self.cache_name: rows})
+        return out.logits[0].index_select(0, rows.at[1:2] - 1)
+
+
+def piece_mask(start: Tensor, width: int, span: int, dtype: torch.dtype, window: Optional[int] = None) -> Tensor:
+    """The additive 4-D mask ``[1, 1, width, span]`` of a piece from position ``start`` (a device
+    scalar): query ``i`` sees positions up to ``start + i`` (and, with a window, after
+    ``start + i - window``)."""
+    q = torch.arange(width, device=start.device)[:, None] + start
+    kv = torch.arange(span, device=start.device)[None, :]
+    seen = kv <= q
+    if window:
+        seen = seen & (kv > q - window)
+    zero = torch.zeros((), dtype=dtype, device=start.device)
+    return torch.where(seen, zero, torch.finfo(dtype).min)[None, None]
+
+
 def chunk_mask(start: int, width: int, dtype: torch.dtype, device, window: Optional[int] = None) -> Tensor:
     """The additive 4-D mask ``[1, 1, width, start + width]`` of a piece of a prompt: query ``i``
     sees positions up to ``start + i`` (and, with a window, after ``start + i - window``)."""
