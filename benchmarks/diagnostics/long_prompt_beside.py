@@ -1,15 +1,18 @@
 """A long prompt beside decoding rows, by the width of its pieces: a Llama-3-8B shape (fp16,
 random weights), one 6,000-token prompt sent while 32 requests decode (the generate-large
-scenario), once to warm up, then with pieces of each width in turn (``--widths``, the batch's
-``chunk``) in this one batch: the long prompt's time, the others' gaps between tokens
-(p50, p99, longest), and its 16 tokens against ``model.generate``'s.
+scenario), once to warm up, then with pieces of each width in turn (``--widths``: the batch's
+``piece`` in the paged pool, its pieces replays of their span bucket's graph; its ``chunk``
+too, the threshold past which a prompt goes in pieces) in this one batch: the long prompt's
+time, the others' gaps between tokens (p50, p99, longest), and its 16 tokens against
+``model.generate``'s. ``--ahead`` captures every shape first (``gm.capture_generate``).
 
-``python3 benchmarks/diagnostics/long_prompt_beside.py [--widths 512,256,128]`` from the
+``python3 benchmarks/diagnostics/long_prompt_beside.py [--widths 128] [--ahead]`` from the
 repository root, on a GPU.
 """
 
 import argparse
 import sys
+import time
 
 import torch
 
@@ -31,7 +34,8 @@ class _Results:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--widths", default="512,256,128")
+    ap.add_argument("--widths", default="128")
+    ap.add_argument("--ahead", action="store_true", help="gm.capture_generate() before the runs")
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--no-cudnn", action="store_true", help="torch's cuDNN attention turned off for the run")
     a = ap.parse_args()
@@ -42,12 +46,17 @@ def main():
     gm = GraphedModule(model)
     gm.generate(input_ids=torch.randint(3, 1000, (1, 20), device=DEV), max_new_tokens=2, do_sample=False)
     server = gm.__dict__["_gw_decode"]
+    if a.ahead:
+        t0 = time.perf_counter()
+        gm.capture_generate()
+        print(f"every shape captured ahead in {time.perf_counter() - t0:.1f} s", flush=True)
     results = _Results()
-    print("warm-up run, pieces of 512 beside the others:", flush=True)
-    server.chunk = 512
+    print(f"warm-up run, pieces of {server.piece} (graphs: {server.piece_engine is not None}):", flush=True)
     _long("warm-up", gm, model, DEV, results)
     for w in (int(x) for x in a.widths.split(",")):
-        server.chunk = w
+        server.piece = server.chunk = w
+        if w == 128:
+            server.chunk = 512  # (the default: prompts past 512 go in pieces of 128)
         pieces = server.counts["prefill_pieces"]
         _long(f"pieces of {w}", gm, model, DEV, results)
         args, extra = results.rows[-1]
