@@ -1,8 +1,8 @@
 """A long prompt beside decoding rows, by the width of its pieces: a Llama-3-8B shape (fp16,
 random weights), one 6,000-token prompt sent while 32 requests decode (the generate-large
 scenario), once to warm up, then with pieces of each width in turn (``--widths``: the batch's
-``piece`` in the paged pool, its pieces replays of their span bucket's graph; its ``chunk``
-too, the threshold past which a prompt goes in pieces) in this one batch: the long prompt's
+``piece`` in the paged pool, its pieces replays of their span bucket's graph; elsewhere its
+``chunk``, eager pieces) in this one batch: the long prompt's
 time, the others' gaps between tokens (p50, p99, longest), and its 16 tokens against
 ``model.generate``'s. ``--ahead`` captures every shape first (``gm.capture_generate``).
 
@@ -54,9 +54,10 @@ def main():
     print(f"warm-up run, pieces of {server.piece} (graphs: {server.piece_engine is not None}):", flush=True)
     _long("warm-up", gm, model, DEV, results)
     for w in (int(x) for x in a.widths.split(",")):
-        server.piece = server.chunk = w
-        if w == 128:
-            server.chunk = 512  # (the default: prompts past 512 go in pieces of 128)
+        if server.piece_engine is not None:  # (pieces of the paged pool; prompts past the chunk go in pieces)
+            server.piece = min(w, server.chunk)
+        else:
+            server.chunk = w
         pieces = server.counts["prefill_pieces"]
         _long(f"pieces of {w}", gm, model, DEV, results)
         args, extra = results.rows[-1]
