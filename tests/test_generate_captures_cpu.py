@@ -311,3 +311,26 @@ def test_under_inference_mode_shapes_captured_ahead_and_beside_serve_the_models_
     assert all(not t.lengths.is_inference() and not t.table.is_inference() for t in server.twins.values())
     assert gm.stats()["decode"]["capture_failed"] == {}
     gm.close()
+
+
+def test_under_inference_mode_a_long_prompts_pieces_replay_and_give_the_models_tokens(monkeypatch):
+    """Pieces captured ahead and beside with the caller in torch.inference_mode(), a long prompt
+    beside short ones from threads: the piece twins are made outside it, the tokens are the
+    model's."""
+    from graphwrap.decoding import server as server_mod
+
+    monkeypatch.setattr(server_mod, "CHUNK", 8)
+    model = _model("llama")
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(2, 101, (n,), generator=g).tolist() for n in (37, 3, 5)]
+    with torch.inference_mode():
+        gm, server = _captured_beside(model, rows=4, max_len=64)
+        assert gm.capture_generate(timeout=120)
+        got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=9, do_sample=False), 3)
+    for p, out in zip(prompts, got):
+        assert torch.equal(out, _alone(model, p, 9))
+    pieces = [t for s, t in server.twins.items() if s[0] == "piece"]
+    assert pieces and all(not t.at.is_inference() and not t.table.is_inference() for t in pieces)
+    d = gm.stats()["decode"]
+    assert d["capture_failed"] == {} and d["eager_forwards"].get("piece", 0) == 0
+    gm.close()
