@@ -29,8 +29,9 @@ Tensor = torch.Tensor
 CHUNK = 512  # positions of a prompt's piece: longer prompts are prefilled a piece a turn
 
 
-class DecodeStep(nn.Module):
-    """One decode step of every row of a window: ``[n, 1]`` next tokens -> ``[n, vocab]`` logits."""
+class ModelForward(nn.Module):
+    """What the batch's forwards of the model share: the model, the keyword it takes its cache
+    by, and the masks its kinds of layer take."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -38,6 +39,10 @@ class DecodeStep(nn.Module):
         self.cache_name = cache_keyword(model)
         self.masks = Masks(layer_windows(model))
         self.training = model.training  # not train(): that would set the model's own flags
+
+
+class DecodeStep(ModelForward):
+    """One decode step of every row of a window: ``[n, 1]`` next tokens -> ``[n, vocab]`` logits."""
 
     def forward(self, input_ids: Tensor, rows) -> Tensor:
         n = input_ids.shape[0]
@@ -54,17 +59,10 @@ def _mask_dtype(model) -> torch.dtype:
     return p.dtype if p is not None and p.dtype.is_floating_point else torch.float32
 
 
-class PrefillStep(nn.Module):
+class PrefillStep(ModelForward):
     """A joined forward of right-padded prompts into their rows: ``[k, width]`` token ids, each
     prompt's length and row -> each prompt's last logits ``[k, vocab]``. Padding prompts (length
     1) write the scratch row."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-        self.cache_name = cache_keyword(model)
-        self.masks = Masks(layer_windows(model))
-        self.training = model.training
 
     def forward(self, input_ids: Tensor, lengths: Tensor, slots: Tensor, rows) -> Tensor:
         k, width = input_ids.shape
@@ -78,18 +76,14 @@ class PrefillStep(nn.Module):
         return out.logits[torch.arange(k, device=input_ids.device), lengths - 1]
 
 
-class ChunkStep(nn.Module):
+class ChunkStep(ModelForward):
     """One piece of a long prompt in its row, run eagerly: ``[1, width]`` token ids from position
     ``start`` -> the piece's last logits ``[1, vocab]``. The piece sees the row's earlier
     positions and its own, causally."""
 
     def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-        self.cache_name = cache_keyword(model)
-        self.masks = Masks(layer_windows(model))
+        super().__init__(model)
         self.last = _last_logits(model)
-        self.training = model.training
 
     def forward(self, input_ids: Tensor, start: int, rows) -> Tensor:
         width = input_ids.shape[1]
@@ -100,18 +94,11 @@ class ChunkStep(nn.Module):
         return out.logits[:, -1]
 
 
-class PieceStep(nn.Module):
+class PieceStep(ModelForward):
     """One piece of a long prompt in its row, as a graph runs it: ``[1, width]`` token ids (the
     piece, right-padded) and ``at`` ``[3]`` (its start, its valid positions, its row: on the
     device) -> the logits of its last valid position ``[1, vocab]``. The piece sees its row's
     earlier positions and its own, causally, within a window of ``span`` positions of the row."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-        self.cache_name = cache_keyword(model)
-        self.masks = Masks(layer_windows(model))
-        self.training = model.training
 
     def forward(self, input_ids: Tensor, at: Tensor, rows) -> Tensor:
         width = input_ids.shape[1]
