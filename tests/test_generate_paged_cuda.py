@@ -188,6 +188,55 @@ def test_a_long_prompts_pieces_replay_their_graphs_beside_replayed_steps(monkeyp
     gm.close()
 
 
+def _device_waits(fn) -> list:
+    """``fn()`` with torch's sync debug mode warning: the stacks of the decode thread's calls
+    that waited for the device."""
+    import traceback
+    import warnings
+
+    stacks = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        stack = "".join(traceback.format_stack(limit=12)[:-2])
+        if "decoding/server.py" in stack:
+            stacks.append(f"{message}\n{stack}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return stacks
+
+
+def test_the_decode_thread_waits_for_no_copy_while_long_prompts_replay_beside_steps(monkeypatch):
+    """Every shape captured ahead, long prompts beside short ones (their ids on the host) once
+    to warm up, then again under torch's sync debug mode: no call of the decode thread waits for
+    the device (a wait there holds the next step's launch behind the whole piece), and the
+    tokens are model.generate's."""
+    monkeypatch.setattr(server_mod, "CHUNK", 32)
+    model = _model()
+    gm = GraphedModule(model)
+    assert gm.capture_generate(timeout=300)
+    reqs = [(ids.cpu(), k) for ids, k in _requests(10, seed=6, lens=(20, 300))]
+
+    def run():
+        return thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False),
+                              len(reqs))
+
+    run()
+    pieces = gm.stats()["decode"]["prefill_pieces"]
+    got = []
+    waits = _device_waits(lambda: got.extend(run()))
+    assert gm.stats()["decode"]["prefill_pieces"] > pieces
+    assert not waits, waits[:3]
+    _check(model, [(ids.to(DEV), k) for ids, k in reqs], [out.to(DEV) for out in got])
+    gm.close()
+
+
 def test_the_pool_keeps_to_its_share_of_the_free_memory():
     model = _model(positions=4096)
     torch.cuda.empty_cache()

@@ -44,14 +44,15 @@ def next_piece(server):
         chunking.popleft()
         server._end_call(s.call, e)
         return
-    server.store.lengths[row] = end  # (a step's padding write there is written over by the next piece)
+    # (fill_: a kernel of its own; an item set from a Python number would wait for the device)
+    server.store.lengths[row:row + 1].fill_(end)  # (a step's padding write there is written over by the next piece)
     s.prefilled = end
     server.counts["prefill_pieces"] += 1
     if end < len(feed):
         return
     chunking.popleft()
     s.prefilled = None
-    server.store.live[row] = 1
+    server.store.live[row:row + 1].fill_(1)
     server._first_tokens([s], logits, to_device(torch.tensor([end], dtype=torch.long), server.device))
 
 
