@@ -42,6 +42,24 @@ def test_folded_attention_equals_sdpa_for_one_query_position_per_row(groups, hkv
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("groups,hkv,b,mask_rows", [(4, 2, 1, 1), (2, 3, 3, 3), (8, 1, 2, 1)])
+def test_folded_attention_equals_sdpa_for_many_query_positions_under_their_own_mask_rows(groups, hkv, b, mask_rows):
+    """A piece of a prompt (or joined prompts): each query position its own row of the mask,
+    one mask for every row (mask_rows 1) or a mask per row."""
+    n, k = 6, 23
+    q, key, v = _qkv(b, hkv, groups, n, k, seed=3)
+    start = torch.tensor([17, 4, 0])[:mask_rows]  # (causal within the piece, after its start)
+    seen = torch.arange(k)[None, None, :] <= (start[:, None, None] + torch.arange(n)[None, :, None])
+    mask = torch.where(seen, 0.0, torch.finfo(torch.float32).min)[:, None]
+    got, _ = attention.folded_sdpa(_Attn(groups), q, key, v, mask, scaling=0.2)
+    want, _ = sdpa_attention_forward(_Attn(groups), q, key, v, mask, scaling=0.2)
+    assert got.shape == want.shape == (b, n, hkv * groups, 8)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    bool_mask = seen[:, None]  # (transformers' own masks are boolean)
+    torch.testing.assert_close(attention.folded_sdpa(_Attn(groups), q, key, v, bool_mask)[0],
+                               sdpa_attention_forward(_Attn(groups), q, key, v, bool_mask)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_it_folds_one_query_position_and_leaves_everything_else_to_sdpa(monkeypatch):
     import transformers.integrations.sdpa_attention as sdpa_module
 
@@ -50,10 +68,12 @@ def test_it_folds_one_query_position_and_leaves_everything_else_to_sdpa(monkeypa
                         lambda *a, **kw: handed.append(a[1].shape) or sdpa_attention_forward(*a, **kw))
     q, k, v = _qkv(3, 2, 4, 1, 7)
     attention.folded_sdpa(_Attn(4), q, k, v, _row_mask(3, 7))
-    assert handed == [], "one query position per row under one mask: folded"
-    # Not folded (transformers' sdpa itself): a prompt, a mask per head, no groups.
     q5, k5, v5 = _qkv(3, 2, 4, 5, 7)
-    cases = ((_Attn(4), q5, k5, v5, torch.zeros(3, 1, 5, 7)), (_Attn(4), q, k, v, torch.zeros(3, 8, 1, 7)),
+    attention.folded_sdpa(_Attn(4), q5, k5, v5, torch.zeros(3, 1, 5, 7))
+    assert handed == [], "one query position per row, or a row of the mask per query position: folded"
+    # Not folded (transformers' sdpa itself): one mask row for many query positions, a mask per
+    # head, no groups.
+    cases = ((_Attn(4), q5, k5, v5, torch.zeros(3, 1, 1, 7)), (_Attn(4), q, k, v, torch.zeros(3, 8, 1, 7)),
              (_Attn(1), *_qkv(3, 8, 1, 1, 7), _row_mask(3, 7)))
     for args in cases:
         got, _ = attention.folded_sdpa(*args)

@@ -1,19 +1,22 @@
-"""Grouped-query attention of a decode step without repeating keys and values.
+"""Grouped-query attention of the shared batch's forwards without repeating keys and values.
 
 transformers' ``sdpa`` attention repeats each key and value head once per query head of its
 group whenever an attention mask is given (PyTorch's fused kernels take a mask and grouped
-heads together only through the slow reference kernel). A decode step always has a mask (each
-row its own length), so at 64 rows a 1.1B Llama step wrote and read its whole window of keys
-eight times over. With one query position per row there is a cheaper equivalent: the ``G``
-query heads that share a key head become ``G`` query positions of that key head, all under the
-row's one mask, and the fused kernels run as they are.
+heads together only through the slow reference kernel). The batch's forwards always have a
+mask (each row its own length), so at 64 rows a 1.1B Llama step wrote and read its whole window
+of keys eight times over, and each 128-position piece of a long prompt on a Llama-3-8B shape
+spent a fifth of its time repeating (``benchmarks/diagnostics/piece_profile.py``). There is a
+cheaper equivalent: the ``G`` query heads that share a key head become ``G`` times as many query
+positions of that key head, each under its position's row of the mask (the mask's rows repeated
+``G`` times: a step's one row, or a piece's ``n``), and the fused kernels run as they are.
 
 :func:`folding` sets the model's attention to that function around the calls the shared batch
-makes (its captures and any eager step); where the fold does not apply (more than one query
-position, a mask per head, a position bias) the function is transformers' ``sdpa`` itself, so
-a caller that runs the model meanwhile, on another thread, gets ``sdpa``'s answers either way.
-transformers 5.24's own ``sdpa`` folds the same way (``pack_gqa``); with it, the model's
-attention is left as it is.
+makes (its captures and any eager forward); where the fold does not apply (a mask per head, a
+mask not one row per query position, a position bias) the function is transformers' ``sdpa``
+itself, so a caller that runs the model meanwhile, on another thread, gets ``sdpa``'s answers
+either way. transformers 5.24's own ``sdpa`` folds a single query position the same way
+(``pack_gqa``); with it, the model's attention is left as it is unless steps read the paged pool
+straight (then the function here serves every forward of the batch).
 
 :class:`without_cudnn` keeps torch's attention off its cuDNN backend around the batch's eager
 forwards and its captures (see there).
@@ -46,17 +49,22 @@ def folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
     if not _folds(module, query, key, attention_mask, position_bias, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, position_bias=position_bias, **kwargs)
-    b, hq, _, d = query.shape
+    b, hq, n, d = query.shape
     hkv = key.shape[1]
-    q = query.reshape(b, hkv, hq // hkv, d)  # a key head's query heads as its query positions
+    groups = hq // hkv
+    q = query.reshape(b, hkv, groups * n, d)  # a key head's query heads as its query positions
+    if n > 1:  # (each query head of the group under its positions' rows of the mask)
+        mask = attention_mask
+        attention_mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, groups * n, -1)
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling)
-    return out.reshape(b, hq, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+    return out.reshape(b, hq, n, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 def _folds(module, query, key, mask, position_bias, kwargs) -> bool:
     groups = getattr(module, "num_key_value_groups", 1)
-    return (isinstance(groups, int) and groups > 1 and query.shape[2] == 1 and key.shape[1] * groups == query.shape[1]
-            and isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1
+    return (isinstance(groups, int) and groups > 1 and key.shape[1] * groups == query.shape[1]
+            and isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == 1
+            and mask.shape[2] == query.shape[2] and mask.shape[0] in (1, query.shape[0])
             and position_bias is None and not kwargs.get("output_attentions", False))
 
 
