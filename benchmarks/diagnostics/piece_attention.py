@@ -1,0 +1,86 @@
+"""One layer's attention in a piece of a long prompt, by kernel: 128 queries of 32 heads (128
+wide, fp16) over ``S`` keys of 8 heads gathered from a paged pool (``[S, 8, 128]`` transposed),
+an additive mask ``[1, 1, 128, S]``, as the batch's piece graph runs it through transformers
+(keys and values repeated to 32 heads, then PyTorch's attention); each of PyTorch's kernels that
+takes it, with the repeat, without it (``enable_gqa``), and folded (a key head's four query
+heads as 512 query positions under the mask's rows repeated: graphwrap's attention), and flash
+without a mask for scale.
+Median of 20 timed runs after 3, CUDA events, per call.
+
+``python3 benchmarks/diagnostics/piece_attention.py`` from the repository root, on a GPU.
+"""
+
+import statistics
+import time
+
+import torch
+from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+DEV = torch.device("cuda")
+H, KV, D, W = 32, 8, 128, 128
+
+
+def ms(f) -> float:
+    for _ in range(3):
+        f()
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        f()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def repeat(x: torch.Tensor) -> torch.Tensor:
+    b, kv, s, d = x.shape
+    return x[:, :, None].expand(b, kv, H // kv, s, d).reshape(b, H, s, d)
+
+
+def main():
+    print(f"piece_attention: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN "
+          f"{torch.backends.cudnn.version()}, {time.strftime('%Y-%m-%d')}", flush=True)
+    for S in (1024, 4096, 8192):
+        pool = torch.randn(2, S, KV, D, device=DEV, dtype=torch.half)
+        k, v = (pool[i].transpose(0, 1)[None] for i in range(2))  # [1, 8, S, 128], as gathered
+        q = torch.randn(1, H, W, D, device=DEV, dtype=torch.half)
+        start = S - W
+        seen = torch.arange(S, device=DEV)[None] <= (start + torch.arange(W, device=DEV))[:, None]
+        mask = torch.where(seen, 0.0, torch.finfo(torch.half).min).to(torch.half)[None, None]
+        fold_mask = mask[:, :, None].expand(-1, -1, H // KV, -1, -1).reshape(1, 1, H // KV * W, S)
+        flops = 4 * W * S * D * H
+        rows = [("repeat of keys and values", lambda: (repeat(k), repeat(v)))]
+        for name, backend in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                              ("math", SDPBackend.MATH)):
+            def now(backend=backend):
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q, repeat(k), repeat(v), attn_mask=mask)
+
+            def gqa(backend=backend):
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+            def folded(backend=backend):  # (graphwrap's fold: a key head's query heads as its positions)
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q.reshape(1, KV, H // KV * W, D), k, v, attn_mask=fold_mask)
+
+            rows += [(f"{name}: repeat + attention", now), (f"{name}: enable_gqa", gqa), (f"{name}: folded", folded)]
+
+        def flash():
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        rows.append(("flash, no mask, enable_gqa", flash))
+        for label, f in rows:
+            try:
+                t = ms(f)
+                print(f"  S={S:5d} {label:28s} {t:7.3f} ms  ({flops / t / 1e9:6.1f} TFLOP/s)", flush=True)
+            except RuntimeError as e:
+                print(f"  S={S:5d} {label:28s} refused: {str(e).splitlines()[0][:100]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
