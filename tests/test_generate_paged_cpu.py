@@ -303,6 +303,71 @@ def test_long_prompts_go_in_pieces_beside_rows_that_decode(monkeypatch, paged):
     gm.close()
 
 
+def test_no_piece_starts_while_the_last_one_runs(monkeypatch):
+    """At most one piece on the device (IN_FLIGHT 1 here): a turn that finds the last piece
+    still running (an event here that says so once per piece) steps the rows beside it alone,
+    or waits for the piece where there is none; the tokens are model.generate's."""
+    from graphwrap.decoding import pieces
+
+    class Running:
+        def __init__(self):
+            self.asked = self.waited = 0
+
+        def query(self):
+            self.asked += 1
+            return self.asked > 1
+
+        def synchronize(self):
+            self.waited += 1
+
+    events = []
+    monkeypatch.setattr(pieces, "_ended", lambda server: events.append(Running()) or events[-1])
+    monkeypatch.setattr(pieces, "IN_FLIGHT", 1)
+    monkeypatch.setattr(server_mod, "CHUNK", 8)
+    model = _model("llama")
+    gm = GraphedModule(model)
+    _all_alike(gm, model, _prompts([40, 4, 5]), [6, 30, 25])
+    d = gm.stats()["decode"]
+    assert d["prefill_pieces"] == 5 and len(events) == 5, "40 positions in pieces of 8"
+    busy = [e for e in events[:-1] if e.asked]
+    assert len(busy) == 4, "each piece but the last found running once by the next"
+    assert d["piece_turns_skipped"] + sum(e.waited for e in busy) == 4
+    gm.close()
+
+
+def test_pieces_on_the_device_never_pass_in_flight(monkeypatch):
+    """Pieces that end only when waited for (events here): two start, then the turns step the
+    short rows alone until none is left, then wait for the oldest piece; never more than
+    IN_FLIGHT (2) at once, and the tokens are model.generate's."""
+    from graphwrap.decoding import pieces
+
+    class Endless:
+        def __init__(self):
+            self.ended = False
+
+        def query(self):
+            return self.ended
+
+        def synchronize(self):
+            self.ended = True
+
+    events, most = [], []
+
+    def ended(server):
+        events.append(Endless())
+        most.append(sum(not e.ended for e in events))
+        return events[-1]
+
+    monkeypatch.setattr(pieces, "_ended", ended)
+    monkeypatch.setattr(pieces, "IN_FLIGHT", 2)
+    monkeypatch.setattr(server_mod, "CHUNK", 8)
+    model = _model("llama")
+    gm = GraphedModule(model)
+    _all_alike(gm, model, _prompts([40, 4, 5]), [6, 30, 25])
+    assert len(events) == 5 and max(most) == 2 and most[:2] == [1, 2], most
+    gm.close()
+
+
 @pytest.mark.parametrize("paged", [True, False])
 def test_a_failing_piece_fails_its_call_alone(monkeypatch, paged):
     from graphwrap.decoding.step import ChunkStep, PieceStep

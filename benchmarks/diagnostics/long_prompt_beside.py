@@ -5,7 +5,8 @@ scenario), once to warm up, then with pieces of each width in turn (``--widths``
 ``chunk``, eager pieces) in this one batch: the long prompt's
 time, the others' gaps between tokens (p50, p99, longest), and its 16 tokens against
 ``model.generate``'s. ``--ahead`` captures every shape first (``gm.capture_generate``); a width other than the
-batch's own piece runs once first, not reported, while its graphs are captured.
+batch's own piece runs once first, not reported, while its graphs are captured; ``--in-flight
+1,2,3`` runs each width with each bound on the pieces queued on the device at once.
 
 ``python3 benchmarks/diagnostics/long_prompt_beside.py [--widths 128] [--ahead]`` from the
 repository root, on a GPU.
@@ -21,6 +22,7 @@ sys.path.insert(0, "benchmarks")
 from generate_large import _long, big_model  # noqa: E402
 
 from graphwrap import GraphedModule  # noqa: E402
+from graphwrap.decoding import pieces as graphwrap_pieces  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -38,6 +40,7 @@ def main():
     ap.add_argument("--widths", default="128")
     ap.add_argument("--ahead", action="store_true", help="gm.capture_generate() before the runs")
     ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--in-flight", default="", help="pieces on the device at most, each in turn (e.g. 1,2,3)")
     ap.add_argument("--no-cudnn", action="store_true", help="torch's cuDNN attention turned off for the run")
     a = ap.parse_args()
     if a.no_cudnn:
@@ -62,12 +65,16 @@ def main():
                 _long(f"warm-up for pieces of {w}", gm, model, DEV, results)
         else:
             server.chunk = w
-        pieces = server.counts["prefill_pieces"]
-        _long(f"pieces of {w}", gm, model, DEV, results)
-        args, extra = results.rows[-1]
-        print(f"  pieces of {w}: {server.counts['prefill_pieces'] - pieces} pieces, the prompt in {args[3][0]:.2f} s, "
-              f"the others' gaps p50 {extra['gap_p50_ms']:.1f} / p99 {extra['gap_p99_ms']:.1f} ms "
-              f"({extra['gap_p99_ms'] / extra['gap_p50_ms']:.2f}x), tokens equal: {extra['equal']}", flush=True)
+        for k in (int(x) for x in a.in_flight.split(",")) if a.in_flight else [None]:
+            if k is not None:
+                graphwrap_pieces.IN_FLIGHT = k
+            label = f"pieces of {w}" + (f", {k} on the device at most" if k is not None else "")
+            pieces = server.counts["prefill_pieces"]
+            _long(label, gm, model, DEV, results)
+            args, extra = results.rows[-1]
+            print(f"  {label}: {server.counts['prefill_pieces'] - pieces} pieces, the prompt in {args[3][0]:.2f} s, "
+                  f"the others' gaps p50 {extra['gap_p50_ms']:.1f} / p99 {extra['gap_p99_ms']:.1f} ms "
+                  f"({extra['gap_p99_ms'] / extra['gap_p50_ms']:.2f}x), tokens equal: {extra['equal']}", flush=True)
     gm.close()
 
 

@@ -94,12 +94,12 @@ class DecodeServer:
         self.device = p.device
         self.rows, self.max_len, self.max_queue, self.positions = rows, max_len, max_queue, positions
         self.cache, self.store, self.fold = make_cache(model, rows, max_len, self.device, cache_memory, paged)
-        self.sched = Scheduler(rows, max_len, buckets_upto(rows, (1, 2, 4, 8, 16)),
-                               buckets_upto(max_len, (64, 128, 256)),
+        self.sched = Scheduler(rows, max_len, buckets_upto(rows, (1, 2, 4, 8, 16)), buckets_upto(max_len, (64, 128, 256)),
                                Blocks(self.cache.blocks, self.cache.scratch) if self.cache.paged else None, self.cache.block)
         self.vocab = _vocab(model)
         self.settings = RowSettings(rows, max_len, self.device, _out_vocab(model, self.vocab))
         self.chunk, self.piece = CHUNK, min(PIECE, CHUNK)  # prompts longer than a chunk go in pieces
+        self.pieces_running: Deque[torch.cuda.Event] = collections.deque()  # the pieces on the device (pieces.py)
         self.prompts = Prompts(rows, min(max_len, self.chunk), self.store.scratch)
         self.chunker = ChunkStep(model)
         self.next_ids = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
