@@ -5,7 +5,8 @@ scenario), once to warm up, then with pieces of each width in turn (``--widths``
 ``chunk``, eager pieces) in this one batch: the long prompt's
 time, the others' gaps between tokens (p50, p99, longest), and its 16 tokens against
 ``model.generate``'s. ``--ahead`` captures every shape first (``gm.capture_generate``); a width other than the
-batch's own piece runs once first, not reported, while its graphs are captured; ``--in-flight
+batch's own piece runs once first, not reported, while its graphs are captured; ``--piece 256`` sets
+the paged pool's piece for the whole run (its capture blocks sized for it); ``--in-flight
 1,2,3`` runs each width with each bound on the pieces queued on the device at once.
 
 ``python3 benchmarks/diagnostics/long_prompt_beside.py [--widths 128] [--ahead]`` from the
@@ -40,12 +41,18 @@ def main():
     ap.add_argument("--widths", default="128")
     ap.add_argument("--ahead", action="store_true", help="gm.capture_generate() before the runs")
     ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--piece", type=int, default=0, help="the paged pool's piece (graphwrap.decoding.pool.PIECE) for this run")
     ap.add_argument("--in-flight", default="", help="pieces on the device at most, each in turn (e.g. 1,2,3)")
     ap.add_argument("--no-cudnn", action="store_true", help="torch's cuDNN attention turned off for the run")
     a = ap.parse_args()
     if a.no_cudnn:
         torch.backends.cuda.enable_cudnn_sdp(False)
     print(f"long_prompt_beside: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    if a.piece:
+        from graphwrap.decoding import pool
+        from graphwrap.decoding import server as server_mod
+
+        pool.PIECE = server_mod.PIECE = a.piece
     model = big_model(a.model, DEV)
     gm = GraphedModule(model)
     gm.generate(input_ids=torch.randint(3, 1000, (1, 20), device=DEV), max_new_tokens=2, do_sample=False)
