@@ -28,6 +28,8 @@ from typing import List, Optional
 import torch
 from torch.nn import functional as F
 
+from . import norms
+
 NAME = "graphwrap_folded_sdpa"
 _REGISTERED = threading.Lock()
 _DONE: List[bool] = []  # whether the function is registered, decided once
@@ -109,10 +111,16 @@ class folding:
     for a 22-layer model) every step. Every capture of the step runs inside the block, so the
     graphs are captured with the folded attention and the watch sees the same value at every
     step; an implementation the user sets (``set_attn_implementation``) is not ``sdpa``, so
-    the block leaves it, and the watch sees the change."""
+    the block leaves it, and the watch sees the change.
+
+    On a GPU, the model's Llama-form RMSNorms also run fused on each thread inside the block
+    (:mod:`.norms`)."""
 
     def __init__(self, model, store=None):
         config = getattr(model, "config", None)
+        p = next(model.parameters(), None)
+        # (Llama-form norms fused inside the block on a GPU, see norms.py)
+        self.norms = p is not None and p.is_cuda and norms.prepare(model) > 0
         direct = getattr(store, "kernel", False) and sdpa_model(model)
         wanted = (grouped(model) and not sdpa_folds()) or direct
         self.config = config if wanted and _settable(config) and _register() else None
@@ -124,6 +132,8 @@ class folding:
         self.inside = 0
 
     def __enter__(self):
+        if self.norms:
+            norms.enter()
         if self.config is None:
             return self
         with self.lock:
@@ -137,6 +147,8 @@ class folding:
         return self
 
     def __exit__(self, *exc):
+        if self.norms:
+            norms.leave()
         if self.config is None:
             return
         with self.lock:
