@@ -23,7 +23,7 @@ def patched(monkeypatch):
     for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm):
         monkeypatch.setattr(cls, "forward", cls.forward)
     monkeypatch.setattr(norms, "_ORIGINAL", {})
-    monkeypatch.setattr(norms, "fuses", lambda x: getattr(norms._LOCAL, "depth", 0) > 0)  # (the CPU too)
+    monkeypatch.setattr(norms, "DEVICES", ("cuda", "cpu"))  # (the CPU too)
     monkeypatch.setattr(norms, "available", lambda: True)
 
 
@@ -103,3 +103,31 @@ def test_another_thread_outside_the_block_runs_the_classs_own(patched):
     finally:
         norms.F.rms_norm = real
     assert seen == [threading.current_thread().name]
+
+
+def test_torch_compile_traces_the_classs_own_forward_without_a_break(patched):
+    """Inside the block too, torch.compile traces the class's own forward: one graph, no
+    break, no fused kernel in it."""
+    import torch._dynamo as dynamo
+
+    norm = LlamaRMSNorm(16)
+    norms.prepare(torch.nn.Sequential(norm))
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(4))
+    dynamo.reset()
+    traced = []
+
+    def backend(gm, inputs):
+        traced.append(str(gm.graph))
+        return gm.forward
+
+    norms.enter()
+    try:
+        explained = dynamo.explain(norm)(x)
+        dynamo.reset()
+        got = torch.compile(norm, backend=backend)(x)
+    finally:
+        norms.leave()
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    assert traced and not any("rms_norm" in g for g in traced), traced
+    assert any("rsqrt" in g for g in traced), "the class's own: mean, rsqrt"
+    torch.testing.assert_close(got, LlamaRMSNorm.forward.__wrapped__(norm, x))

@@ -27,6 +27,7 @@ from torch.nn import functional as F
 _LOCAL = threading.local()
 _LOCK = threading.Lock()
 _ORIGINAL: Dict[type, Callable] = {}  # a class whose forward was replaced -> its own
+DEVICES = ("cuda",)  # where the fused kernel is one kernel
 
 
 def available() -> bool:
@@ -46,7 +47,8 @@ def leave():
 
 def fuses(x: torch.Tensor) -> bool:
     """Whether a norm of ``x`` runs fused here and now."""
-    return getattr(_LOCAL, "depth", 0) > 0 and x.is_cuda and not torch.compiler.is_compiling()
+    # (is_compiling first: while torch.compile traces, the thread-local is not read at all)
+    return not torch.compiler.is_compiling() and getattr(_LOCAL, "depth", 0) > 0 and x.device.type in DEVICES
 
 
 def llama_form(cls: type) -> bool:
