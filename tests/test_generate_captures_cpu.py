@@ -146,6 +146,17 @@ def _captured_beside(model, **decode):
     return gm, server
 
 
+def _twice_alike(gm, server, model, prompts, news):
+    """Every prompt from a thread of its own, twice (the second time over what the first
+    captured), each time with model.generate's tokens alone; the batch idle after each."""
+    for _ in range(2):
+        got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i],
+                                                   do_sample=False), len(prompts))
+        for p, n, out in zip(prompts, news, got):
+            assert torch.equal(out, _alone(model, p, n))
+        _idle(server)
+
+
 def _idle(server, timeout=60.0):
     assert server.captures.finish(timeout) and not server.captures.queued()
 
@@ -157,12 +168,7 @@ def test_tokens_are_the_models_while_shapes_are_captured_beside_the_decode_threa
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 101, (n,), generator=g).tolist() for n in (5, 11, 3, 14, 9, 2, 13, 6, 8, 12)]
     news = [6 + 3 * (i % 5) for i in range(len(prompts))]
-    for _ in range(2):  # first with shapes captured meanwhile, then served by them
-        got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i],
-                                                   do_sample=False), len(prompts))
-        for p, n, out in zip(prompts, news, got):
-            assert torch.equal(out, _alone(model, p, n))
-        _idle(server)
+    _twice_alike(gm, server, model, prompts, news)  # (first with shapes captured meanwhile, then served by them)
     d = gm.stats()["decode"]
     assert d["eager_forwards"].get("step", 0) > 0, "steps ran eagerly while their shapes were captured"
     assert any(s[0] == "step" for s in d["shapes"]) and any(s[0] == "prefill" for s in d["shapes"])
@@ -187,12 +193,7 @@ def test_a_long_prompts_pieces_are_captured_beside_and_then_replayed_with_the_mo
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 101, (n,), generator=g).tolist() for n in (30, 4, 21, 9, 17)]
     news = [7, 30, 9, 12, 5]
-    for _ in range(2):  # first while the pieces' shapes are captured, then served by them
-        got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i],
-                                                   do_sample=False), len(prompts))
-        for p, n, out in zip(prompts, news, got):
-            assert torch.equal(out, _alone(model, p, n))
-        _idle(server)
+    _twice_alike(gm, server, model, prompts, news)  # (first while the pieces' shapes are captured)
     d = gm.stats()["decode"]
     pieces = {s for s in d["shapes"] if s[0] == "piece"}
     assert pieces and all(w == 8 for _, w, _ in pieces), d["shapes"]
