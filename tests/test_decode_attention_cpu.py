@@ -72,13 +72,18 @@ def test_it_folds_one_query_position_and_leaves_everything_else_to_sdpa(monkeypa
     attention.folded_sdpa(_Attn(4), q5, k5, v5, torch.zeros(3, 1, 5, 7))
     assert handed == [], "one query position per row, or a row of the mask per query position: folded"
     # Not folded (transformers' sdpa itself): one mask row for many query positions, a mask per
-    # head, no groups.
+    # head, no groups, more query positions than 2 x key heads x head width (the repeated mask
+    # would outweigh the keys it spares: 2 x 2 x 8 = 32 here).
+    q33, k33, v33 = _qkv(1, 2, 4, 33, 40)
     cases = ((_Attn(4), q5, k5, v5, torch.zeros(3, 1, 1, 7)), (_Attn(4), q, k, v, torch.zeros(3, 8, 1, 7)),
-             (_Attn(1), *_qkv(3, 8, 1, 1, 7), _row_mask(3, 7)))
+             (_Attn(1), *_qkv(3, 8, 1, 1, 7), _row_mask(3, 7)), (_Attn(4), q33, k33, v33, torch.zeros(1, 1, 33, 40)))
     for args in cases:
         got, _ = attention.folded_sdpa(*args)
         torch.testing.assert_close(got, sdpa_attention_forward(*args)[0])
-    assert [tuple(s) for s in handed] == [(3, 8, 5, 8), (3, 8, 1, 8), (3, 8, 1, 8)]
+    assert [tuple(s) for s in handed] == [(3, 8, 5, 8), (3, 8, 1, 8), (3, 8, 1, 8), (1, 8, 33, 8)]
+    q32, k32, v32 = _qkv(1, 2, 4, 32, 40)
+    attention.folded_sdpa(_Attn(4), q32, k32, v32, torch.zeros(1, 1, 32, 40))
+    assert len(handed) == 4, "32 positions: folded"
 
 
 def _llama(heads=4, kv=2):

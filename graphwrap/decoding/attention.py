@@ -64,9 +64,12 @@ def folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
 
 def _folds(module, query, key, mask, position_bias, kwargs) -> bool:
     groups = getattr(module, "num_key_value_groups", 1)
+    n = query.shape[2]
+    # (many positions: the mask repeated per head must not outweigh the keys and values it spares,
+    # n x span x G against 2 x span x G x hkv x d: n up to 2 x hkv x d)
     return (isinstance(groups, int) and groups > 1 and key.shape[1] * groups == query.shape[1]
             and isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == 1
-            and mask.shape[2] == query.shape[2] and mask.shape[0] in (1, query.shape[0])
+            and mask.shape[2] == n and mask.shape[0] in (1, query.shape[0]) and n <= 2 * key.shape[1] * key.shape[3]
             and position_bias is None and not kwargs.get("output_attentions", False))
 
 
