@@ -60,6 +60,29 @@ def test_the_paged_attention_kernel_reads_each_rows_own_blocks(dtype, hq, hkv, d
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,hq,hkv,d,width,start,valid,window,softcap", [
+    (torch.float16, 32, 8, 128, 128, 5000, 128, None, None), (torch.float16, 32, 8, 128, 128, 0, 77, None, None),
+    (torch.float32, 4, 2, 64, 32, 300, 32, None, None), (torch.bfloat16, 8, 1, 80, 64, 130, 20, None, None),
+    (torch.float16, 32, 8, 128, 128, 700, 128, 100, None), (torch.float32, 8, 4, 64, 16, 900, 9, 40, 5.0),
+    (torch.float16, 12, 12, 64, 128, 260, 128, None, None)])
+def test_the_piece_attention_kernel_reads_its_rows_blocks_up_to_each_querys_position(dtype, hq, hkv, d, width, start,
+                                                                                      valid, window, softcap):
+    from graphwrap.decoding import piece_attention
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    blocks, block = 500, 16
+    k_pool = torch.randn((blocks, block, hkv, d), generator=g, device=DEV).to(dtype)
+    v_pool = torch.randn((blocks, block, hkv, d), generator=g, device=DEV).to(dtype)
+    line = torch.randperm(blocks - 1, generator=g, device=DEV)[:400] + 1  # scattered, never block 0
+    at = torch.tensor([start, valid, 7], device=DEV)
+    query = torch.randn((1, hq, width, d), generator=g, device=DEV).to(dtype)
+    got = piece_attention.attend_piece(query, k_pool, v_pool, line, at, 0.1, window, softcap)
+    want = piece_attention.reference(query, k_pool, v_pool, line, at, 0.1, window, softcap)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.shape == (1, width, hq, d)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 def _fixed_pool(monkeypatch, usable, rows=64):
     free = int(((usable + scratch_blocks(rows, BLOCK)) * BLOCK * TOKEN_BYTES + 1) / server_mod.CACHE_MEMORY) + 1
     monkeypatch.setattr(server_mod, "_free_memory", lambda device: free)

@@ -3,7 +3,8 @@ wide, fp16) over ``S`` keys of 8 heads gathered from a paged pool (``[S, 8, 128]
 an additive mask ``[1, 1, 128, S]``, as the batch's piece graph runs it through transformers
 (keys and values repeated to 32 heads, then PyTorch's attention); each of PyTorch's kernels that
 takes it, with the repeat, without it (``enable_gqa``), and folded (a key head's four query
-heads as 512 query positions under the mask's rows repeated: graphwrap's attention), and flash
+heads as 512 query positions under the mask's rows repeated: graphwrap's attention), graphwrap's
+piece kernel reading the pool in place (no gather, no mask: each query's keys only), and flash
 without a mask for scale.
 Median of 20 timed runs after 3, CUDA events, per call.
 
@@ -16,6 +17,8 @@ import time
 import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from graphwrap.decoding.piece_attention import attend_piece
 
 DEV = torch.device("cuda")
 H, KV, D, W = 32, 8, 128, 128
@@ -74,6 +77,10 @@ def main():
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
         rows.append(("flash, no mask, enable_gqa", flash))
+        blocks = torch.arange(S // 16, device=DEV)  # (the row's line: the pool's blocks in order)
+        paged = pool.view(2, S // 16, 16, KV, D)
+        at = torch.tensor([start, W, 0], device=DEV)
+        rows.append(("graphwrap's piece kernel", lambda: attend_piece(q, paged[0], paged[1], blocks, at)))
         for label, f in rows:
             try:
                 t = ms(f)

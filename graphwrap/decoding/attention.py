@@ -41,6 +41,13 @@ def folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
     ``[b, hkv, k, d]`` -> ``([b, q, hq, d], None)``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    piece = getattr(key, "_gw_piece", None)
+    if piece is not None:  # a piece of a long prompt over the paged pool itself (see PagedPieceLayer)
+        from .piece_attention import attend_piece
+
+        line, at = piece
+        return attend_piece(query, key, value, line, at, scaling, getattr(key, "_gw_window", None),
+                            kwargs.get("softcap")), None
     store = getattr(key, "_gw_pages", None)
     if store is not None:  # the paged pool itself (see PagedLayer): each row over its own blocks
         from .paged_attention import attend

@@ -189,11 +189,13 @@ class PagedPieceLayer(WindowLayer):
     comes from the store's ``at`` (start, valid positions, row: written by the forward from its
     input); its keys go at ``[start, start + valid)`` of the row's blocks (the padding after them
     into the row's own scratch block), and attention sees the row's first ``span`` positions,
-    gathered (the mask hides what the piece may not see)."""
+    gathered (the mask hides what the piece may not see), or, where the store's attention reads
+    the pool (``direct``), the pools themselves go to it, marked with the row's line and ``at``
+    (:mod:`.piece_attention`)."""
 
-    def __init__(self, keys: Tensor, values: Tensor, store, width: int, span: int):
+    def __init__(self, keys: Tensor, values: Tensor, store, width: int, span: int, window: Optional[int] = None):
         super().__init__(keys, values, span)
-        self.store, self.width = store, width
+        self.store, self.width, self.window = store, width, window
         self.lines = span // store.block
         self.steps = torch.arange(width, device=store.device)
 
@@ -207,6 +209,11 @@ class PagedPieceLayer(WindowLayer):
         offset = pos % store.block
         self.keys[where, offset] = key_states[0].transpose(0, 1).to(self.keys.dtype)
         self.values[where, offset] = value_states[0].transpose(0, 1).to(self.values.dtype)
+        if store.base.direct:  # the pools themselves, marked with the row's line and the piece's place
+            view = self.keys.view(self.keys.shape)
+            setattr(view, "_gw_piece", (line, at))
+            setattr(view, "_gw_window", self.window)
+            return view, self.values
         seen = line[:self.lines]
         return self._seen(self.keys, seen), self._seen(self.values, seen)
 

@@ -183,7 +183,11 @@ class PagedStore(Store):
         return [_layers().PagedChunkLayer(k, v, self, row, start, width) for k, v in zip(self.keys, self.values)]
 
     def piece_span(self, bucket: int) -> int:
-        """The positions a piece attends over, for a span bucket: whole blocks, at most a row's."""
+        """The positions a piece attends over, for a span bucket: whole blocks, at most a row's
+        (a row's, whatever the bucket, where the attention reads the pool itself: the kernel
+        reads only as far as each query sees, so one graph serves every span)."""
+        if self.kernel:
+            return self.per_row * self.block
         return min(blocks_for(bucket, self.block), self.per_row) * self.block
 
     def piece_window(self, width: int, span: int):
@@ -193,6 +197,8 @@ class PagedStore(Store):
         w = self.piece_windows.get((width, span))
         if w is None:
             lay = _layers()
+            windows = self.layer_windows or [None] * len(self.keys)
             w = self.piece_windows[(width, span)] = lay.PieceWindow(self, [
-                lay.PagedPieceLayer(k, v, self, width, span) for k, v in zip(self.keys, self.values)])
+                lay.PagedPieceLayer(k, v, self, width, span, window) for k, v, window in zip(self.keys, self.values,
+                                                                                             windows)])
         return w
