@@ -76,11 +76,15 @@ def test_the_piece_attention_kernel_reads_its_rows_blocks_up_to_each_querys_posi
     line = torch.randperm(blocks - 1, generator=g, device=DEV)[:400] + 1  # scattered, never block 0
     at = torch.tensor([start, valid, 7], device=DEV)
     query = torch.randn((1, hq, width, d), generator=g, device=DEV).to(dtype)
-    got = piece_attention.attend_piece(query, k_pool, v_pool, line, at, 0.1, window, softcap)
     want = piece_attention.reference(query, k_pool, v_pool, line, at, 0.1, window, softcap)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
+    got = piece_attention.attend_piece(query, k_pool, v_pool, line, at, 0.1, window, softcap)
     assert got.shape == (1, width, hq, d)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    for splits in (1, 2):  # (the keys shared by fewer programs than the default, or by one)
+        alone = piece_attention._launch(query[0], k_pool, v_pool, line, at, 0.1, window or 0, softcap or 0.0,
+                                        splits=splits)
+        torch.testing.assert_close(alone[None].float(), want.float(), atol=tol, rtol=tol)
 
 
 def _fixed_pool(monkeypatch, usable, rows=64):

@@ -8,9 +8,14 @@ piece kernel reading the pool in place (no gather, no mask: each query's keys on
 without a mask for scale.
 Median of 20 timed runs after 3, CUDA events, per call.
 
-``python3 benchmarks/diagnostics/piece_attention.py`` from the repository root, on a GPU.
+``python3 benchmarks/diagnostics/piece_attention.py`` from the repository root, on a GPU;
+``--tune`` times the piece kernel's shapes of work instead (query rows and key positions a
+program takes, warps, pipeline stages, splits of the keys), each checked against the reference,
+ten calls in a CUDA graph (as the piece graphs run it: no host launch between them).
 """
 
+import argparse
+import itertools
 import statistics
 import time
 
@@ -18,6 +23,7 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from graphwrap.decoding import piece_attention
 from graphwrap.decoding.piece_attention import attend_piece
 
 DEV = torch.device("cuda")
@@ -38,12 +44,59 @@ def ms(f) -> float:
     return statistics.median(times)
 
 
+def graph_ms(f, calls: int = 10) -> float:
+    """Like :func:`ms`, over a CUDA graph of ``calls`` calls (no host launches between kernels, as
+    in the batch's piece graphs), per call."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        f()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            f()
+    return ms(graph.replay) / calls
+
+
 def repeat(x: torch.Tensor) -> torch.Tensor:
     b, kv, s, d = x.shape
     return x[:, :, None].expand(b, kv, H // kv, s, d).reshape(b, H, s, d)
 
 
+def tune():
+    """Each shape of work of the piece kernel, by S, fastest first."""
+    print(f"piece_attention --tune: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}", flush=True)
+    configs = [(r, t, 8 if r == 128 else 4, st, sp)
+               for r, t, st, sp in itertools.product((32, 64, 128), (64, 128), (2, 3, 4), (1, 2, 4))]
+    for S in (1024, 4096, 8192):
+        paged = torch.randn(2, S // 16, 16, KV, D, device=DEV, dtype=torch.half)
+        blocks = torch.randperm(S // 16, device=DEV)
+        q = torch.randn(1, H, W, D, device=DEV, dtype=torch.half)
+        at = torch.tensor([S - W, W, 0], device=DEV)
+        want = piece_attention.reference(q, paged[0], paged[1], blocks, at)
+        flops = 4 * W * S * D * H
+        found = []
+        for rows, tile, warps, stages, splits in configs:
+            def f(rows=rows, tile=tile, warps=warps, stages=stages, splits=splits):
+                return piece_attention._launch(q[0], paged[0], paged[1], blocks, at, D ** -0.5, 0, 0.0, rows=rows,
+                                               tile=tile, warps=warps, stages=stages, splits=splits)
+            label = f"rows {rows:3d} tile {tile:3d} warps {warps} stages {stages} splits {splits}"
+            try:
+                err = (f()[None].float() - want.float()).abs().max().item()
+                found.append((graph_ms(f), label, err))
+            except Exception as e:  # (a shape that does not fit the chip's shared memory)
+                print(f"  S={S:5d} {label}: refused: {str(e).splitlines()[0][:90]}", flush=True)
+        for t, label, err in sorted(found):
+            print(f"  S={S:5d} {label}  {t:7.3f} ms  ({flops / t / 1e9:6.1f} TFLOP/s)  max error {err:.4f}", flush=True)
+
+
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tune", action="store_true", help="the piece kernel's shapes of work timed instead")
+    if ap.parse_args().tune:
+        return tune()
     print(f"piece_attention: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN "
           f"{torch.backends.cudnn.version()}, {time.strftime('%Y-%m-%d')}", flush=True)
     for S in (1024, 4096, 8192):
