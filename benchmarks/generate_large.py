@@ -167,6 +167,22 @@ def _roofline(case, gm, model, reqs, results):
                f"time per output token p50 {1e3 * tpot:.2f} ms: {share:.0%} of the roofline")
 
 
+def parted(model, prompt, ours, ref):
+    """Where ``ours`` first parts from ``ref`` (their new tokens), and eager's logits there: the
+    margin of ``ref``'s token over ours (a near tie where it is within fp16's rounding)."""
+    n = prompt.shape[1]
+    diff = (ours[0, n:] != ref[0, n:]).nonzero()
+    if not len(diff):
+        return "equal"
+    i = int(diff[0])
+    with torch.no_grad():
+        logits = model(input_ids=ref[:, :n + i]).logits[0, -1].float()
+    a, b = int(ref[0, n + i]), int(ours[0, n + i])
+    top2 = logits.topk(2).values
+    return (f"part at new token {i}: eager's logit of model.generate's token {logits[a]:.4f}, of ours "
+            f"{logits[b]:.4f} (margin {logits[a] - logits[b]:.4f}; eager's top two {top2[0]:.4f}, {top2[1]:.4f})")
+
+
 def _long(case, gm, model, device, results):
     """A 6,000-token prompt sent while 32 requests decode: served, and the others' time per token."""
     from generate import Clock
@@ -199,9 +215,14 @@ def _long(case, gm, model, device, results):
     _say(case, f"  the decode thread meanwhile (s): {thread}; the 5 longest gaps (ms): "
                f"{[round(1e3 * g, 1) for g in sorted(gaps)[-5:]]}; shapes captured meanwhile: "
                f"{sorted(server.shapes.ready - shapes)}")
+    edges = (10, 15, 20, 25, 30, 50, float("inf"))
+    bins = [sum(1 for g in gaps if lo <= 1e3 * g < hi) for lo, hi in zip((0,) + edges, edges)]
+    _say(case, "  the others' gaps by ms: " + ", ".join(f"<{hi}: {n}" for hi, n in zip(edges, bins)))
     with torch.no_grad():
         ref = model.generate(input_ids=long_ids, max_new_tokens=16, do_sample=False)
     same = torch.equal(out, ref)
+    if not same:
+        _say(case, f"  tokens: {parted(model, long_ids, out, ref)}")
     _, tpot = latencies(clocks)
     p50, p99 = pct(gaps, .5), pct(gaps, .99)
     results.add("generate-large", case, "a 6,000-token prompt beside 32 decoding rows", [took], "s", None, None,

@@ -20,29 +20,13 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..")]
-from generate_large import big_model  # noqa: E402
+from generate_large import big_model, parted  # noqa: E402
 from step_profile import kernels, say_kernels  # noqa: E402
 
 from graphwrap import GraphedModule  # noqa: E402
 
 DEV = torch.device("cuda")
 NEW = 16
-
-
-def parted(model, prompt, ours, ref):
-    """Where ``ours`` first parts from ``ref`` (their new tokens), and eager's logits there: the
-    margin of ``ref``'s token over ours (a near tie where it is within fp16's rounding)."""
-    n = prompt.shape[1]
-    diff = (ours[0, n:] != ref[0, n:]).nonzero()
-    if not len(diff):
-        return "equal"
-    i = int(diff[0])
-    with torch.no_grad():
-        logits = model(input_ids=ref[:, :n + i]).logits[0, -1].float()
-    a, b = int(ref[0, n + i]), int(ours[0, n + i])
-    top2 = logits.topk(2).values
-    return (f"part at new token {i}: eager's logit of model.generate's token {logits[a]:.4f}, of ours "
-            f"{logits[b]:.4f} (margin {logits[a] - logits[b]:.4f}; eager's top two {top2[0]:.4f}, {top2[1]:.4f})")
 
 
 def timed(gm, server, prompt, runs=3):

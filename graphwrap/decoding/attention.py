@@ -28,7 +28,7 @@ from typing import List, Optional
 import torch
 from torch.nn import functional as F
 
-from . import norms
+from . import fused
 
 NAME = "graphwrap_folded_sdpa"
 _REGISTERED = threading.Lock()
@@ -123,14 +123,14 @@ class folding:
     step; an implementation the user sets (``set_attn_implementation``) is not ``sdpa``, so
     the block leaves it, and the watch sees the change.
 
-    On a GPU, the model's Llama-form RMSNorms also run fused on each thread inside the block
-    (:mod:`.norms`)."""
+    On a GPU, the model's Llama-form RMSNorms and GPT-2's GELUs also run as one kernel each on
+    each thread inside the block (:mod:`.fused`)."""
 
     def __init__(self, model, store=None):
         config = getattr(model, "config", None)
         p = next(model.parameters(), None)
-        # (Llama-form norms fused inside the block on a GPU, see norms.py)
-        self.norms = p is not None and p.is_cuda and norms.prepare(model) > 0
+        # (norms and GELUs in one kernel inside the block on a GPU, see fused.py)
+        self.fused = p is not None and p.is_cuda and fused.prepare(model) > 0
         direct = getattr(store, "kernel", False) and sdpa_model(model)
         wanted = (grouped(model) and not sdpa_folds()) or direct
         self.config = config if wanted and _settable(config) and _register() else None
@@ -142,8 +142,8 @@ class folding:
         self.inside = 0
 
     def __enter__(self):
-        if self.norms:
-            norms.enter()
+        if self.fused:
+            fused.enter()
         if self.config is None:
             return self
         with self.lock:
@@ -157,8 +157,8 @@ class folding:
         return self
 
     def __exit__(self, *exc):
-        if self.norms:
-            norms.leave()
+        if self.fused:
+            fused.leave()
         if self.config is None:
             return
         with self.lock:

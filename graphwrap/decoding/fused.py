@@ -1,0 +1,138 @@
+"""Small modules of transformers' models in one kernel inside the shared batch's forwards.
+
+A graph replays a step's kernels one after another, so a module written as many elementwise
+operations costs a kernel each (2-5 us apiece on a step's small tensors;
+``benchmarks/diagnostics/step_profile.py``). Two such modules have a single PyTorch kernel that
+computes the same to rounding:
+
+- **Llama's RMSNorm** (and the families copied from it: Mistral, Qwen2, ...) is eight kernels:
+  the input to fp32, its square, the mean, ``+ eps``, ``rsqrt``, the product, back to the
+  input's dtype, the weight's product. PyTorch's ``rms_norm`` is one kernel on a GPU
+  (``aten::_fused_rms_norm``, from torch 2.8): it reads the input once, sums its squares in fp32
+  and writes ``x * rsqrt(mean + eps)`` in the input's dtype, to the order of the sum; the
+  weight's product stays a kernel of its own, as there. Gemma's norm, which scales by
+  ``1 + weight``, is not this form.
+- **GPT-2's GELU** (transformers' ``NewGELUActivation``, ``gelu_new``: the tanh approximation
+  written out) is eight kernels: the cube, three products, two sums, ``tanh``. PyTorch's
+  ``gelu(approximate="tanh")`` is the same formula in one kernel, computed in fp32 and rounded
+  once (transformers' own ``gelu_pytorch_tanh``).
+
+:func:`prepare` replaces the ``forward`` of each class in a model whose ``forward`` is one of
+these, instruction for instruction, with one that takes the single kernel only on a thread
+between :func:`enter` and :func:`leave` (the batch's captures and eager forwards, inside its
+:class:`~.attention.folding` block) and on a GPU, and is the class's own ``forward`` everywhere
+else: another thread running the model meanwhile, any CPU, and any tracing by ``torch.compile``
+(which fuses them itself).
+"""
+
+import threading
+from typing import Callable, Dict, NamedTuple, Optional
+
+import torch
+from torch.nn import functional as F
+
+_LOCAL = threading.local()
+_LOCK = threading.Lock()
+_ORIGINAL: Dict[type, Callable] = {}  # a class whose forward was replaced -> its own
+DEVICES = ("cuda",)  # where each form's kernel is one kernel
+
+
+class Form(NamedTuple):
+    """A module's ``forward`` with a single kernel of PyTorch's computing the same."""
+    name: str
+    reference: Callable[[], Optional[type]]  # transformers' class whose forward is the form (None: not here)
+    fused: Callable[[Callable], Callable]  # the class's own forward -> the replacement
+    available: Callable[[], bool]  # whether this torch has the kernel
+
+
+def _transformers_class(module: str, name: str) -> Callable[[], Optional[type]]:
+    def find() -> Optional[type]:
+        try:
+            return getattr(__import__(module, fromlist=[name]), name)
+        except (ImportError, AttributeError):
+            return None
+    return find
+
+
+def _fused_norm(own: Callable) -> Callable:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if fuses(hidden_states):
+            return self.weight * F.rms_norm(hidden_states, (hidden_states.shape[-1],), None, self.variance_epsilon)
+        return own(self, hidden_states)
+    return _wrapped(forward, own)
+
+
+def _fused_gelu(own: Callable) -> Callable:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if fuses(input):
+            return F.gelu(input, approximate="tanh")
+        return own(self, input)
+    return _wrapped(forward, own)
+
+
+def _wrapped(forward: Callable, own: Callable) -> Callable:
+    forward.__wrapped__ = own  # type: ignore[attr-defined]
+    forward.__doc__ = own.__doc__
+    return forward
+
+
+FORMS = (
+    Form("Llama's RMSNorm", _transformers_class("transformers.models.llama.modeling_llama", "LlamaRMSNorm"),
+         _fused_norm, lambda: hasattr(torch.ops.aten, "_fused_rms_norm")),
+    Form("GPT-2's tanh GELU", _transformers_class("transformers.activations", "NewGELUActivation"),
+         _fused_gelu, lambda: True),
+)
+
+
+def enter():
+    """From here until :func:`leave`, on this thread, the modules :func:`prepare` took run fused
+    (nested pairs count)."""
+    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+
+
+def leave():
+    _LOCAL.depth -= 1
+
+
+def fuses(x: torch.Tensor) -> bool:
+    """Whether a module taken runs its single kernel on ``x`` here and now."""
+    # (is_compiling first: while torch.compile traces, the thread-local is not read at all)
+    return not torch.compiler.is_compiling() and getattr(_LOCAL, "depth", 0) > 0 and x.device.type in DEVICES
+
+
+def _code(forward) -> Optional[tuple]:
+    code = getattr(forward, "__code__", None)
+    return None if code is None else (code.co_code, code.co_names, code.co_consts)
+
+
+def form_of(cls: type) -> Optional[Form]:
+    """The form whose reference's ``forward`` is ``cls.forward`` instruction for instruction
+    (the class's own, where :func:`prepare` replaced it), or None."""
+    code = _code(_ORIGINAL.get(cls, getattr(cls, "forward", None)))
+    if code is None:
+        return None
+    for form in FORMS:
+        ref = form.reference()
+        if ref is not None and code == _code(_ORIGINAL.get(ref, getattr(ref, "forward", None))):
+            return form
+    return None
+
+
+def prepare(model) -> int:
+    """Replace the ``forward`` of each class of ``model``'s modules that is one of the forms
+    (once per class; where this torch has the form's kernel): how many of its modules are."""
+    n = 0
+    for m in model.modules():
+        cls = type(m)
+        if cls in _ORIGINAL:
+            n += 1
+            continue
+        form = form_of(cls)
+        if form is None or not form.available():
+            continue
+        n += 1
+        with _LOCK:
+            if cls not in _ORIGINAL:
+                _ORIGINAL[cls] = cls.forward
+                cls.forward = form.fused(cls.forward)
+    return n

@@ -1,0 +1,179 @@
+"""Llama-form RMSNorms and GPT-2's GELUs in one kernel inside the shared batch's forwards
+(graphwrap/decoding/fused.py): which classes are taken, the class's own forward everywhere but
+inside the block on that thread, and the single kernel equal to the own forward to rounding
+(the condition is widened to the CPU here; on a GPU the norm's is torch's
+aten::_fused_rms_norm). Needs transformers."""
+
+import threading
+
+import pytest
+import torch
+
+from graphwrap.decoding import fused
+
+tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+from transformers.activations import GELUActivation, NewGELUActivation, PytorchGELUTanh  # noqa: E402
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+from transformers.models.mistral.modeling_mistral import MistralRMSNorm  # noqa: E402
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
+
+
+@pytest.fixture
+def patched(monkeypatch):
+    """The norm classes' forwards and the module's record put back after the test."""
+    for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, NewGELUActivation):
+        monkeypatch.setattr(cls, "forward", cls.forward)
+    monkeypatch.setattr(fused, "_ORIGINAL", {})
+    monkeypatch.setattr(fused, "DEVICES", ("cuda", "cpu"))  # (the CPU too)
+    monkeypatch.setattr(fused, "FORMS", tuple(f._replace(available=lambda: True) for f in fused.FORMS))
+
+
+def _llama():
+    torch.manual_seed(0)
+    cfg = tr.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=101, max_position_embeddings=64)
+    return tr.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def test_only_modules_whose_forward_is_a_forms_are_taken():
+    norm, gelu = fused.FORMS
+    assert fused.form_of(LlamaRMSNorm) is norm and fused.form_of(MistralRMSNorm) is norm
+    assert fused.form_of(Qwen2RMSNorm) is norm
+    assert fused.form_of(GemmaRMSNorm) is None, "Gemma scales by 1 + weight"
+    assert fused.form_of(torch.nn.RMSNorm) is None and fused.form_of(torch.nn.LayerNorm) is None
+    assert fused.form_of(NewGELUActivation) is gelu
+    assert fused.form_of(GELUActivation) is None and fused.form_of(PytorchGELUTanh) is None, "one kernel already"
+
+
+def test_prepare_takes_each_norm_class_once_and_outside_the_block_it_is_the_classs_own(patched):
+    model = _llama()
+    own = LlamaRMSNorm.forward
+    assert fused.prepare(model) == 2 * 3 + 1
+    assert LlamaRMSNorm.forward is not own and LlamaRMSNorm.forward.__wrapped__ is own
+    assert fused.prepare(model) == 7 and LlamaRMSNorm.forward.__wrapped__ is own, "not wrapped twice"
+    ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = fused.F.rms_norm
+    fused.F.rms_norm = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        with torch.no_grad():
+            out = model(ids).logits
+        assert calls == [], "outside the block: the class's own forward"
+        fused.enter()
+        try:
+            with torch.no_grad():
+                joined = model(ids).logits
+        finally:
+            fused.leave()
+        assert len(calls) == 7
+    finally:
+        fused.F.rms_norm = real
+    torch.testing.assert_close(joined, out, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt2s_gelus_run_as_one_kernel_inside_the_block_and_the_logits_agree(patched):
+    torch.manual_seed(0)
+    model = tr.GPT2LMHeadModel(tr.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=101, n_positions=32)).eval()
+    assert fused.prepare(model) == 2, "a GELU a layer; GPT-2's LayerNorms are one kernel already"
+    ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = fused.F.gelu
+    fused.F.gelu = lambda *a, **k: calls.append(k.get("approximate")) or real(*a, **k)
+    try:
+        with torch.no_grad():
+            out = model(ids).logits
+        assert calls == [], "outside the block: the class's own forward"
+        fused.enter()
+        try:
+            with torch.no_grad():
+                joined = model(ids).logits
+        finally:
+            fused.leave()
+        assert calls == ["tanh", "tanh"]
+    finally:
+        fused.F.gelu = real
+    torch.testing.assert_close(joined, out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_gelus_one_kernel_equals_its_own_forward_to_rounding(patched, dtype):
+    gelu = NewGELUActivation()
+    fused.prepare(torch.nn.Sequential(gelu))
+    x = (torch.randn(4, 300, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    own = NewGELUActivation.forward.__wrapped__(gelu, x)
+    fused.enter()
+    try:
+        one = gelu(x)
+    finally:
+        fused.leave()
+    assert one.dtype == own.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(one, own, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_fused_form_equals_the_own_to_rounding(patched, dtype):
+    norm = LlamaRMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    norm = norm.to(dtype)
+    fused.prepare(torch.nn.Sequential(norm))
+    x = torch.randn(5, 7, 48, generator=torch.Generator().manual_seed(2)).to(dtype) * 3
+    own = LlamaRMSNorm.forward.__wrapped__(norm, x)
+    fused.enter()
+    try:
+        one = norm(x)
+    finally:
+        fused.leave()
+    assert one.dtype == own.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(one, own, rtol=tol, atol=tol)
+
+
+def test_another_thread_outside_the_block_runs_the_classs_own(patched):
+    norm = LlamaRMSNorm(16)
+    fused.prepare(torch.nn.Sequential(norm))
+    seen = []
+    real = fused.F.rms_norm
+    fused.F.rms_norm = lambda *a, **k: seen.append(threading.current_thread().name) or real(*a, **k)
+    try:
+        fused.enter()
+        try:
+            t = threading.Thread(target=lambda: norm(torch.randn(3, 16)), name="other")
+            t.start()
+            t.join()
+            norm(torch.randn(3, 16))
+        finally:
+            fused.leave()
+    finally:
+        fused.F.rms_norm = real
+    assert seen == [threading.current_thread().name]
+
+
+def test_torch_compile_traces_the_classs_own_forward_without_a_break(patched):
+    """Inside the block too, torch.compile traces the class's own forward: one graph, no
+    break, no fused kernel in it."""
+    import torch._dynamo as dynamo
+
+    norm = LlamaRMSNorm(16)
+    fused.prepare(torch.nn.Sequential(norm))
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(4))
+    dynamo.reset()
+    traced = []
+
+    def backend(gm, inputs):
+        traced.append(str(gm.graph))
+        return gm.forward
+
+    fused.enter()
+    try:
+        explained = dynamo.explain(norm)(x)
+        dynamo.reset()
+        got = torch.compile(norm, backend=backend)(x)
+    finally:
+        fused.leave()
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    assert traced and not any("rms_norm" in g for g in traced), traced
+    assert any("rsqrt" in g for g in traced), "the class's own: mean, rsqrt"
+    torch.testing.assert_close(got, LlamaRMSNorm.forward.__wrapped__(norm, x))
