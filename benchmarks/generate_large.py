@@ -211,6 +211,7 @@ def _long(case, gm, model, device, results):
     for t in threads:
         t.join()
     gaps = [b - a for c in clocks for a, b in zip(c.times[1:], c.times[2:])]
+    during = [b - a for c in clocks for a, b in zip(c.times[1:], c.times[2:]) if t0 <= a and b <= t0 + took]
     thread = {k: round(v - spent.get(k, 0.0), 3) for k, v in server.spent.items()}
     _say(case, f"  the decode thread meanwhile (s): {thread}; the 5 longest gaps (ms): "
                f"{[round(1e3 * g, 1) for g in sorted(gaps)[-5:]]}; shapes captured meanwhile: "
@@ -218,6 +219,10 @@ def _long(case, gm, model, device, results):
     edges = (10, 15, 20, 25, 30, 50, float("inf"))
     bins = [sum(1 for g in gaps if lo <= 1e3 * g < hi) for lo, hi in zip((0,) + edges, edges)]
     _say(case, "  the others' gaps by ms: " + ", ".join(f"<{hi}: {n}" for hi, n in zip(edges, bins)))
+    _say(case, f"  the decode thread's slowest turns since the batch was made: {server.turns.slowest()[:4]}")
+    if during:
+        _say(case, f"  the others' gaps while the long prompt was served ({len(during)}): p50 "
+                   f"{1e3 * pct(during, .5):.2f} / p99 {1e3 * pct(during, .99):.2f} / longest {1e3 * max(during):.2f} ms")
     with torch.no_grad():
         ref = model.generate(input_ids=long_ids, max_new_tokens=16, do_sample=False)
     same = torch.equal(out, ref)
