@@ -185,6 +185,30 @@ def test_completions_give_generate_s_tokens_decoded_whole_and_streamed(srv):
     assert body["choices"][0]["text"] == "the quick brown" + text
 
 
+def test_the_batch_in_this_process_hands_each_turns_tokens_to_the_loop_at_once(srv, monkeypatch):
+    """Thread mode: the shared batch gives a turn's tokens for every stream of the server's loop
+    in one put_step on its decode thread (the sink), not a delivery per token on its workers."""
+    from graphwrap.serve.api import client as client_mod
+
+    turns = []
+    real = client_mod._Inbox.put_step
+
+    def put_step(self, feeds, tokens, logprobs=None):
+        turns.append((threading.current_thread().name, len(feeds)))
+        real(self, feeds, tokens, logprobs)
+
+    monkeypatch.setattr(client_mod._Inbox, "put_step", put_step)
+    tok = srv.served.tokenizer
+    prompts = ["the quick brown", "a b", "hello there"]
+    status, body, _ = post(srv.port, "/v1/completions", {"prompt": prompts, "max_tokens": 30, "temperature": 0})
+    assert status == 200
+    for choice in body["choices"]:
+        assert choice["text"] == greedy(srv, tok(prompts[choice["index"]])["input_ids"], 30)[1]
+    assert sum(n for _, n in turns) == 3 * 30, "every token through the sink"
+    assert {name for name, _ in turns} == {"graphwrap-decode"}, turns
+    assert max(n for _, n in turns) > 1, "one turn's tokens of several streams in one hand-over"
+
+
 def test_chat_uses_the_template_and_streams_the_role_first(srv):
     tok = srv.served.tokenizer
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text",

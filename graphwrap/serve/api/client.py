@@ -59,8 +59,9 @@ def _seed(seed: Optional[int], index: int) -> Optional[int]:
 
 class _Inbox:
     """Tokens for the sequences of one event loop, handed over in one wake-up of the loop however
-    many sequences got tokens meanwhile (a decode step's tokens come one sequence at a time, from
-    the batch's delivery workers; a wake-up per token would cost the loop more than the token)."""
+    many sequences got tokens meanwhile (a wake-up per token would cost the loop more than the
+    token). A batch in this process hands it a turn's tokens at once on its decode thread
+    (:meth:`put_step`); the engine process's receiver, one message's."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -69,12 +70,26 @@ class _Inbox:
         self.scheduled = False
 
     def post(self, queue: "asyncio.Queue[Any]", item: Any):
+        self.post_many([(queue, item)])
+
+    def post_many(self, items: List[Tuple["asyncio.Queue[Any]", Any]]):
         with self.lock:
-            self.items.append((queue, item))
+            self.items.extend(items)
             if self.scheduled:
                 return
             self.scheduled = True
         self.loop.call_soon_threadsafe(self._drain)
+
+    def put_step(self, feeds: List["_Feed"], tokens: List[int], logprobs: Optional[List[Any]] = None):
+        """A decode turn's tokens, one for each of ``feeds``, and their log-probabilities where a
+        sequence asked: the shared batch's sink (:class:`~graphwrap.decoding.calls.Sinks`), called
+        on its decode thread once a turn for every sequence of this loop, so that no token takes
+        a delivery of its own on the batch's workers."""
+        if logprobs is None:
+            self.post_many([(f.queue, [t]) for f, t in zip(feeds, tokens)])
+        else:
+            self.post_many([(f.queue, [t] if lp is None else _Scored([t], [lp]))
+                            for f, t, lp in zip(feeds, tokens, logprobs)])
 
     def _drain(self):
         with self.lock:
@@ -84,12 +99,22 @@ class _Inbox:
 
 
 class _Feed:
-    """A sequence's tokens into its asyncio queue (from whatever thread the engine hands them on)."""
+    """A sequence's tokens into its asyncio queue (from whatever thread the engine hands them on).
+    Its ``sink`` and ``key`` (its inbox and itself) let a batch in this process hand a turn's
+    tokens for every feed of the loop over at once (:meth:`_Inbox.put_step`)."""
 
     __slots__ = ("inbox", "queue", "logprobs")
 
     def __init__(self, inbox: _Inbox, queue: "asyncio.Queue[Any]", logprobs: Optional[int] = None):
         self.inbox, self.queue, self.logprobs = inbox, queue, logprobs
+
+    @property
+    def sink(self) -> _Inbox:
+        return self.inbox
+
+    @property
+    def key(self) -> "_Feed":
+        return self
 
     def add(self, tokens: List[int], logprobs: Optional[List[Any]] = None):
         self.inbox.post(self.queue, tokens if logprobs is None else _Scored(tokens, logprobs))
