@@ -46,88 +46,71 @@ def test_only_modules_whose_forward_is_a_forms_are_taken():
     assert fused.form_of(GELUActivation) is None and fused.form_of(PytorchGELUTanh) is None, "one kernel already"
 
 
-def test_prepare_takes_each_norm_class_once_and_outside_the_block_it_is_the_classs_own(patched):
+def test_prepare_takes_each_norm_class_once_and_outside_the_block_it_is_the_classs_own(patched, monkeypatch):
     model = _llama()
     own = LlamaRMSNorm.forward
     assert fused.prepare(model) == 2 * 3 + 1
     assert LlamaRMSNorm.forward is not own and LlamaRMSNorm.forward.__wrapped__ is own
     assert fused.prepare(model) == 7 and LlamaRMSNorm.forward.__wrapped__ is own, "not wrapped twice"
-    ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(1))
     calls = []
     real = fused.F.rms_norm
-    fused.F.rms_norm = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
-        with torch.no_grad():
-            out = model(ids).logits
-        assert calls == [], "outside the block: the class's own forward"
-        fused.enter()
-        try:
-            with torch.no_grad():
-                joined = model(ids).logits
-        finally:
-            fused.leave()
-        assert len(calls) == 7
-    finally:
-        fused.F.rms_norm = real
-    torch.testing.assert_close(joined, out, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(fused.F, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _outside_then_inside(model, calls)
+    assert len(calls) == 7
 
 
-def test_gpt2s_gelus_run_as_one_kernel_inside_the_block_and_the_logits_agree(patched):
+def test_gpt2s_gelus_run_as_one_kernel_inside_the_block_and_the_logits_agree(patched, monkeypatch):
     torch.manual_seed(0)
     model = tr.GPT2LMHeadModel(tr.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=101, n_positions=32)).eval()
     assert fused.prepare(model) == 2, "a GELU a layer; GPT-2's LayerNorms are one kernel already"
-    ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(1))
     calls = []
     real = fused.F.gelu
-    fused.F.gelu = lambda *a, **k: calls.append(k.get("approximate")) or real(*a, **k)
-    try:
-        with torch.no_grad():
-            out = model(ids).logits
+    monkeypatch.setattr(fused.F, "gelu", lambda *a, **k: calls.append(k.get("approximate")) or real(*a, **k))
+    _outside_then_inside(model, calls)
+    assert calls == ["tanh", "tanh"]
+
+
+def _outside_then_inside(model, calls):
+    """The model's logits outside the block (none of the single kernels called), then inside it:
+    equal to rounding."""
+    ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = model(ids).logits
         assert calls == [], "outside the block: the class's own forward"
         fused.enter()
         try:
-            with torch.no_grad():
-                joined = model(ids).logits
+            inside = model(ids).logits
         finally:
             fused.leave()
-        assert calls == ["tanh", "tanh"]
-    finally:
-        fused.F.gelu = real
-    torch.testing.assert_close(joined, out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(inside, out, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_gelus_one_kernel_equals_its_own_forward_to_rounding(patched, dtype):
-    gelu = NewGELUActivation()
-    fused.prepare(torch.nn.Sequential(gelu))
-    x = (torch.randn(4, 300, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
-    own = NewGELUActivation.forward.__wrapped__(gelu, x)
-    fused.enter()
-    try:
-        one = gelu(x)
-    finally:
-        fused.leave()
-    assert one.dtype == own.dtype == dtype
-    tol = 1e-6 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(one, own, rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_fused_form_equals_the_own_to_rounding(patched, dtype):
+def _norm():
     norm = LlamaRMSNorm(48, eps=1e-5)
     with torch.no_grad():
         norm.weight.normal_()
-    norm = norm.to(dtype)
-    fused.prepare(torch.nn.Sequential(norm))
-    x = torch.randn(5, 7, 48, generator=torch.Generator().manual_seed(2)).to(dtype) * 3
-    own = LlamaRMSNorm.forward.__wrapped__(norm, x)
+    return norm, (5, 7, 48), 3.0, 1e-2
+
+
+def _gelu():
+    return NewGELUActivation(), (4, 300), 4.0, 2e-2
+
+
+@pytest.mark.parametrize("make", [_norm, _gelu], ids=["llama-rmsnorm", "gpt2-gelu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_each_forms_single_kernel_equals_its_own_forward_to_rounding(patched, make, dtype):
+    module, shape, scale, tol = make()
+    module = module.to(dtype)
+    fused.prepare(torch.nn.Sequential(module))
+    x = (torch.randn(*shape, generator=torch.Generator().manual_seed(2)) * scale).to(dtype)
+    own = type(module).forward.__wrapped__(module, x)
     fused.enter()
     try:
-        one = norm(x)
+        one = module(x)
     finally:
         fused.leave()
     assert one.dtype == own.dtype == dtype
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    tol = 1e-6 if dtype == torch.float32 else tol
     torch.testing.assert_close(one, own, rtol=tol, atol=tol)
 
 
