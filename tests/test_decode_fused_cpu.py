@@ -14,16 +14,30 @@ from graphwrap.decoding import fused
 tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
 from transformers.activations import GELUActivation, NewGELUActivation, PytorchGELUTanh  # noqa: E402
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+from transformers.models.mistral import modeling_mistral  # noqa: E402
 from transformers.models.mistral.modeling_mistral import MistralRMSNorm  # noqa: E402
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
+
+ROTATED = []  # a call of the rotary kernel's stand-in a layer
 
 
 @pytest.fixture
 def patched(monkeypatch):
-    """The norm classes' forwards and the module's record put back after the test."""
+    """The norm classes' forwards, the rotary functions and the module's record put back after
+    the test; the rotary kernel (Triton, on a GPU: tests/test_decode_rope_cuda.py) stood in for
+    by its torch reference, so that what is tested here is which calls reach it."""
+    from graphwrap.decoding import rope
+
     for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, NewGELUActivation):
         monkeypatch.setattr(cls, "forward", cls.forward)
+    for mod in (modeling_llama, modeling_mistral):
+        monkeypatch.setattr(mod, "apply_rotary_pos_emb", mod.apply_rotary_pos_emb)
+    monkeypatch.setattr(fused, "FUNCTIONS", tuple(f._replace(available=lambda: True) for f in fused.FUNCTIONS))
+    monkeypatch.setattr(rope, "applies", lambda q, k, cos, sin: q.dim() == 4 and cos.dim() == 3)
+    monkeypatch.setattr(rope, "rotate", lambda q, k, cos, sin: ROTATED.append(1) or rope.reference(q, k, cos, sin))
+    ROTATED.clear()
     monkeypatch.setattr(fused, "_ORIGINAL", {})
     monkeypatch.setattr(fused, "DEVICES", ("cuda", "cpu"))  # (the CPU too)
     monkeypatch.setattr(fused, "FORMS", tuple(f._replace(available=lambda: True) for f in fused.FORMS))
@@ -49,9 +63,9 @@ def test_only_modules_whose_forward_is_a_forms_are_taken():
 def test_prepare_takes_each_norm_class_once_and_outside_the_block_it_is_the_classs_own(patched, monkeypatch):
     model = _llama()
     own = LlamaRMSNorm.forward
-    assert fused.prepare(model) == 2 * 3 + 1
+    assert fused.prepare(model) == 2 * 3 + 1 + 1, "two norms a layer, the last, and the rotary function"
     assert LlamaRMSNorm.forward is not own and LlamaRMSNorm.forward.__wrapped__ is own
-    assert fused.prepare(model) == 7 and LlamaRMSNorm.forward.__wrapped__ is own, "not wrapped twice"
+    assert fused.prepare(model) == 8 and LlamaRMSNorm.forward.__wrapped__ is own, "not wrapped twice"
     calls = []
     real = fused.F.rms_norm
     monkeypatch.setattr(fused.F, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -160,3 +174,52 @@ def test_torch_compile_traces_the_classs_own_forward_without_a_break(patched):
     assert traced and not any("rms_norm" in g for g in traced), traced
     assert any("rsqrt" in g for g in traced), "the class's own: mean, rsqrt"
     torch.testing.assert_close(got, LlamaRMSNorm.forward.__wrapped__(norm, x))
+
+
+def test_the_rotary_form_is_llamas_function_and_its_rotate_half_in_each_family_copy():
+    import types
+
+    from transformers.models.gpt_neox import modeling_gpt_neox
+    from transformers.models.phi3 import modeling_phi3
+
+    assert fused.function_form(modeling_llama) is fused.FUNCTIONS[0]
+    assert fused.function_form(modeling_mistral) is fused.FUNCTIONS[0]
+    assert fused.function_form(modeling_phi3) is None, "a partial rotary: its own function"
+    assert fused.function_form(modeling_gpt_neox) is None
+
+    def rotate_half(x):  # the interleaved pairs some families rotate: not Llama's halves
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+    interleaved = types.ModuleType("interleaved")
+    interleaved.apply_rotary_pos_emb = types.FunctionType(modeling_llama.apply_rotary_pos_emb.__code__,
+                                                          interleaved.__dict__)
+    interleaved.rotate_half = rotate_half
+    assert fused.function_form(interleaved) is None, "the same function over another rotate_half"
+
+
+def test_llamas_rotary_runs_as_one_kernel_inside_the_block_and_the_logits_agree(patched):
+    model = _llama()
+    own = modeling_llama.apply_rotary_pos_emb
+    assert fused.prepare(model) == 1 + 2 * 3 + 1, "the rotary function, and the norms"
+    assert modeling_llama.apply_rotary_pos_emb is not own and modeling_llama.apply_rotary_pos_emb._gw_own is own
+    fused.prepare(model)
+    assert modeling_llama.apply_rotary_pos_emb._gw_own is own, "not wrapped twice"
+    _outside_then_inside(model, ROTATED)
+    assert len(ROTATED) == 3, "a layer each"
+
+
+def test_a_rotary_call_that_is_not_llamas_own_runs_the_function_as_it_is(patched):
+    model = _llama()
+    fused.prepare(model)
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8)
+    cos, sin = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    fused.enter()
+    try:
+        got = modeling_llama.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin, unsqueeze_dim=2)
+        plain = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+    finally:
+        fused.leave()
+    assert len(ROTATED) == 1, "only the call of four arguments"
+    own = modeling_llama.apply_rotary_pos_emb._gw_own(q.transpose(1, 2), k.transpose(1, 2), cos, sin, unsqueeze_dim=2)
+    torch.testing.assert_close(got, own)
+    torch.testing.assert_close(plain[0].transpose(1, 2), got[0], rtol=1e-6, atol=1e-6)

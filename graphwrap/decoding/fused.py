@@ -16,20 +16,28 @@ computes the same to rounding:
   written out) is eight kernels: the cube, three products, two sums, ``tanh``. PyTorch's
   ``gelu(approximate="tanh")`` is the same formula in one kernel, computed in fp32 and rounded
   once (transformers' own ``gelu_pytorch_tanh``).
+- **Llama's rotary embedding** (the module function ``apply_rotary_pos_emb`` with its
+  ``rotate_half``, in Llama's modeling module and each family's copy of it) is ten kernels a
+  layer; :mod:`.rope` is one (Triton), where the call is Llama's own (four arguments, queries
+  and keys ``[b, h, s, d]``).
 
 :func:`prepare` replaces the ``forward`` of each class in a model whose ``forward`` is one of
-these, instruction for instruction, with one that takes the single kernel only on a thread
+these, instruction for instruction (and each such function of the modules the model's classes
+come from), with one that takes the single kernel only on a thread
 between :func:`enter` and :func:`leave` (the batch's captures and eager forwards, inside its
 :class:`~.attention.folding` block) and on a GPU, and is the class's own ``forward`` everywhere
 else: another thread running the model meanwhile, any CPU, and any tracing by ``torch.compile``
 (which fuses them itself).
 """
 
+import sys
 import threading
-from typing import Callable, Dict, NamedTuple, Optional
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch.nn import functional as F
+
+from . import paged_attention, rope
 
 _LOCAL = threading.local()
 _LOCK = threading.Lock()
@@ -76,6 +84,30 @@ def _wrapped(forward: Callable, own: Callable) -> Callable:
     return forward
 
 
+def _fused_rope(own: Callable) -> Callable:
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if not args and not kwargs and fuses(q) and rope.applies(q, k, cos, sin):
+            return rope.rotate(q, k, cos, sin)
+        return own(q, k, cos, sin, *args, **kwargs)
+    apply_rotary_pos_emb._gw_own = own  # type: ignore[attr-defined]
+    return _wrapped(apply_rotary_pos_emb, own)
+
+
+class Function(NamedTuple):
+    """A module-level function of transformers' (with the helpers it calls by name) that a single
+    kernel computes the same as."""
+    name: str
+    names: Tuple[str, ...]  # the function's name in its module, then its helpers'
+    reference: str  # the module whose functions of those names are the form
+    fused: Callable[[Callable], Callable]  # the module's own function -> the replacement
+    available: Callable[[], bool]
+
+
+FUNCTIONS = (
+    Function("Llama's rotary embedding", ("apply_rotary_pos_emb", "rotate_half"),
+             "transformers.models.llama.modeling_llama", _fused_rope, paged_attention.available),
+)
+
 FORMS = (
     Form("Llama's RMSNorm", _transformers_class("transformers.models.llama.modeling_llama", "LlamaRMSNorm"),
          _fused_norm, lambda: hasattr(torch.ops.aten, "_fused_rms_norm")),
@@ -118,10 +150,46 @@ def form_of(cls: type) -> Optional[Form]:
     return None
 
 
+def function_form(module) -> Optional[Function]:
+    """The function form whose functions ``module`` has, each instruction for instruction (its
+    own, where :func:`prepare` replaced one), or None."""
+    for form in FUNCTIONS:
+        ref = sys.modules.get(form.reference)
+        if ref is None:
+            try:
+                ref = __import__(form.reference, fromlist=["_"])
+            except ImportError:
+                continue
+        ours = [getattr(module, n, None) for n in form.names]
+        theirs = [getattr(ref, n, None) for n in form.names]
+        if all(f is not None for f in ours + theirs) and all(
+                _code(getattr(a, "_gw_own", a)) == _code(getattr(b, "_gw_own", b)) for a, b in zip(ours, theirs)):
+            return form
+    return None
+
+
+def _prepare_functions(model) -> int:
+    """Replace each function form's function in the modules ``model``'s classes come from: how
+    many of those modules have it."""
+    n = 0
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(name)
+        form = None if module is None else function_form(module)
+        if form is None or not form.available():
+            continue
+        n += 1
+        with _LOCK:
+            own = getattr(module, form.names[0])
+            if getattr(own, "_gw_own", None) is None:
+                setattr(module, form.names[0], form.fused(own))
+    return n
+
+
 def prepare(model) -> int:
     """Replace the ``forward`` of each class of ``model``'s modules that is one of the forms
-    (once per class; where this torch has the form's kernel): how many of its modules are."""
-    n = 0
+    (once per class; where this torch has the form's kernel), and each function form's function
+    in the modules they come from: how many modules and functions were taken."""
+    n = _prepare_functions(model)
     for m in model.modules():
         cls = type(m)
         if cls in _ORIGINAL:
