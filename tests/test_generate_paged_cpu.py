@@ -2,13 +2,15 @@
 waiting for blocks, long prompts in pieces, and the whole context, on a CPU, eagerly, against
 model.generate alone. Needs transformers (skipped with the reason without it)."""
 
+import time
+
 import pytest
 import torch
 from helpers import thread_results
 
 from graphwrap import GraphedModule, GraphwrapError
 from graphwrap.decoding import server as server_mod
-from graphwrap.decoding.pool import BLOCK, PIECE, Blocks, plan_cache, rows_possible, scratch_blocks
+from graphwrap.decoding.pool import BLOCK, PIECE_ALONE, Blocks, plan_cache, rows_possible, scratch_blocks
 from graphwrap.decoding.scheduler import Scheduler, Seq
 from graphwrap.decoding.settings import SeqSettings
 
@@ -80,8 +82,8 @@ def test_the_plan_keeps_whole_rows_where_they_fit_the_budget_and_pages_where_not
     assert small.paged is False
     roomy = plan_cache(rows=4, max_len=64, token_bytes=1000, free=10**12, paged=True)
     # Never more blocks than every row whole, a scratch block each (and the padding prompts'), one
-    # capture block per BLOCK of those 5, and a piece's capture blocks.
-    assert roomy.blocks == 4 * (64 // BLOCK) + 5 + 1 + PIECE // BLOCK, "never more blocks than every row whole and the scratch blocks"
+    # capture block per BLOCK of those 5, and the widest piece's capture blocks.
+    assert roomy.blocks == 4 * (64 // BLOCK) + 5 + 1 + PIECE_ALONE // BLOCK, "never more blocks than every row whole and the scratch blocks"
     with pytest.raises(MemoryError, match="holds no block"):
         plan_cache(rows=4, max_len=64, token_bytes=10**6, free=10**6)
 
@@ -100,7 +102,7 @@ def test_the_rows_layout_is_probed_only_where_the_plan_may_choose_it():
 def test_a_cpu_pool_starts_small_and_may_grow_to_every_row_whole():
     p = plan_cache(rows=64, max_len=1024, token_bytes=1000, free=None)
     assert p.paged and p.budget is None
-    scratch = 65 + 5 + PIECE // BLOCK  # a block per row and the padding prompts', the capture blocks (65 positions), a piece's
+    scratch = 65 + 5 + PIECE_ALONE // BLOCK  # a block per row and the padding prompts', the capture blocks (65 positions), the widest piece's
     assert p.blocks == 64 * (256 // BLOCK) + scratch and p.most == 64 * (1024 // BLOCK) + scratch
     assert p.scratch == scratch
 
@@ -211,7 +213,7 @@ class _Collect:
 def test_rows_that_cannot_grow_preempt_the_newest_which_is_recomputed_with_generates_tokens(monkeypatch, kind):
     _fixed_pool(monkeypatch, 12, rows=4)  # 192 positions; four rows each growing to 100-120 need more
     model = _model(kind)
-    gm = GraphedModule(model, decode={"rows": 4})
+    gm = GraphedModule(model, decode={"rows": 4, "paged": True})  # (whole rows would fit beside the capture blocks)
     prompts = _prompts([3, 7, 5, 9, 4, 6])
     news = [110, 105, 112, 100, 108, 111]
     streamers = [_Collect() for _ in prompts]
@@ -243,7 +245,7 @@ def test_sampled_sequences_preempted_make_the_tokens_they_make_with_room(monkeyp
     assert roomy.stats()["decode"]["preempted"] == 0
     roomy.close()
     _fixed_pool(monkeypatch, 12, rows=4)
-    gm = GraphedModule(model, decode={"rows": 4})
+    gm = GraphedModule(model, decode={"rows": 4, "paged": True})
     futs = []
     for i, p in enumerate(prompts):
         torch.manual_seed(i)
@@ -408,7 +410,27 @@ def test_a_prompt_past_2048_tokens_on_a_model_of_4096_positions_is_served():
     assert torch.equal(got[0], _alone(model, prompt, max_new_tokens=6))
     assert torch.equal(got[1], _alone(model, short, max_new_tokens=20))
     d = gm.stats()["decode"]
-    assert d["max_len"] == 4096 and d["prefill_pieces"] == 20, "2,500 positions in pieces of 128"
+    assert d["max_len"] == 4096 and 5 <= d["prefill_pieces"] <= 20, "2,500 positions in pieces of 512 or 128"
+    gm.close()
+
+
+def test_a_long_prompt_goes_in_wide_pieces_alone_and_in_narrow_ones_beside_decoding_rows():
+    """Its weights read a quarter as often where no row waits on its pieces (pool.PIECE_ALONE),
+    and pieces of pool.PIECE between the steps of rows that decode."""
+    model = _model("llama", positions=4096)
+    gm = GraphedModule(model)
+    prompt = _prompts([2500])[0]
+    assert torch.equal(gm.generate(torch.tensor([prompt]), max_new_tokens=4), _alone(model, prompt, max_new_tokens=4))
+    assert gm.stats()["decode"]["prefill_pieces"] == 5, "2,500 positions alone: pieces of 512"
+    short, seen = _prompts([6], seed=2)[0], _Collect()
+    beside = gm.submit_generate(torch.tensor([short]), max_new_tokens=300, streamer=seen)
+    deadline = time.monotonic() + 60
+    while len(seen.got) < len(short) + 2:  # (decoding: its first tokens out)
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert torch.equal(gm.generate(torch.tensor([prompt]), max_new_tokens=4), _alone(model, prompt, max_new_tokens=4))
+    assert gm.stats()["decode"]["prefill_pieces"] == 5 + 20, "beside a decoding row: pieces of 128"
+    assert torch.equal(beside.result(timeout=120), _alone(model, short, max_new_tokens=300))
     gm.close()
 
 

@@ -62,8 +62,9 @@ def every_shape(server, timeout: Optional[float] = None) -> bool:
         for width in server.prompts.width_buckets:
             caps.want(("prefill", k, width), AHEAD)
     if server.piece_engine is not None and server.max_len > server.chunk:
-        for span in sorted({store.piece_span(b) for b in server.sched.span_buckets if b >= server.piece}):
-            caps.want(("piece", server.piece, span), AHEAD)
+        for width in sorted({server.piece, server.piece_alone}):
+            for span in sorted({store.piece_span(b) for b in server.sched.span_buckets if b >= width}):
+                caps.want(("piece", width, span), AHEAD)
     return caps.finish(timeout)
 
 

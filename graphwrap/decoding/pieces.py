@@ -1,7 +1,9 @@
 """A prompt longer than the batch's chunk, prefilled a piece a turn of the decode thread, between
 the other rows' steps, so that one long prompt does not stall them.
 
-In the paged pool a piece is :data:`~.pool.PIECE` positions (or a chunk, where that is less) through :class:`~.step.PieceStep`,
+In the paged pool a piece is :data:`~.pool.PIECE` positions beside decoding rows and
+:data:`~.pool.PIECE_ALONE` with none (its weights read a quarter as often; at most a chunk
+either way), through :class:`~.step.PieceStep`,
 whose graphs (one per span bucket, captured beside the decode thread like the steps', served
 meanwhile by a larger one or eagerly) read the piece's place from the device: a piece then
 costs the rows beside it its time on the GPU, not an eager forward's host time (about 30 ms for
@@ -49,10 +51,11 @@ def next_piece(server):
     row, start = cast(int, s.row), cast(int, s.prefilled)
     feed = s.feed
     graphs = server.piece_engine is not None and isinstance(server.store, PagedStore)
-    end = min(start + (server.piece if graphs else server.chunk), len(feed))
+    width = (server.piece if server.sched.live() else server.piece_alone) if graphs else server.chunk
+    end = min(start + width, len(feed))
     try:
         if graphs:
-            logits = _replayed(server, row, start, end, feed)
+            logits = _replayed(server, row, start, end, feed, width)
         else:
             ids = to_device(torch.tensor([feed[start:end]], dtype=torch.long), server.device)
             with server.fold, without_cudnn(server.device):
@@ -85,9 +88,9 @@ def _ended(server) -> Optional[torch.cuda.Event]:
     return event
 
 
-def _replayed(server, row: int, start: int, end: int, feed) -> torch.Tensor:
+def _replayed(server, row: int, start: int, end: int, feed, width: int) -> torch.Tensor:
     span = server.store.piece_span(bucket_of(end, server.sched.span_buckets))
-    shape, how = server.shapes.pick(("piece", server.piece, span))
+    shape, how = server.shapes.pick(("piece", width, span))
     _, width, span = shape
     host = torch.zeros((1, width + 3), dtype=torch.long)
     host[0, :end - start] = torch.tensor(feed[start:end], dtype=torch.long)

@@ -26,7 +26,8 @@ from typing import List, Optional
 BLOCK = 16  # positions per block of the paged pool
 CACHE_MEMORY = 0.7  # default share of the GPU memory free at the batch's making that the cache may take
 CPU_START = 256  # positions per row the CPU pool holds at first (it doubles when a sequence needs more)
-PIECE = 128  # positions of a long prompt's piece in the paged pool (one replay a turn, see pieces.py)
+PIECE = 128  # positions of a long prompt's piece in the paged pool beside decoding rows (a replay a turn, pieces.py)
+PIECE_ALONE = 512  # ... with no row decoding beside it (its weights read a quarter as often)
 
 
 @dataclass(frozen=True)
@@ -124,9 +125,9 @@ def rows_possible(paged: Optional[bool], on_gpu: bool, in_place: bool) -> bool:
 def scratch_blocks(rows: int, block: int) -> int:
     """Blocks never handed out: one per row and one for padding prompts (blocks ``0 .. rows``),
     then the blocks the shapes' captures write and read (:meth:`.pages.PagedStore.twin`): one
-    position for each of those ``rows + 1``, then a piece's positions
+    position for each of those ``rows + 1``, then the widest piece's positions
     (:meth:`.pages.PagedStore.piece_twin`)."""
-    return rows + 1 + blocks_for(rows + 1, block) + blocks_for(PIECE, block)
+    return rows + 1 + blocks_for(rows + 1, block) + blocks_for(max(PIECE, PIECE_ALONE), block)
 
 
 def blocks_for(positions: int, block: int) -> int:

@@ -43,7 +43,7 @@ from .captures import Captures, on_stream
 from .delivery import OUTBOX, Mailbox, on_worker
 from .inflight import Tokens
 from .pages import PagedStore
-from .pool import CACHE_MEMORY, PIECE, Blocks, plan_cache
+from .pool import CACHE_MEMORY, PIECE, PIECE_ALONE, Blocks, plan_cache
 from .report import Turns, report
 from .rows import RowStore, to_device
 from .sampling import Active, RowSettings, logprobs
@@ -98,7 +98,7 @@ class DecodeServer:
                                Blocks(self.cache.blocks, self.cache.scratch) if self.cache.paged else None, self.cache.block)
         self.vocab = _vocab(model)
         self.settings = RowSettings(rows, max_len, self.device, _out_vocab(model, self.vocab))
-        self.chunk, self.piece = CHUNK, min(PIECE, CHUNK)  # prompts longer than a chunk go in pieces
+        self.chunk, self.piece, self.piece_alone = CHUNK, min(PIECE, CHUNK), min(PIECE_ALONE, CHUNK)  # (pieces.py)
         self.pieces_running: Deque[torch.cuda.Event] = collections.deque()  # the pieces on the device (pieces.py)
         self.prompts = Prompts(rows, min(max_len, self.chunk), self.store.scratch)
         self.chunker = ChunkStep(model)
