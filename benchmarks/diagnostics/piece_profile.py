@@ -88,7 +88,7 @@ def main():
     prompt = prompt.to(DEV)
     with torch.no_grad():
         ref = model.generate(input_ids=prompt, max_new_tokens=NEW, do_sample=False)
-    engine, chunk, width = server.piece_engine, server.chunk, server.piece
+    engine, chunk, width = server.piece_engine, server.chunk, server.piece_alone  # (no row decodes beside it)
     for how in ("graphs", "eager"):
         if how == "eager":
             server.piece_engine, server.chunk = None, width  # (eager pieces of the same width)

@@ -6,8 +6,9 @@ time, the bytes it must read (weights, and the live keys and values) over the ba
 profiler's kernels of one replay by kind (matrix products, attention, the rest), then the
 kernels of a whole warm burst by kind, with the GPU's busy share of the burst's wall time.
 
-``python3 benchmarks/diagnostics/step_profile.py gpt2|llama [--span 512]`` from the repository
-root, on a GPU.
+``python3 benchmarks/diagnostics/step_profile.py gpt2|llama [--span 512] [--ops]`` from the
+repository root, on a GPU (``--ops``: also the torch operators of eager steps, with their input
+shapes and device time).
 """
 
 import argparse
@@ -62,12 +63,31 @@ def say_kernels(title, by_kind, top, wall_us=None):
         print(f"      {v / 1e3:8.3f} ms  {name}", flush=True)
 
 
+def say_ops(gm, rows: int, span: int):
+    """The torch operators of eager steps (the capture's own forwards) by device time, with their
+    input shapes: which operator each kind of kernel above belongs to (the calls counted over
+    the 3 warm-ups and the capture, the device time over the warm-ups)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    server = gm.__dict__["_gw_decode"]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        g.step_graph(gm, rows, span)
+    rows_ = prof.key_averages(group_by_input_shape=True)
+    rows_ = sorted(rows_, key=lambda e: -getattr(e, "self_device_time_total", 0))
+    print(f"operators of the 3 eager warm-up steps ({server.store.__class__.__name__}), per step:", flush=True)
+    for e in rows_[:24]:
+        t = getattr(e, "self_device_time_total", 0) / 3
+        if t:
+            print(f"    {t / 1e3:8.3f} ms  {e.count // 4:4d}x  {e.key:28s} {str(e.input_shapes)[:110]}", flush=True)
+
+
 def main():
     from torch.profiler import ProfilerActivity, profile
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", choices=["gpt2", "llama"])
     ap.add_argument("--span", type=int, default=512)
+    ap.add_argument("--ops", action="store_true", help="also the operators of eager steps, with their shapes")
     a = ap.parse_args()
     name = torch.cuda.get_device_name()
     bw = next((v for k, v in BANDWIDTH.items() if k in name), 3.35e12)
@@ -100,6 +120,8 @@ def main():
         g.step_graph(gm, 64, a.span)  # (3 eager warm-ups, then 5 x 50 replays)
     by_kind, top = kernels(prof, per=253)
     say_kernels("one replay (from 253 runs: 3 eager warm-ups, 250 replays)", by_kind, top, 1e6 * replay)
+    if a.ops:
+        say_ops(gm, 64, a.span)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t = g.burst(gm, reqs, DEV)[0]
     by_kind, top = kernels(prof)
