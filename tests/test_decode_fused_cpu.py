@@ -128,6 +128,22 @@ def test_each_forms_single_kernel_equals_its_own_forward_to_rounding(patched, ma
     torch.testing.assert_close(one, own, rtol=tol, atol=tol)
 
 
+def test_a_norm_whose_weight_is_another_dtype_gives_its_own_result_dtype(patched):
+    norm = LlamaRMSNorm(32)  # an fp32 weight over fp16 states: transformers' product is fp32
+    with torch.no_grad():
+        norm.weight.normal_()
+    fused.prepare(torch.nn.Sequential(norm))
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(4)).half()
+    own = LlamaRMSNorm.forward.__wrapped__(norm, x)
+    fused.enter()
+    try:
+        one = norm(x)
+    finally:
+        fused.leave()
+    assert own.dtype == one.dtype == torch.float32
+    torch.testing.assert_close(one, own, rtol=1e-6, atol=1e-6)
+
+
 def test_another_thread_outside_the_block_runs_the_classs_own(patched):
     norm = LlamaRMSNorm(16)
     fused.prepare(torch.nn.Sequential(norm))

@@ -65,7 +65,10 @@ def _transformers_class(module: str, name: str) -> Callable[[], Optional[type]]:
 def _fused_norm(own: Callable) -> Callable:
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if fuses(hidden_states):
-            return self.weight * F.rms_norm(hidden_states, (hidden_states.shape[-1],), None, self.variance_epsilon)
+            shape, w = (hidden_states.shape[-1],), self.weight
+            if w.dtype == hidden_states.dtype:  # the weight's product inside the kernel, rounded once
+                return F.rms_norm(hidden_states, shape, w, self.variance_epsilon)
+            return w * F.rms_norm(hidden_states, shape, None, self.variance_epsilon)  # (its own dtype's result)
         return own(self, hidden_states)
     return _wrapped(forward, own)
 

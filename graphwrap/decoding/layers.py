@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import step_write
 from .pool import blocks_for
 
 Tensor = torch.Tensor
@@ -126,8 +127,12 @@ class PagedLayer(RowLayer):
             slots.where = self.table[:n].gather(1, (pos // self.block)[:, None])[:, 0]
             slots.offset = pos % self.block
         where, offset = slots.where, slots.offset
-        self.keys[where, offset] = key_states[:, :, -1].to(self.keys.dtype)
-        self.values[where, offset] = value_states[:, :, -1].to(self.values.dtype)
+        k, v = key_states[:, :, -1], value_states[:, :, -1]
+        if step_write.applies(self.keys, self.values, k, v):
+            step_write.write(self.keys, self.values, where, offset, k, v)
+        else:
+            self.keys[where, offset] = k.to(self.keys.dtype)
+            self.values[where, offset] = v.to(self.values.dtype)
         if self.store.base.direct:
             return self.direct, self.values
         return self._gather(self.keys, n), self._gather(self.values, n)
