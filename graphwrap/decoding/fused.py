@@ -9,9 +9,11 @@ computes the same to rounding:
   the input to fp32, its square, the mean, ``+ eps``, ``rsqrt``, the product, back to the
   input's dtype, the weight's product. PyTorch's ``rms_norm`` is one kernel on a GPU
   (``aten::_fused_rms_norm``, from torch 2.8): it reads the input once, sums its squares in fp32
-  and writes ``x * rsqrt(mean + eps)`` in the input's dtype, to the order of the sum; the
-  weight's product stays a kernel of its own, as there. Gemma's norm, which scales by
-  ``1 + weight``, is not this form.
+  and writes ``weight * x * rsqrt(mean + eps)`` in the input's dtype, to the order of the sum
+  and rounded once (transformers rounds before the weight's product too: equal to rounding).
+  A weight of another dtype than the states' (fp32 over fp16) stays a product of its own, as
+  there, so the result's dtype is transformers'. Gemma's norm, which scales by ``1 + weight``,
+  is not this form.
 - **GPT-2's GELU** (transformers' ``NewGELUActivation``, ``gelu_new``: the tanh approximation
   written out) is eight kernels: the cube, three products, two sums, ``tanh``. PyTorch's
   ``gelu(approximate="tanh")`` is the same formula in one kernel, computed in fp32 and rounded
