@@ -18,7 +18,7 @@ def _cos_sin(b, s, d, dtype, generator):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-@pytest.mark.parametrize("b,hq,hk,s,d", [(64, 32, 4, 1, 64), (1, 32, 8, 128, 128), (8, 12, 12, 3, 80), (3, 8, 1, 5, 16)])
+@pytest.mark.parametrize("b,hq,hk,s,d", [(64, 32, 4, 1, 64), (1, 32, 8, 128, 128), (8, 12, 12, 3, 80), (3, 8, 1, 5, 16), (4, 16, 8, 2, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_rotary_kernel_equals_transformers_function_to_rounding(b, hq, hk, s, d, dtype):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

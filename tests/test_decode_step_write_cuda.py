@@ -10,7 +10,7 @@ pytestmark = pytest.mark.cuda
 pytest.importorskip("triton", reason="needs Triton (torch's CUDA wheels bring it)")
 
 
-@pytest.mark.parametrize("n,h,d", [(64, 4, 64), (1, 8, 128), (7, 3, 80), (33, 1, 16)])
+@pytest.mark.parametrize("n,h,d", [(64, 4, 64), (1, 8, 128), (7, 3, 80), (33, 1, 16), (5, 16, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_step_write_equals_indexed_assignment(n, h, d, dtype):
     from graphwrap.decoding import step_write

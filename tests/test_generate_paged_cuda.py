@@ -41,7 +41,8 @@ def _requests(n, seed=0, lens=(3, 60), news=(5, 40)):
 @pytest.mark.parametrize("dtype,hq,hkv,d,window,softcap", [
     (torch.float16, 32, 8, 128, None, None), (torch.float16, 12, 12, 64, None, None),
     (torch.float32, 4, 2, 64, None, None), (torch.bfloat16, 8, 1, 80, None, None),
-    (torch.float16, 32, 8, 128, 100, None), (torch.float32, 8, 4, 64, 17, 5.0), (torch.float16, 16, 8, 64, 64, 30.0)])
+    (torch.float16, 32, 8, 128, 100, None), (torch.float32, 8, 4, 64, 17, 5.0), (torch.float16, 16, 8, 64, 64, 30.0),
+    (torch.bfloat16, 8, 4, 256, 100, 50.0), (torch.float16, 16, 16, 256, None, None)])  # Gemma's 256-wide heads
 def test_the_paged_attention_kernel_reads_each_rows_own_blocks(dtype, hq, hkv, d, window, softcap):
     from graphwrap.decoding import paged_attention
 
@@ -64,7 +65,8 @@ def test_the_paged_attention_kernel_reads_each_rows_own_blocks(dtype, hq, hkv, d
     (torch.float16, 32, 8, 128, 128, 5000, 128, None, None), (torch.float16, 32, 8, 128, 128, 0, 77, None, None),
     (torch.float32, 4, 2, 64, 32, 300, 32, None, None), (torch.bfloat16, 8, 1, 80, 64, 130, 20, None, None),
     (torch.float16, 32, 8, 128, 128, 700, 128, 100, None), (torch.float32, 8, 4, 64, 16, 900, 9, 40, 5.0),
-    (torch.float16, 12, 12, 64, 128, 260, 128, None, None)])
+    (torch.float16, 12, 12, 64, 128, 260, 128, None, None),
+    (torch.bfloat16, 8, 4, 256, 128, 700, 128, 100, 50.0), (torch.float16, 16, 16, 256, 128, 300, 90, None, None)])
 def test_the_piece_attention_kernel_reads_its_rows_blocks_up_to_each_querys_position(dtype, hq, hkv, d, width, start,
                                                                                       valid, window, softcap):
     from graphwrap.decoding import piece_attention
