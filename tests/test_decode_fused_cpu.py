@@ -1,5 +1,5 @@
-"""Llama-form RMSNorms and GPT-2's GELUs in one kernel inside the shared batch's forwards
-(graphwrap/decoding/fused.py): which classes are taken, the class's own forward everywhere but
+"""Llama-form RMSNorms, GPT-2's GELUs, Llama's gated MLPs and rotary embedding in one kernel
+inside the shared batch's forwards (graphwrap/decoding/fused.py): which classes are taken, the class's own forward everywhere but
 inside the block on that thread, and the single kernel equal to the own forward to rounding
 (the condition is widened to the CPU here; on a GPU the norm's is torch's
 aten::_fused_rms_norm). Needs transformers."""
@@ -13,24 +13,27 @@ from graphwrap.decoding import fused
 
 tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
 from transformers.activations import GELUActivation, NewGELUActivation, PytorchGELUTanh  # noqa: E402
-from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
+from transformers.models.gemma.modeling_gemma import GemmaMLP, GemmaRMSNorm  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
-from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm  # noqa: E402
 from transformers.models.mistral import modeling_mistral  # noqa: E402
-from transformers.models.mistral.modeling_mistral import MistralRMSNorm  # noqa: E402
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
+from transformers.models.mistral.modeling_mistral import MistralMLP, MistralRMSNorm  # noqa: E402
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm  # noqa: E402
 
 ROTATED = []  # a call of the rotary kernel's stand-in a layer
+GATED = []  # a call of the gated MLP kernel's stand-in a layer
 
 
 @pytest.fixture
 def patched(monkeypatch):
     """The norm classes' forwards, the rotary functions and the module's record put back after
-    the test; the rotary kernel (Triton, on a GPU: tests/test_decode_rope_cuda.py) stood in for
-    by its torch reference, so that what is tested here is which calls reach it."""
-    from graphwrap.decoding import rope
+    the test; the rotary and gated MLP kernels (Triton, on a GPU: tests/test_decode_rope_cuda.py,
+    tests/test_decode_mlp_cuda.py) stood in for by their torch references, so that what is
+    tested here is which calls reach them."""
+    from graphwrap.decoding import mlp, rope
 
-    for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, NewGELUActivation):
+    for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, NewGELUActivation, LlamaMLP, MistralMLP, Qwen2MLP,
+                GemmaMLP):
         monkeypatch.setattr(cls, "forward", cls.forward)
     for mod in (modeling_llama, modeling_mistral):
         monkeypatch.setattr(mod, "apply_rotary_pos_emb", mod.apply_rotary_pos_emb)
@@ -38,6 +41,9 @@ def patched(monkeypatch):
     monkeypatch.setattr(rope, "applies", lambda q, k, cos, sin: q.dim() == 4 and cos.dim() == 3)
     monkeypatch.setattr(rope, "rotate", lambda q, k, cos, sin: ROTATED.append(1) or rope.reference(q, k, cos, sin))
     ROTATED.clear()
+    monkeypatch.setattr(mlp, "applies", lambda x, gate, up: gate.bias is None and up.bias is None)
+    monkeypatch.setattr(mlp, "gate_up", lambda x, wg, wu: GATED.append(1) or mlp.reference(x, wg, wu))
+    GATED.clear()
     monkeypatch.setattr(fused, "_ORIGINAL", {})
     monkeypatch.setattr(fused, "DEVICES", ("cuda", "cpu"))  # (the CPU too)
     monkeypatch.setattr(fused, "FORMS", tuple(f._replace(available=lambda: True) for f in fused.FORMS))
@@ -51,21 +57,22 @@ def _llama():
 
 
 def test_only_modules_whose_forward_is_a_forms_are_taken():
-    norm, gelu = fused.FORMS
+    norm, gelu, gated = fused.FORMS
     assert fused.form_of(LlamaRMSNorm) is norm and fused.form_of(MistralRMSNorm) is norm
     assert fused.form_of(Qwen2RMSNorm) is norm
     assert fused.form_of(GemmaRMSNorm) is None, "Gemma scales by 1 + weight"
     assert fused.form_of(torch.nn.RMSNorm) is None and fused.form_of(torch.nn.LayerNorm) is None
     assert fused.form_of(NewGELUActivation) is gelu
     assert fused.form_of(GELUActivation) is None and fused.form_of(PytorchGELUTanh) is None, "one kernel already"
+    assert fused.form_of(LlamaMLP) is gated and fused.form_of(MistralMLP) is gated and fused.form_of(Qwen2MLP) is gated
 
 
 def test_prepare_takes_each_norm_class_once_and_outside_the_block_it_is_the_classs_own(patched, monkeypatch):
     model = _llama()
     own = LlamaRMSNorm.forward
-    assert fused.prepare(model) == 2 * 3 + 1 + 1, "two norms a layer, the last, and the rotary function"
+    assert fused.prepare(model) == 2 * 3 + 1 + 3 + 1, "two norms a layer, the last, an MLP a layer, the rotary function"
     assert LlamaRMSNorm.forward is not own and LlamaRMSNorm.forward.__wrapped__ is own
-    assert fused.prepare(model) == 8 and LlamaRMSNorm.forward.__wrapped__ is own, "not wrapped twice"
+    assert fused.prepare(model) == 11 and LlamaRMSNorm.forward.__wrapped__ is own, "not wrapped twice"
     calls = []
     real = fused.F.rms_norm
     monkeypatch.setattr(fused.F, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -216,7 +223,7 @@ def test_the_rotary_form_is_llamas_function_and_its_rotate_half_in_each_family_c
 def test_llamas_rotary_runs_as_one_kernel_inside_the_block_and_the_logits_agree(patched):
     model = _llama()
     own = modeling_llama.apply_rotary_pos_emb
-    assert fused.prepare(model) == 1 + 2 * 3 + 1, "the rotary function, and the norms"
+    assert fused.prepare(model) == 1 + 2 * 3 + 1 + 3, "the rotary function, the norms and the MLPs"
     assert modeling_llama.apply_rotary_pos_emb is not own and modeling_llama.apply_rotary_pos_emb._gw_own is own
     fused.prepare(model)
     assert modeling_llama.apply_rotary_pos_emb._gw_own is own, "not wrapped twice"
@@ -239,3 +246,34 @@ def test_a_rotary_call_that_is_not_llamas_own_runs_the_function_as_it_is(patched
     own = modeling_llama.apply_rotary_pos_emb._gw_own(q.transpose(1, 2), k.transpose(1, 2), cos, sin, unsqueeze_dim=2)
     torch.testing.assert_close(got, own)
     torch.testing.assert_close(plain[0].transpose(1, 2), got[0], rtol=1e-6, atol=1e-6)
+
+
+def test_llamas_gated_mlps_run_as_one_kernel_inside_the_block_and_the_logits_agree(patched):
+    model = _llama()
+    own = LlamaMLP.forward
+    fused.prepare(model)
+    assert LlamaMLP.forward is not own and LlamaMLP.forward.__wrapped__ is own
+    _outside_then_inside(model, GATED)
+    assert len(GATED) == 3, "a layer each"
+
+
+def test_an_mlp_of_llamas_form_with_another_activation_or_biases_runs_its_own_forward(patched):
+    """Gemma's MLP is Llama's forward over a GELU; an MLP with biases is not the kernel's."""
+    gemma = GemmaMLP(tr.GemmaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                    head_dim=8, hidden_activation="gelu_pytorch_tanh"))
+    biased = LlamaMLP(tr.LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, mlp_bias=True))
+    plain = LlamaMLP(tr.LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2))
+    assert fused.form_of(GemmaMLP) is fused.FORMS[2], "the same forward, instruction for instruction"
+    fused.prepare(torch.nn.ModuleList([gemma, biased, plain]))
+    x = torch.randn(2, 1, 16, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        fused.enter()
+        try:
+            got = [m(x) for m in (gemma, biased)]
+            assert GATED == [], "not SiLU, or biases: the class's own"
+            plain(x)
+            assert GATED == [1]
+        finally:
+            fused.leave()
+        for m, y in zip((gemma, biased), got):
+            torch.testing.assert_close(y, type(m).forward.__wrapped__(m, x))
