@@ -15,25 +15,26 @@ tr = pytest.importorskip("transformers", reason="needs transformers: pip install
 from transformers.activations import GELUActivation, NewGELUActivation, PytorchGELUTanh  # noqa: E402
 from transformers.models.gemma.modeling_gemma import GemmaMLP, GemmaRMSNorm  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm  # noqa: E402
 from transformers.models.mistral import modeling_mistral  # noqa: E402
-from transformers.models.mistral.modeling_mistral import MistralMLP, MistralRMSNorm  # noqa: E402
-from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm  # noqa: E402
+from transformers.models.mistral.modeling_mistral import MistralAttention, MistralMLP, MistralRMSNorm  # noqa: E402
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm  # noqa: E402
 
 ROTATED = []  # a call of the rotary kernel's stand-in a layer
 GATED = []  # a call of the gated MLP kernel's stand-in a layer
+PROJECTED = []  # a call of the projections kernel's stand-in a layer
 
 
 @pytest.fixture
 def patched(monkeypatch):
     """The norm classes' forwards, the rotary functions and the module's record put back after
-    the test; the rotary and gated MLP kernels (Triton, on a GPU: tests/test_decode_rope_cuda.py,
-    tests/test_decode_mlp_cuda.py) stood in for by their torch references, so that what is
-    tested here is which calls reach them."""
-    from graphwrap.decoding import mlp, rope
+    the test; the rotary, gated MLP and projections kernels (Triton, on a GPU:
+    tests/test_decode_rope_cuda.py, tests/test_decode_mlp_cuda.py) stood in for by their torch
+    references, so that what is tested here is which calls reach them."""
+    from graphwrap.decoding import mlp, qkv, rope
 
     for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, NewGELUActivation, LlamaMLP, MistralMLP, Qwen2MLP,
-                GemmaMLP):
+                GemmaMLP, LlamaAttention, MistralAttention, Qwen2Attention):
         monkeypatch.setattr(cls, "forward", cls.forward)
     for mod in (modeling_llama, modeling_mistral):
         monkeypatch.setattr(mod, "apply_rotary_pos_emb", mod.apply_rotary_pos_emb)
@@ -44,6 +45,9 @@ def patched(monkeypatch):
     monkeypatch.setattr(mlp, "applies", lambda x, gate, up: gate.bias is None and up.bias is None)
     monkeypatch.setattr(mlp, "gate_up", lambda x, wg, wu: GATED.append(1) or mlp.reference(x, wg, wu))
     GATED.clear()
+    monkeypatch.setattr(qkv, "applies", lambda x, ps: all(isinstance(p, torch.nn.Linear) for p in ps))
+    monkeypatch.setattr(qkv, "project", lambda x, ws, bs: PROJECTED.append(1) or qkv.reference(x, ws, bs))
+    PROJECTED.clear()
     monkeypatch.setattr(fused, "_ORIGINAL", {})
     monkeypatch.setattr(fused, "DEVICES", ("cuda", "cpu"))  # (the CPU too)
     monkeypatch.setattr(fused, "FORMS", tuple(f._replace(available=lambda: True) for f in fused.FORMS))
@@ -57,7 +61,7 @@ def _llama():
 
 
 def test_only_modules_whose_forward_is_a_forms_are_taken():
-    norm, gelu, gated = fused.FORMS
+    norm, gelu, gated, *projections = fused.FORMS
     assert fused.form_of(LlamaRMSNorm) is norm and fused.form_of(MistralRMSNorm) is norm
     assert fused.form_of(Qwen2RMSNorm) is norm
     assert fused.form_of(GemmaRMSNorm) is None, "Gemma scales by 1 + weight"
@@ -65,14 +69,16 @@ def test_only_modules_whose_forward_is_a_forms_are_taken():
     assert fused.form_of(NewGELUActivation) is gelu
     assert fused.form_of(GELUActivation) is None and fused.form_of(PytorchGELUTanh) is None, "one kernel already"
     assert fused.form_of(LlamaMLP) is gated and fused.form_of(MistralMLP) is gated and fused.form_of(Qwen2MLP) is gated
+    assert [fused.form_of(c) for c in (LlamaAttention, MistralAttention, Qwen2Attention)] == projections
 
 
 def test_prepare_takes_each_norm_class_once_and_outside_the_block_it_is_the_classs_own(patched, monkeypatch):
     model = _llama()
     own = LlamaRMSNorm.forward
-    assert fused.prepare(model) == 2 * 3 + 1 + 3 + 1, "two norms a layer, the last, an MLP a layer, the rotary function"
+    assert fused.prepare(model) == 2 * 3 + 1 + 3 + 3 + 1, \
+        "two norms a layer, the last, an MLP and an attention a layer, the rotary function"
     assert LlamaRMSNorm.forward is not own and LlamaRMSNorm.forward.__wrapped__ is own
-    assert fused.prepare(model) == 11 and LlamaRMSNorm.forward.__wrapped__ is own, "not wrapped twice"
+    assert fused.prepare(model) == 14 and LlamaRMSNorm.forward.__wrapped__ is own, "not wrapped twice"
     calls = []
     real = fused.F.rms_norm
     monkeypatch.setattr(fused.F, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -223,7 +229,7 @@ def test_the_rotary_form_is_llamas_function_and_its_rotate_half_in_each_family_c
 def test_llamas_rotary_runs_as_one_kernel_inside_the_block_and_the_logits_agree(patched):
     model = _llama()
     own = modeling_llama.apply_rotary_pos_emb
-    assert fused.prepare(model) == 1 + 2 * 3 + 1 + 3, "the rotary function, the norms and the MLPs"
+    assert fused.prepare(model) == 1 + 2 * 3 + 1 + 3 + 3, "the rotary function, the norms, MLPs and attentions"
     assert modeling_llama.apply_rotary_pos_emb is not own and modeling_llama.apply_rotary_pos_emb._gw_own is own
     fused.prepare(model)
     assert modeling_llama.apply_rotary_pos_emb._gw_own is own, "not wrapped twice"
@@ -277,3 +283,56 @@ def test_an_mlp_of_llamas_form_with_another_activation_or_biases_runs_its_own_fo
             fused.leave()
         for m, y in zip((gemma, biased), got):
             torch.testing.assert_close(y, type(m).forward.__wrapped__(m, x))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_attentions_projections_run_as_one_kernel_inside_the_block_and_the_logits_agree(patched, family):
+    torch.manual_seed(0)
+    cfg = getattr(tr, "LlamaConfig" if family == "llama" else "Qwen2Config")(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=101, max_position_embeddings=64)  # (Qwen2's projections have biases)
+    model = tr.AutoModelForCausalLM.from_config(cfg).eval()
+    own = type(model.model.layers[0].self_attn).forward
+    fused.prepare(model)
+    assert type(model.model.layers[0].self_attn).forward.__wrapped__ is own
+    _outside_then_inside(model, PROJECTED)
+    assert len(PROJECTED) == 3, "a layer each"
+
+
+def test_a_given_module_is_the_module_but_for_its_projections_of_that_very_input():
+    from graphwrap.decoding import qkv
+
+    attn = LlamaAttention(tr.LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1), layer_idx=0)
+    x, other = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    outs = [torch.full((2, 1, 16), 1.0), torch.full((2, 1, 8), 2.0), torch.full((2, 1, 8), 3.0)]
+    given = qkv.Given(attn, x, outs)
+    assert given.q_proj(x) is outs[0] and given.k_proj(x) is outs[1] and given.v_proj(x) is outs[2]
+    with torch.no_grad():
+        torch.testing.assert_close(given.k_proj(other), attn.k_proj(other))  # another input: the projection's own
+        torch.testing.assert_close(given.k_proj(x.clone()), attn.k_proj(x))  # an equal tensor is another input
+    assert given.k_proj.weight is attn.k_proj.weight and given.o_proj is attn.o_proj
+    assert given.layer_idx == 0 and given.head_dim == attn.head_dim and given.config is attn.config
+
+
+def test_a_projection_is_taken_only_where_its_call_is_its_product_alone():
+    """Hooks (an adapter's, an offloading's) or another class or device: the module's own call."""
+    from graphwrap.decoding import qkv
+
+    x = torch.randn(2, 8)
+    assert qkv.plain(torch.nn.Linear(8, 4), x)
+    hooked = torch.nn.Linear(8, 4)
+    hooked.register_forward_hook(lambda mod, args, out: out * 2)
+    pre = torch.nn.Linear(8, 4)
+    pre.register_forward_pre_hook(lambda mod, args: None)
+
+    class Adapted(torch.nn.Linear):
+        pass
+
+    assert not qkv.plain(hooked, x) and not qkv.plain(pre, x) and not qkv.plain(Adapted(8, 4), x)
+    assert not qkv.plain(torch.nn.Linear(8, 4, device="meta"), x), "weights elsewhere (offloaded)"
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: None)
+    try:
+        assert not qkv.plain(torch.nn.Linear(8, 4), x), "a global hook"
+    finally:
+        handle.remove()
+    assert qkv.plain(torch.nn.Linear(8, 4), x)

@@ -13,7 +13,7 @@ with no biases, and rows no more than :data:`ROWS`; elsewhere the module's own f
 
 import torch
 
-from . import paged_attention
+from . import paged_attention, qkv
 
 Tensor = torch.Tensor
 ROWS = 64  # at most this many rows (the step's); wider inputs (a prompt's positions) are cuBLAS's
@@ -22,6 +22,8 @@ BN, BK, WARPS, STAGES = 64, 64, 4, 4  # its shape of work (benchmarks/diagnostic
 
 def applies(x: Tensor, gate: torch.nn.Linear, up: torch.nn.Linear) -> bool:
     """Whether :func:`gate_up` takes ``x [..., K]`` through these projections."""
+    if not (qkv.plain(gate, x) and qkv.plain(up, x)):
+        return False
     wg, wu = gate.weight, up.weight
     return (x.is_cuda and not torch.compiler.is_compiling() and paged_attention.available()
             and gate.bias is None and up.bias is None and x.dtype in (torch.float16, torch.bfloat16)
