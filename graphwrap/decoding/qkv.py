@@ -61,6 +61,7 @@ def project(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tens
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m, k = rows.shape
+    assert m <= ROWS, "one tile of rows: a step's"
     ns = [w.shape[0] for w in weights]
     outs = [torch.empty((m, n), dtype=x.dtype, device=x.device) for n in ns]
     tiles = [triton.cdiv(n, bn) for n in ns]
