@@ -48,8 +48,9 @@ def attend(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths
 
 
 def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor, scale: float, window: int,
-            softcap: float) -> Tensor:
-    """The kernel over ``q [n, hq, d]`` -> ``[n, hq, d]``."""
+            softcap: float, tile: int = TILE, warps: int = 4, stages: Optional[int] = None) -> Tensor:
+    """The kernel over ``q [n, hq, d]`` -> ``[n, hq, d]`` (``tile``, ``warps``, ``stages``: its
+    shape of work, for ``benchmarks/diagnostics/step_attention.py --tune``)."""
     n, hq, d = q.shape
     block, hkv = k_pool.shape[1], k_pool.shape[2]
     group = hq // hkv
@@ -60,8 +61,9 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: T
         q, k_pool, v_pool, table, lengths, out, scale, window, softcap,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), table.stride(0),
         out.stride(0), out.stride(1),
-        G=group, GP=max(16, _pow2(group)), D=d, DP=max(16, _pow2(d)), BLOCK=block, TILE=TILE,
-        IEEE=q.dtype == torch.float32, SOFTCAP=bool(softcap), num_warps=4)
+        G=group, GP=max(16, _pow2(group)), D=d, DP=max(16, _pow2(d)), BLOCK=block, TILE=tile,
+        IEEE=q.dtype == torch.float32, SOFTCAP=bool(softcap), num_warps=warps,
+        **({} if stages is None else {"num_stages": stages}))
     return out
 
 
