@@ -330,6 +330,13 @@ def test_a_projection_is_taken_only_where_its_call_is_its_product_alone():
 
     assert not qkv.plain(hooked, x) and not qkv.plain(pre, x) and not qkv.plain(Adapted(8, 4), x)
     assert not qkv.plain(torch.nn.Linear(8, 4, device="meta"), x), "weights elsewhere (offloaded)"
+
+    class Quantized(torch.Tensor):  # (a subclass whose memory is not the matrix)
+        pass
+
+    quantized = torch.nn.Linear(8, 4)
+    quantized.weight = torch.nn.Parameter(quantized.weight.detach().as_subclass(Quantized))
+    assert not qkv.plain(quantized, x), "a weight of a tensor subclass"
     handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: None)
     try:
         assert not qkv.plain(torch.nn.Linear(8, 4), x), "a global hook"

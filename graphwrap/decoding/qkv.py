@@ -28,10 +28,13 @@ NAMES = ("q_proj", "k_proj", "v_proj")
 
 def plain(linear, x: Tensor) -> bool:
     """Whether ``linear`` is an ``nn.Linear`` whose call is its product alone (no hooks of its own
-    or global ones: an adapter's, an offloading's), its weight on ``x``'s device."""
+    or global ones: an adapter's, an offloading's), its weight a plain tensor (not a quantized
+    subclass, whose memory is not the matrix) on ``x``'s device."""
     from torch.nn.modules import module as m
 
-    return (type(linear) is torch.nn.Linear and linear.weight.device == x.device
+    tensors = (torch.nn.Parameter, torch.Tensor)
+    return (type(linear) is torch.nn.Linear and type(linear.weight) in tensors
+            and (linear.bias is None or type(linear.bias) in tensors) and linear.weight.device == x.device
             and not (linear._forward_hooks or linear._forward_pre_hooks or m._global_forward_hooks
                      or m._global_forward_pre_hooks))
 
