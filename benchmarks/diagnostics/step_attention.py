@@ -28,7 +28,8 @@ def main():
     ap.add_argument("--tune", action="store_true")
     a = ap.parse_args()
     print(f"step_attention{' --tune' if a.tune else ''}: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}; defaults: tile {paged_attention.TILE}, 4 warps", flush=True)
+          f"{time.strftime('%Y-%m-%d')}; defaults: (tile, warps, stages) "
+          f"{paged_attention.shape_of_work(64)} for 64-wide heads, {paged_attention.shape_of_work(128)} for 128", flush=True)
     configs = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3))) if a.tune else [None]
     g = torch.Generator(device=DEV).manual_seed(0)
     for name, (hq, hkv, d) in SHAPES.items():

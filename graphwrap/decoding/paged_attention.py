@@ -16,7 +16,19 @@ from typing import Optional
 import torch
 
 Tensor = torch.Tensor
-TILE = 64  # positions a program reads at a time
+TILE = 64  # positions a program reads at a time (heads wider than 128)
+
+
+def shape_of_work(d: int) -> tuple:
+    """The kernel's (tile of positions, warps, stages) for heads ``d`` wide: the fastest found by
+    ``benchmarks/diagnostics/step_attention.py --tune`` on an H200 over 64 rows at 192-4,096
+    positions (64-wide heads: tile 128, 4 warps, 2 stages, 1.1-1.5x the earlier tile 64 and 4
+    warps; 128-wide: tile 64, 2 warps, 2 stages, up to 1.15x). Wider heads keep the earlier shape."""
+    if d <= 64:
+        return 128, 4, 2
+    if d <= 128:
+        return 64, 2, 2
+    return TILE, 4, None
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,10 +60,14 @@ def attend(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths
 
 
 def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor, scale: float, window: int,
-            softcap: float, tile: int = TILE, warps: int = 4, stages: Optional[int] = None) -> Tensor:
+            softcap: float, tile: Optional[int] = None, warps: Optional[int] = None,
+            stages: Optional[int] = None) -> Tensor:
     """The kernel over ``q [n, hq, d]`` -> ``[n, hq, d]`` (``tile``, ``warps``, ``stages``: its
-    shape of work, for ``benchmarks/diagnostics/step_attention.py --tune``)."""
+    shape of work, ``shape_of_work(d)``'s unless given, for ``step_attention.py --tune``)."""
     n, hq, d = q.shape
+    if tile is None:
+        tile, warps, stages = shape_of_work(d)
+    warps = 4 if warps is None else warps
     block, hkv = k_pool.shape[1], k_pool.shape[2]
     group = hq // hkv
     if q.stride(-1) != 1:

@@ -22,7 +22,7 @@ from . import paged_attention
 
 Tensor = torch.Tensor
 ROWS = 64  # at most this many rows (a step's); wider inputs (a prompt's positions) are cuBLAS's
-BN, BK, WARPS, STAGES = 32, 128, 4, 4  # the kernel's shape of work (benchmarks/diagnostics/qkv_kernel.py --tune)
+BN, BK, WARPS, STAGES = 32, 64, 4, 4  # shape of work: step_products.py --tune, H200
 NAMES = ("q_proj", "k_proj", "v_proj")
 
 
