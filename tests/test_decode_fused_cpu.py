@@ -1,5 +1,5 @@
-"""Llama-form RMSNorms and GPT-2's GELUs in one kernel inside the shared batch's forwards
-(graphwrap/decoding/fused.py): which classes are taken, the class's own forward everywhere but
+"""Llama-form RMSNorms, GPT-2's GELUs, Llama's gated MLPs and rotary embedding in one kernel
+inside the shared batch's forwards (graphwrap/decoding/fused.py): which classes are taken, the class's own forward everywhere but
 inside the block on that thread, and the single kernel equal to the own forward to rounding
 (the condition is widened to the CPU here; on a GPU the norm's is torch's
 aten::_fused_rms_norm). Needs transformers."""
@@ -13,24 +13,28 @@ from graphwrap.decoding import fused
 
 tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
 from transformers.activations import GELUActivation, NewGELUActivation, PytorchGELUTanh  # noqa: E402
-from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
+from transformers.models.gemma.modeling_gemma import GemmaMLP, GemmaRMSNorm  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
-from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm  # noqa: E402
 from transformers.models.mistral import modeling_mistral  # noqa: E402
-from transformers.models.mistral.modeling_mistral import MistralRMSNorm  # noqa: E402
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
+from transformers.models.mistral.modeling_mistral import MistralAttention, MistralMLP, MistralRMSNorm  # noqa: E402
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm  # noqa: E402
 
 ROTATED = []  # a call of the rotary kernel's stand-in a layer
+GATED = []  # a call of the gated MLP kernel's stand-in a layer
+PROJECTED = []  # a call of the projections kernel's stand-in a layer
 
 
 @pytest.fixture
 def patched(monkeypatch):
     """The norm classes' forwards, the rotary functions and the module's record put back after
-    the test; the rotary kernel (Triton, on a GPU: tests/test_decode_rope_cuda.py) stood in for
-    by its torch reference, so that what is tested here is which calls reach it."""
-    from graphwrap.decoding import rope
+    the test; the rotary, gated MLP and projections kernels (Triton, on a GPU:
+    tests/test_decode_rope_cuda.py, tests/test_decode_mlp_cuda.py) stood in for by their torch
+    references, so that what is tested here is which calls reach them."""
+    from graphwrap.decoding import mlp, qkv, rope
 
-    for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, NewGELUActivation):
+    for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, NewGELUActivation, LlamaMLP, MistralMLP, Qwen2MLP,
+                GemmaMLP, LlamaAttention, MistralAttention, Qwen2Attention):
         monkeypatch.setattr(cls, "forward", cls.forward)
     for mod in (modeling_llama, modeling_mistral):
         monkeypatch.setattr(mod, "apply_rotary_pos_emb", mod.apply_rotary_pos_emb)
@@ -38,6 +42,12 @@ def patched(monkeypatch):
     monkeypatch.setattr(rope, "applies", lambda q, k, cos, sin: q.dim() == 4 and cos.dim() == 3)
     monkeypatch.setattr(rope, "rotate", lambda q, k, cos, sin: ROTATED.append(1) or rope.reference(q, k, cos, sin))
     ROTATED.clear()
+    monkeypatch.setattr(mlp, "applies", lambda x, gate, up: gate.bias is None and up.bias is None)
+    monkeypatch.setattr(mlp, "gate_up", lambda x, wg, wu: GATED.append(1) or mlp.reference(x, wg, wu))
+    GATED.clear()
+    monkeypatch.setattr(qkv, "applies", lambda x, ps: all(isinstance(p, torch.nn.Linear) for p in ps))
+    monkeypatch.setattr(qkv, "project", lambda x, ws, bs: PROJECTED.append(1) or qkv.reference(x, ws, bs))
+    PROJECTED.clear()
     monkeypatch.setattr(fused, "_ORIGINAL", {})
     monkeypatch.setattr(fused, "DEVICES", ("cuda", "cpu"))  # (the CPU too)
     monkeypatch.setattr(fused, "FORMS", tuple(f._replace(available=lambda: True) for f in fused.FORMS))
@@ -51,21 +61,24 @@ def _llama():
 
 
 def test_only_modules_whose_forward_is_a_forms_are_taken():
-    norm, gelu = fused.FORMS
+    norm, gelu, gated, *projections = fused.FORMS
     assert fused.form_of(LlamaRMSNorm) is norm and fused.form_of(MistralRMSNorm) is norm
     assert fused.form_of(Qwen2RMSNorm) is norm
     assert fused.form_of(GemmaRMSNorm) is None, "Gemma scales by 1 + weight"
     assert fused.form_of(torch.nn.RMSNorm) is None and fused.form_of(torch.nn.LayerNorm) is None
     assert fused.form_of(NewGELUActivation) is gelu
     assert fused.form_of(GELUActivation) is None and fused.form_of(PytorchGELUTanh) is None, "one kernel already"
+    assert fused.form_of(LlamaMLP) is gated and fused.form_of(MistralMLP) is gated and fused.form_of(Qwen2MLP) is gated
+    assert [fused.form_of(c) for c in (LlamaAttention, MistralAttention, Qwen2Attention)] == projections
 
 
 def test_prepare_takes_each_norm_class_once_and_outside_the_block_it_is_the_classs_own(patched, monkeypatch):
     model = _llama()
     own = LlamaRMSNorm.forward
-    assert fused.prepare(model) == 2 * 3 + 1 + 1, "two norms a layer, the last, and the rotary function"
+    assert fused.prepare(model) == 2 * 3 + 1 + 3 + 3 + 1, \
+        "two norms a layer, the last, an MLP and an attention a layer, the rotary function"
     assert LlamaRMSNorm.forward is not own and LlamaRMSNorm.forward.__wrapped__ is own
-    assert fused.prepare(model) == 8 and LlamaRMSNorm.forward.__wrapped__ is own, "not wrapped twice"
+    assert fused.prepare(model) == 14 and LlamaRMSNorm.forward.__wrapped__ is own, "not wrapped twice"
     calls = []
     real = fused.F.rms_norm
     monkeypatch.setattr(fused.F, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -216,7 +229,7 @@ def test_the_rotary_form_is_llamas_function_and_its_rotate_half_in_each_family_c
 def test_llamas_rotary_runs_as_one_kernel_inside_the_block_and_the_logits_agree(patched):
     model = _llama()
     own = modeling_llama.apply_rotary_pos_emb
-    assert fused.prepare(model) == 1 + 2 * 3 + 1, "the rotary function, and the norms"
+    assert fused.prepare(model) == 1 + 2 * 3 + 1 + 3 + 3, "the rotary function, the norms, MLPs and attentions"
     assert modeling_llama.apply_rotary_pos_emb is not own and modeling_llama.apply_rotary_pos_emb._gw_own is own
     fused.prepare(model)
     assert modeling_llama.apply_rotary_pos_emb._gw_own is own, "not wrapped twice"
@@ -239,3 +252,94 @@ def test_a_rotary_call_that_is_not_llamas_own_runs_the_function_as_it_is(patched
     own = modeling_llama.apply_rotary_pos_emb._gw_own(q.transpose(1, 2), k.transpose(1, 2), cos, sin, unsqueeze_dim=2)
     torch.testing.assert_close(got, own)
     torch.testing.assert_close(plain[0].transpose(1, 2), got[0], rtol=1e-6, atol=1e-6)
+
+
+def test_llamas_gated_mlps_run_as_one_kernel_inside_the_block_and_the_logits_agree(patched):
+    model = _llama()
+    own = LlamaMLP.forward
+    fused.prepare(model)
+    assert LlamaMLP.forward is not own and LlamaMLP.forward.__wrapped__ is own
+    _outside_then_inside(model, GATED)
+    assert len(GATED) == 3, "a layer each"
+
+
+def test_an_mlp_of_llamas_form_with_another_activation_or_biases_runs_its_own_forward(patched):
+    """Gemma's MLP is Llama's forward over a GELU; an MLP with biases is not the kernel's."""
+    gemma = GemmaMLP(tr.GemmaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                    head_dim=8, hidden_activation="gelu_pytorch_tanh"))
+    biased = LlamaMLP(tr.LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, mlp_bias=True))
+    plain = LlamaMLP(tr.LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2))
+    assert fused.form_of(GemmaMLP) is fused.FORMS[2], "the same forward, instruction for instruction"
+    fused.prepare(torch.nn.ModuleList([gemma, biased, plain]))
+    x = torch.randn(2, 1, 16, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        fused.enter()
+        try:
+            got = [m(x) for m in (gemma, biased)]
+            assert GATED == [], "not SiLU, or biases: the class's own"
+            plain(x)
+            assert GATED == [1]
+        finally:
+            fused.leave()
+        for m, y in zip((gemma, biased), got):
+            torch.testing.assert_close(y, type(m).forward.__wrapped__(m, x))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_attentions_projections_run_as_one_kernel_inside_the_block_and_the_logits_agree(patched, family):
+    torch.manual_seed(0)
+    cfg = getattr(tr, "LlamaConfig" if family == "llama" else "Qwen2Config")(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=101, max_position_embeddings=64)  # (Qwen2's projections have biases)
+    model = tr.AutoModelForCausalLM.from_config(cfg).eval()
+    own = type(model.model.layers[0].self_attn).forward
+    fused.prepare(model)
+    assert type(model.model.layers[0].self_attn).forward.__wrapped__ is own
+    _outside_then_inside(model, PROJECTED)
+    assert len(PROJECTED) == 3, "a layer each"
+
+
+def test_a_given_module_is_the_module_but_for_its_projections_of_that_very_input():
+    from graphwrap.decoding import qkv
+
+    attn = LlamaAttention(tr.LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1), layer_idx=0)
+    x, other = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    outs = [torch.full((2, 1, 16), 1.0), torch.full((2, 1, 8), 2.0), torch.full((2, 1, 8), 3.0)]
+    given = qkv.Given(attn, x, outs)
+    assert given.q_proj(x) is outs[0] and given.k_proj(x) is outs[1] and given.v_proj(x) is outs[2]
+    with torch.no_grad():
+        torch.testing.assert_close(given.k_proj(other), attn.k_proj(other))  # another input: the projection's own
+        torch.testing.assert_close(given.k_proj(x.clone()), attn.k_proj(x))  # an equal tensor is another input
+    assert given.k_proj.weight is attn.k_proj.weight and given.o_proj is attn.o_proj
+    assert given.layer_idx == 0 and given.head_dim == attn.head_dim and given.config is attn.config
+
+
+def test_a_projection_is_taken_only_where_its_call_is_its_product_alone():
+    """Hooks (an adapter's, an offloading's) or another class or device: the module's own call."""
+    from graphwrap.decoding import qkv
+
+    x = torch.randn(2, 8)
+    assert qkv.plain(torch.nn.Linear(8, 4), x)
+    hooked = torch.nn.Linear(8, 4)
+    hooked.register_forward_hook(lambda mod, args, out: out * 2)
+    pre = torch.nn.Linear(8, 4)
+    pre.register_forward_pre_hook(lambda mod, args: None)
+
+    class Adapted(torch.nn.Linear):
+        pass
+
+    assert not qkv.plain(hooked, x) and not qkv.plain(pre, x) and not qkv.plain(Adapted(8, 4), x)
+    assert not qkv.plain(torch.nn.Linear(8, 4, device="meta"), x), "weights elsewhere (offloaded)"
+
+    class Quantized(torch.Tensor):  # (a subclass whose memory is not the matrix)
+        pass
+
+    quantized = torch.nn.Linear(8, 4)
+    quantized.weight = torch.nn.Parameter(quantized.weight.detach().as_subclass(Quantized))
+    assert not qkv.plain(quantized, x), "a weight of a tensor subclass"
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: None)
+    try:
+        assert not qkv.plain(torch.nn.Linear(8, 4), x), "a global hook"
+    finally:
+        handle.remove()
+    assert qkv.plain(torch.nn.Linear(8, 4), x)

@@ -2,8 +2,8 @@
 
 A graph replays a step's kernels one after another, so a module written as many elementwise
 operations costs a kernel each (2-5 us apiece on a step's small tensors;
-``benchmarks/diagnostics/step_profile.py``). Two such modules have a single PyTorch kernel that
-computes the same to rounding:
+``benchmarks/diagnostics/step_profile.py``). These have a single kernel (PyTorch's, or one of
+graphwrap's in Triton) that computes the same to rounding:
 
 - **Llama's RMSNorm** (and the families copied from it: Mistral, Qwen2, ...) is eight kernels:
   the input to fp32, its square, the mean, ``+ eps``, ``rsqrt``, the product, back to the
@@ -22,6 +22,12 @@ computes the same to rounding:
   ``rotate_half``, in Llama's modeling module and each family's copy of it) is ten kernels a
   layer; :mod:`.rope` is one (Triton), where the call is Llama's own (four arguments, queries
   and keys ``[b, h, s, d]``).
+- **The attention's query, key and value projections** (the attention ``forward`` of Llama,
+  Mistral and Qwen2, instruction for instruction) are three launches of cuBLAS; :mod:`.qkv` is
+  one (Triton) for a step's few rows, and the module's own ``forward`` runs over them.
+- **Llama's gated MLP** (``LlamaMLP``'s forward, and each family's copy: Mistral, Qwen2, ...)
+  runs the gate's and the up projection's products, SiLU and their product; :mod:`.mlp` is one
+  kernel (Triton) for a step's few rows, where the activation is SiLU and there are no biases.
 
 :func:`prepare` replaces the ``forward`` of each class in a model whose ``forward`` is one of
 these, instruction for instruction (and each such function of the modules the model's classes
@@ -39,7 +45,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 from torch.nn import functional as F
 
-from . import paged_attention, rope
+from . import mlp, paged_attention, qkv, rope
 
 _LOCAL = threading.local()
 _LOCK = threading.Lock()
@@ -83,6 +89,37 @@ def _fused_gelu(own: Callable) -> Callable:
     return _wrapped(forward, own)
 
 
+def _fused_mlp(own: Callable) -> Callable:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fuses(x) and _silu(self.act_fn) and mlp.applies(x, self.gate_proj, self.up_proj):
+            return self.down_proj(mlp.gate_up(x, self.gate_proj.weight, self.up_proj.weight))
+        return own(self, x)
+    return _wrapped(forward, own)
+
+
+def _fused_projections(own: Callable) -> Callable:
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if fuses(hidden_states):
+            projections = [getattr(self, n, None) for n in qkv.NAMES]
+            if qkv.applies(hidden_states, projections):  # (three nn.Linear)
+                outs = qkv.project(hidden_states, [p.weight for p in projections],  # type: ignore[union-attr]
+                                   [p.bias for p in projections])  # type: ignore[union-attr]
+                return own(qkv.Given(self, hidden_states, outs), hidden_states, *args, **kwargs)
+        return own(self, hidden_states, *args, **kwargs)
+    return _wrapped(forward, own)
+
+
+def _silu(act) -> bool:
+    """Whether ``act`` is SiLU (torch's module, or transformers' whose forward is torch's silu)."""
+    if isinstance(act, torch.nn.SiLU):
+        return True
+    try:
+        from transformers.activations import SiLUActivation
+    except ImportError:
+        return False
+    return type(act) is SiLUActivation
+
+
 def _wrapped(forward: Callable, own: Callable) -> Callable:
     forward.__wrapped__ = own  # type: ignore[attr-defined]
     forward.__doc__ = own.__doc__
@@ -118,7 +155,13 @@ FORMS = (
          _fused_norm, lambda: hasattr(torch.ops.aten, "_fused_rms_norm")),
     Form("GPT-2's tanh GELU", _transformers_class("transformers.activations", "NewGELUActivation"),
          _fused_gelu, lambda: True),
-)
+    Form("Llama's gated MLP", _transformers_class("transformers.models.llama.modeling_llama", "LlamaMLP"),
+         _fused_mlp, paged_attention.available),
+) + tuple(
+    Form(f"{family}'s attention projections", _transformers_class(f"transformers.models.{module}.modeling_{module}",
+                                                                  f"{family}Attention"),
+         _fused_projections, paged_attention.available)
+    for family, module in (("Llama", "llama"), ("Mistral", "mistral"), ("Qwen2", "qwen2")))
 
 
 def enter():

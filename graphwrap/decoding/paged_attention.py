@@ -16,7 +16,19 @@ from typing import Optional
 import torch
 
 Tensor = torch.Tensor
-TILE = 64  # positions a program reads at a time
+TILE = 64  # positions a program reads at a time (heads wider than 128)
+
+
+def shape_of_work(d: int) -> tuple:
+    """The kernel's (tile of positions, warps, stages) for heads ``d`` wide: the fastest found by
+    ``benchmarks/diagnostics/step_attention.py --tune`` on an H200 over 64 rows at 192-4,096
+    positions (64-wide heads: tile 128, 4 warps, 2 stages, 1.1-1.5x the earlier tile 64 and 4
+    warps; 128-wide: tile 64, 2 warps, 2 stages, up to 1.15x). Wider heads keep the earlier shape."""
+    if d <= 64:
+        return 128, 4, 2
+    if d <= 128:
+        return 64, 2, 2
+    return TILE, 4, None
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,9 +60,14 @@ def attend(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths
 
 
 def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor, scale: float, window: int,
-            softcap: float) -> Tensor:
-    """The kernel over ``q [n, hq, d]`` -> ``[n, hq, d]``."""
+            softcap: float, tile: Optional[int] = None, warps: Optional[int] = None,
+            stages: Optional[int] = None) -> Tensor:
+    """The kernel over ``q [n, hq, d]`` -> ``[n, hq, d]`` (``tile``, ``warps``, ``stages``: its
+    shape of work, ``shape_of_work(d)``'s unless given, for ``step_attention.py --tune``)."""
     n, hq, d = q.shape
+    if tile is None:
+        tile, warps, stages = shape_of_work(d)
+    warps = 4 if warps is None else warps
     block, hkv = k_pool.shape[1], k_pool.shape[2]
     group = hq // hkv
     if q.stride(-1) != 1:
@@ -60,8 +77,9 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: T
         q, k_pool, v_pool, table, lengths, out, scale, window, softcap,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), table.stride(0),
         out.stride(0), out.stride(1),
-        G=group, GP=max(16, _pow2(group)), D=d, DP=max(16, _pow2(d)), BLOCK=block, TILE=TILE,
-        IEEE=q.dtype == torch.float32, SOFTCAP=bool(softcap), num_warps=4)
+        G=group, GP=max(16, _pow2(group)), D=d, DP=max(16, _pow2(d)), BLOCK=block, TILE=tile,
+        IEEE=q.dtype == torch.float32, SOFTCAP=bool(softcap), num_warps=warps,
+        **({} if stages is None else {"num_stages": stages}))
     return out
 
 

@@ -1,0 +1,64 @@
+"""A decode step's attention by shape of work: graphwrap's paged kernel (``paged_attention.py``)
+over 64 rows of the 1.1B Llama shape (32 query heads over 4, 64 wide) and a 7-8B shape (32 over
+8, 128 wide), fp16, each row at ``S`` positions of a scattered paged pool; each timed over ten
+calls in a CUDA graph (as the step's graph runs it), median of 20, with the keys' and values'
+bytes over the time, and checked against the torch reference.
+
+``python3 benchmarks/diagnostics/step_attention.py [--tune]`` from the repository root, on a
+GPU; without ``--tune`` only the defaults; with it, every tile of positions, warps and pipeline
+stages, the 12 fastest of each case.
+"""
+
+import argparse
+import itertools
+import time
+
+import torch
+from piece_attention import graph_ms
+
+from graphwrap.decoding import paged_attention
+
+DEV = torch.device("cuda")
+SHAPES = {"1.1B": (32, 4, 64), "7-8B": (32, 8, 128)}
+ROWS, BLOCK = 64, 16
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tune", action="store_true")
+    a = ap.parse_args()
+    print(f"step_attention{' --tune' if a.tune else ''}: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}; defaults: (tile, warps, stages) "
+          f"{paged_attention.shape_of_work(64)} for 64-wide heads, {paged_attention.shape_of_work(128)} for 128", flush=True)
+    configs = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3))) if a.tune else [None]
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for name, (hq, hkv, d) in SHAPES.items():
+        for S in (192, 1024, 4096):
+            lines = S // BLOCK
+            blocks = ROWS * lines + 1
+            k_pool = torch.randn(blocks, BLOCK, hkv, d, generator=g, device=DEV).half()
+            v_pool = torch.randn(blocks, BLOCK, hkv, d, generator=g, device=DEV).half()
+            table = (torch.randperm(blocks - 1, generator=g, device=DEV)[:ROWS * lines] + 1).view(ROWS, lines)
+            lengths = torch.full((ROWS,), S, device=DEV)
+            q = torch.randn(ROWS, hq, 1, d, generator=g, device=DEV).half()
+            want = paged_attention.reference(q, k_pool, v_pool, table, lengths, d ** -0.5)
+            gb = 2 * ROWS * S * hkv * d * 2 / 1e9
+            found = []
+            for c in configs:
+                kw = {} if c is None else dict(zip(("tile", "warps", "stages"), c))
+
+                def f(kw=kw):
+                    return paged_attention._launch(q[:, :, 0], k_pool, v_pool, table, lengths, d ** -0.5, 0, 0.0, **kw)
+                try:
+                    err = (f()[:, None].float() - want.float()).abs().max().item()
+                    found.append((graph_ms(f), c, err))
+                except Exception as e:  # (a shape of work the chip's shared memory does not hold)
+                    print(f"  {name} S={S}: {c}: refused: {str(e).splitlines()[0][:90]}", flush=True)
+            for t, c, err in sorted(found, key=lambda x: x[0])[:12]:
+                label = "defaults" if c is None else "tile {} warps {} stages {}".format(*c)
+                print(f"  {name} S={S:5d}: {label:28s} {t:7.4f} ms  ({gb / t:5.2f} TB/s)  max error {err:.4f}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
