@@ -181,8 +181,29 @@ def fuses(x: torch.Tensor) -> bool:
 
 
 def _code(forward) -> Optional[tuple]:
-    code = getattr(forward, "__code__", None)
-    return None if code is None else (code.co_code, code.co_names, code.co_consts)
+    """What a function does, instruction for instruction: its code, and through each decorator
+    (``__wrapped__``), the decorator's code with its simple settings (a name, a version) and the
+    code it wraps. (Decorated forwards share the decorator's code: transformers 5.24 wraps many
+    classes' forwards in the same ``deprecate_kwarg``.)"""
+    chain = []
+    for _ in range(8):
+        code = getattr(forward, "__code__", None)
+        if code is None:
+            return None
+        cells = tuple(_setting(c) for c in (getattr(forward, "__closure__", None) or ()))
+        chain.append((code.co_code, code.co_names, code.co_consts, cells))
+        forward = getattr(forward, "__wrapped__", None)
+        if forward is None:
+            return tuple(chain)
+    return None
+
+
+def _setting(cell) -> object:
+    try:
+        value = cell.cell_contents
+    except ValueError:  # (an empty cell)
+        return None
+    return value if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
 
 
 def form_of(cls: type) -> Optional[Form]:
