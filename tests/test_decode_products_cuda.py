@@ -83,3 +83,51 @@ def test_where_the_projections_kernel_does_not_apply():
     assert not qkv.applies(x.float(), [lin(dtype=torch.float32)] * 3), "fp32: cuBLAS's"
     assert not qkv.applies(torch.randn(qkv.ROWS + 1, 64, device="cuda", dtype=torch.float16), [lin()] * 3), \
         "more rows than a step's: cuBLAS's"
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen2"])
+def test_the_shared_batch_runs_both_kernels_in_its_graphs_and_gives_the_models_tokens_in_fp16(family, monkeypatch):
+    """Concurrent fp16 calls (half under ``inference_mode``) through the shared batch, whose
+    captures and eager forwards take the projections' and the MLP's kernels (Qwen2's projections
+    with biases): each call's tokens are ``model.generate``'s, or part where eager's two best
+    logits were within fp16 rounding of each other."""
+    from helpers import thread_results
+
+    from graphwrap import GraphedModule
+    from graphwrap.decoding import mlp, qkv
+
+    tr = pytest.importorskip("transformers", reason="needs transformers")
+    torch.manual_seed(0)
+    cfg = getattr(tr, f"{family}Config")(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=1000, max_position_embeddings=512, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    model = tr.AutoModelForCausalLM.from_config(cfg).half().to("cuda").eval()
+    calls = []
+    project, gate_up = qkv.project, mlp.gate_up
+    monkeypatch.setattr(qkv, "project", lambda *a, **k: calls.append("qkv") or project(*a, **k))
+    monkeypatch.setattr(mlp, "gate_up", lambda *a, **k: calls.append("mlp") or gate_up(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    reqs = [(torch.randint(2, 1000, (1, int(p)), generator=g).cuda(), int(k))
+            for p, k in zip(torch.randint(3, 50, (8,), generator=g), torch.randint(8, 30, (8,), generator=g))]
+    gm = GraphedModule(model)
+
+    def one(i):
+        with torch.inference_mode() if i % 2 else torch.no_grad():
+            return gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False)
+
+    for _ in range(2):  # the second pass replays what the first captured beside it
+        got = thread_results(one, len(reqs))
+        assert gm.__dict__["_gw_decode"].captures.finish(120)
+    assert "qkv" in calls and "mlp" in calls, "the batch's forwards took the kernels"
+    with torch.no_grad():
+        for (ids, k), out in zip(reqs, got):
+            want = model.generate(input_ids=ids, max_new_tokens=k, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True)
+            if torch.equal(out, want.sequences):
+                continue
+            at = int((out[0] != want.sequences[0]).nonzero()[0]) - ids.shape[1]
+            top2 = want.logits[at][0].float().topk(2).values
+            assert top2[0] - top2[1] <= 4 * 2 ** -10 * top2[0].abs().clamp(min=1), (at, top2)
+    d = gm.stats()["decode"]
+    assert d["rows_busy"] == 0 and not d["step"]["eager_calls"], d["step"]["eager_calls"]
+    gm.close()
