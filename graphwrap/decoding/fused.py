@@ -24,7 +24,8 @@ graphwrap's in Triton) that computes the same to rounding:
   and keys ``[b, h, s, d]``).
 - **The attention's query, key and value projections** (the attention ``forward`` of Llama,
   Mistral and Qwen2, instruction for instruction) are three launches of cuBLAS; :mod:`.qkv` is
-  one (Triton) for a step's few rows, and the module's own ``forward`` runs over them.
+  one (Triton; and a sum of two parts where its tiles are fewer than the SMs) for a step's few
+  rows, and the module's own ``forward`` runs over them.
 - **Llama's gated MLP** (``LlamaMLP``'s forward, and each family's copy: Mistral, Qwen2, ...)
   runs the gate's and the up projection's products, SiLU and their product; :mod:`.mlp` is one
   kernel (Triton) for a step's few rows, where the activation is SiLU and there are no biases.
