@@ -56,7 +56,7 @@ def main():
     ap.add_argument("--tune", action="store_true")
     a = ap.parse_args()
     print(f"step_products{' --tune' if a.tune else ''}: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}; defaults: MLP BN {mlp.BN} BK {mlp.BK} warps {mlp.WARPS} stages "
+          f"{time.strftime('%Y-%m-%d')}; defaults: MLP BN {mlp.BN or 'by the outputs'} BK {mlp.BK} warps {mlp.WARPS} stages "
           f"{mlp.STAGES}, projections BN {qkv.BN} BK {qkv.BK} warps {qkv.WARPS} stages {qkv.STAGES} split "
           f"{qkv.SPLIT or 'by the tiles'}", flush=True)
     configs = list(itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (4,))) if a.tune else [None]

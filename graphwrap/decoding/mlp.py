@@ -11,13 +11,15 @@ products' sums. Taken where the batch's step kernels run (a GPU with Triton), fo
 with no biases, and rows no more than :data:`ROWS`; elsewhere the module's own forward.
 """
 
+from typing import Optional
+
 import torch
 
 from . import paged_attention, qkv
 
 Tensor = torch.Tensor
 ROWS = 64  # at most this many rows (the step's); wider inputs (a prompt's positions) are cuBLAS's
-BN, BK, WARPS, STAGES = 64, 64, 8, 4  # shape of work: step_products.py --tune, H200
+BN, BK, WARPS, STAGES = None, 64, 4, 4  # shape of work (step_products.py --tune, H200); BN: by_outputs
 
 
 def applies(x: Tensor, gate: torch.nn.Linear, up: torch.nn.Linear) -> bool:
@@ -32,7 +34,16 @@ def applies(x: Tensor, gate: torch.nn.Linear, up: torch.nn.Linear) -> bool:
             and x.numel() // x.shape[-1] <= ROWS)
 
 
-def gate_up(x: Tensor, wg: Tensor, wu: Tensor, bn: int = BN, bk: int = BK, warps: int = WARPS,
+def by_outputs(n: int, device: torch.device) -> int:
+    """Outputs a program takes: 64 where that still makes a program for each SM (the 7-8B shape's
+    14,336 outputs: 63.5 us, against 73-87 in tiles of 16 or 32), else 16 (the 1.1B shape's 5,632
+    in 88 tiles of 64 left SMs idle: 17.9 us in tiles of 16, 19.3 in tiles of 64)."""
+    from .qkv import processors
+
+    return 64 if -(-n // 64) >= processors(device) else 16
+
+
+def gate_up(x: Tensor, wg: Tensor, wu: Tensor, bn: Optional[int] = BN, bk: int = BK, warps: int = WARPS,
             stages: int = STAGES) -> Tensor:
     """``silu(x @ wg.T) * (x @ wu.T)`` for ``x [..., K]`` and weights ``[N, K]`` -> ``[..., N]``
     (``bn``, ``bk``, ``warps``, ``stages``: the kernel's shape of work, for the tune)."""
@@ -45,6 +56,7 @@ def gate_up(x: Tensor, wg: Tensor, wu: Tensor, bn: int = BN, bk: int = BK, warps
         rows = rows.contiguous()
     m, k = rows.shape
     n = wg.shape[0]
+    bn = by_outputs(n, x.device) if bn is None else bn
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     bm = max(16, 1 << (m - 1).bit_length())
     kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
