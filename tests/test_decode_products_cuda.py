@@ -13,14 +13,17 @@ pytest.importorskip("triton", reason="needs Triton (torch's CUDA wheels bring it
 
 @pytest.mark.parametrize("m,k,n", [(64, 2048, 5632), (1, 2048, 5632), (37, 4096, 14336), (5, 200, 300)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_the_gated_kernel_equals_transformers_operations_to_rounding(m, k, n, dtype):
+@pytest.mark.parametrize("split", [None, 1, 4])
+def test_the_gated_kernel_equals_transformers_operations_to_rounding(m, k, n, dtype, split):
     from graphwrap.decoding import mlp
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, 1, k, generator=g, device="cuda").to(dtype)
     wg = (torch.randn(n, k, generator=g, device="cuda") / k ** 0.5).to(dtype)
     wu = (torch.randn(n, k, generator=g, device="cuda") / k ** 0.5).to(dtype)
-    got = mlp.gate_up(x, wg, wu)
+    kw = {} if split is None else {"split": split}  # None: the default
+    got = mlp.gate_up(x, wg, wu, **kw)
+    assert torch.equal(got, mlp.gate_up(x, wg, wu, **kw)), "the same result every run"
     own = mlp.reference(x, wg, wu)  # transformers' kernels: the products, SiLU, the product
     exact = mlp.reference(x.double(), wg.double(), wu.double())
     assert got.shape == (m, 1, n) and got.dtype == dtype
@@ -49,14 +52,17 @@ def test_where_the_gated_kernel_does_not_apply():
                                     (37, 4096, (4096, 1024, 1024)), (5, 200, (96, 40, 40))])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_projections_kernel_equals_three_linears_to_rounding(m, k, ns, dtype, bias):
+@pytest.mark.parametrize("split", [None, 1, 4])
+def test_the_projections_kernel_equals_three_linears_to_rounding(m, k, ns, dtype, bias, split):
     from graphwrap.decoding import qkv
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, 1, k, generator=g, device="cuda").to(dtype)
     ws = [(torch.randn(n, k, generator=g, device="cuda") / k ** 0.5).to(dtype) for n in ns]
     bs = [torch.randn(n, generator=g, device="cuda").to(dtype) if bias else None for n in ns]
-    got = qkv.project(x, ws, bs)
+    kw = {} if split is None else {"split": split}  # None: the default
+    got = qkv.project(x, ws, bs, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, qkv.project(x, ws, bs, **kw))), "the same result every run"
     own = qkv.reference(x, ws, bs)  # cuBLAS's, one by one
     exact = qkv.reference(x.double(), [w.double() for w in ws], [b.double() if bias else None for b in bs])
     for a, b, e, n in zip(got, own, exact, ns):

@@ -10,7 +10,7 @@ over the time (at these rows the products are bound by reading the weights):
 
 ``python3 benchmarks/diagnostics/step_products.py [--tune]`` from the repository root, on a GPU;
 ``--tune`` times shapes of work of each kernel at 64 rows (outputs a program takes, the inner
-dimension's step, warps), each checked against cuBLAS's result.
+dimension's step, warps, parts of the inner dimension), each checked against cuBLAS's result.
 """
 
 import argparse
@@ -38,7 +38,7 @@ def _compare(label, gb, own, ours, configs):
     print(f"  {label}: cuBLAS (as transformers)  {t:7.4f} ms  ({gb / t:5.2f} TB/s)", flush=True)
     found = []
     for c in configs:
-        kw = {} if c is None else dict(zip(("bn", "bk", "warps", "stages"), c))
+        kw = {} if c is None else dict(zip(("bn", "bk", "warps", "stages", "split"), c))
         try:
             got = ours(**kw)
             err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
@@ -46,8 +46,8 @@ def _compare(label, gb, own, ours, configs):
         except Exception as e:  # (a shape of work the chip's shared memory does not hold)
             print(f"  {label}: {c}: refused: {str(e).splitlines()[0][:90]}", flush=True)
     for t, c, err in sorted(found, key=lambda f: f[0])[:12]:
-        name = "graphwrap's (defaults)" if c is None else "BN {} BK {} warps {} stages {}".format(*c)
-        print(f"  {label}: {name:30s} {t:7.4f} ms  ({gb / t:5.2f} TB/s)  max difference {err:.4f}", flush=True)
+        name = "graphwrap's (defaults)" if c is None else "BN {} BK {} warps {} stages {} split {}".format(*c)
+        print(f"  {label}: {name:38s} {t:7.4f} ms  ({gb / t:5.2f} TB/s)  max difference {err:.4f}", flush=True)
 
 
 def main():
@@ -56,8 +56,9 @@ def main():
     a = ap.parse_args()
     print(f"step_products{' --tune' if a.tune else ''}: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; defaults: MLP BN {mlp.BN} BK {mlp.BK} warps {mlp.WARPS} stages "
-          f"{mlp.STAGES}, projections BN {qkv.BN} BK {qkv.BK} warps {qkv.WARPS} stages {qkv.STAGES}", flush=True)
-    configs = list(itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (4,))) if a.tune else [None]
+          f"{mlp.STAGES} split {mlp.SPLIT}, projections BN {qkv.BN} BK {qkv.BK} warps {qkv.WARPS} stages {qkv.STAGES} "
+          f"split {qkv.SPLIT}", flush=True)
+    configs = list(itertools.product((16, 32, 64), (64, 128), (4, 8), (4,), (1, 2, 4, 8))) if a.tune else [None]
     g = torch.Generator(device=DEV).manual_seed(0)
     for name, (k, n, ns) in SHAPES.items():
         for rows in (64,) if a.tune else (64, 8):

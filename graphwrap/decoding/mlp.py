@@ -18,6 +18,8 @@ from . import paged_attention, qkv
 Tensor = torch.Tensor
 ROWS = 64  # at most this many rows (the step's); wider inputs (a prompt's positions) are cuBLAS's
 BN, BK, WARPS, STAGES = 64, 64, 8, 4  # shape of work: step_products.py --tune, H200
+SPLIT = 1  # parts of the inner dimension (more programs; a second kernel sums them)
+FINISH_BN = 256  # outputs a program of the sum takes
 
 
 def applies(x: Tensor, gate: torch.nn.Linear, up: torch.nn.Linear) -> bool:
@@ -33,11 +35,15 @@ def applies(x: Tensor, gate: torch.nn.Linear, up: torch.nn.Linear) -> bool:
 
 
 def gate_up(x: Tensor, wg: Tensor, wu: Tensor, bn: int = BN, bk: int = BK, warps: int = WARPS,
-            stages: int = STAGES) -> Tensor:
+            stages: int = STAGES, split: int = SPLIT) -> Tensor:
     """``silu(x @ wg.T) * (x @ wu.T)`` for ``x [..., K]`` and weights ``[N, K]`` -> ``[..., N]``
-    (``bn``, ``bk``, ``warps``, ``stages``: the kernel's shape of work, for the tune)."""
+    (``bn``, ``bk``, ``warps``, ``stages``: the kernel's shape of work, for the tune). With
+    ``split`` > 1 the inner dimension goes in that many parts, each a program of its own, summed
+    in fp32 by a second kernel in their order (the same result every run), which applies SiLU
+    and the product."""
     import triton
 
+    from ._mlp_triton import finish
     from ._mlp_triton import gate_up as kernel
 
     rows = x.reshape(-1, x.shape[-1])
@@ -47,9 +53,15 @@ def gate_up(x: Tensor, wg: Tensor, wu: Tensor, bn: int = BN, bk: int = BK, warps
     n = wg.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     bm = max(16, 1 << (m - 1).bit_length())
-    kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
-        rows, wg, wu, out, m, n, k, rows.stride(0), wg.stride(0), out.stride(0),
-        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    ks = triton.cdiv(triton.cdiv(k, split), bk) * bk  # each part a whole number of steps
+    split = triton.cdiv(k, ks)
+    parts = torch.empty((split, m, 2 * n), dtype=torch.float32, device=x.device) if split > 1 else out
+    kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
+        rows, wg, wu, out, parts, m, n, k, ks, rows.stride(0), wg.stride(0), out.stride(0), parts.stride(-2),
+        parts.stride(0), SPLIT=split, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    if split > 1:
+        finish[(m, triton.cdiv(n, FINISH_BN))](parts, out, n, out.stride(0), parts.stride(1), parts.stride(0),
+                                                SPLIT=split, BN=FINISH_BN)
     return out.view(*x.shape[:-1], n)
 
 

@@ -23,6 +23,8 @@ from . import paged_attention
 Tensor = torch.Tensor
 ROWS = 64  # at most this many rows (a step's); wider inputs (a prompt's positions) are cuBLAS's
 BN, BK, WARPS, STAGES = 32, 64, 4, 4  # shape of work: step_products.py --tune, H200
+SPLIT = 1  # parts of the inner dimension (more programs; a second kernel sums them)
+REDUCE_BN = 256  # outputs a program of the sum takes
 NAMES = ("q_proj", "k_proj", "v_proj")
 
 
@@ -53,12 +55,15 @@ def applies(x: Tensor, projections: Sequence) -> bool:
 
 
 def project(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]], bn: int = BN, bk: int = BK,
-            warps: int = WARPS, stages: int = STAGES) -> List[Tensor]:
+            warps: int = WARPS, stages: int = STAGES, split: int = SPLIT) -> List[Tensor]:
     """``[x @ w.T + b for w, b in zip(weights, biases)]`` (three; biases all or none) for ``x [..., K]``
-    -> ``[..., N_i]`` each, in one launch (``bn``, ``bk``, ``warps``, ``stages``: its shape of work)."""
+    -> ``[..., N_i]`` each, in one launch (``bn``, ``bk``, ``warps``, ``stages``: its shape of
+    work). With ``split`` > 1 the inner dimension goes in that many parts, each a program of its
+    own, summed in fp32 by a second kernel in their order (the same result every run)."""
     import triton
 
     from ._qkv_triton import project as kernel
+    from ._qkv_triton import reduce
 
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
@@ -70,10 +75,18 @@ def project(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tens
     tiles = [triton.cdiv(n, bn) for n in ns]
     has_bias = biases[0] is not None
     b = list(biases) if has_bias else [weights[0]] * 3  # (never read without biases)
-    kernel[(sum(tiles),)](
-        rows, *weights, *b, *outs, m, *ns, k, rows.stride(0), *(w.stride(0) for w in weights),
-        *(o.stride(0) for o in outs), tiles[0], tiles[1],
-        HAS_BIAS=has_bias, BM=max(16, 1 << (m - 1).bit_length()), BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    ks = triton.cdiv(triton.cdiv(k, split), bk) * bk  # each part a whole number of steps
+    split = triton.cdiv(k, ks)
+    parts = torch.empty((split, m, sum(ns)), dtype=torch.float32, device=x.device) if split > 1 else outs[0]
+    kernel[(sum(tiles), split)](
+        rows, *weights, *b, *outs, parts, m, *ns, k, ks, rows.stride(0), *(w.stride(0) for w in weights),
+        *(o.stride(0) for o in outs), parts.stride(-2), parts.stride(0), tiles[0], tiles[1],
+        HAS_BIAS=has_bias, SPLIT=split, BM=max(16, 1 << (m - 1).bit_length()), BN=bn, BK=bk, num_warps=warps,
+        num_stages=stages)
+    if split > 1:
+        reduce[(m, triton.cdiv(sum(ns), REDUCE_BN))](
+            parts, *b, *outs, *ns, *(o.stride(0) for o in outs), parts.stride(1), parts.stride(0),
+            HAS_BIAS=has_bias, SPLIT=split, BN=REDUCE_BN)
     return [o.view(*x.shape[:-1], n) for o, n in zip(outs, ns)]
 
 
