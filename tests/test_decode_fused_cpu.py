@@ -18,8 +18,13 @@ from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm  # noqa: E402
 from transformers.models.mistral import modeling_mistral  # noqa: E402
 from transformers.models.mistral.modeling_mistral import MistralAttention, MistralMLP, MistralRMSNorm  # noqa: E402
+from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm  # noqa: E402
 
+# Whether the decoder layers' forwards are taken (transformers 5.24 decorates them with its gradient
+# checkpointing, which a replaced forward would turn off: there each norm runs as a module)
+FOLDS = not hasattr(modeling_llama.LlamaDecoderLayer.forward, "__wrapped__")
+LAYERS = 3 if FOLDS else 0  # the decoder layers prepare takes in a 3-layer model
 ROTATED = []  # a call of the rotary kernel's stand-in a layer
 GATED = []  # a call of the gated MLP kernel's stand-in a layer
 PROJECTED = []  # a call of the projections kernel's stand-in a layer
@@ -34,7 +39,8 @@ def patched(monkeypatch):
     from graphwrap.decoding import mlp, qkv, rope
 
     for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, NewGELUActivation, LlamaMLP, MistralMLP, Qwen2MLP,
-                GemmaMLP, LlamaAttention, MistralAttention, Qwen2Attention):
+                GemmaMLP, LlamaAttention, MistralAttention, Qwen2Attention, modeling_llama.LlamaDecoderLayer,
+                modeling_mistral.MistralDecoderLayer, modeling_qwen2.Qwen2DecoderLayer):
         monkeypatch.setattr(cls, "forward", cls.forward)
     for mod in (modeling_llama, modeling_mistral):
         monkeypatch.setattr(mod, "apply_rotary_pos_emb", mod.apply_rotary_pos_emb)
@@ -43,10 +49,10 @@ def patched(monkeypatch):
     monkeypatch.setattr(rope, "rotate", lambda q, k, cos, sin: ROTATED.append(1) or rope.reference(q, k, cos, sin))
     ROTATED.clear()
     monkeypatch.setattr(mlp, "applies", lambda x, gate, up: gate.bias is None and up.bias is None)
-    monkeypatch.setattr(mlp, "gate_up", lambda x, wg, wu: GATED.append(1) or mlp.reference(x, wg, wu))
+    monkeypatch.setattr(mlp, "gate_up", lambda x, wg, wu, norm=None: GATED.append("normed" if norm else 1) or mlp.reference(x, wg, wu, norm))
     GATED.clear()
     monkeypatch.setattr(qkv, "applies", lambda x, ps: all(isinstance(p, torch.nn.Linear) for p in ps))
-    monkeypatch.setattr(qkv, "project", lambda x, ws, bs: PROJECTED.append(1) or qkv.reference(x, ws, bs))
+    monkeypatch.setattr(qkv, "project", lambda x, ws, bs, norm=None: PROJECTED.append("normed" if norm else 1) or qkv.reference(x, ws, bs, norm))
     PROJECTED.clear()
     monkeypatch.setattr(fused, "_ORIGINAL", {})
     monkeypatch.setattr(fused, "DEVICES", ("cuda", "cpu"))  # (the CPU too)
@@ -61,7 +67,7 @@ def _llama():
 
 
 def test_only_modules_whose_forward_is_a_forms_are_taken():
-    norm, gelu, gated, *projections = fused.FORMS
+    norm, gelu, gated, *projections, decoder = fused.FORMS
     assert fused.form_of(LlamaRMSNorm) is norm and fused.form_of(MistralRMSNorm) is norm
     assert fused.form_of(Qwen2RMSNorm) is norm
     assert fused.form_of(GemmaRMSNorm) is None, "Gemma scales by 1 + weight"
@@ -69,16 +75,19 @@ def test_only_modules_whose_forward_is_a_forms_are_taken():
     assert fused.form_of(NewGELUActivation) is gelu
     assert fused.form_of(GELUActivation) is None and fused.form_of(PytorchGELUTanh) is None, "one kernel already"
     assert fused.form_of(LlamaMLP) is gated and fused.form_of(MistralMLP) is gated and fused.form_of(Qwen2MLP) is gated
-    assert [fused.form_of(c) for c in (LlamaAttention, MistralAttention, Qwen2Attention)] == projections
+    # (each is a projections' form: Mistral's forward is Llama's in some versions of transformers, whose form comes first)
+    assert all(fused.form_of(c) in projections for c in (LlamaAttention, MistralAttention, Qwen2Attention))
+    assert [fused.form_of(c) for c in (modeling_llama.LlamaDecoderLayer, modeling_mistral.MistralDecoderLayer,
+                                       modeling_qwen2.Qwen2DecoderLayer)] == [decoder if FOLDS else None] * 3
 
 
 def test_prepare_takes_each_norm_class_once_and_outside_the_block_it_is_the_classs_own(patched, monkeypatch):
     model = _llama()
     own = LlamaRMSNorm.forward
-    assert fused.prepare(model) == 2 * 3 + 1 + 3 + 3 + 1, \
-        "two norms a layer, the last, an MLP and an attention a layer, the rotary function"
+    assert fused.prepare(model) == 2 * 3 + 1 + 3 + 3 + LAYERS + 1, \
+        "two norms a layer, the last, an MLP, an attention and the layer itself a layer, the rotary function"
     assert LlamaRMSNorm.forward is not own and LlamaRMSNorm.forward.__wrapped__ is own
-    assert fused.prepare(model) == 14 and LlamaRMSNorm.forward.__wrapped__ is own, "not wrapped twice"
+    assert fused.prepare(model) == 14 + LAYERS and LlamaRMSNorm.forward.__wrapped__ is own, "not wrapped twice"
     calls = []
     real = fused.F.rms_norm
     monkeypatch.setattr(fused.F, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -229,7 +238,8 @@ def test_the_rotary_form_is_llamas_function_and_its_rotate_half_in_each_family_c
 def test_llamas_rotary_runs_as_one_kernel_inside_the_block_and_the_logits_agree(patched):
     model = _llama()
     own = modeling_llama.apply_rotary_pos_emb
-    assert fused.prepare(model) == 1 + 2 * 3 + 1 + 3 + 3, "the rotary function, the norms, MLPs and attentions"
+    assert fused.prepare(model) == 1 + 2 * 3 + 1 + 3 + 3 + LAYERS, \
+        "the rotary function, the norms, MLPs, attentions and layers"
     assert modeling_llama.apply_rotary_pos_emb is not own and modeling_llama.apply_rotary_pos_emb._gw_own is own
     fused.prepare(model)
     assert modeling_llama.apply_rotary_pos_emb._gw_own is own, "not wrapped twice"
@@ -343,3 +353,106 @@ def test_a_projection_is_taken_only_where_its_call_is_its_product_alone():
     finally:
         handle.remove()
     assert qkv.plain(torch.nn.Linear(8, 4), x)
+
+
+@pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen2"])
+def test_a_decoder_layer_folds_its_norms_into_the_products_inside_the_block_and_the_logits_agree(patched, family,
+                                                                                               monkeypatch):
+    """Each layer's two norms go into the kernels of the products that read them (the stand-ins
+    here are handed the norm's weight and epsilon); only the model's last norm runs as a module."""
+    torch.manual_seed(0)
+    cfg = getattr(tr, f"{family}Config")(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=101, max_position_embeddings=64)  # (Qwen2's projections have biases)
+    model = tr.AutoModelForCausalLM.from_config(cfg).eval()
+    fused.prepare(model)
+    norms = []
+    cls = type(model.model.norm)
+    wrapped = cls.forward
+    monkeypatch.setattr(cls, "forward", lambda self, x: norms.append(self) or wrapped(self, x))
+    _outside_then_inside(model, PROJECTED)
+    if not FOLDS:  # (each norm a module, the products' kernels as before)
+        assert PROJECTED == [1] * 3 and GATED == [1] * 3 and len(norms) == 2 * 7
+        return
+    assert PROJECTED == ["normed"] * 3 and GATED == ["normed"] * 3, "both halves of each layer folded"
+    assert len(norms) == 2 * 3 + 1 + 1 and norms[-1] is model.model.norm, "outside: every norm; inside: the last alone"
+
+
+def test_a_norm_with_hooks_or_another_weight_is_not_folded_and_its_half_runs_as_before(patched):
+    from graphwrap.decoding import layer
+
+    model = _llama()
+    fused.prepare(model)
+    first, second = model.model.layers[0], model.model.layers[1]
+    seen = []
+    first.input_layernorm.register_forward_hook(lambda mod, args, out: seen.append(out.shape) and None)
+    second.post_attention_layernorm.weight = torch.nn.Parameter(second.post_attention_layernorm.weight.double())
+    x = torch.randn(2, 1, 64)
+    assert layer._norm_folds(model.model.layers[2].input_layernorm, x)
+    assert not layer._norm_folds(second.post_attention_layernorm, x), "a weight of another dtype"
+    assert not layer._norm_folds(first.input_layernorm, x), "a hook"
+    assert not layer._norm_folds(torch.nn.RMSNorm(64), x), "not Llama's form"
+    assert set(layer.fold(first, x)._gw_members) == {"post_attention_layernorm", "mlp"}
+    assert set(layer.fold(second, x)._gw_members) == {"input_layernorm", "self_attn"}
+    second.post_attention_layernorm.weight = torch.nn.Parameter(second.post_attention_layernorm.weight.float())
+    _outside_then_inside(model, PROJECTED)
+    assert PROJECTED == [1, "normed", "normed"] if FOLDS else [1] * 3
+    assert GATED == ["normed" if FOLDS else 1] * 3
+    assert len(seen) == 2, "the hooked norm ran as a module, outside the block and inside it"
+
+
+def test_a_folded_layer_is_the_layer_but_for_its_folded_members():
+    from graphwrap.decoding import layer
+
+    model = _llama()
+    block = model.model.layers[0]
+    folded = layer.Folded(block, {"mlp": "stand-in"})
+    assert folded.mlp == "stand-in" and folded.self_attn is block.self_attn and folded.input_layernorm is \
+        block.input_layernorm
+    folded.extra = 3
+    assert block.extra == 3, "attributes set go to the layer"
+    slot = layer._Slot()
+    norm = layer._Norm(block.input_layernorm, slot)
+    x = torch.randn(2, 1, 64)
+    name = norm(x)
+    assert slot.x is x and slot.name is name and name is not x and torch.equal(name, x)
+    assert norm.weight is block.input_layernorm.weight
+
+
+def test_decorated_forwards_are_told_apart_by_what_they_wrap_and_the_decorators_settings():
+    """transformers 5.24 decorates many forwards with one decorator: the decorator's code alone
+    would make every such class one form."""
+    import functools
+
+    def renaming(old):
+        def decorate(f):
+            @functools.wraps(f)
+            def wrapped(*args, **kwargs):
+                return f(*args, **kwargs)
+            wrapped._old = old
+            return wrapped
+        return decorate
+
+    def a(self, x):
+        return x + 1
+
+    def b(self, x):
+        return x * 2
+
+    def c(self, x):
+        return x + 1
+
+    assert fused._code(renaming("cache")(a)) != fused._code(renaming("cache")(b)), "another forward inside"
+    assert fused._code(renaming("cache")(a)) == fused._code(renaming("cache")(c)), "the same instructions"
+    assert fused._code(renaming("cache")(a)) != fused._code(a), "decorated or not"
+
+    def setting(name):
+        def decorate(f):
+            @functools.wraps(f)
+            def wrapped(*args, **kwargs):
+                kwargs.pop(name, None)
+                return f(*args, **kwargs)
+            return wrapped
+        return decorate
+
+    assert fused._code(setting("cache")(a)) != fused._code(setting("past")(a)), "the decorator's settings"

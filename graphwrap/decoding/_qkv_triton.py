@@ -6,18 +6,44 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile(X, W, B, O, P, n0, c0, s, M, N, K, KS, sxm, swn, som, spm, sps, HAS_BIAS: tl.constexpr,
-          SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def rstd(X, rm, M, K, sxm, EPS, BM: tl.constexpr, BK: tl.constexpr):
+    """``1 / sqrt(mean(X[m]^2) + EPS)`` of each row ``rm`` (an RMSNorm's scale), summed in fp32."""
+    rk = tl.arange(0, BK)
+    ss = tl.zeros((BM,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        x = tl.load(X + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                    other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, 1)
+    return 1.0 / tl.sqrt(ss / K + EPS)
+
+
+@triton.jit
+def normed(x, r, NW, kk, K):
+    """The tile ``x`` of an RMSNorm's input, normed (``x * r * NW``, in fp32, rounded once to
+    ``x``'s dtype, as torch's ``rms_norm`` writes it)."""
+    nw = tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
+    return (x.to(tl.float32) * r[:, None] * nw[None, :]).to(x.dtype)
+
+
+@triton.jit
+def _tile(X, W, B, O, P, NW, EPS, n0, c0, s, M, N, K, KS, sxm, swn, som, spm, sps, HAS_BIAS: tl.constexpr,
+          HAS_NORM: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """``O[:, n0:n0 + BN] = X @ W[n0:n0 + BN].T (+ B)``, summed in fp32 and rounded once; with
     ``SPLIT`` > 1, the sum over the inner dimension's ``s``-th part of ``KS`` goes unrounded to
-    ``P[s, :, c0 + n0:]`` (its columns in the three products side by side) for ``reduce``."""
+    ``P[s, :, c0 + n0:]`` (its columns in the three products side by side) for ``reduce``. With
+    ``HAS_NORM``, ``X`` is first normed as an RMSNorm of weight ``NW`` would (:func:`normed`)."""
     rn = n0 + tl.arange(0, BN)
     rm = tl.arange(0, BM)
     rk = tl.arange(0, BK)
+    if HAS_NORM:
+        r = rstd(X, rm, M, K, sxm, EPS, BM, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(s * KS, s * KS + KS, BK):
         kk = k0 + rk
         x = tl.load(X + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        if HAS_NORM:
+            x = normed(x, r, NW, kk, K)
         w = tl.load(W + rn[None, :] * swn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
         acc = tl.dot(x, w, acc)
     if SPLIT == 1:
@@ -30,19 +56,20 @@ def _tile(X, W, B, O, P, n0, c0, s, M, N, K, KS, sxm, swn, som, spm, sps, HAS_BI
 
 
 @triton.jit
-def project(X, W0, W1, W2, B0, B1, B2, O0, O1, O2, P, M, N0, N1, N2, K, KS, sxm, sw0, sw1, sw2, so0, so1, so2, spm,
-            sps, T0, T1, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            BK: tl.constexpr):
+def project(X, W0, W1, W2, B0, B1, B2, O0, O1, O2, P, NW, EPS, M, N0, N1, N2, K, KS, sxm, sw0, sw1, sw2, so0, so1,
+            so2, spm, sps, T0, T1, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, SPLIT: tl.constexpr,
+            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     t = tl.program_id(0)  # tiles of the first product's outputs, then the second's, then the third's
     s = tl.program_id(1)  # the part of the inner dimension (SPLIT > 1)
     if t < T0:
-        _tile(X, W0, B0, O0, P, t * BN, 0, s, M, N0, K, KS, sxm, sw0, so0, spm, sps, HAS_BIAS, SPLIT, BM, BN, BK)
-    elif t < T0 + T1:
-        _tile(X, W1, B1, O1, P, (t - T0) * BN, N0, s, M, N1, K, KS, sxm, sw1, so1, spm, sps, HAS_BIAS, SPLIT, BM,
-              BN, BK)
-    else:
-        _tile(X, W2, B2, O2, P, (t - T0 - T1) * BN, N0 + N1, s, M, N2, K, KS, sxm, sw2, so2, spm, sps, HAS_BIAS,
+        _tile(X, W0, B0, O0, P, NW, EPS, t * BN, 0, s, M, N0, K, KS, sxm, sw0, so0, spm, sps, HAS_BIAS, HAS_NORM,
               SPLIT, BM, BN, BK)
+    elif t < T0 + T1:
+        _tile(X, W1, B1, O1, P, NW, EPS, (t - T0) * BN, N0, s, M, N1, K, KS, sxm, sw1, so1, spm, sps, HAS_BIAS,
+              HAS_NORM, SPLIT, BM, BN, BK)
+    else:
+        _tile(X, W2, B2, O2, P, NW, EPS, (t - T0 - T1) * BN, N0 + N1, s, M, N2, K, KS, sxm, sw2, so2, spm, sps,
+              HAS_BIAS, HAS_NORM, SPLIT, BM, BN, BK)
 
 
 @triton.jit

@@ -28,6 +28,9 @@ graphwrap's in Triton) that computes the same to rounding:
 - **Llama's gated MLP** (``LlamaMLP``'s forward, and each family's copy: Mistral, Qwen2, ...)
   runs the gate's and the up projection's products, SiLU and their product; :mod:`.mlp` is one
   kernel (Triton) for a step's few rows, where the activation is SiLU and there are no biases.
+- **Llama's decoder layer** (Mistral's and Qwen2's are the same instructions) calls its two
+  RMSNorms for the attention's projections and the MLP alone; :mod:`.layer` folds each norm into
+  the kernel of the products that read it, where both are taken above.
 
 :func:`prepare` replaces the ``forward`` of each class in a model whose ``forward`` is one of
 these, instruction for instruction (and each such function of the modules the model's classes
@@ -45,7 +48,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 from torch.nn import functional as F
 
-from . import mlp, paged_attention, qkv, rope
+from . import layer, mlp, paged_attention, qkv, rope
 
 _LOCAL = threading.local()
 _LOCK = threading.Lock()
@@ -68,6 +71,16 @@ def _transformers_class(module: str, name: str) -> Callable[[], Optional[type]]:
         except (ImportError, AttributeError):
             return None
     return find
+
+
+def _unwrapped(find: Callable[[], Optional[type]]) -> Callable[[], Optional[type]]:
+    """``find``'s class where its ``forward`` is not decorated, else None. (transformers 5.24 wraps
+    a layer's forward in its gradient checkpointing, which asks whether the class's forward is
+    that wrapper: a forward put in its place would turn checkpointing off for the class.)"""
+    def unwrapped() -> Optional[type]:
+        cls = find()
+        return None if cls is None or hasattr(cls.forward, "__wrapped__") else cls
+    return unwrapped
 
 
 def _fused_norm(own: Callable) -> Callable:
@@ -107,6 +120,24 @@ def _fused_projections(own: Callable) -> Callable:
                 return own(qkv.Given(self, hidden_states, outs), hidden_states, *args, **kwargs)
         return own(self, hidden_states, *args, **kwargs)
     return _wrapped(forward, own)
+
+
+def _fused_layer(own: Callable) -> Callable:
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if fuses(hidden_states):
+            folded = layer.fold(self, hidden_states)
+            if folded is not None:
+                return own(folded, hidden_states, *args, **kwargs)
+        return own(self, hidden_states, *args, **kwargs)
+    return _wrapped(forward, own)
+
+
+def projections_own(cls) -> Optional[Callable]:
+    """``cls``'s own forward where it is one of the attention projections' forms, else None."""
+    form = None if cls is None else form_of(cls)
+    if form is None or form.fused is not _fused_projections:
+        return None
+    return _ORIGINAL.get(cls, cls.forward)
 
 
 def _silu(act) -> bool:
@@ -161,7 +192,13 @@ FORMS = (
     Form(f"{family}'s attention projections", _transformers_class(f"transformers.models.{module}.modeling_{module}",
                                                                   f"{family}Attention"),
          _fused_projections, paged_attention.available)
-    for family, module in (("Llama", "llama"), ("Mistral", "mistral"), ("Qwen2", "qwen2")))
+    for family, module in (("Llama", "llama"), ("Mistral", "mistral"), ("Qwen2", "qwen2"))
+) + (
+    Form("Llama's decoder layer", _unwrapped(_transformers_class("transformers.models.llama.modeling_llama",
+                                                                 "LlamaDecoderLayer")),
+         _fused_layer, paged_attention.available),
+)
+norm_forward, mlp_forward, silu = _fused_norm, _fused_mlp, _silu  # (for :mod:`.layer`)
 
 
 def enter():
@@ -181,8 +218,29 @@ def fuses(x: torch.Tensor) -> bool:
 
 
 def _code(forward) -> Optional[tuple]:
-    code = getattr(forward, "__code__", None)
-    return None if code is None else (code.co_code, code.co_names, code.co_consts)
+    """What a function does, instruction for instruction: its code, and through each decorator
+    (``__wrapped__``), the decorator's code with its simple settings (a name, a version) and the
+    code it wraps. (Decorated forwards share the decorator's code: transformers 5.24 wraps many
+    classes' forwards in the same ``deprecate_kwarg``.)"""
+    chain = []
+    for _ in range(8):
+        code = getattr(forward, "__code__", None)
+        if code is None:
+            return None
+        cells = tuple(_setting(c) for c in (getattr(forward, "__closure__", None) or ()))
+        chain.append((code.co_code, code.co_names, code.co_consts, cells))
+        forward = getattr(forward, "__wrapped__", None)
+        if forward is None:
+            return tuple(chain)
+    return None
+
+
+def _setting(cell) -> object:
+    try:
+        value = cell.cell_contents
+    except ValueError:  # (an empty cell)
+        return None
+    return value if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
 
 
 def form_of(cls: type) -> Optional[Form]:

@@ -11,6 +11,8 @@ products' sums. Taken where the batch's step kernels run (a GPU with Triton), fo
 with no biases, and rows no more than :data:`ROWS`; elsewhere the module's own forward.
 """
 
+from typing import Optional, Tuple
+
 import torch
 
 from . import paged_attention, qkv
@@ -35,12 +37,13 @@ def applies(x: Tensor, gate: torch.nn.Linear, up: torch.nn.Linear) -> bool:
 
 
 def gate_up(x: Tensor, wg: Tensor, wu: Tensor, bn: int = BN, bk: int = BK, warps: int = WARPS,
-            stages: int = STAGES, split: int = SPLIT) -> Tensor:
+            stages: int = STAGES, split: int = SPLIT, norm: Optional[Tuple[Tensor, float]] = None) -> Tensor:
     """``silu(x @ wg.T) * (x @ wu.T)`` for ``x [..., K]`` and weights ``[N, K]`` -> ``[..., N]``
     (``bn``, ``bk``, ``warps``, ``stages``: the kernel's shape of work, for the tune). With
     ``split`` > 1 the inner dimension goes in that many parts, each a program of its own, summed
     in fp32 by a second kernel in their order (the same result every run), which applies SiLU
-    and the product."""
+    and the product. With ``norm`` (an RMSNorm's weight and epsilon), of ``rms_norm(x)`` instead,
+    never written."""
     import triton
 
     from ._mlp_triton import finish
@@ -56,15 +59,19 @@ def gate_up(x: Tensor, wg: Tensor, wu: Tensor, bn: int = BN, bk: int = BK, warps
     ks = triton.cdiv(triton.cdiv(k, split), bk) * bk  # each part a whole number of steps
     split = triton.cdiv(k, ks)
     parts = torch.empty((split, m, 2 * n), dtype=torch.float32, device=x.device) if split > 1 else out
+    nw, eps = (wg, 0.0) if norm is None else norm
     kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
-        rows, wg, wu, out, parts, m, n, k, ks, rows.stride(0), wg.stride(0), out.stride(0), parts.stride(-2),
-        parts.stride(0), SPLIT=split, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+        rows, wg, wu, out, parts, nw, float(eps), m, n, k, ks, rows.stride(0), wg.stride(0), out.stride(0),
+        parts.stride(-2), parts.stride(0), HAS_NORM=norm is not None, SPLIT=split, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
     if split > 1:
         finish[(m, triton.cdiv(n, FINISH_BN))](parts, out, n, out.stride(0), parts.stride(1), parts.stride(0),
                                                 SPLIT=split, BN=FINISH_BN)
     return out.view(*x.shape[:-1], n)
 
 
-def reference(x: Tensor, wg: Tensor, wu: Tensor) -> Tensor:
-    """What transformers computes: the products, SiLU and their product, each in ``x``'s dtype."""
+def reference(x: Tensor, wg: Tensor, wu: Tensor, norm: Optional[Tuple[Tensor, float]] = None) -> Tensor:
+    """What transformers computes: the products, SiLU and their product, each in ``x``'s dtype (of
+    ``rms_norm(x)`` with ``norm``)."""
+    if norm is not None:
+        x = torch.nn.functional.rms_norm(x, (x.shape[-1],), norm[0], norm[1])
     return torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)

@@ -14,7 +14,8 @@ is but for its three projections, which give the products already made for the v
 they were made from (any other input goes to the projection itself).
 """
 
-from typing import List, Optional, Sequence
+import functools
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,7 +24,7 @@ from . import paged_attention
 Tensor = torch.Tensor
 ROWS = 64  # at most this many rows (a step's); wider inputs (a prompt's positions) are cuBLAS's
 BN, BK, WARPS, STAGES = 32, 64, 4, 4  # shape of work: step_products.py --tune, H200
-SPLIT = 1  # parts of the inner dimension (more programs; a second kernel sums them)
+SPLIT = None  # parts of the inner dimension (None: two where the tiles are fewer than the chip's SMs)
 REDUCE_BN = 256  # outputs a program of the sum takes
 NAMES = ("q_proj", "k_proj", "v_proj")
 
@@ -55,11 +56,13 @@ def applies(x: Tensor, projections: Sequence) -> bool:
 
 
 def project(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]], bn: int = BN, bk: int = BK,
-            warps: int = WARPS, stages: int = STAGES, split: int = SPLIT) -> List[Tensor]:
+            warps: int = WARPS, stages: int = STAGES, split: Optional[int] = SPLIT,
+            norm: Optional[Tuple[Tensor, float]] = None) -> List[Tensor]:
     """``[x @ w.T + b for w, b in zip(weights, biases)]`` (three; biases all or none) for ``x [..., K]``
     -> ``[..., N_i]`` each, in one launch (``bn``, ``bk``, ``warps``, ``stages``: its shape of
     work). With ``split`` > 1 the inner dimension goes in that many parts, each a program of its
-    own, summed in fp32 by a second kernel in their order (the same result every run)."""
+    own, summed in fp32 by a second kernel in their order (the same result every run). With
+    ``norm`` (an RMSNorm's weight and epsilon), of ``rms_norm(x)`` instead, never written."""
     import triton
 
     from ._qkv_triton import project as kernel
@@ -73,15 +76,18 @@ def project(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tens
     ns = [w.shape[0] for w in weights]
     outs = [torch.empty((m, n), dtype=x.dtype, device=x.device) for n in ns]
     tiles = [triton.cdiv(n, bn) for n in ns]
+    if split is None:
+        split = 2 if sum(tiles) < processors(x.device) else 1
     has_bias = biases[0] is not None
     b = list(biases) if has_bias else [weights[0]] * 3  # (never read without biases)
     ks = triton.cdiv(triton.cdiv(k, split), bk) * bk  # each part a whole number of steps
     split = triton.cdiv(k, ks)
     parts = torch.empty((split, m, sum(ns)), dtype=torch.float32, device=x.device) if split > 1 else outs[0]
+    nw, eps = (weights[0], 0.0) if norm is None else norm
     kernel[(sum(tiles), split)](
-        rows, *weights, *b, *outs, parts, m, *ns, k, ks, rows.stride(0), *(w.stride(0) for w in weights),
-        *(o.stride(0) for o in outs), parts.stride(-2), parts.stride(0), tiles[0], tiles[1],
-        HAS_BIAS=has_bias, SPLIT=split, BM=max(16, 1 << (m - 1).bit_length()), BN=bn, BK=bk, num_warps=warps,
+        rows, *weights, *b, *outs, parts, nw, float(eps), m, *ns, k, ks, rows.stride(0),
+        *(w.stride(0) for w in weights), *(o.stride(0) for o in outs), parts.stride(-2), parts.stride(0), tiles[0],
+        tiles[1], HAS_BIAS=has_bias, HAS_NORM=norm is not None, SPLIT=split, BM=max(16, 1 << (m - 1).bit_length()), BN=bn, BK=bk, num_warps=warps,
         num_stages=stages)
     if split > 1:
         reduce[(m, triton.cdiv(sum(ns), REDUCE_BN))](
@@ -90,8 +96,17 @@ def project(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tens
     return [o.view(*x.shape[:-1], n) for o, n in zip(outs, ns)]
 
 
-def reference(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]]) -> List[Tensor]:
-    """What the three projections compute, one by one."""
+@functools.lru_cache(maxsize=None)
+def processors(device: torch.device) -> int:
+    """The streaming multiprocessors of ``device``."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def reference(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
+              norm: Optional[Tuple[Tensor, float]] = None) -> List[Tensor]:
+    """What the three projections compute, one by one (of ``rms_norm(x)`` with ``norm``)."""
+    if norm is not None:
+        x = torch.nn.functional.rms_norm(x, (x.shape[-1],), norm[0], norm[1])
     return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
 
 
