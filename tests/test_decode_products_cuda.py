@@ -86,3 +86,29 @@ def test_where_the_projections_kernel_does_not_apply():
     assert not qkv.applies(x.float(), [lin(dtype=torch.float32)] * 3), "fp32: cuBLAS's"
     assert not qkv.applies(torch.randn(qkv.ROWS + 1, 64, device="cuda", dtype=torch.float16), [lin()] * 3), \
         "more rows than a step's: cuBLAS's"
+
+
+@pytest.mark.parametrize("m,k", [(64, 2048), (3, 4096), (5, 200)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("split", [None, 1, 4])
+def test_both_kernels_norm_their_input_as_rms_norm_would(m, k, dtype, split):
+    """With an RMSNorm folded in: the products of ``rms_norm(x, weight)`` (torch's kernel, which
+    rounds once), to the rounding of the sums' order; the normed input is never written."""
+    from graphwrap.decoding import mlp, qkv
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = (3 * torch.randn(m, 1, k, generator=g, device="cuda")).to(dtype)
+    nw = (1 + 0.2 * torch.randn(k, generator=g, device="cuda")).to(dtype)
+    norm = (nw, 1e-5)
+    kw = {} if split is None else {"split": split}
+    ws = [(torch.randn(n, k, generator=g, device="cuda") / k ** 0.5).to(dtype) for n in (k, k // 8, k // 8)]
+    got, own = qkv.project(x, ws, [None] * 3, norm=norm, **kw), qkv.reference(x, ws, [None] * 3, norm=norm)
+    wg, wu = [(torch.randn(3 * k, k, generator=g, device="cuda") / k ** 0.5).to(dtype) for _ in range(2)]
+    got.append(mlp.gate_up(x, wg, wu, norm=norm, **kw))
+    own.append(mlp.reference(x, wg, wu, norm=norm))
+    unnormed = qkv.project(x, ws, [None] * 3, **kw)[0]
+    tol = 2e-2 if dtype == torch.float16 else 6e-2
+    for a, b in zip(got, own):
+        assert a.shape == b.shape and a.dtype == dtype
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    assert (unnormed - own[0]).abs().max() > 10 * tol, "(the norm does change the result)"

@@ -6,7 +6,9 @@ over the time (at these rows the products are bound by reading the weights):
 - the gated MLP's first half, ``silu(x @ gate.T) * (x @ up.T)``: two products, SiLU and their
   product, against one kernel (``graphwrap/decoding/mlp.py``);
 - the attention's query, key and value projections: three products against one kernel
-  (``graphwrap/decoding/qkv.py``).
+  (``graphwrap/decoding/qkv.py``);
+- each of them after an RMSNorm (torch's ``rms_norm``, then the products) against the kernel
+  that norms its input itself (``graphwrap/decoding/layer.py``).
 
 ``python3 benchmarks/diagnostics/step_products.py [--tune]`` from the repository root, on a GPU;
 ``--tune`` times shapes of work of each kernel at 64 rows (outputs a program takes, the inner
@@ -70,6 +72,15 @@ def main():
             _compare(f"{name} {rows:2d} rows, q k v", sum(w.numel() for w in ws) * 2 / 1e9,
                      lambda: qkv.reference(x, ws, [None] * 3), lambda **kw: qkv.project(x, ws, [None] * 3, **kw),
                      configs)
+            if a.tune:
+                continue
+            norm = ((1 + 0.1 * torch.randn(k, generator=g, device=DEV)).half(), 1e-5)
+            _compare(f"{name} {rows:2d} rows, RMSNorm then gate and up", 2 * wg.numel() * 2 / 1e9,
+                     lambda: [mlp.reference(x, wg, wu, norm)], lambda **kw: [mlp.gate_up(x, wg, wu, norm=norm, **kw)],
+                     configs)
+            _compare(f"{name} {rows:2d} rows, RMSNorm then q k v", sum(w.numel() for w in ws) * 2 / 1e9,
+                     lambda: qkv.reference(x, ws, [None] * 3, norm),
+                     lambda **kw: qkv.project(x, ws, [None] * 3, norm=norm, **kw), configs)
 
 
 if __name__ == "__main__":
