@@ -29,6 +29,8 @@ from graphwrap.serve.api.remote import Remote  # noqa: E402
 
 STEP = 0.005  # seconds each forward of the child's model sleeps
 BAD = "fox"  # a prompt holding this word's first token makes the child's model raise
+# a request still running when the test acts on it: sampled, so without ignore_eos it may end early
+LONG = {"prompt": "the", "max_tokens": 200, "ignore_eos": True}
 
 
 def slowed(conn, args, log_level):
@@ -170,7 +172,7 @@ def test_log_probabilities_come_through_the_engine_process_beside_other_streams(
 def test_a_client_gone_frees_its_row_in_the_engine_process(srv):
     before = _decode(srv)["cancelled"]
     c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
-    c.request("POST", "/v1/completions", json.dumps({"prompt": "the", "max_tokens": 200, "stream": True}),
+    c.request("POST", "/v1/completions", json.dumps(dict(LONG, stream=True)),
               {"Content-Type": "application/json"})
     r = c.getresponse()
     assert r.status == 200
@@ -253,7 +255,7 @@ def test_the_engine_process_dying_ends_what_runs_and_refuses_the_rest(model_dir)
     r = Running(model_dir, rows=2)
     try:
         c = http.client.HTTPConnection("127.0.0.1", r.port, timeout=60)
-        c.request("POST", "/v1/completions", json.dumps({"prompt": "the", "max_tokens": 200, "stream": True}),
+        c.request("POST", "/v1/completions", json.dumps(dict(LONG, stream=True)),
                   {"Content-Type": "application/json"})
         resp = c.getresponse()
         assert resp.status == 200
