@@ -53,7 +53,9 @@ def folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
         from .paged_attention import attend
 
         n = query.shape[0]
-        return attend(query, key, value, store.table[:n], store.lengths[:n] + 1, scaling,
+        slots = getattr(key, "_gw_slots", None)  # (each row's positions, found once a forward)
+        seen = slots.seen if slots is not None and slots.seen is not None else store.lengths[:n] + 1
+        return attend(query, key, value, store.table[:n], seen, scaling,
                       getattr(key, "_gw_window", None), kwargs.get("softcap")), None
     if not _folds(module, query, key, attention_mask, position_bias, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -97,35 +97,42 @@ class ChunkLayer(WindowLayer):
 
 
 class StepSlots:
-    """Where a step's rows write their new keys (block, offset), shared by one window's layers."""
+    """Where a step's rows write their new keys (block, offset) and, where the attention reads the
+    pool in place, how many positions each row sees (``seen``: its length and the key this step
+    writes), shared by one window's layers: the first layer of a forward finds them, once."""
 
     where: Tensor
     offset: Tensor
+    seen: Optional[Tensor] = None
 
 
 class PagedLayer(RowLayer):
     """One layer of a paged window: each row's new key goes at its own length; then either the
     pools themselves go to graphwrap's attention (``store.direct``), or the rows' blocks of the
     window are gathered for the model's own. The first layer of a forward finds each row's
-    block and offset from the lengths (which no layer changes); the others reuse them: a step's
-    graph holds those few kernels once, not once a layer."""
+    block and offset from the lengths (which no layer changes), and the positions each row sees;
+    the others reuse them: a step's graph holds those few kernels once, not once a layer."""
 
     def __init__(self, keys: Tensor, values: Tensor, store, span: int, direct: Optional[Tensor] = None,
                  slots: Optional[StepSlots] = None, first: bool = True):
         super().__init__(keys, values, store.lengths, store.index, span)
         self.store, self.table, self.block = store, store.table, store.block
         self.lines = span // store.block
-        self.direct = direct  # the pool as the attention reads it in place (marked with the store)
         self.slots = slots if slots is not None else StepSlots()
         self.first = first or slots is None
+        # The pool as the attention reads it in place: a view marked with the store, the layer's
+        # window and this window's slots (whose ``seen`` the first layer finds).
+        self.direct = _marked(direct, _gw_slots=self.slots) if direct is not None else None
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
         n = key_states.shape[0]
         slots = self.slots
+        direct = self.store.base.direct
         if self.first:
             pos = self.lengths[:n]
             slots.where = self.table[:n].gather(1, (pos // self.block)[:, None])[:, 0]
             slots.offset = pos % self.block
+            slots.seen = pos + 1 if direct else None
         where, offset = slots.where, slots.offset
         k, v = key_states[:, :, -1], value_states[:, :, -1]
         if step_write.applies(self.keys, self.values, k, v):
@@ -133,13 +140,23 @@ class PagedLayer(RowLayer):
         else:
             self.keys[where, offset] = k.to(self.keys.dtype)
             self.values[where, offset] = v.to(self.values.dtype)
-        if self.store.base.direct:
+        if direct:
             return self.direct, self.values
         return self._gather(self.keys, n), self._gather(self.values, n)
 
     def _gather(self, pool: Tensor, n: int) -> Tensor:
         lines = self.table[:n, :self.lines]
         return pool[lines].view(n, self.span, pool.shape[2], pool.shape[3]).transpose(1, 2)
+
+
+def _marked(pool: Tensor, **marks) -> Tensor:
+    """A view of ``pool`` with its marks (``_gw_...``: what the attention reads the pool by) and
+    ``marks`` added."""
+    view = pool.view(pool.shape)
+    for name, value in list(vars(pool).items()) + list(marks.items()):
+        if name.startswith("_gw_"):
+            setattr(view, name, value)
+    return view
 
 
 class PagedPromptLayer(RowLayer):
@@ -247,9 +264,17 @@ class RowWindow(Cache):
         self.span = getattr(layers[0], "span", span) if layers else span
         self.lengths = store.lengths
         self.live = store.live
+        self.store = store
         # What a capture puts back after each of its runs: every run of one step writes the same
         # keys at the same places, so the cache itself (far too large to copy) is left.
         self.capture_restores = [store.lengths, store.live]
+
+    @property
+    def in_place(self) -> bool:
+        """Whether a forward now hands the attention the paged pool itself (which reads each row
+        to its own length, never a mask: see :class:`~.attention.folding`)."""
+        base = getattr(self.store, "base", None)
+        return bool(getattr(base, "direct", False))
 
 
 class PromptWindow(Cache):

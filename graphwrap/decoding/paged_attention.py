@@ -86,7 +86,10 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: T
 @torch.library.custom_op("graphwrap::paged_attend", mutates_args=())
 def paged_attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor, scale: float,
                  window: int, softcap: float) -> Tensor:
-    """``_launch`` as torch's operator ``graphwrap::paged_attend``."""
+    """``_launch`` as torch's operator ``graphwrap::paged_attend`` (off a GPU, :func:`reference`:
+    what the batch's tests read the pool in place with on a CPU)."""
+    if not q.is_cuda:
+        return reference(q[:, :, None], k_pool, v_pool, table, lengths, scale, window, softcap)[:, 0]
     return _launch(q, k_pool, v_pool, table, lengths, scale, window, softcap)
 
 

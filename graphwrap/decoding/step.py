@@ -47,7 +47,10 @@ class DecodeStep(ModelForward):
     def forward(self, input_ids: Tensor, rows) -> Tensor:
         n = input_ids.shape[0]
         lengths = rows.lengths[:n]
-        mask = self.masks(row_mask, lengths, rows.span, _mask_dtype(self.model))
+        # (where the attention reads the pool in place it reads each row to its length and no mask:
+        # the model is handed one of one position, not rows x the whole window)
+        span = 1 if getattr(rows, "in_place", False) else rows.span
+        mask = self.masks(row_mask, lengths, span, _mask_dtype(self.model))
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=lengths[:, None].clone(),
                          use_cache=True, return_dict=True, **{self.cache_name: rows})
         rows.lengths[:n] += rows.live[:n]
