@@ -212,6 +212,7 @@ def _long(case, gm, model, device, results):
         t.join()
     gaps = [b - a for c in clocks for a, b in zip(c.times[1:], c.times[2:])]
     during = [b - a for c in clocks for a, b in zip(c.times[1:], c.times[2:]) if t0 <= a and b <= t0 + took]
+    apart = [b - a for c in clocks for a, b in zip(c.times[1:], c.times[2:]) if b < t0 or a > t0 + took]
     thread = {k: round(v - spent.get(k, 0.0), 3) for k, v in server.spent.items()}
     _say(case, f"  the decode thread meanwhile (s): {thread}; the 5 longest gaps (ms): "
                f"{[round(1e3 * g, 1) for g in sorted(gaps)[-5:]]}; shapes captured meanwhile: "
@@ -223,6 +224,9 @@ def _long(case, gm, model, device, results):
     if during:
         _say(case, f"  the others' gaps while the long prompt was served ({len(during)}): p50 "
                    f"{1e3 * pct(during, .5):.2f} / p99 {1e3 * pct(during, .99):.2f} / longest {1e3 * max(during):.2f} ms")
+    if apart:
+        _say(case, f"  the others' gaps before and after it ({len(apart)}): p50 "
+                   f"{1e3 * pct(apart, .5):.2f} / p99 {1e3 * pct(apart, .99):.2f} / longest {1e3 * max(apart):.2f} ms")
     with torch.no_grad():
         ref = model.generate(input_ids=long_ids, max_new_tokens=16, do_sample=False)
     same = torch.equal(out, ref)
@@ -231,7 +235,9 @@ def _long(case, gm, model, device, results):
     _, tpot = latencies(clocks)
     p50, p99 = pct(gaps, .5), pct(gaps, .99)
     results.add("generate-large", case, "a 6,000-token prompt beside 32 decoding rows", [took], "s", None, None,
-                gap_p50_ms=1e3 * p50, gap_p99_ms=1e3 * p99, equal=same)
+                gap_p50_ms=1e3 * p50, gap_p99_ms=1e3 * p99, equal=same,
+                during_p99_ms=1e3 * pct(during, .99) if during else None,
+                apart_p50_ms=1e3 * pct(apart, .5) if apart else None)
     _say(case, f"a 6,000-token prompt beside 32 decoding requests: served in {took:.2f} s, 16 tokens "
                f"{'equal to' if same else 'NOT equal to'} model.generate's; the others' gaps between tokens p50 "
                f"{1e3 * p50:.2f} / p99 {1e3 * p99:.2f} ms (p99/p50 {p99 / p50:.2f})")

@@ -415,6 +415,40 @@ def test_the_scheduler_hands_out_low_rows_and_sizes_steps_by_bucket():
         bucket_of(9, [1, 2, 4, 8])
 
 
+def test_the_scheduler_admits_prompts_within_a_budget_of_tokens_and_always_one():
+    sched = Scheduler(8, 256, buckets_upto(8, (1, 2, 4)), buckets_upto(256, (64, 128)))
+    seqs = [Seq(None, i, [1] * n, SeqSettings(max_new=4)) for i, n in enumerate((30, 40, 20, 90))]
+    sched.enqueue(seqs)
+    assert sched.admit(tokens=75) == seqs[:2], "30 + 40 within 75; 20 more is past it"
+    assert sched.admit(tokens=10) == [seqs[2]], "the first of a turn whatever its length"
+    assert sched.admit(tokens=None) == [seqs[3]]
+
+
+def test_prompts_arriving_beside_decoding_rows_join_a_turn_at_a_time_within_the_budget(monkeypatch):
+    from graphwrap.decoding import server as server_mod
+
+    monkeypatch.setattr(server_mod, "PREFILL_BESIDE", 8)  # one prompt of 6 a turn while a row decodes
+    model = _model("llama")
+    gm = GraphedModule(model)
+    gm.generate(torch.tensor([[4, 5]]), max_new_tokens=1)  # (the batch made)
+    server = gm.__dict__["_gw_decode"]
+    long = threading.Thread(target=lambda: gm.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=100,
+                                                       do_sample=False, min_new_tokens=100))
+    long.start()
+    while not server.sched.live():  # the long call decodes
+        threading.Event().wait(0.001)
+    before = server.counts["prefills"], server.counts["prefill_rows"]
+    prompts = [[7 + i, 8, 9, 10, 11, 12] for i in range(4)]
+    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=5, do_sample=False), 4)
+    assert server.sched.live(), "the long call still decodes: every prompt came beside it"
+    long.join()
+    for p, out in zip(prompts, got):
+        assert torch.equal(out, _alone(model, p, max_new_tokens=5))
+    rows, prefills = server.counts["prefill_rows"] - before[1], server.counts["prefills"] - before[0]
+    assert rows >= 4 and prefills == rows, "a prefill a turn, each of one prompt"
+    gm.close()
+
+
 def test_a_call_under_inference_mode_gets_the_same_tokens():
     model = _model()
     gm = GraphedModule(model)

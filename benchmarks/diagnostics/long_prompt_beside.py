@@ -9,6 +9,9 @@ batch's own piece runs once first, not reported, while its graphs are captured; 
 the paged pool's piece for the whole run (its capture blocks sized for it); ``--in-flight
 1,2,3`` runs each width with each bound on the pieces queued on the device at once.
 
+``--prefill-beside 0,512`` runs each width once for each bound on the prompt tokens a turn
+admits while rows decode (``graphwrap.decoding.server.PREFILL_BESIDE``; 0: none).
+
 ``python3 benchmarks/diagnostics/long_prompt_beside.py [--widths 128] [--ahead]`` from the
 repository root, on a GPU.
 """
@@ -24,6 +27,7 @@ from generate_large import _long, big_model  # noqa: E402
 
 from graphwrap import GraphedModule  # noqa: E402
 from graphwrap.decoding import pieces as graphwrap_pieces  # noqa: E402
+from graphwrap.decoding import server as server_mod  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -43,6 +47,8 @@ def main():
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--piece", type=int, default=0, help="the paged pool's piece (graphwrap.decoding.pool.PIECE) for this run")
     ap.add_argument("--in-flight", default="", help="pieces on the device at most, each in turn (e.g. 1,2,3)")
+    ap.add_argument("--prefill-beside", default="", help="prompt tokens a turn admits beside decoding rows, each "
+                    "in turn (0: no bound; e.g. 0,512)")
     ap.add_argument("--no-cudnn", action="store_true", help="torch's cuDNN attention turned off for the run")
     a = ap.parse_args()
     if a.no_cudnn:
@@ -50,7 +56,6 @@ def main():
     print(f"long_prompt_beside: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     if a.piece:
         from graphwrap.decoding import pool
-        from graphwrap.decoding import server as server_mod
 
         pool.PIECE = server_mod.PIECE = a.piece
     model = big_model(a.model, DEV)
@@ -72,16 +77,24 @@ def main():
                 _long(f"warm-up for pieces of {w}", gm, model, DEV, results)
         else:
             server.chunk = w
-        for k in (int(x) for x in a.in_flight.split(",")) if a.in_flight else [None]:
+        runs = [(k, b) for k in ([int(x) for x in a.in_flight.split(",")] if a.in_flight else [None])
+                for b in ([int(x) for x in a.prefill_beside.split(",")] if a.prefill_beside else [None])]
+        for k, b in runs:
             if k is not None:
                 graphwrap_pieces.IN_FLIGHT = k
-            label = f"pieces of {w}" + (f", {k} on the device at most" if k is not None else "")
+            if b is not None:
+                server_mod.PREFILL_BESIDE = b or None
+            label = (f"pieces of {w}" + (f", {k} on the device at most" if k is not None else "")
+                     + (f", prompts beside decoding rows {b or 'unbounded'} tokens a turn" if b is not None else ""))
             pieces = server.counts["prefill_pieces"]
             _long(label, gm, model, DEV, results)
             args, extra = results.rows[-1]
+            beside = (f"; while it was served p99 {extra['during_p99_ms']:.1f} ms against p50 {extra['apart_p50_ms']:.1f} "
+                      f"before and after it ({extra['during_p99_ms'] / extra['apart_p50_ms']:.2f}x)"
+                      if extra.get("during_p99_ms") and extra.get("apart_p50_ms") else "")
             print(f"  {label}: {server.counts['prefill_pieces'] - pieces} pieces, the prompt in {args[3][0]:.2f} s, "
                   f"the others' gaps p50 {extra['gap_p50_ms']:.1f} / p99 {extra['gap_p99_ms']:.1f} ms "
-                  f"({extra['gap_p99_ms'] / extra['gap_p50_ms']:.2f}x), tokens equal: {extra['equal']}", flush=True)
+                  f"({extra['gap_p99_ms'] / extra['gap_p50_ms']:.2f}x){beside}, tokens equal: {extra['equal']}", flush=True)
     gm.close()
 
 

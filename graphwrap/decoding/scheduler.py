@@ -115,17 +115,22 @@ class Scheduler:
         ``max_new_tokens``)."""
         return blocks_for(len(s.prompt) + s.settings.max_new, self.block) if self.pool is not None else 0
 
-    def admit(self, limit: Optional[int] = None) -> List[Seq]:
+    def admit(self, limit: Optional[int] = None, tokens: Optional[int] = None) -> List[Seq]:
         """Queued sequences given a free row (and their blocks) each, oldest first (at most
-        ``limit``); stops at the first whose blocks, with one left for each running row, are
-        not free (``self.short`` says how many it lacks)."""
+        ``limit``, and with ``tokens``, prompts of at most that many tokens in all: the first is
+        admitted whatever its length); stops at the first whose blocks, with one left for each
+        running row, are not free (``self.short`` says how many it lacks)."""
         out: List[Seq] = []
         self.short = 0
+        taken = 0
         while self.queue and self.free and (limit is None or len(out) < limit):
             s = self.queue[0]
             if s.done:
                 self.queue.popleft()
                 continue
+            if tokens is not None and out and taken + len(s.feed) > tokens:
+                break
+            taken += len(s.feed)
             if self.pool is not None:
                 need, whole = self.needs(s), self.whole(s)
                 spare = self.rows - len(self.free)  # a block left for each running row to grow into

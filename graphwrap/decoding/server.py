@@ -54,6 +54,10 @@ from .step import CHUNK, ChunkStep, Prompts, cache_layout, layer_windows
 from .weights import Weights
 
 logger = logging.getLogger("graphwrap")
+# Prompt tokens a turn admits while rows decode (None: every queued prompt a row is free for).
+# A turn's prefill is time every decoding row waits for its next token
+# (``benchmarks/diagnostics/long_prompt_beside.py --prefill-beside`` measures it).
+PREFILL_BESIDE: Optional[int] = None
 _RUNNING: "weakref.WeakSet" = weakref.WeakSet()  # servers whose thread runs: closed at exit
 
 
@@ -288,9 +292,11 @@ class DecodeServer:
             return False
         with self.cond:
             self._take_cancelled()
-            admitted = self.sched.admit()
+            # (beside decoding rows, a turn's prompts are bounded: each token prefilled is time they wait)
+            budget = PREFILL_BESIDE if PREFILL_BESIDE and self.sched.live() else None
+            admitted = self.sched.admit(tokens=budget)
             if self.sched.short and self._grow(self.sched.short):
-                admitted += self.sched.admit()
+                admitted += self.sched.admit(tokens=budget)
             if admitted:
                 self.cond.notify_all()  # room in the queue
                 now = time.perf_counter()
