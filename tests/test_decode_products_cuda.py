@@ -2,7 +2,8 @@
 half in one (graphwrap/decoding/mlp.py) against transformers' LlamaMLP's own operations, and the
 attention's query, key and value projections in one (graphwrap/decoding/qkv.py) against three
 ``F.linear``, over a step's rows (1 to 64) and the widths of the models served (the 1.1B shape,
-a 7-8B shape, widths no tile divides, biases as Qwen2's); where they do not apply."""
+a 7-8B shape, widths no tile divides, biases as Qwen2's); where they do not apply. The step's
+RMSNorm (graphwrap/decoding/norm.py) against transformers' LlamaRMSNorm the same way."""
 
 import pytest
 import torch
@@ -94,7 +95,7 @@ def test_the_shared_batch_runs_both_kernels_in_its_graphs_and_gives_the_models_t
     from helpers import thread_results
 
     from graphwrap import GraphedModule
-    from graphwrap.decoding import mlp, qkv
+    from graphwrap.decoding import mlp, norm, qkv
 
     tr = pytest.importorskip("transformers", reason="needs transformers")
     torch.manual_seed(0)
@@ -106,6 +107,8 @@ def test_the_shared_batch_runs_both_kernels_in_its_graphs_and_gives_the_models_t
     project, gate_up = qkv.project, mlp.gate_up
     monkeypatch.setattr(qkv, "project", lambda *a, **k: calls.append("qkv") or project(*a, **k))
     monkeypatch.setattr(mlp, "gate_up", lambda *a, **k: calls.append("mlp") or gate_up(*a, **k))
+    rms = norm.rms
+    monkeypatch.setattr(norm, "rms", lambda *a, **k: calls.append("norm") or rms(*a, **k))
     g = torch.Generator().manual_seed(3)
     reqs = [(torch.randint(2, 1000, (1, int(p)), generator=g).cuda(), int(k))
             for p, k in zip(torch.randint(3, 50, (8,), generator=g), torch.randint(8, 30, (8,), generator=g))]
@@ -118,7 +121,7 @@ def test_the_shared_batch_runs_both_kernels_in_its_graphs_and_gives_the_models_t
     for _ in range(2):  # the second pass replays what the first captured beside it
         got = thread_results(one, len(reqs))
         assert gm.__dict__["_gw_decode"].captures.finish(120)
-    assert "qkv" in calls and "mlp" in calls, "the batch's forwards took the kernels"
+    assert {"qkv", "mlp", "norm"} <= set(calls), "the batch's forwards took the kernels"
     with torch.no_grad():
         for (ids, k), out in zip(reqs, got):
             want = model.generate(input_ids=ids, max_new_tokens=k, do_sample=False, output_logits=True,
@@ -131,3 +134,39 @@ def test_the_shared_batch_runs_both_kernels_in_its_graphs_and_gives_the_models_t
     d = gm.stats()["decode"]
     assert d["rows_busy"] == 0 and not d["step"]["eager_calls"], d["step"]["eager_calls"]
     gm.close()
+
+
+@pytest.mark.parametrize("m,n", [(64, 2048), (1, 2048), (37, 4096), (5, 300), (64, 8192)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_norm_kernel_equals_transformers_rmsnorm_to_rounding(m, n, dtype):
+    from graphwrap.decoding import norm
+
+    tr = pytest.importorskip("transformers", reason="needs transformers")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (3 * torch.randn(m, 1, n, generator=g, device="cuda")).to(dtype)
+    layer = tr.models.llama.modeling_llama.LlamaRMSNorm(n, eps=1e-6).to("cuda", dtype)
+    with torch.no_grad():
+        layer.weight.copy_(1 + 0.2 * torch.randn(n, generator=g, device="cuda"))
+        own = layer(x)  # transformers' operations (rounded before the weight's product)
+    exact = norm.reference(x.double(), layer.weight.double(), 1e-6)
+    assert norm.applies(x, layer.weight)
+    got = norm.rms(x, layer.weight, 1e-6)
+    assert got.shape == x.shape and got.dtype == dtype
+    ulp = torch.finfo(dtype).eps * exact.abs().clamp(min=1)
+    assert ((got.double() - exact).abs() <= ulp).all(), "rounded once from fp32"
+    assert ((got.double() - exact).abs() <= (own.double() - exact).abs() + ulp).all()
+    strided = torch.randn(m, 2 * n, generator=g, device="cuda").to(dtype)[:, ::2]
+    assert torch.allclose(norm.rms(strided, layer.weight, 1e-6).float(),
+                          norm.reference(strided, layer.weight, 1e-6).float(), atol=ulp.max().item() * 4)
+
+
+def test_where_the_norm_kernel_does_not_apply():
+    from graphwrap.decoding import norm
+
+    x = torch.randn(8, 1, 256, device="cuda").half()
+    w = torch.ones(256, device="cuda").half()
+    assert norm.applies(x, w)
+    assert not norm.applies(x.float(), w.float()), "fp32: PyTorch's"
+    assert not norm.applies(x, w.float()), "a weight of another dtype"
+    assert not norm.applies(torch.randn(65, 256, device="cuda").half(), w), "more rows than a step's"
+    assert not norm.applies(x.cpu(), w.cpu())

@@ -46,7 +46,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 from torch.nn import functional as F
 
-from . import mlp, paged_attention, qkv, rope
+from . import mlp, norm, paged_attention, qkv, rope
 
 _LOCAL = threading.local()
 _LOCK = threading.Lock()
@@ -76,6 +76,8 @@ def _fused_norm(own: Callable) -> Callable:
         if fuses(hidden_states):
             shape, w = (hidden_states.shape[-1],), self.weight
             if w.dtype == hidden_states.dtype:  # the weight's product inside the kernel, rounded once
+                if norm.applies(hidden_states, w):  # (a step's few rows: graphwrap's kernel)
+                    return norm.rms(hidden_states, w, self.variance_epsilon)
                 return F.rms_norm(hidden_states, shape, w, self.variance_epsilon)
             return w * F.rms_norm(hidden_states, shape, None, self.variance_epsilon)  # (its own dtype's result)
         return own(self, hidden_states)
