@@ -292,11 +292,7 @@ class DecodeServer:
             return False
         with self.cond:
             self._take_cancelled()
-            # (beside decoding rows, a turn's prompts are bounded: each token prefilled is time they wait)
-            budget = PREFILL_BESIDE if PREFILL_BESIDE and self.sched.live() else None
-            admitted = self.sched.admit(tokens=budget)
-            if self.sched.short and self._grow(self.sched.short):
-                admitted += self.sched.admit(tokens=budget)
+            admitted = _admitted(self)
             if admitted:
                 self.cond.notify_all()  # room in the queue
                 now = time.perf_counter()
@@ -488,6 +484,17 @@ class DecodeServer:
 
     def stats(self) -> dict:
         return report(self)
+
+
+def _admitted(server: DecodeServer) -> List[Seq]:
+    """Queued sequences given a row this turn, the pool grown first where they lack blocks and it
+    can; beside decoding rows, prompts of :data:`PREFILL_BESIDE` tokens at most (where set: each
+    token prefilled is time those rows wait)."""
+    budget = PREFILL_BESIDE if PREFILL_BESIDE and server.sched.live() else None
+    admitted = server.sched.admit(tokens=budget)
+    if server.sched.short and server._grow(server.sched.short):
+        admitted += server.sched.admit(tokens=budget)
+    return admitted
 
 
 def make_cache(model, rows: int, max_len: int, device: torch.device, cache_memory: float, paged: Optional[bool]):
