@@ -9,6 +9,10 @@ batch's own piece runs once first, not reported, while its graphs are captured; 
 the paged pool's piece for the whole run (its capture blocks sized for it); ``--in-flight
 1,2,3`` runs each width with each bound on the pieces queued on the device at once.
 
+``--apart`` runs each width twice: with the piece inside the rows' step forward where the
+batch does so (``graphwrap/decoding/steps.py``), then with the two apart (the batch's mixed
+engine set aside for the run).
+
 ``--prefill-beside 0,512`` runs each width once for each bound on the prompt tokens a turn
 admits while rows decode (``graphwrap.decoding.server.PREFILL_BESIDE``; 0: none).
 
@@ -49,6 +53,7 @@ def main():
     ap.add_argument("--in-flight", default="", help="pieces on the device at most, each in turn (e.g. 1,2,3)")
     ap.add_argument("--prefill-beside", default="", help="prompt tokens a turn admits beside decoding rows, each "
                     "in turn (0: no bound; e.g. 0,512)")
+    ap.add_argument("--apart", action="store_true", help="each run again with the piece and the step apart")
     ap.add_argument("--no-cudnn", action="store_true", help="torch's cuDNN attention turned off for the run")
     a = ap.parse_args()
     if a.no_cudnn:
@@ -77,22 +82,28 @@ def main():
                 _long(f"warm-up for pieces of {w}", gm, model, DEV, results)
         else:
             server.chunk = w
-        runs = [(k, b) for k in ([int(x) for x in a.in_flight.split(",")] if a.in_flight else [None])
-                for b in ([int(x) for x in a.prefill_beside.split(",")] if a.prefill_beside else [None])]
-        for k, b in runs:
+        runs = [(k, b, apart) for k in ([int(x) for x in a.in_flight.split(",")] if a.in_flight else [None])
+                for b in ([int(x) for x in a.prefill_beside.split(",")] if a.prefill_beside else [None])
+                for apart in ((False, True) if a.apart else (False,))]
+        mixed = server.mixed_engine
+        for k, b, apart in runs:
+            server.mixed_engine = None if apart else mixed
             if k is not None:
                 graphwrap_pieces.IN_FLIGHT = k
             if b is not None:
                 server_mod.PREFILL_BESIDE = b or None
             label = (f"pieces of {w}" + (f", {k} on the device at most" if k is not None else "")
-                     + (f", prompts beside decoding rows {b or 'unbounded'} tokens a turn" if b is not None else ""))
+                     + (f", prompts beside decoding rows {b or 'unbounded'} tokens a turn" if b is not None else "")
+                     + (", the piece and the step apart" if apart else ", the piece inside the step" if mixed else ""))
+            mixed_steps = server.counts["mixed_steps"]
             pieces = server.counts["prefill_pieces"]
             _long(label, gm, model, DEV, results)
             args, extra = results.rows[-1]
             beside = (f"; while it was served p99 {extra['during_p99_ms']:.1f} ms against p50 {extra['apart_p50_ms']:.1f} "
                       f"before and after it ({extra['during_p99_ms'] / extra['apart_p50_ms']:.2f}x)"
                       if extra.get("during_p99_ms") and extra.get("apart_p50_ms") else "")
-            print(f"  {label}: {server.counts['prefill_pieces'] - pieces} pieces, the prompt in {args[3][0]:.2f} s, "
+            print(f"  {label}: {server.counts['prefill_pieces'] - pieces} pieces ({server.counts['mixed_steps'] - mixed_steps}"
+                  f" inside a step), the prompt in {args[3][0]:.2f} s, "
                   f"the others' gaps p50 {extra['gap_p50_ms']:.1f} / p99 {extra['gap_p99_ms']:.1f} ms "
                   f"({extra['gap_p99_ms'] / extra['gap_p50_ms']:.2f}x){beside}, tokens equal: {extra['equal']}", flush=True)
     gm.close()

@@ -41,6 +41,9 @@ def folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
     ``[b, hkv, k, d]`` -> ``([b, q, hq, d], None)``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    mixed = getattr(key, "_gw_mixed", None)
+    if mixed is not None:  # a step's rows and a piece in one forward over the pool (see PagedMixedLayer)
+        return _mixed(query, key, value, mixed, scaling, getattr(key, "_gw_window", None), kwargs.get("softcap")), None
     piece = getattr(key, "_gw_piece", None)
     if piece is not None:  # a piece of a long prompt over the paged pool itself (see PagedPieceLayer)
         from .piece_attention import attend_piece
@@ -69,6 +72,22 @@ def folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
         attention_mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, groups * n, -1)
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling)
     return out.reshape(b, hq, n, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _mixed(query, key, value, mixed, scaling, window, softcap):
+    """``query [1, hq, n + W, d]`` of a mixed forward: the first ``n`` positions (a row each) by
+    the step's kernel over each row's own positions, the last ``W`` by the piece's over its
+    row's -> ``[1, n + W, hq, d]``."""
+    from .paged_attention import attend
+    from .piece_attention import attend_piece
+
+    n, line, at = mixed
+    slots = key._gw_slots
+    store = key._gw_pages
+    rows = attend(query[0, :, :n].transpose(0, 1)[:, :, None], key, value, store.table[:n], slots.seen, scaling,
+                  window, softcap)  # [n, 1, hq, d]
+    piece = attend_piece(query[:, :, n:], key, value, line, at, scaling, window, softcap)  # [1, W, hq, d]
+    return torch.cat([rows.transpose(0, 1), piece], dim=1)
 
 
 def _folds(module, query, key, mask, position_bias, kwargs) -> bool:

@@ -65,6 +65,9 @@ def every_shape(server, timeout: Optional[float] = None) -> bool:
         for width in sorted({server.piece, server.piece_alone}):
             for span in sorted({store.piece_span(b) for b in server.sched.span_buckets if b >= width}):
                 caps.want(("piece", width, span), AHEAD)
+    if server.mixed_engine is not None:  # (a piece beside decoding rows inside their step)
+        for n in server.sched.row_buckets:
+            caps.want(("mixed", n, server.piece), AHEAD)
     return caps.finish(timeout)
 
 
@@ -200,10 +203,17 @@ class Captures:
         server = self.server
         kind, n, width = shape
         device = server.device
-        if kind == "piece":  # (n: the piece's positions; width: the span it attends over)
+        args: tuple
+        if kind == "mixed":  # (n: the step's rows; width: the piece's positions)
+            twin = server.store.mixed_twin(width)
+            engine = server.mixed_engine
+            args = (torch.zeros((1, n + width), dtype=torch.long, device=device),
+                    torch.tensor([0, width, server.store.scratch], dtype=torch.long, device=device))
+            kwargs = {"rows": twin.mixed_window(n, width)}
+        elif kind == "piece":  # (n: the piece's positions; width: the span it attends over)
             twin = server.store.piece_twin(n)
             engine = server.piece_engine
-            args: tuple = (torch.zeros((1, n), dtype=torch.long, device=device),
+            args = (torch.zeros((1, n), dtype=torch.long, device=device),
                            torch.tensor([0, n, 0], dtype=torch.long, device=device))
             kwargs = {"rows": twin.piece_window(n, width)}
         elif kind == "step":

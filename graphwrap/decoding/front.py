@@ -122,16 +122,19 @@ def _make(held: dict, module):
     if getattr(module.config, "is_encoder_decoder", False):
         return None, "an encoder-decoder model (the shared batch serves decoder-only models)"
     from .pool import rows_possible
-    from .probe import probe
+    from .probe import probe, probe_mixed
     from .server import DecodeServer, reads_in_place
-    from .step import DecodeStep, PieceStep, PrefillStep
+    from .step import DecodeStep, MixedStep, PieceStep, PrefillStep
 
     device = next(module.parameters()).device
     in_place = reads_in_place(module, device)
     with without_cudnn(device):  # (its eager forwards meet new shapes: see attention.py)
         why = probe(module, device, rows_possible(cfg.get("paged"), device.type == "cuda", in_place), in_place)
+        mixed_why = probe_mixed(module, device) if why is None and in_place else "the pool is not read in place"
     if why is not None:
         return None, why
+    if in_place and mixed_why is not None:
+        logger.info("a long prompt's pieces run apart from the decode steps of %s: %s", type(module).__name__, mixed_why)
     rows = cfg["rows"]
     # Each shape's graph is a key of its own (over its own twin of the cache, see captures.py):
     # the reference run warms it up, and one warm-up more does (cuBLAS, Triton) where nothing is
@@ -144,10 +147,13 @@ def _make(held: dict, module):
                                     max_keys=max(opts.max_keys, _shapes(rows, cfg["max_len"])))
     step, prefill = Engine(DecodeStep(module), step_opts), Engine(PrefillStep(module), step_opts)
     piece = Engine(PieceStep(module), step_opts)
+    mixed = Engine(MixedStep(module), step_opts) if mixed_why is None else None
     # What the GraphedModule has logged once (no CUDA, say) is not logged again by the batch's engines.
     step.logged = prefill.logged = piece.logged = held["_gw_engine"].logged
+    if mixed is not None:
+        mixed.logged = step.logged
     return DecodeServer(module, step, prefill, rows, cfg["max_len"], cfg["max_queue"], cfg["positions"],
-                        cfg.get("cache_memory", CACHE_MEMORY), cfg.get("paged"), piece), None
+                        cfg.get("cache_memory", CACHE_MEMORY), cfg.get("paged"), piece, mixed), None
 
 
 def _shapes(rows: int, max_len: int) -> int:

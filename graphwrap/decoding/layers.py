@@ -104,6 +104,7 @@ class StepSlots:
     where: Tensor
     offset: Tensor
     seen: Optional[Tensor] = None
+    piece: tuple  # a mixed forward's piece: its row's line, and where its positions go (block, offset)
 
 
 class PagedLayer(RowLayer):
@@ -244,6 +245,57 @@ class PagedPieceLayer(WindowLayer):
 
     def get_seq_length(self, *args, **kwargs):
         return 0
+
+
+class PagedMixedLayer(PagedLayer):
+    """One layer of a mixed forward (:class:`~.step.MixedStep`): the first ``n`` of its positions
+    are the rows' next tokens, each written at its row's length (as :class:`PagedLayer` writes a
+    step's), then the piece's ``width`` at its row's ``[start, start + valid)`` (the padding into
+    the row's scratch block), in that order: where the piece's row is among the ``n`` (not live,
+    its length the piece's start), the piece's key is what stays there. The attention gets the
+    pools, marked with both (its queries split between the step's kernel and the piece's)."""
+
+    def __init__(self, keys: Tensor, values: Tensor, store, span: int, width: int, direct: Tensor,
+                 slots: StepSlots, first: bool):
+        super().__init__(keys, values, store, span, direct, slots, first)
+        self.width = width
+        self.steps = torch.arange(width, device=store.device)
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        width = self.width
+        n = key_states.shape[2] - width
+        slots, store = self.slots, self.store
+        if self.first:
+            pos = self.lengths[:n]
+            slots.where = self.table[:n].gather(1, (pos // self.block)[:, None])[:, 0]
+            slots.offset = pos % self.block
+            slots.seen = pos + 1
+            at = store.at
+            line = store.table.index_select(0, at[2:3])[0]  # the piece's row's blocks
+            ppos = (at[0] + self.steps).clamp_(max=store.per_row * store.block - 1)
+            slots.piece = (line, torch.where(self.steps < at[1], line[ppos // store.block], at[2]), ppos % store.block)
+        k, v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)  # [n + width, heads, dim]
+        if step_write.applies(self.keys, self.values, k[:n], v[:n]):
+            step_write.write(self.keys, self.values, slots.where, slots.offset, k[:n], v[:n])
+        else:
+            self.keys[slots.where, slots.offset] = k[:n].to(self.keys.dtype)
+            self.values[slots.where, slots.offset] = v[:n].to(self.values.dtype)
+        line, where, offset = slots.piece
+        self.keys[where, offset] = k[n:].to(self.keys.dtype)
+        self.values[where, offset] = v[n:].to(self.values.dtype)
+        setattr(self.direct, "_gw_mixed", (n, line, store.at))
+        return self.direct, self.values
+
+
+class MixedWindow(Cache):
+    """What a mixed forward of ``n`` rows and a piece of ``width`` positions writes through and
+    attends over, as a ``Cache`` (one per shape: a graph over it replays)."""
+
+    def __init__(self, store, width: int, layers: list):
+        super().__init__(layers=layers)
+        self.width = width
+        self.lengths, self.live, self.at = store.lengths, store.live, store.at
+        self.capture_restores = [store.lengths, store.live, store.at]
 
 
 class PieceWindow(Cache):

@@ -63,6 +63,7 @@ class PagedStore(Store):
         self.direct_keys: List[Tensor] = []  # what a layer hands the attention for each layer: the pool, marked
         self.at = torch.zeros(3, dtype=torch.long, device=self.device)  # a piece's start, valid positions and row
         self.piece_windows: Dict[Tuple[int, int], object] = {}
+        self.mixed_windows: Dict[Tuple[int, int], object] = {}
 
     def allocate(self, layer_keys: List[Tensor], layer_values: List[Tensor]):
         """Allocate every layer's pool from one prompt cache's tensors (``[batch, heads, len, dim]``)."""
@@ -94,7 +95,7 @@ class PagedStore(Store):
         t.slots = torch.full_like(self.slots, self.scratch)
         t.table = (first + self.index // self.block)[:, None].repeat(1, self.per_row)
         assert first + blocks_for(rows1, self.block) <= self.blocks, "the pool holds no capture blocks"
-        t.windows, t.prompt_windows, t.piece_windows, t.twins = {}, {}, {}, []
+        t.windows, t.prompt_windows, t.piece_windows, t.mixed_windows, t.twins = {}, {}, {}, {}, []
         t.at = torch.zeros_like(self.at)
         t.base, t.seen = self, -1
         t._mark()
@@ -110,6 +111,17 @@ class PagedStore(Store):
         own = blocks_for(width, self.block)
         assert first + own <= self.blocks, "the pool holds no capture blocks for a piece"
         t.table[0] = first + torch.arange(self.per_row, device=self.device) % own
+        return t
+
+    def mixed_twin(self, width: int) -> "PagedStore":
+        """A twin laid out for a mixed forward's capture: the steps' rows as :meth:`twin` lays
+        them out, and the piece in the scratch row (no step row reads it), whose line is the
+        piece's own capture blocks, over and over."""
+        t = self.twin()
+        first = self.rows + 1 + blocks_for(self.rows + 1, self.block)
+        own = blocks_for(width, self.block)
+        assert first + own <= self.blocks, "the pool holds no capture blocks for a piece"
+        t.table[self.scratch] = first + torch.arange(self.per_row, device=self.device) % own
         return t
 
     def load(self, twin: "PagedStore"):
@@ -161,6 +173,7 @@ class PagedStore(Store):
             s.windows.clear()
             s.prompt_windows.clear()
             s.piece_windows.clear()
+            s.mixed_windows.clear()
             s._mark()
 
     def step_span(self, span: int) -> int:
@@ -201,4 +214,19 @@ class PagedStore(Store):
             w = self.piece_windows[(width, span)] = lay.PieceWindow(self, [
                 lay.PagedPieceLayer(k, v, self, width, span, window) for k, v, window in zip(self.keys, self.values,
                                                                                              windows)])
+        return w
+
+    def mixed_window(self, n: int, width: int):
+        """What a mixed forward of ``n`` rows' step and a piece of ``width`` positions writes
+        through and attends over (made once per shape, so a graph over it replays); only where
+        the attention reads the pool in place."""
+        w = self.mixed_windows.get((n, width))
+        if w is None:
+            assert self.kernel, "a mixed forward reads the pool in place"
+            lay = _layers()
+            span = self.per_row * self.block
+            slots = lay.StepSlots()
+            w = self.mixed_windows[(n, width)] = lay.MixedWindow(self, width, [
+                lay.PagedMixedLayer(k, v, self, span, width, d, slots, i == 0)
+                for i, (k, v, d) in enumerate(zip(self.keys, self.values, self.direct_keys))])
         return w

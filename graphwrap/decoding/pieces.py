@@ -31,13 +31,19 @@ from .scheduler import bucket_of
 IN_FLIGHT = 3  # pieces queued on the device at most (benchmarks/diagnostics/long_prompt_beside.py --in-flight)
 
 
+def oldest(server):
+    """The oldest long prompt still to prefill (those ended meanwhile dropped), or None."""
+    chunking = server.sched.chunking
+    while chunking and chunking[0].done:
+        chunking.popleft()
+    return chunking[0] if chunking else None
+
+
 def next_piece(server):
     """One piece of the oldest long prompt (a failure is its call's own); after its last, the
     sequence's first token, and it joins the steps."""
     chunking = server.sched.chunking
-    while chunking and chunking[0].done:
-        chunking.popleft()
-    if not chunking:
+    if oldest(server) is None:
         return
     running = server.pieces_running
     while running and running[0].query():
@@ -64,16 +70,23 @@ def next_piece(server):
         chunking.popleft()
         server._end_call(s.call, e)
         return
-    # (fill_: a kernel of its own; an item set from a Python number would wait for the device)
     event = _ended(server)
     if event is not None:
         server.pieces_running.append(event)
+    ran(server, s, end, logits)
+
+
+def ran(server, s, end: int, logits: torch.Tensor):
+    """After the piece of ``s`` up to ``end`` was queued (``logits``: of its last valid
+    position): its row's length, and after its last piece, the sequence's first token."""
+    row = cast(int, s.row)
+    # (fill_: a kernel of its own; an item set from a Python number would wait for the device)
     server.store.lengths[row:row + 1].fill_(end)  # (a step's padding write there is written over by the next piece)
     s.prefilled = end
     server.counts["prefill_pieces"] += 1
-    if end < len(feed):
+    if end < len(s.feed):
         return
-    chunking.popleft()
+    server.sched.chunking.remove(s)
     s.prefilled = None
     server.store.live[row:row + 1].fill_(1)
     server._first_tokens([s], logits, to_device(torch.tensor([end], dtype=torch.long), server.device))

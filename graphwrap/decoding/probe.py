@@ -16,7 +16,17 @@ from . import paged_attention
 from .attention import folding
 from .pages import PagedStore
 from .rows import RowStore
-from .step import ChunkStep, DecodeStep, PieceStep, PrefillStep, Prompts, cache_layout, layer_windows, output_cache
+from .step import (
+    ChunkStep,
+    DecodeStep,
+    MixedStep,
+    PieceStep,
+    PrefillStep,
+    Prompts,
+    cache_layout,
+    layer_windows,
+    output_cache,
+)
 
 STEPS = 4
 
@@ -118,3 +128,51 @@ def _differ(got: torch.Tensor, want: torch.Tensor, model) -> Optional[str]:
         return (f"decoding through graphwrap's cache of rows differs from the model's own cache (max error {err:.3g} "
                 f"on logits of scale {scale:.3g})")
     return None
+
+
+def probe_mixed(model, device) -> Optional[str]:
+    """None where a mixed forward (:class:`~.step.MixedStep`: a step of the rows and a piece of a
+    long prompt at once, the pool read in place) gives the model's own logits for both, else why
+    not. Row 0 holds a prompt of 3 and steps; row 3 takes a prompt of 6 in pieces of 4, its
+    second piece (2 valid positions, padded) in the mixed forward with the step of rows 0-3 (the
+    piece's row among them)."""
+    try:
+        return _probe_mixed(model, torch.device(device))
+    except Exception as e:  # noqa: BLE001 - a model the mixed forward cannot drive
+        return f"a step and a piece in one forward failed ({type(e).__name__}: {e})"
+
+
+def _probe_mixed(model, device) -> Optional[str]:
+    keys, values = cache_layout(model, device)
+    if keys is None:
+        return "the model's own cache has no per-layer keys and values"
+    store = PagedStore(4, 32, device, 4, 4 * 8 + 5, kernel=True)
+    fold = folding(model, store)
+    if fold.store is None:
+        return "the model's attention is not read in place"
+    store.layer_windows = layer_windows(model)
+    store.allocate(keys, values)
+    store.assign([0, 3], [[9, 33, 17, 5, 25, 30, 28, 8], [36, 23, 34, 26, 27, 35, 29, 31]])
+    vocab = int(model.config.vocab_size)
+    g = torch.Generator().manual_seed(1)
+    a, b = (torch.randint(1, vocab, (n,), generator=g).tolist() for n in (3, 6))
+    with torch.no_grad(), fold:
+        logits = PrefillStep(model)(*Prompts(4, 32, store.scratch).inputs([a], [0], (1, 8), device),
+                                    store.prompt_window(8))[:1]
+        token = int(logits[0].argmax())
+        ids = torch.zeros((1, 4), dtype=torch.long, device=device)
+        ids[0] = torch.tensor(b[:4], device=device)
+        PieceStep(model)(ids, torch.tensor([0, 4, 3], device=device), store.piece_window(4, 32))
+        store.lengths[3] = 4
+        mixed = torch.zeros((1, 8), dtype=torch.long, device=device)
+        mixed[0, 0] = token
+        mixed[0, 4:6] = torch.tensor(b[4:], device=device)
+        got = MixedStep(model)(mixed, torch.tensor([4, 2, 3], device=device), store.mixed_window(4, 4)).float()
+        want_row = model(input_ids=torch.tensor([a + [token]], device=device)).logits[0, -1].float()
+        want_piece = model(input_ids=torch.tensor([b], device=device)).logits[0, -1].float()
+    why = _differ(got[0], want_row, model)
+    if why is None:
+        why = _differ(got[4], want_piece, model)
+    if why is None and int(store.lengths[0]) != 4:
+        why = "a mixed forward did not move its live row on"
+    return why

@@ -36,7 +36,7 @@ from typing import Counter, DefaultDict, Deque, Dict, List, Optional, cast
 import torch
 
 from ..errors import GraphwrapError
-from . import captures, growth, paged_attention, pieces
+from . import captures, growth, paged_attention, pieces, steps
 from .attention import folding, sdpa_model, without_cudnn
 from .calls import Call, Closed, Logprobs, QueueFull, Sinks, check_call, finish, put_token
 from .captures import Captures, on_stream
@@ -91,7 +91,7 @@ class DecodeServer:
 
     def __init__(self, model, step_engine, prefill_engine, rows: int, max_len: int, max_queue: int,
                  positions: Optional[int] = None, cache_memory: float = CACHE_MEMORY, paged: Optional[bool] = None,
-                 piece_engine=None):
+                 piece_engine=None, mixed_engine=None):
         self.model, self.engine, self.prefill_engine = model, step_engine, prefill_engine
         self.piece_engine = piece_engine  # a long prompt's pieces, in the paged pool (see pieces.py)
         p = next(model.parameters())
@@ -105,6 +105,8 @@ class DecodeServer:
         self.chunk, self.piece, self.piece_alone = CHUNK, min(PIECE, CHUNK), min(PIECE_ALONE, CHUNK)  # (pieces.py)
         self.pieces_running: Deque[torch.cuda.Event] = collections.deque()  # the pieces on the device (pieces.py)
         self.prompts = Prompts(rows, min(max_len, self.chunk), self.store.scratch)
+        # A piece and the step in one forward (steps.py): where the pool is read in place.
+        self.mixed_engine = mixed_engine if piece_engine is not None and getattr(self.store, "kernel", False) else None
         self.chunker = ChunkStep(model)
         self.next_ids = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
         self.weights = Weights(model)
@@ -309,10 +311,11 @@ class DecodeServer:
         t0 = clock()
         if admitted:
             self._admit(admitted)
-        if self.sched.chunking:
+        together = bool(self.sched.chunking) and steps.together(self)  # (a piece inside the step's forward)
+        if self.sched.chunking and not together:
             pieces.next_piece(self)
         t1 = clock()
-        live = self.sched.live()
+        live = self.sched.live() if not together else []
         if live:
             self._step(live)
         t2 = clock()
@@ -384,29 +387,7 @@ class DecodeServer:
         self.sched.launched(seqs)
 
     def _step(self, live: List[Seq]):
-        if self.sched.pool is not None:
-            live = growth.make_room(self, live)
-            if not live:
-                return
-        n, span = self.sched.step_shape(live)
-        shape, how = self.shapes.pick(("step", n, self.store.step_span(span)))
-        _, n, span = shape
-        try:
-            logits = captures.forward(self, self.engine, shape, how, (self.next_ids[:n],), lambda s: s.window(span))
-            tokens = self.settings.next_tokens(logits, n, self.store.lengths[:n], self.active)
-            extra = _logprobs(self.active, logits, tokens)
-        except Exception as e:  # noqa: BLE001 - the step serves every live row: each fails with it
-            logger.exception("a decode step failed; its %d sequences fail with the error", len(live))
-            for s in live:
-                self._end_call(s.call, e)
-            return
-        self.next_ids[:n, 0] = tokens
-        self.inflight.queue(live, _rows(live), tokens, extra)
-        self.sched.launched(live)
-        self.sched.advanced(live)
-        self.counts["steps"] += 1
-        self.counts["step_rows"] += len(live)
-        self.counts["step_padded_rows"] += n - len(live)
+        steps.step(self, live)
 
     def _read(self, keep: int):
         """Hand out the tokens of every step but the last ``keep`` (and of any already done)."""

@@ -70,7 +70,9 @@ class Shapes:
                     self.failed[got] = why
             self.reports = []
 
-    def pick(self, shape: tuple) -> Tuple[tuple, str]:
+    def pick(self, shape: tuple, counted: bool = True) -> Tuple[tuple, str]:
+        """``(shape that serves, how)``; ``counted``: a forward run eagerly is counted as one (not
+        where the caller runs something else instead: a mixed forward's two parts apart)."""
         if not self.graphs:
             return shape, INLINE
         if self.want is None:
@@ -89,7 +91,8 @@ class Shapes:
         if cover is not None:
             self._count(self.covered, shape[0])
             return cover, GRAPH
-        self._count(self.eager, shape[0])
+        if counted:
+            self._count(self.eager, shape[0])
         return shape, EAGER
 
     def _cover(self, shape: tuple) -> Optional[tuple]:

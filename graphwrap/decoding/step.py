@@ -115,6 +115,43 @@ class PieceStep(ModelForward):
         return out.logits[0].index_select(0, rows.at[1:2] - 1)
 
 
+class MixedStep(ModelForward):
+    """A decode step of the first ``n`` rows and a piece of a long prompt in one forward, where
+    the attention reads the paged pool in place: ``[1, n + W]`` tokens (the rows' next tokens,
+    then the piece's ``W``, right-padded) and ``at`` ``[3]`` (the piece's start, valid positions
+    and row, on the device) -> ``[n + 1, vocab]``: each row's logits, then those of the piece's
+    last valid position. Every token goes through the model at its own position, so the weights
+    are read once for both; the layers (:class:`~.layers.PagedMixedLayer`) write the rows' new
+    keys, then the piece's, and the attention gives the rows' queries to the step's kernel and the
+    piece's to the piece's (:func:`~.attention.folded_sdpa`)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self.keeps = bool(_last_logits(model))
+
+    def forward(self, input_ids: Tensor, at: Tensor, rows) -> Tensor:
+        total = input_ids.shape[1]
+        width = rows.width
+        n = total - width
+        rows.at.copy_(at)
+        device = input_ids.device
+        steps = torch.arange(width, device=device)
+        pos = torch.cat([rows.lengths[:n], rows.at[0] + steps])[None]
+        mask = self.masks(one_position, total, _mask_dtype(self.model), device)  # (read in place: no mask is read)
+        keep = torch.cat([torch.arange(n, device=device), n + rows.at[1:2] - 1])
+        extra = {"logits_to_keep": keep} if self.keeps else {}
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True, return_dict=True,
+                         **extra, **{self.cache_name: rows})
+        logits = out.logits[0] if self.keeps else out.logits[0].index_select(0, keep)
+        rows.lengths[:n] += rows.live[:n]
+        return logits
+
+
+def one_position(total: int, dtype: torch.dtype, device, window: Optional[int] = None) -> Tensor:
+    """The additive 4-D mask ``[1, 1, total, 1]`` handed to a model whose attention reads no mask."""
+    return torch.zeros((1, 1, total, 1), dtype=dtype, device=device)
+
+
 def piece_mask(start: Tensor, width: int, span: int, dtype: torch.dtype, window: Optional[int] = None) -> Tensor:
     """The additive 4-D mask ``[1, 1, width, span]`` of a piece from position ``start`` (a device
     scalar): query ``i`` sees positions up to ``start + i`` (and, with a window, after
