@@ -346,9 +346,7 @@ class GraphedModule(nn.Module):
         out = self.engine.stats()
         server = self.__dict__.get("_gw_decode")
         if server is not None:
-            mixed = server.mixed_engine  # (a long prompt's piece inside the step: None where it runs apart)
-            out["decode"] = dict(server.stats(), step=server.engine.stats(), prefill=server.prefill_engine.stats(),
-                                 mixed=mixed.stats() if mixed is not None else None)
+            out["decode"] = dict(server.stats(), step=server.engine.stats(), prefill=server.prefill_engine.stats())
         elif self.__dict__.get("_gw_decode_why") is not None:
             out["decode"] = {"off": self.__dict__["_gw_decode_why"]}
         return out

@@ -492,3 +492,16 @@ class IdsStreamer:
 
     def end(self):
         pass
+
+
+def same_or_near_tie(model, ids, out, k: int):
+    """``out`` is ``model.generate``'s greedy ``k`` tokens after ``ids``, or parts from them where
+    eager's two best logits were within four fp16 steps of each other (a tie to rounding)."""
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, max_new_tokens=k, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+    if torch.equal(out, want.sequences):
+        return
+    at = int((out[0] != want.sequences[0]).nonzero()[0]) - ids.shape[1]
+    top2 = want.logits[at][0].float().topk(2).values
+    assert top2[0] - top2[1] <= 4 * 2 ** -10 * top2[0].abs().clamp(min=1), (at, top2)

@@ -1,14 +1,18 @@
 """The shared batch reading its paged pool in place, on a CPU: what a GPU does with graphwrap's
 attention kernels (each row read to its own length, no mask), here with the kernels' torch
-references, which the operators run off a GPU. Tokens against ``model.generate`` alone, and what
-a step hands the model and the attention. Needs transformers (skipped with the reason without it)."""
+references, which the operators run off a GPU. Tokens against ``model.generate`` alone, what a
+step hands the model and the attention, and a long prompt's piece inside the decoding rows' step
+forward (graphwrap/decoding/steps.py, step.MixedStep): the probe, a mixed forward that fails,
+the capture's layout. Needs transformers (skipped with the reason without it)."""
+
+import threading
 
 import pytest
 import torch
 from helpers import thread_results
 
 from graphwrap import GraphedModule
-from graphwrap.decoding import paged_attention
+from graphwrap.decoding import attention, paged_attention, probe
 from graphwrap.decoding import server as server_mod
 from graphwrap.decoding.attention import sdpa_model
 
@@ -113,3 +117,158 @@ def test_a_step_that_gathers_still_hands_the_model_its_whole_window():
     assert window.in_place, "the base store's switch, as folding sets it"
     twin = store.twin()
     assert twin.window(32).in_place, "a capture's twin reads the base store's switch"
+
+
+def _beside(gm, model, short, long, news=40, long_news=6, live=None):
+    """The short prompts decode (``news`` tokens each); once they do (``live`` of them: all
+    unless given), the long ones arrive: every call's tokens against ``model.generate`` alone."""
+    server = gm.__dict__["_gw_decode"]
+    outs = {}
+
+    def run(i, p, n):
+        outs[i] = gm.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)
+
+    first = [threading.Thread(target=run, args=(i, p, news)) for i, p in enumerate(short)]
+    for t in first:
+        t.start()
+    while len(server.sched.live()) < (len(short) if live is None else live):
+        threading.Event().wait(0.001)
+    got = thread_results(lambda i: gm.generate(torch.tensor([long[i]]), max_new_tokens=long_news, do_sample=False),
+                         len(long))
+    for t in first:
+        t.join()
+    for i, p in enumerate(short):
+        assert torch.equal(outs[i], _alone(model, p, news)), f"short prompt {i}"
+    for p, out in zip(long, got):
+        assert torch.equal(out, _alone(model, p, long_news)), "long prompt"
+
+
+# ------------------------------------------------------------------ a piece inside the step
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mistral", "gemma2"])
+def test_pieces_inside_the_step_give_generates_tokens_to_both(in_place, kind):
+    model = _model(kind)
+    gm = GraphedModule(model)
+    gm.generate(torch.tensor([[5, 6]]), max_new_tokens=1)  # (the batch made)
+    server = gm.__dict__["_gw_decode"]
+    _beside(gm, model, _prompts([3, 6, 2, 5]), _prompts([30, 19], seed=2))
+    d = gm.stats()["decode"]
+    if sdpa_model(model):  # (transformers 5.24 makes Gemma 2's attention eager: nothing read in place)
+        assert server.mixed_engine is not None
+        assert d["mixed_steps"] > 0 and not d["mixed_failed"], d
+    else:
+        assert server.mixed_engine is None and d["mixed_steps"] == 0
+    assert d["prefill_pieces"] >= 3 + 2 + 1
+    assert gm.stats()["generate"] == {SHARED: 7}
+    gm.close()
+
+
+def test_the_probe_passes_the_families_and_finds_a_wrong_attention(in_place, monkeypatch):
+    for kind in ("llama", "gpt2", "mistral"):
+        assert probe.probe_mixed(_model(kind), "cpu") is None, kind
+    model = _model("llama")
+
+    def shifted(*args):
+        return mixed(*args) + 1.0  # every position's attention off by one
+
+    mixed = attention._mixed
+    monkeypatch.setattr(attention, "_mixed", shifted)
+    why = probe.probe_mixed(model, "cpu")
+    assert why is not None and "differs" in why
+    gm = GraphedModule(model)
+    gm.generate(torch.tensor([[5, 6]]), max_new_tokens=1)
+    server = gm.__dict__["_gw_decode"]
+    assert server.mixed_engine is None, "the batch runs pieces apart"
+    _beside(gm, model, _prompts([3, 6]), _prompts([21], seed=2))
+    d = gm.stats()["decode"]
+    assert d["mixed_steps"] == 0 and d["prefill_pieces"] >= 3
+    gm.close()
+
+
+def test_a_mixed_forward_that_fails_runs_apart_and_every_call_gets_its_tokens(in_place, monkeypatch):
+    model = _model("llama")
+    gm = GraphedModule(model)
+    gm.generate(torch.tensor([[5, 6]]), max_new_tokens=1)
+    failures = []
+    mixed = attention._mixed
+
+    def fails_twice(*args):
+        if len(failures) < 2:
+            failures.append(1)
+            raise RuntimeError("a mixed forward that fails")
+        return mixed(*args)
+
+    monkeypatch.setattr(attention, "_mixed", fails_twice)
+    _beside(gm, model, _prompts([3, 6, 4]), _prompts([30], seed=3))
+    d = gm.stats()["decode"]
+    assert d["mixed_failed"] == 2 and d["mixed_steps"] > 0, d
+    gm.close()
+
+
+def test_a_prompt_the_model_refuses_fails_alone_beside_mixed_steps(in_place):
+    model = _model("llama")  # 256 positions: a prompt past them is refused before any piece
+    gm = GraphedModule(model)
+    gm.generate(torch.tensor([[5, 6]]), max_new_tokens=1)
+    server = gm.__dict__["_gw_decode"]
+    out = {}
+
+    def short():
+        out["short"] = gm.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=40, do_sample=False)
+
+    t = threading.Thread(target=short)
+    t.start()
+    while not server.sched.live():
+        threading.Event().wait(0.001)
+    with pytest.raises(Exception):
+        gm.generate(torch.tensor([_prompts([300])[0]]), max_new_tokens=4)
+    long = _prompts([25], seed=4)[0]
+    assert torch.equal(gm.generate(torch.tensor([long]), max_new_tokens=4, do_sample=False), _alone(model, long, 4))
+    t.join()
+    assert torch.equal(out["short"], _alone(model, [3, 4, 5], 40))
+    gm.close()
+
+
+def test_a_mixed_capture_puts_the_piece_in_the_scratch_row_over_its_own_blocks():
+    from graphwrap.decoding.pages import PagedStore
+    from graphwrap.decoding.pool import blocks_for
+
+    store = PagedStore(4, 64, "cpu", 16, 40, kernel=True)
+    twin = store.mixed_twin(16)
+    first = store.rows + 1 + blocks_for(store.rows + 1, store.block)
+    assert twin.table[store.scratch].tolist() == [first] * store.per_row, "the piece's own capture block"
+    plain = store.twin()
+    assert torch.equal(twin.table[:store.rows], plain.table[:store.rows]), "the steps' rows as a step's capture"
+    assert twin.lengths.tolist() == plain.lengths.tolist()
+    assert not store.table.eq(first).any(), "no row of the store points there"
+
+
+def test_rows_preempted_beside_mixed_steps_are_recomputed_with_generates_tokens(in_place, monkeypatch):
+    """A pool too small for every row at once: the newest gives its blocks back (the long prompt
+    among them, between its pieces) and is recomputed, while pieces go inside the steps."""
+    from graphwrap.decoding.pool import BLOCK, scratch_blocks
+
+    model = _model("llama")
+    token_bytes = 2 * 2 * 2 * 16 * 4  # layers x (keys, values) x key heads x head width x fp32
+    usable = 8  # blocks of 16 (128 positions) for 4 rows growing to 60 each
+    free = int(((usable + scratch_blocks(4, BLOCK)) * BLOCK * token_bytes + 1) / server_mod.CACHE_MEMORY) + 1
+    monkeypatch.setattr(server_mod, "_free_memory", lambda device: free)
+    gm = GraphedModule(model, decode={"rows": 4})
+    gm.generate(torch.tensor([[5, 6]]), max_new_tokens=1)
+    d = gm.stats()["decode"]
+    assert d["cache_blocks"]["free"] == usable, d["cache_blocks"]
+    _beside(gm, model, _prompts([5, 7, 4]), _prompts([30], seed=5), news=55, long_news=30, live=1)
+    d = gm.stats()["decode"]
+    assert d["preempted"] > 0 and d["mixed_steps"] > 0 and not d["mixed_failed"], d
+    assert d["cache_blocks"] == {"block": BLOCK, "used": 0, "free": usable}
+    gm.close()
+
+
+def test_pieces_inside_steps_under_inference_mode(in_place):
+    model = _model("mistral")
+    gm = GraphedModule(model)
+    with torch.inference_mode():
+        gm.generate(torch.tensor([[5, 6]]), max_new_tokens=1)
+        _beside(gm, model, _prompts([4, 9]), _prompts([26], seed=6))
+    assert gm.stats()["decode"]["mixed_steps"] > 0
+    gm.close()

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from helpers import same_or_near_tie
 
 pytestmark = pytest.mark.cuda
 pytest.importorskip("triton", reason="needs Triton (torch's CUDA wheels bring it)")
@@ -33,17 +34,6 @@ def test_the_mixed_probe_passes_with_the_kernels(kind, dtype):
     from graphwrap.decoding.probe import probe_mixed
 
     assert probe_mixed(_model(kind, dtype), "cuda") is None
-
-
-def _same_or_near_tie(model, ids, out, k):
-    with torch.no_grad():
-        want = model.generate(input_ids=ids, max_new_tokens=k, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True)
-    if torch.equal(out, want.sequences):
-        return
-    at = int((out[0] != want.sequences[0]).nonzero()[0]) - ids.shape[1]
-    top2 = want.logits[at][0].float().topk(2).values
-    assert top2[0] - top2[1] <= 4 * 2 ** -10 * top2[0].abs().clamp(min=1), (at, top2)
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
@@ -79,7 +69,7 @@ def test_long_prompts_beside_decoding_rows_go_inside_their_steps_graphs(kind):
     assert d["mixed_steps"] >= 5 and not d["mixed_failed"], d
     assert not d["eager_forwards"].get("mixed") and not d["capture_failed"], d
     for i, ids in enumerate(short):
-        _same_or_near_tie(model, ids, outs[i], 120)
+        same_or_near_tie(model, ids, outs[i], 120)
     for ids, out in zip(long, got):
-        _same_or_near_tie(model, ids, out, 8)
+        same_or_near_tie(model, ids, out, 8)
     gm.close()

@@ -27,7 +27,8 @@ def report(server) -> dict:
             "seconds": round(server.captures.seconds, 3)},
         "prefills": c["prefills"], "rows_per_prefill": c["prefill_rows"] / c["prefills"] if c["prefills"] else 0.0,
         "prefill_pieces": c["prefill_pieces"], "piece_turns_skipped": c["piece_turns_skipped"],
-        "mixed_steps": c["mixed_steps"], "mixed_failed": c["mixed_failed"],
+        "mixed_steps": c["mixed_steps"], "mixed_failed": c["mixed_failed"],  # (a piece inside a step: steps.py)
+        "mixed": server.mixed_engine.stats() if server.mixed_engine is not None else None,
         "queue_wait_ms": percentiles(server.waits), "ttft_ms": percentiles(server.ttft),
         "tpot_ms": percentiles(server.tpot), "turn_ms": dict(percentiles(server.turns.seconds), max=_max_ms(server.turns.seconds)),
         "slowest_turns": server.turns.slowest(),
