@@ -272,3 +272,24 @@ def test_pieces_inside_steps_under_inference_mode(in_place):
         _beside(gm, model, _prompts([4, 9]), _prompts([26], seed=6))
     assert gm.stats()["decode"]["mixed_steps"] > 0
     gm.close()
+
+
+def test_a_long_prompt_cancelled_between_its_pieces_inside_steps_frees_its_row(in_place):
+    model = _model("llama")
+    gm = GraphedModule(model)
+    gm.generate(torch.tensor([[5, 6]]), max_new_tokens=1)
+    server = gm.__dict__["_gw_decode"]
+    short = gm.submit_generate(torch.tensor([[3, 4, 5]]), max_new_tokens=80, do_sample=False)
+    while not server.sched.live():
+        threading.Event().wait(0.001)
+    long = gm.submit_generate(torch.tensor([_prompts([100], seed=7)[0]]), max_new_tokens=5, do_sample=False)
+    while server.counts["mixed_steps"] < 2:  # (two of its 13 pieces in)
+        threading.Event().wait(0.001)
+    assert long.cancel()
+    again = _prompts([30], seed=8)[0]
+    assert torch.equal(gm.generate(torch.tensor([again]), max_new_tokens=5, do_sample=False), _alone(model, again, 5))
+    assert torch.equal(short.result(timeout=60), _alone(model, [3, 4, 5], 80))
+    d = gm.stats()["decode"]
+    assert d["cancelled"] == 1 and d["rows_busy"] == 0 and d["cache_blocks"]["used"] == 0, d
+    assert d["mixed_steps"] >= 2 + 3, "the next long prompt's pieces inside the steps too"
+    gm.close()
