@@ -130,9 +130,7 @@ class PagedLayer(RowLayer):
         slots = self.slots
         direct = self.store.base.direct
         if self.first:
-            pos = self.lengths[:n]
-            slots.where = self.table[:n].gather(1, (pos // self.block)[:, None])[:, 0]
-            slots.offset = pos % self.block
+            slots.where, slots.offset, pos = _row_slots(self, n)
             slots.seen = pos + 1 if direct else None
         where, offset = slots.where, slots.offset
         k, v = key_states[:, :, -1], value_states[:, :, -1]
@@ -148,6 +146,22 @@ class PagedLayer(RowLayer):
     def _gather(self, pool: Tensor, n: int) -> Tensor:
         lines = self.table[:n, :self.lines]
         return pool[lines].view(n, self.span, pool.shape[2], pool.shape[3]).transpose(1, 2)
+
+
+def _row_slots(layer: "PagedLayer", n: int):
+    """``(block, offset, position)`` of the next key of each of a step's first ``n`` rows."""
+    pos = layer.lengths[:n]
+    return layer.table[:n].gather(1, (pos // layer.block)[:, None])[:, 0], pos % layer.block, pos
+
+
+def _piece_slots(store, steps: Tensor):
+    """``(line, block, offset)`` of a piece's positions (``steps``: ``arange(width)``) in the row
+    of the store's ``at`` (start, valid positions, row): the row's blocks, and where each position
+    goes, the padding past the valid ones into the row's own scratch block (its number)."""
+    at = store.at
+    line = store.table.index_select(0, at[2:3])[0]
+    pos = (at[0] + steps).clamp_(max=store.per_row * store.block - 1)
+    return line, torch.where(steps < at[1], line[pos // store.block], at[2]), pos % store.block
 
 
 def _marked(pool: Tensor, **marks) -> Tensor:
@@ -225,11 +239,7 @@ class PagedPieceLayer(WindowLayer):
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
         store = self.store
         at = store.at
-        line = store.table.index_select(0, at[2:3])[0]  # the row's blocks
-        pos = (at[0] + self.steps).clamp_(max=store.per_row * store.block - 1)
-        kept = self.steps < at[1]
-        where = torch.where(kept, line[pos // store.block], at[2])  # (padding: the row's scratch block, its number)
-        offset = pos % store.block
+        line, where, offset = _piece_slots(store, self.steps)
         self.keys[where, offset] = key_states[0].transpose(0, 1).to(self.keys.dtype)
         self.values[where, offset] = value_states[0].transpose(0, 1).to(self.values.dtype)
         if store.base.direct:  # the pools themselves, marked with the row's line and the piece's place
@@ -266,14 +276,9 @@ class PagedMixedLayer(PagedLayer):
         n = key_states.shape[2] - width
         slots, store = self.slots, self.store
         if self.first:
-            pos = self.lengths[:n]
-            slots.where = self.table[:n].gather(1, (pos // self.block)[:, None])[:, 0]
-            slots.offset = pos % self.block
+            slots.where, slots.offset, pos = _row_slots(self, n)
             slots.seen = pos + 1
-            at = store.at
-            line = store.table.index_select(0, at[2:3])[0]  # the piece's row's blocks
-            ppos = (at[0] + self.steps).clamp_(max=store.per_row * store.block - 1)
-            slots.piece = (line, torch.where(self.steps < at[1], line[ppos // store.block], at[2]), ppos % store.block)
+            slots.piece = _piece_slots(store, self.steps)
         k, v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)  # [n + width, heads, dim]
         if step_write.applies(self.keys, self.values, k[:n], v[:n]):
             step_write.write(self.keys, self.values, slots.where, slots.offset, k[:n], v[:n])
