@@ -264,6 +264,22 @@ def test_rows_preempted_beside_mixed_steps_are_recomputed_with_generates_tokens(
     gm.close()
 
 
+def test_a_turn_with_a_mixed_step_leaves_its_tokens_in_flight_as_a_step_does(in_place, monkeypatch):
+    """The host reads the rows' tokens of a mixed step a turn later, as a plain step's: reading
+    them at once would wait for the forward just queued, the device idle until the next."""
+    model = _model("llama")
+    gm = GraphedModule(model)
+    gm.generate(torch.tensor([[5, 6]]), max_new_tokens=1)
+    seen = []
+    together, read = server_mod.steps.together, server_mod.DecodeServer._read
+    monkeypatch.setattr(server_mod.steps, "together", lambda server: seen.append(together(server)) or seen[-1])
+    monkeypatch.setattr(server_mod.DecodeServer, "_read", lambda self, keep: seen.append(("keep", keep)) or read(self, keep))
+    _beside(gm, model, _prompts([3, 6]), _prompts([30], seed=2))
+    after = [seen[i + 1] for i, x in enumerate(seen[:-1]) if x is True]
+    assert after and all(k == ("keep", server_mod.AHEAD) for k in after), after
+    gm.close()
+
+
 def test_pieces_inside_steps_under_inference_mode(in_place):
     model = _model("mistral")
     gm = GraphedModule(model)

@@ -319,7 +319,7 @@ class DecodeServer:
         if live:
             self._step(live)
         t2 = clock()
-        self._read(keep=AHEAD if live else 0)
+        self._read(keep=AHEAD if live or together else 0)  # (a mixed step queued the rows' tokens too)
         t3 = clock()
         self._retire()
         spent = self.spent
