@@ -106,6 +106,26 @@ def test_a_step_read_in_place_hands_the_model_a_mask_of_one_position_and_finds_l
     gm.close()
 
 
+def test_steps_over_rows_past_split_from_go_through_the_whole_rows_window_split(in_place, monkeypatch):
+    """Rows up to ``SPLIT_FROM`` positions step in the short window (the kernel unsplit), longer
+    ones in the whole row's (each row's positions split between programs); tokens as
+    ``model.generate``'s either side."""
+    monkeypatch.setattr(paged_attention, "SPLIT_FROM", 64)  # (the smallest span bucket)
+    model = _model("llama")
+    gm = GraphedModule(model)
+    splits, attend = [], paged_attention.attend
+    monkeypatch.setattr(paged_attention, "attend", lambda *a: splits.append(a[8]) or attend(*a))
+    prompts = _prompts([3, 9, 14])
+    got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=60, do_sample=False), 3)
+    for p, out in zip(prompts, got):
+        assert torch.equal(out, _alone(model, p, 60))
+    server = gm.__dict__["_gw_decode"]
+    whole = server.store.per_row * server.store.block
+    assert server.store.step_span(64) == 64 and server.store.step_span(65) == whole > 64
+    assert set(splits) == {1, paged_attention.SPLITS}, "steps both sides of 64 positions"
+    gm.close()
+
+
 def test_a_step_that_gathers_still_hands_the_model_its_whole_window():
     from graphwrap.decoding.pages import PagedStore
 

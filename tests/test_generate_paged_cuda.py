@@ -43,7 +43,10 @@ def _requests(n, seed=0, lens=(3, 60), news=(5, 40)):
     (torch.float32, 4, 2, 64, None, None), (torch.bfloat16, 8, 1, 80, None, None),
     (torch.float16, 32, 8, 128, 100, None), (torch.float32, 8, 4, 64, 17, 5.0), (torch.float16, 16, 8, 64, 64, 30.0),
     (torch.bfloat16, 8, 4, 256, 100, 50.0), (torch.float16, 16, 16, 256, None, None)])  # Gemma's 256-wide heads
-def test_the_paged_attention_kernel_reads_each_rows_own_blocks(dtype, hq, hkv, d, window, softcap):
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_the_paged_attention_kernel_reads_each_rows_own_blocks(dtype, hq, hkv, d, window, softcap, splits):
+    """Each row over its own positions, in one program a row and key head or split between up
+    to ``splits`` (rows of one tile to rows of 63), joined."""
     from graphwrap.decoding import paged_attention
 
     assert paged_attention.available(), "Triton comes with PyTorch's CUDA wheels"
@@ -54,7 +57,7 @@ def test_the_paged_attention_kernel_reads_each_rows_own_blocks(dtype, hq, hkv, d
     lengths = torch.tensor([1, 15, 16, 17, 64, 65, 200, 513, 1000], device=DEV)
     table = torch.randint(1, blocks, (n, 64), generator=g, device=DEV)  # scattered, never block 0
     query = torch.randn((n, hq, 1, d), generator=g, device=DEV).to(dtype)
-    got = paged_attention.attend(query, k_pool, v_pool, table, lengths, 0.1, window, softcap)
+    got = paged_attention.attend(query, k_pool, v_pool, table, lengths, 0.1, window, softcap, splits)
     want = paged_attention.reference(query, k_pool, v_pool, table, lengths, 0.1, window, softcap)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert got.shape == (n, 1, hq, d)
@@ -312,6 +315,34 @@ def test_thousands_of_requests_through_a_small_pool_leave_nothing_held(monkeypat
 def _graph_bytes(gm) -> int:
     d = gm.stats()["decode"]
     return sum(d[e]["graph_pool_bytes"] + d[e]["static_input_bytes"] for e in ("step", "prefill", "mixed") if d.get(e))
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_steps_over_long_rows_replay_a_graph_whose_kernel_splits_each_rows_positions(monkeypatch, kind):
+    """Past ``SPLIT_FROM`` positions (made 64 here) the step's graph is the whole row's, its
+    attention split between programs; tokens as ``model.generate``'s both sides of it."""
+    from graphwrap.decoding import paged_attention
+
+    monkeypatch.setattr(paged_attention, "SPLIT_FROM", 64)
+    monkeypatch.setattr(server_mod, "CHUNK", 32)
+    torch.manual_seed(0)
+    shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS, num_attention_heads=4,
+                 num_key_value_heads=KV_HEADS, vocab_size=1000, max_position_embeddings=512, bos_token_id=1,
+                 eos_token_id=None, pad_token_id=0)
+    cfg = tr.MistralConfig(**shape, sliding_window=48) if kind == "mistral" else tr.LlamaConfig(**shape)
+    model = tr.AutoModelForCausalLM.from_config(cfg).to(DEV).eval()
+    gm = GraphedModule(model)
+    reqs = _requests(16, seed=5, lens=(3, 120), news=(8, 100))
+    got = thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False), 16)
+    _check(model, reqs, got)
+    server = gm.__dict__["_gw_decode"]
+    whole = server.store.per_row * server.store.block
+    spans = {shape[2] for shape in server.shapes.ready if shape[0] == "step"}
+    assert spans == {64, whole}, spans
+    assert server.store.window(whole).layers[0].slots.splits == paged_attention.SPLITS
+    assert server.store.window(64).layers[0].slots.splits == 1
+    _replayed(gm.stats()["decode"])
+    gm.close()
 
 
 def test_a_sliding_window_model_shares_replayed_steps_read_in_place(monkeypatch):

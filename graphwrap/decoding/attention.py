@@ -59,7 +59,8 @@ def folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
         slots = getattr(key, "_gw_slots", None)  # (each row's positions, found once a forward)
         seen = slots.seen if slots is not None and slots.seen is not None else store.lengths[:n] + 1
         return attend(query, key, value, store.table[:n], seen, scaling,
-                      getattr(key, "_gw_window", None), kwargs.get("softcap")), None
+                      getattr(key, "_gw_window", None), kwargs.get("softcap"),
+                      slots.splits if slots is not None else 1), None
     if not _folds(module, query, key, attention_mask, position_bias, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, position_bias=position_bias, **kwargs)
@@ -85,7 +86,7 @@ def _mixed(query, key, value, mixed, scaling, window, softcap):
     slots = key._gw_slots
     store = key._gw_pages
     rows = attend(query[0, :, :n].transpose(0, 1)[:, :, None], key, value, store.table[:n], slots.seen, scaling,
-                  window, softcap)  # [n, 1, hq, d]
+                  window, softcap, slots.splits)  # [n, 1, hq, d]
     piece = attend_piece(query[:, :, n:], key, value, line, at, scaling, window, softcap)  # [1, W, hq, d]
     return torch.cat([rows.transpose(0, 1), piece], dim=1)
 

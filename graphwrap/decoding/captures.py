@@ -40,9 +40,11 @@ def start(server):
     is queued now: it holds every step until theirs are captured."""
     caps = Captures(server)
     store = server.store
-    span = store.step_span(1)
-    if span == store.step_span(server.max_len):
+    span, whole = store.step_span(1), store.step_span(server.max_len)
+    if getattr(store, "kernel", False):  # (two windows serve every step: the short rows' first)
         caps.want(("step", server.sched.row_buckets[-1], span), AHEAD)
+        if whole != span:
+            caps.want(("step", server.sched.row_buckets[-1], whole), COVERED)
     return caps, Shapes(True, caps.want)
 
 

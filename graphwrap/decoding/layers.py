@@ -104,6 +104,7 @@ class StepSlots:
     where: Tensor
     offset: Tensor
     seen: Optional[Tensor] = None
+    splits: int = 1  # programs the attention splits each row's positions between (paged_attention.splits_for)
     piece: tuple  # a mixed forward's piece: its row's line, and where its positions go (block, offset)
 
 

@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import paged_attention
 from .pool import blocks_for
 from .rows import Store, _layers, to_device
 
@@ -177,15 +178,22 @@ class PagedStore(Store):
             s._mark()
 
     def step_span(self, span: int) -> int:
-        """Where steps attend straight from the pool, one window for every step (each row reads
-        its own length whatever the window): one graph per row bucket."""
-        return self.per_row * self.block if self.kernel else span
+        """Where steps attend straight from the pool, each row reads its own length whatever the
+        window: two windows serve every step, one for rows up to
+        :data:`~.paged_attention.SPLIT_FROM` positions and the whole row past it (its kernel
+        splits each row's positions between programs), so two graphs per row bucket."""
+        if not self.kernel:
+            return span
+        whole = self.per_row * self.block
+        short = min(whole, blocks_for(paged_attention.SPLIT_FROM, self.block) * self.block)
+        return short if span <= short else whole
 
     def step_layers(self, span: int) -> list:
         span = min(blocks_for(span, self.block), self.per_row) * self.block
         direct: List[Optional[Tensor]] = list(self.direct_keys) or [None] * len(self.keys)
         lay = _layers()
         where = lay.StepSlots()  # each row's write slot, found by the first layer, read by the rest
+        where.splits = paged_attention.splits_for(span) if self.kernel else 1
         return [lay.PagedLayer(k, v, self, span, d, where, first=i == 0)
                 for i, (k, v, d) in enumerate(zip(self.keys, self.values, direct))]
 
@@ -226,6 +234,7 @@ class PagedStore(Store):
             lay = _layers()
             span = self.per_row * self.block
             slots = lay.StepSlots()
+            slots.splits = paged_attention.splits_for(span)  # (its rows may be long: one graph serves them all)
             w = self.mixed_windows[(n, width)] = lay.MixedWindow(self, width, [
                 lay.PagedMixedLayer(k, v, self, span, width, d, slots, i == 0)
                 for i, (k, v, d) in enumerate(zip(self.keys, self.values, self.direct_keys))])
