@@ -11,7 +11,7 @@ import collections
 import ctypes
 import time
 from dataclasses import dataclass
-from typing import Deque, Iterator, List, Optional, Tuple
+from typing import Callable, Deque, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -53,14 +53,19 @@ class Tokens:
             buf, host, event = None, tokens, None
         self.queued.append(InFlight(seqs, at, host, event, buf, extra))
 
-    def read(self, keep: int, spent: dict) -> Iterator[Tuple[InFlight, List[int], float]]:
+    def read(self, keep: int, spent: dict,
+             before_wait: Optional[Callable[[], None]] = None) -> Iterator[Tuple[InFlight, List[int], float]]:
         """Each step's tokens, oldest first, but the last ``keep`` steps' (unless already done);
-        the seconds waited go to ``spent["read_wait"]``."""
+        the seconds waited go to ``spent["read_wait"]``. ``before_wait`` runs before each wait
+        for the device (the caller hands out what it read so far: a turn that reads two steps
+        does not hold the first's tokens back while it waits for the second)."""
         while self.queued:
             f = self.queued[0]
             if len(self.queued) <= keep and (f.event is None or not f.event.query()):
                 return
             if f.event is not None:
+                if before_wait is not None and not f.event.query():
+                    before_wait()
                 t0 = time.perf_counter()
                 f.event.synchronize()
                 spent["read_wait"] += time.perf_counter() - t0

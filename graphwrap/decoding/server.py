@@ -391,7 +391,7 @@ class DecodeServer:
 
     def _read(self, keep: int):
         """Hand out the tokens of every step but the last ``keep`` (and of any already done)."""
-        for f, tokens, now in self.inflight.read(keep, self.spent):
+        for f, tokens, now in self.inflight.read(keep, self.spent, self._flush):
             for s, at in zip(f.seqs, f.rows):
                 if not s.done:
                     k = s.settings.logprobs
