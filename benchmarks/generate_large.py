@@ -202,6 +202,18 @@ def _long(case, gm, model, device, results):
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(others))]
     server = gm.__dict__["_gw_decode"]
     spent, shapes = dict(server.spent), set(server.shapes.ready)
+    collections = []  # (start, seconds, generation) of Python's garbage collections meanwhile
+    started = {}
+
+    def collected(phase, info):
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        elif "t" in started:
+            collections.append((started["t"], time.perf_counter() - started.pop("t"), info["generation"]))
+
+    import gc
+
+    gc.callbacks.append(collected)
     for t in threads:
         t.start()
     time.sleep(0.5)  # the others are decoding
@@ -210,6 +222,10 @@ def _long(case, gm, model, device, results):
     took = time.perf_counter() - t0
     for t in threads:
         t.join()
+    gc.callbacks.remove(collected)
+    slow = [(round(1e3 * (a - t0), 1), round(1e3 * d, 2), g) for a, d, g in collections if d > 1e-3]
+    _say(case, f"  Python's garbage collections meanwhile: {len(collections)}, of them over 1 ms (ms after the "
+               f"prompt was sent, ms, generation): {slow[:8]}")
     gaps = [b - a for c in clocks for a, b in zip(c.times[1:], c.times[2:])]
     during = [b - a for c in clocks for a, b in zip(c.times[1:], c.times[2:]) if t0 <= a and b <= t0 + took]
     apart = [b - a for c in clocks for a, b in zip(c.times[1:], c.times[2:]) if b < t0 or a > t0 + took]
@@ -224,6 +240,9 @@ def _long(case, gm, model, device, results):
     if during:
         _say(case, f"  the others' gaps while the long prompt was served ({len(during)}): p50 "
                    f"{1e3 * pct(during, .5):.2f} / p99 {1e3 * pct(during, .99):.2f} / longest {1e3 * max(during):.2f} ms")
+        when = sorted({(round(1e3 * (b - a), 1), round(1e3 * (a - t0), 1)) for c in clocks
+                       for a, b in zip(c.times[1:], c.times[2:]) if t0 <= a and b <= t0 + took}, reverse=True)[:5]
+        _say(case, f"  its longest gaps (ms, and when each began: ms after the prompt was sent, of {1e3 * took:.0f}): {when}")
     if apart:
         _say(case, f"  the others' gaps before and after it ({len(apart)}): p50 "
                    f"{1e3 * pct(apart, .5):.2f} / p99 {1e3 * pct(apart, .99):.2f} / longest {1e3 * max(apart):.2f} ms")

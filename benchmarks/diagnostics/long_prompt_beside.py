@@ -16,6 +16,8 @@ engine set aside for the run).
 ``--prefill-beside 0,512`` runs each width once for each bound on the prompt tokens a turn
 admits while rows decode (``graphwrap.decoding.server.PREFILL_BESIDE``; 0: none).
 
+``--trace PREFIX`` runs each under torch's profiler and writes its trace.
+
 ``python3 benchmarks/diagnostics/long_prompt_beside.py [--widths 128] [--ahead]`` from the
 repository root, on a GPU.
 """
@@ -54,6 +56,7 @@ def main():
     ap.add_argument("--prefill-beside", default="", help="prompt tokens a turn admits beside decoding rows, each "
                     "in turn (0: no bound; e.g. 0,512)")
     ap.add_argument("--apart", action="store_true", help="each run again with the piece and the step apart")
+    ap.add_argument("--trace", default="", help="a path prefix: each run's chrome trace, <prefix>-<run>.json")
     ap.add_argument("--no-cudnn", action="store_true", help="torch's cuDNN attention turned off for the run")
     a = ap.parse_args()
     if a.no_cudnn:
@@ -97,7 +100,14 @@ def main():
                      + (", the piece and the step apart" if apart else ", the piece inside the step" if mixed else ""))
             mixed_steps = server.counts["mixed_steps"]
             pieces = server.counts["prefill_pieces"]
-            _long(label, gm, model, DEV, results)
+            if a.trace:  # (the run under the profiler, host and device, its trace written)
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    _long(label, gm, model, DEV, results)
+                prof.export_chrome_trace(f"{a.trace}-{len(results.rows)}.json")
+            else:
+                _long(label, gm, model, DEV, results)
             args, extra = results.rows[-1]
             beside = (f"; while it was served p99 {extra['during_p99_ms']:.1f} ms against p50 {extra['apart_p50_ms']:.1f} "
                       f"before and after it ({extra['during_p99_ms'] / extra['apart_p50_ms']:.2f}x)"

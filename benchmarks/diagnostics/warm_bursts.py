@@ -1,5 +1,5 @@
 """The bench ``generate`` workload's warm bursts, many of them: a model's shared batch after two
-bursts to warm it, then ``--bursts`` more, their median in tokens/s with every burst's time.
+bursts to warm it (their times said too), then ``--bursts`` more, their median in tokens/s with every burst's time.
 Run once per tree (in a process each) to set two trees side by side where three bursts (what
 ``step_profile.py`` times) are too few to tell them apart.
 
@@ -31,8 +31,8 @@ def main():
     gm = GraphedModule(model)
     reqs = g.workload(model.config.vocab_size)
     tokens = sum(k for _, k in reqs)
-    for _ in range(2):
-        g.burst(gm, reqs, DEV)
+    first = [g.burst(gm, reqs, DEV)[0] for _ in range(2)]
+    print(f"{a.model} {a.label}: the first two bursts {first[0]:.3f} s, {first[1]:.3f} s", flush=True)
     times = [g.burst(gm, reqs, DEV)[0] for _ in range(a.bursts)]
     m = statistics.median(times)
     print(f"{a.model} {a.label}: warm bursts {tokens / m:,.0f} tokens/s (median of {a.bursts}, {min(times):.3f}-"
