@@ -208,18 +208,13 @@ def _split_kernel():
     import triton.language as tl
 
     @triton.jit
-    def paged_decode_part(Q, K, V, T, L, P, scale, window, softcap, sqb, sqh, skb, skt, skh, stb,
-                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                          BLOCK: tl.constexpr, TILE: tl.constexpr, S: tl.constexpr, IEEE: tl.constexpr,
-                          SOFTCAP: tl.constexpr):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        part = tl.program_id(2)
+    def paged_decode_part(Q, K, V, T, L, P, scale, window, softcap, sqb, sqh, skb, skt, skh, stb, G: tl.constexpr,
+                          GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+                          TILE: tl.constexpr, S: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+        b, h, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_pos = tl.load(L + b)
-        g = tl.arange(0, GP)
-        d = tl.arange(0, DP)
-        gm = g < G
-        dm = d < D
+        g, d = tl.arange(0, GP), tl.arange(0, DP)
+        gm, dm = g < G, d < D
         heads = h * G + g
         q = tl.load(Q + b * sqb + heads[:, None] * sqh + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
         m_i = tl.full([GP], float("-inf"), tl.float32)
