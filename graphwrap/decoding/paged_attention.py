@@ -94,12 +94,12 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: T
     args = (q, k_pool, v_pool, table, lengths)
     strides = (q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), table.stride(0))
     if splits <= 1:
-        _kernel()[(n, hkv)](*args, out, scale, window, softcap, *strides, out.stride(0), out.stride(1), **shape)
+        _triton().paged_decode[(n, hkv)](*args, out, scale, window, softcap, *strides, out.stride(0), out.stride(1), **shape)
         return out
     parts = torch.empty((n, hkv, splits, gp, dp + 2), dtype=torch.float32, device=q.device)  # each part's sums, max
-    _split_kernel()[(n, hkv, splits)](*args, parts, scale, window, softcap, *strides, S=splits, **shape)
-    _join_kernel()[(n, hkv)](lengths, parts, out, window, out.stride(0), out.stride(1), G=group, GP=gp, D=d, DP=dp,
-                             TILE=tile, S=splits, num_warps=4)
+    _triton().paged_decode_part[(n, hkv, splits)](*args, parts, scale, window, softcap, *strides, S=splits, **shape)
+    _triton().paged_decode_join[(n, hkv)](lengths, parts, out, window, out.stride(0), out.stride(1), G=group, GP=gp,
+                                          D=d, DP=dp, TILE=tile, S=splits, num_warps=4)
     return out
 
 
@@ -143,159 +143,8 @@ def _pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel():
-    import triton
-    import triton.language as tl
+def _triton():
+    """The kernels' module (:mod:`._paged_triton`), imported the first time a kernel runs."""
+    from . import _paged_triton
 
-    @triton.jit
-    def paged_decode(Q, K, V, T, L, O, scale, window, softcap, sqb, sqh, skb, skt, skh, stb, sob, soh,
-                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                     TILE: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        n_pos = tl.load(L + b)
-        g = tl.arange(0, GP)
-        d = tl.arange(0, DP)
-        gm = g < G
-        dm = d < D
-        heads = h * G + g
-        q = tl.load(Q + b * sqb + heads[:, None] * sqh + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, DP], tl.float32)
-        t = tl.arange(0, TILE)
-        first = tl.where(window > 0, tl.maximum(n_pos - window, 0), 0)  # a sliding window's first position
-        for start in range((first // TILE) * TILE, n_pos, TILE):
-            pos = start + t
-            pm = (pos < n_pos) & (pos >= first)
-            blk = tl.load(T + b * stb + pos // BLOCK, mask=pm, other=0)
-            base = blk.to(tl.int64) * skb + (pos % BLOCK) * skt + h * skh
-            kv_mask = pm[:, None] & dm[None, :]
-            k = tl.load(K + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale
-            if SOFTCAP:
-                s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
-            s = tl.where(pm[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(O + b * sob + heads[:, None] * soh + d[None, :], out.to(O.dtype.element_ty),
-                 mask=gm[:, None] & dm[None, :])
-
-    return paged_decode
-
-
-@functools.lru_cache(maxsize=None)
-def _split_kernel():
-    """The kernel of a step whose rows' positions are split (:func:`splits_for`): program
-    ``(b, h, s)`` reads the ``s``-th of row ``b``'s runs of tiles (a row of few tiles uses as many
-    programs as it has tiles) and writes its part: the unscaled sums ``[G, D]``, then the
-    softmax's denominator and maximum, per query head."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def paged_decode_part(Q, K, V, T, L, P, scale, window, softcap, sqb, sqh, skb, skt, skh, stb, G: tl.constexpr,
-                          GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                          TILE: tl.constexpr, S: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
-        b, h, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        n_pos = tl.load(L + b)
-        g, d = tl.arange(0, GP), tl.arange(0, DP)
-        gm, dm = g < G, d < D
-        heads = h * G + g
-        q = tl.load(Q + b * sqb + heads[:, None] * sqh + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, DP], tl.float32)
-        t = tl.arange(0, TILE)
-        first = tl.where(window > 0, tl.maximum(n_pos - window, 0), 0)
-        lo = (first // TILE) * TILE
-        tiles = tl.maximum(tl.cdiv(n_pos - lo, TILE), 1)
-        per = tl.cdiv(tiles, S)  # tiles a part
-        begin = lo + part * per * TILE
-        end = tl.minimum(begin + per * TILE, n_pos)
-        for start in range(begin, end, TILE):
-            pos = start + t
-            pm = (pos < n_pos) & (pos >= first)
-            blk = tl.load(T + b * stb + pos // BLOCK, mask=pm, other=0)
-            base = blk.to(tl.int64) * skb + (pos % BLOCK) * skt + h * skh
-            kv_mask = pm[:, None] & dm[None, :]
-            k = tl.load(K + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale
-            if SOFTCAP:
-                s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
-            s = tl.where(pm[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        row = ((b * tl.num_programs(1) + h) * S + part) * GP + g  # this part's line of each query head
-        ok = begin < n_pos
-        tl.store(P + row[:, None] * (DP + 2) + d[None, :], acc, mask=ok & gm[:, None] & dm[None, :])
-        tl.store(P + row * (DP + 2) + DP, l_i, mask=ok & gm)
-        tl.store(P + row * (DP + 2) + DP + 1, m_i, mask=ok & gm)
-
-    return paged_decode_part
-
-
-@functools.lru_cache(maxsize=None)
-def _join_kernel():
-    """Joins a split step's parts (:func:`_split_kernel`): program ``(b, h)`` rescales each part
-    of row ``b``'s key head ``h`` to the largest maximum and divides by the summed denominators."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def paged_decode_join(L, P, O, window, sob, soh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                          DP: tl.constexpr, TILE: tl.constexpr, S: tl.constexpr):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        n_pos = tl.load(L + b)
-        first = tl.where(window > 0, tl.maximum(n_pos - window, 0), 0)
-        lo = (first // TILE) * TILE
-        tiles = tl.maximum(tl.cdiv(n_pos - lo, TILE), 1)
-        parts = tl.cdiv(tiles, tl.cdiv(tiles, S))  # the parts that read a tile
-        g = tl.arange(0, GP)
-        d = tl.arange(0, DP)
-        gm = g < G
-        dm = d < D
-        top = ((b * tl.num_programs(1) + h) * S) * GP + g
-        m = tl.full([GP], float("-inf"), tl.float32)
-        for part in range(0, parts):
-            m = tl.maximum(m, tl.load(P + (top + part * GP) * (DP + 2) + DP + 1, mask=gm, other=float("-inf")))
-        acc = tl.zeros([GP, DP], tl.float32)
-        den = tl.zeros([GP], tl.float32)
-        for part in range(0, parts):
-            row = top + part * GP
-            w = tl.exp(tl.load(P + row * (DP + 2) + DP + 1, mask=gm, other=float("-inf")) - m)
-            den += w * tl.load(P + row * (DP + 2) + DP, mask=gm, other=0.0)
-            acc += w[:, None] * tl.load(P + row[:, None] * (DP + 2) + d[None, :], mask=gm[:, None] & dm[None, :],
-                                        other=0.0)
-        out = acc / den[:, None]
-        tl.store(O + b * sob + (h * G + g)[:, None] * soh + d[None, :], out.to(O.dtype.element_ty),
-                 mask=gm[:, None] & dm[None, :])
-
-    return paged_decode_join
+    return _paged_triton
