@@ -62,7 +62,7 @@ def paged_decode(Q, K, V, T, L, O, scale, window, softcap, sqb, sqh, skb, skt, s
     q = tl.load(Q + b * sqb + heads[:, None] * sqh + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
     first = tl.where(window > 0, tl.maximum(n_pos - window, 0), 0)  # a sliding window's first position
     m_i, l_i, acc = paged_walk(q, K, V, T, b, h, (first // TILE) * TILE, n_pos, n_pos, first, scale, softcap,
-                         skb, skt, skh, stb, GP, D, DP, BLOCK, TILE, IEEE, SOFTCAP)
+                               skb, skt, skh, stb, GP, D, DP, BLOCK, TILE, IEEE, SOFTCAP)
     out = acc / l_i[:, None]
     tl.store(O + b * sob + heads[:, None] * soh + d[None, :], out.to(O.dtype.element_ty),
              mask=gm[:, None] & dm[None, :])
@@ -88,7 +88,7 @@ def paged_decode_part(Q, K, V, T, L, P, scale, window, softcap, sqb, sqh, skb, s
     begin = lo + part * per * TILE
     end = tl.minimum(begin + per * TILE, n_pos)
     m_i, l_i, acc = paged_walk(q, K, V, T, b, h, begin, end, n_pos, first, scale, softcap, skb, skt, skh, stb,
-                         GP, D, DP, BLOCK, TILE, IEEE, SOFTCAP)
+                               GP, D, DP, BLOCK, TILE, IEEE, SOFTCAP)
     row = ((b * tl.num_programs(1) + h) * S + part) * GP + g  # this part's line of each query head
     ok = begin < n_pos
     tl.store(P + row[:, None] * (DP + 2) + d[None, :], acc, mask=ok & gm[:, None] & dm[None, :])
