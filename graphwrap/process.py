@@ -7,9 +7,10 @@ engine (one GraphedModule) and goes with it.
 - Compiles: one compiled forward run at a time (``COMPILE_LOCK``: each run raises Dynamo's
   process-wide recompile limits while it lasts), and the numbers that give each compiled
   forward a code name of its own.
-- The module watch: one counter (``GENERATION``) that PyTorch's global registration hooks,
-  ``nn.Module.train`` and attribute assignments on watched objects (``WATCHED``) bump, installed
-  once (``WATCH_INSTALLED``); per thread, whether graphwrap is running a forward itself.
+- The module watch: one counter (``GENERATION``) that PyTorch's global registration hooks (on
+  the modules of watched trees, ``FOLLOWED``), ``nn.Module.train`` and attribute assignments on
+  watched objects (``WATCHED``) bump, installed once (``WATCH_INSTALLED``); per thread, whether
+  graphwrap is running a forward itself.
 - Background workers: every engine's worker, and the flag set when the interpreter exits.
 - ``generate``: one lock per wrapped model (its static caches and its step are per model).
 - Caches of facts about types: which dict types rebuild from their items, which registered
@@ -45,6 +46,9 @@ WATCH_INSTALLED: list = []
 # object, the names of the attributes its forward writes itself, which are not watched, and the
 # names the forward read at capture, which are).
 WATCHED: dict = {}
+# Modules some engine or decode batch depends on (the trees they read), by id: a registration on
+# any other module (a ModuleList a forward slices from its own, every call) moves no counter.
+FOLLOWED: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
 # Per thread: how deep this thread is in runs of a forward that graphwrap makes (captures, checks).
 FORWARD_RUNS = threading.local()
 

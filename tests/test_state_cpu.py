@@ -394,6 +394,53 @@ def test_graphwrap_leaves_torch_compile_of_other_modules_alone():
     assert len(frames) == 1 and torch.equal(out, net(x))
 
 
+class Sliced(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers[:2]:  # a new ModuleList on every call, as transformers' Llama makes
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("change", ["a submodule", "a parameter", "a buffer", "a submodule of one added later"])
+def test_only_registrations_on_the_watched_tree_make_the_engine_read_it_again(change, gw_log):
+    """An eager forward that slices its layers registers each one on a new ModuleList: no tree
+    an engine watches changed, so the counter stays and no engine reads its tree again (each
+    did, about 3 ms for a 32-layer Llama, on the call after any registration in the process). A
+    registration anywhere in the watched tree moves it, and the next call sees the change."""
+    from graphwrap.process import GENERATION
+
+    model = Sliced().eval()
+    gm = _gm(model)
+    x = torch.randn(4, 8)
+    assert_same(gm(x), model(x))
+    before = GENERATION[0]
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+        nn.Sequential(nn.Linear(2, 2)).add_module("x", nn.ReLU())  # a module no engine watches
+    assert GENERATION[0] == before, "registrations outside the watched tree moved the counter"
+    assert_same(gm(x), model(x))
+    assert gm.stats()["module_changes"] == {}
+    deep = model.layers[1]
+    if change == "a submodule of one added later":
+        deep.extra = nn.Sequential()
+        assert_same(gm(x), model(x))  # the tree read again: its new module is followed from here
+        before, deep = GENERATION[0], deep.extra
+    if change == "a parameter":
+        deep.register_parameter("scale", nn.Parameter(torch.ones(1)))
+    elif change == "a buffer":
+        deep.register_buffer("seen", torch.zeros(1))
+    else:
+        deep.add_module("more", nn.Identity())
+    assert GENERATION[0] > before, f"{change} added in the watched tree moved no counter"
+    assert_same(gm(x), model(x))
+    assert sum(gm.stats()["module_changes"].values()) >= 1, gm.stats()["module_changes"]
+
+
 def test_a_bucket_captured_again_runs_its_reference_without_the_read_recorder():
     """The reads a forward makes are recorded around a capture's reference run by wrapping
     nn.Module.__getattribute__, which a torch.compile tracing meanwhile on another thread meets

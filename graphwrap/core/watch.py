@@ -7,8 +7,8 @@ the engine when one of them changed, so the graphs are dropped and captured agai
 next replay.
 
 The per-call check reads counters, not the module tree: one that PyTorch's global registration
-hooks and ``nn.Module.train`` bump (a parameter, buffer or submodule assigned anywhere, a
-training flag set through ``train()``/``eval()``), the id of the last hook handle PyTorch made
+hooks and ``nn.Module.train`` bump (a parameter, buffer or submodule assigned on a module of a
+watched tree, a training flag set through ``train()``/``eval()``), the id of the last hook handle PyTorch made
 (every hook registration makes one), the default dtype, the lengths of the hook tables that
 held hooks at capture (a removal), and the tensors' addresses. Only when a counter moved is the
 tree read again and compared with the one the graphs were captured with.
@@ -40,14 +40,14 @@ from torch.nn.modules import module as _nn_module
 from torch.utils.hooks import RemovableHandle
 
 from .. import _compat
-from ..process import CAPTURE_LOCK, FORWARD_RUNS, GENERATION, WATCH_INSTALLED, WATCHED
+from ..process import CAPTURE_LOCK, FOLLOWED, FORWARD_RUNS, GENERATION, WATCH_INSTALLED, WATCHED
 from .reasons import Eager, Kind
 
 Tensor = torch.Tensor
 _data_ptr = Tensor.data_ptr
 _default_dtype = torch.get_default_dtype
-# Bumped whenever any module gets a new parameter, buffer or submodule, and by every train():
-# a Watch re-reads its module when it sees a new value.
+# GENERATION is bumped whenever a module of a watched tree gets a new parameter, buffer or
+# submodule, and by every train(): a Watch re-reads its module when it sees a new value.
 # Whether each tensor still has the data pointer recorded for it: one C++ loop (CUDA builds).
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 # The hook tables a forward runs: per module, and for every module at once. A global forward
@@ -59,13 +59,24 @@ GLOBAL_TABLES = tuple(getattr(_nn_module, n) for n in ("_global_forward_pre_hook
                       if hasattr(_nn_module, n))
 
 
-def _bump(*_args):
-    # Not while torch.compile traces a forward: a registration there is the forward's own
-    # temporary (diffusers' UNet slices its ModuleLists, which makes new ones), and counted it
-    # would put the counter in dynamo's guards, so that every call recompiled until dynamo gave
-    # up and ran the model eagerly, in any process that had imported graphwrap's hooks.
-    if not _compiling():
+def _bump(module, *_args):
+    # Only a registration on a module of a watched tree: one on any other module changes no tree
+    # (a ModuleList that a forward slices from its own, as transformers' Llama does on every call,
+    # registers each layer again; counted, each engine read its whole tree again on its next call).
+    # Not while torch.compile traces a forward: a registration there is the forward's own, and
+    # counted it would put the counter in dynamo's guards, so that every call recompiled until
+    # dynamo gave up and ran the model eagerly, in any process that had imported graphwrap's hooks.
+    if FOLLOWED.get(id(module)) is module and not _compiling():
         GENERATION[0] += 1
+
+
+def follow(modules):
+    """Registrations on these modules (a tree some engine or batch depends on) move the counter
+    from now on; a module attached to one of them later is followed when its tree is read again,
+    which that registration brings about."""
+    for m in modules:
+        if FOLLOWED.get(id(m)) is not m:
+            FOLLOWED[id(m)] = m
 
 
 def _assigned(obj, name: str):
@@ -290,6 +301,7 @@ class Tree:
         named = list(module.named_modules())
         self.names = tuple(n for n, _ in named)
         self.modules = tuple(m for _, m in named)
+        follow(self.modules)
         self.flags = tuple(m.training for m in self.modules)
         self.hooks = tuple(tuple(tuple(getattr(m, t, {})) for t in HOOK_TABLES) for m in self.modules)
         self.dtype = _default_dtype()

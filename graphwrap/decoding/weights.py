@@ -1,5 +1,6 @@
 """The model's weights as a decode batch was made with them (plain Python over tensors' addresses)."""
 
+from ..core.watch import follow
 from ..process import GENERATION
 
 
@@ -11,6 +12,7 @@ class Weights:
     def __init__(self, model):
         self.model = model
         self.generation = GENERATION[0]
+        follow(model.modules())
         self.params = list(model.parameters())
         self.seen = self._read()
 
@@ -22,5 +24,6 @@ class Weights:
             params = list(self.model.parameters())
             if len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params)):
                 return True
+            follow(self.model.modules())
             self.generation = GENERATION[0]
         return self._read() != self.seen
