@@ -245,9 +245,14 @@ def test_captures_go_needed_first_then_queued_ahead_then_covered():
     caps.want(("prefill", 4, 64), NEEDED)
     caps.want(("prefill", 4, 64), NEEDED)  # once
     caps.want(("prefill", 1, 16), NEEDED)
+    caps.want(("piece", 8, 64), COVERED)
+    caps.want(("mixed", 8, 8), COVERED)
+    caps.want(("mixed", 8, 8), NEEDED)  # (queued ahead of need, then needed: it moves up)
+    caps.want(("step", 1, 1024), COVERED)  # (never down)
     go.set()
     assert caps.finish(10)
-    assert order == [("step", 64, 1024), ("prefill", 4, 64), ("prefill", 1, 16), ("step", 1, 1024), ("step", 2, 1024)]
+    assert order == [("step", 64, 1024), ("prefill", 4, 64), ("prefill", 1, 16), ("mixed", 8, 8), ("step", 1, 1024),
+                     ("step", 2, 1024), ("piece", 8, 64)]
     caps.calls(-1)
     assert caps.stop(10) and not caps.thread.is_alive()
     caps.want(("step", 4, 1024))

@@ -110,9 +110,17 @@ class Captures:
 
     def want(self, shape: tuple, queue: int = NEEDED):
         """Queue ``shape``'s capture (once), in ``queue``: :data:`NEEDED`, :data:`AHEAD` or
-        :data:`COVERED`."""
+        :data:`COVERED`; a shape queued already moves to ``queue`` where that comes first (a shape
+        queued when the batch was made, then needed by a forward before its turn)."""
         with self.cond:
-            if shape in self.seen or self.stopped:
+            if self.stopped:
+                return
+            if shape in self.seen:  # (queued ahead, and now needed: its place moves up)
+                later = next((q for q in self.queues[queue + 1:] if shape in q), None)
+                if later is not None:
+                    later.remove(shape)
+                    self.queues[queue].append(shape)
+                    self.cond.notify_all()
                 return
             self.seen.add(shape)
             self.queues[queue].append(shape)
