@@ -18,6 +18,13 @@ admits while rows decode (``graphwrap.decoding.server.PREFILL_BESIDE``; 0: none)
 
 ``--trace PREFIX`` runs each under torch's profiler and writes its trace.
 
+``--burst N`` first serves N requests of the generate-large workload at once (prompts 16..1,024,
+32..64 new tokens), so that the warm-up run is the first long prompt after serving, as in
+generate-large: the step and prompt shapes that workload meets are captured, a long prompt's
+are not unless the batch queued them. ``--switch S`` sets Python's switch interval
+(``sys.setswitchinterval``) for the whole process. ``--log`` prints graphwrap's log (captures
+beside the decode thread, with their times) with seconds since the start.
+
 ``python3 benchmarks/diagnostics/long_prompt_beside.py [--widths 128] [--ahead]`` from the
 repository root, on a GPU.
 """
@@ -57,11 +64,24 @@ def main():
                     "in turn (0: no bound; e.g. 0,512)")
     ap.add_argument("--apart", action="store_true", help="each run again with the piece and the step apart")
     ap.add_argument("--trace", default="", help="a path prefix: each run's chrome trace, <prefix>-<run>.json")
+    ap.add_argument("--burst", type=int, default=0, help="requests served at once before the warm-up run")
+    ap.add_argument("--switch", type=float, default=0.0, help="Python's switch interval, seconds (sys.setswitchinterval)")
+    ap.add_argument("--log", action="store_true", help="graphwrap's log, INFO and up, with seconds since the start")
     ap.add_argument("--no-cudnn", action="store_true", help="torch's cuDNN attention turned off for the run")
     a = ap.parse_args()
+    if a.switch:
+        sys.setswitchinterval(a.switch)
+    if a.log:
+        import logging
+
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("  [log %(relativeCreated).0f ms] %(message)s"))
+        logging.getLogger("graphwrap").addHandler(handler)
+        logging.getLogger("graphwrap").setLevel(logging.INFO)
     if a.no_cudnn:
         torch.backends.cuda.enable_cudnn_sdp(False)
-    print(f"long_prompt_beside: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    print(f"long_prompt_beside: {torch.cuda.get_device_name()}, torch {torch.__version__}, switch interval "
+          f"{1e3 * sys.getswitchinterval():.2f} ms, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     if a.piece:
         from graphwrap.decoding import pool
 
@@ -74,9 +94,20 @@ def main():
         t0 = time.perf_counter()
         gm.capture_generate()
         print(f"every shape captured ahead in {time.perf_counter() - t0:.1f} s", flush=True)
+    if a.burst:
+        from generate import burst
+        from generate_large import workload
+
+        t0 = time.perf_counter()
+        burst(gm, workload(model.config.vocab_size, n=a.burst, news=(32, 65)), DEV)
+        print(f"{a.burst} requests at once first: {time.perf_counter() - t0:.2f} s; shapes captured: "
+              f"{len(server.shapes.counts()['shapes'])}, queued: {server.captures.queued() if server.captures else []}", flush=True)
     results = _Results()
     print(f"warm-up run, pieces of {server.piece} (graphs: {server.piece_engine is not None}):", flush=True)
     _long("warm-up", gm, model, DEV, results)
+    d = gm.stats()["decode"]
+    print(f"  warm-up: forwards since the batch was made, in a larger graph {d['in_a_larger_graph']}, eager "
+          f"{d['eager_forwards']}; queued: {server.captures.queued() if server.captures else []}", flush=True)
     first = server.piece
     for w in (int(x) for x in a.widths.split(",")):
         if server.piece_engine is not None:  # (pieces of the paged pool; prompts past the chunk go in pieces)
@@ -109,6 +140,8 @@ def main():
             else:
                 _long(label, gm, model, DEV, results)
             args, extra = results.rows[-1]
+            print(f"  {label}: forwards since the batch was made, in a larger graph {d['in_a_larger_graph']}, eager "
+                  f"{d['eager_forwards']}" if (d := gm.stats()["decode"]) else "", flush=True)
             beside = (f"; while it was served p99 {extra['during_p99_ms']:.1f} ms against p50 {extra['apart_p50_ms']:.1f} "
                       f"before and after it ({extra['during_p99_ms'] / extra['apart_p50_ms']:.2f}x)"
                       if extra.get("during_p99_ms") and extra.get("apart_p50_ms") else "")
