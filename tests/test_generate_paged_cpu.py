@@ -518,3 +518,39 @@ def test_the_paged_kernel_is_an_operator_of_torch_with_its_output_shape_for_trac
         out = paged_attention.attend(query, pool, pool, torch.zeros(5, 4, dtype=torch.long),
                                      torch.ones(5, dtype=torch.long), None, 16, 5.0)
     assert out.shape == (5, 1, 8, 64) and out.dtype == query.dtype
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_joined_prompt_forward_and_a_piece_run_the_head_over_the_positions_they_keep(kind):
+    """The joined forward of prompts runs the model's head over each prompt's last position (in
+    every row: k x k, not k x width), and a piece over its last valid one; each logit is the
+    model's own for that prompt alone."""
+    from graphwrap.decoding.pages import PagedStore
+    from graphwrap.decoding.step import PieceStep, PrefillStep, Prompts, cache_layout
+
+    model = _model(kind)
+    head = model.get_output_embeddings()
+    keys, values = cache_layout(model, "cpu")
+    seen = []
+    hook = head.register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape[:-1])))
+    store = PagedStore(4, 64, "cpu", BLOCK, scratch_blocks(4, BLOCK) + 16)
+    store.allocate(keys, values)
+    store.assign([0, 1, 2], [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
+    prompts = _prompts((3, 11, 6))
+    try:
+        with torch.no_grad():
+            got = PrefillStep(model)(*Prompts(4, 64, store.scratch).inputs(prompts, [0, 1, 2], (4, 16), "cpu"),
+                                     store.prompt_window(16))
+            assert seen == [(4, 4)], f"the head ran over {seen}, not each prompt's last position in every row"
+            for i, p in enumerate(prompts):
+                want = model(input_ids=torch.tensor([p])).logits[0, -1]
+                torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
+            seen.clear()
+            ids = torch.zeros((1, 8), dtype=torch.long)
+            ids[0, :5] = torch.tensor(prompts[1][:5])
+            piece = PieceStep(model)(ids, torch.tensor([0, 5, 3]), store.piece_window(8, 64))
+            assert seen == [(1, 1)], f"the piece's head ran over {seen}"
+            torch.testing.assert_close(piece[0], model(input_ids=torch.tensor([prompts[1][:5]])).logits[0, -1],
+                                       rtol=1e-4, atol=1e-4)
+    finally:
+        hook.remove()
