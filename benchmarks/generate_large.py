@@ -1,7 +1,9 @@
 """Scenario "generate-large": the shared batch on the model shapes people serve.
 
 Llama-2-7B (32 key heads, 4,096 positions), Llama-3-8B (8 key heads, 8,192 positions) and
-Mistral-7B (8 key heads, a sliding window of 4,096 over 32,768 positions) shapes, fp16, random weights made on the GPU (built on the meta device, then filled). The
+Mistral-7B (8 key heads, a sliding window of 4,096 over 32,768 positions) shapes, and
+Gemma-2-9B's (``--models gemma2-9b``: 42 layers, a window of 4,096 on every other one, scores
+and logits capped), fp16, random weights made on the GPU (built on the meta device, then filled). The
 burst: 64 requests at once, prompts 16..1,024 and new tokens 32..512 from a fixed seed, no
 end-of-sequence token, greedy. Rows, each in this process: ``model.generate`` one request after
 another (the first 2 requests, 64 new tokens each; the median of 3 passes after 2 untimed), ``gm.generate`` from 64 threads with default
@@ -35,6 +37,11 @@ SHAPES = {
     # Mistral-7B's config defaults: a sliding window of 4,096 over 32,768 positions
     "mistral-7b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, sliding_window=4096),
+    # Gemma-2-9B: layers with a sliding window of 4,096 beside full ones, scores and logits capped
+    "gemma2-9b": dict(hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=256, vocab_size=256000, max_position_embeddings=8192,
+                      sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                      query_pre_attn_scalar=256),
 }
 
 
@@ -42,9 +49,10 @@ def big_model(name: str, device):
     """A model of the shape ``name``, random weights, fp16, made on ``device`` in seconds."""
     import transformers
 
-    mistral = name.startswith("mistral")
-    config, family = ((transformers.MistralConfig, transformers.MistralForCausalLM) if mistral else
-                      (transformers.LlamaConfig, transformers.LlamaForCausalLM))
+    kind = name.split("-")[0].rstrip("0123456789")
+    config, family = {"mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+                      "gemma": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}.get(
+        kind, (transformers.LlamaConfig, transformers.LlamaForCausalLM))
     cfg = config(**SHAPES[name], pad_token_id=0, bos_token_id=1, eos_token_id=None)
     with torch.device("meta"):
         model = family(cfg)
@@ -52,8 +60,8 @@ def big_model(name: str, device):
     torch.manual_seed(0)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.fill_(1.0)
+            if "norm" in pname:  # (Gemma's norms scale by 1 + weight)
+                p.fill_(0.0 if kind == "gemma" else 1.0)
             else:
                 p.normal_(0.0, 0.02)
         model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg).to(device)  # (its tables were on meta)
