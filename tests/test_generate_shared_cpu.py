@@ -485,3 +485,25 @@ def test_a_read_hands_out_each_steps_tokens_before_it_waits_for_the_next():
         log.append(("read", f.event.name))
     assert log == ["hand out", ("wait", "a"), ("read", "a"), "hand out", ("wait", "b"), ("read", "b")]
     assert [f.event.name for f in tokens.queued] == ["c"]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_every_forward_of_the_probe_passes_an_attention_mask(kind):
+    """The probe decodes through the model's own cache as generate does, with a mask: without
+    one, a model whose pad id is a token it generates (GPT-2 here: pad 0 of 101) warns its
+    user of padding, on the README's first call."""
+    from graphwrap.decoding.probe import probe
+
+    model = _model(kind)
+    bare = []
+
+    def seen(module, args, kwargs):
+        if kwargs.get("attention_mask") is None:
+            bare.append(tuple(kwargs["input_ids"].shape) if "input_ids" in kwargs else args)
+
+    hook = model.register_forward_pre_hook(seen, with_kwargs=True)
+    try:
+        assert probe(model, "cpu") is None
+    finally:
+        hook.remove()
+    assert not bare, f"forwards without an attention mask: {bare}"

@@ -75,8 +75,9 @@ def _through(model, device, store) -> Optional[str]:
                          store.prompt_window(8))[:2]
         got = [logits[[1, 0]].float()]  # by row
         want, caches = [], []
-        for p in prompts:
-            out = model(input_ids=torch.tensor([p], device=device), use_cache=True, return_dict=True)
+        for p in prompts:  # (a mask, as generate passes: a model may warn of padding without one)
+            out = model(input_ids=torch.tensor([p], device=device), attention_mask=_ones(len(p), device),
+                        use_cache=True, return_dict=True)
             want.append(out.logits[0, -1].float())
             caches.append(output_cache(out))
         # A long prompt's pieces: the second prompt again, into row 2, in two pieces.
@@ -91,7 +92,7 @@ def _through(model, device, store) -> Optional[str]:
             if why is not None:
                 return f"{why}, for a prompt in pieces read from the device"
         ids = torch.zeros((2, 1), dtype=torch.long, device=device)
-        for _ in range(STEPS):
+        for k in range(STEPS):
             ref = torch.stack(want[::-1])  # rows 0, 1 hold prompts 1, 0
             why = _differ(got[-1], ref, model)
             if why is not None:
@@ -101,9 +102,15 @@ def _through(model, device, store) -> Optional[str]:
                 got.append(step(ids, store.window(32)).float())
             for i, (p, c) in enumerate(zip(prompts, caches)):
                 tok = ids[1 - i:2 - i]
-                out = model(input_ids=tok, use_cache=True, return_dict=True, **{step.cache_name: c})
+                out = model(input_ids=tok, attention_mask=_ones(len(p) + k + 1, device), use_cache=True,
+                            return_dict=True, **{step.cache_name: c})
                 want[i] = out.logits[0, -1].float()
         return _differ(got[-1], torch.stack(want[::-1]), model)
+
+
+def _ones(n: int, device) -> torch.Tensor:
+    """The attention mask ``[1, n]`` of a sequence of ``n`` positions, none of them padding."""
+    return torch.ones((1, n), dtype=torch.long, device=device)
 
 
 def _pieces(model, device, store, prompt, want) -> Optional[str]:
@@ -168,8 +175,10 @@ def _probe_mixed(model, device) -> Optional[str]:
         mixed[0, 0] = token
         mixed[0, 4:6] = torch.tensor(b[4:], device=device)
         got = MixedStep(model)(mixed, torch.tensor([4, 2, 3], device=device), store.mixed_window(4, 4)).float()
-        want_row = model(input_ids=torch.tensor([a + [token]], device=device)).logits[0, -1].float()
-        want_piece = model(input_ids=torch.tensor([b], device=device)).logits[0, -1].float()
+        want_row = model(input_ids=torch.tensor([a + [token]], device=device),
+                         attention_mask=_ones(len(a) + 1, device)).logits[0, -1].float()
+        want_piece = model(input_ids=torch.tensor([b], device=device),
+                           attention_mask=_ones(len(b), device)).logits[0, -1].float()
     why = _differ(got[0], want_row, model)
     if why is None:
         why = _differ(got[4], want_piece, model)

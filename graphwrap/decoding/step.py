@@ -254,7 +254,8 @@ def cache_layout(model, device):
     """One eager forward of one token: the model's own cache's per-layer keys and values, whose
     shapes and dtypes the rows take (None where it has no such layers)."""
     with torch.no_grad():
-        out = model(input_ids=torch.ones((1, 1), dtype=torch.long, device=device), use_cache=True, return_dict=True)
+        one = torch.ones((1, 1), dtype=torch.long, device=device)
+        out = model(input_ids=one, attention_mask=one, use_cache=True, return_dict=True)
     return _layers(output_cache(out))
 
 
