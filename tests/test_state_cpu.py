@@ -409,8 +409,12 @@ class Sliced(nn.Module):
 def test_only_registrations_on_the_watched_tree_make_the_engine_read_it_again(change, gw_log):
     """An eager forward that slices its layers registers each one on a new ModuleList: no tree
     an engine watches changed, so the counter stays and no engine reads its tree again (each
-    did, about 3 ms for a 32-layer Llama, on the call after any registration in the process). A
-    registration anywhere in the watched tree moves it, and the next call sees the change."""
+    did, about 3 ms for a 32-layer Llama, on the call after any registration in the process),
+    whether the eager forwards run in this thread or beside the wrapper's calls in another, under
+    no_grad or inference_mode. A registration anywhere in the watched tree moves it, and the
+    next call sees the change."""
+    import threading
+
     from graphwrap.process import GENERATION
 
     model = Sliced().eval()
@@ -422,6 +426,18 @@ def test_only_registrations_on_the_watched_tree_make_the_engine_read_it_again(ch
         for _ in range(3):
             model(x)
         nn.Sequential(nn.Linear(2, 2)).add_module("x", nn.ReLU())  # a module no engine watches
+
+    def eager_beside():
+        with torch.inference_mode():
+            for _ in range(50):
+                model(x)
+
+    other = threading.Thread(target=eager_beside)
+    other.start()
+    with torch.inference_mode():
+        for _ in range(20):
+            assert_same(gm(x), model(x))
+    other.join()
     assert GENERATION[0] == before, "registrations outside the watched tree moved the counter"
     assert_same(gm(x), model(x))
     assert gm.stats()["module_changes"] == {}
