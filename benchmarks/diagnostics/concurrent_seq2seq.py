@@ -1,0 +1,89 @@
+"""Concurrent default calls of an encoder-decoder: Whisper's base shape (fp16, random weights, 30 s
+of audio features a request, 64 new tokens each), ``gm.generate`` with no ``cache_implementation``
+from 32 threads at once (the one-call loop: each call's steps replay, the calls take turns),
+against ``model.generate`` one request after another (every step eager: what these calls ran when
+graphwrap left them to transformers), and ``gm.generate`` one after another; tokens/s of each (the
+median of 3 warm rounds; 2 for the eager one), and whether each request's tokens are
+``model.generate``'s alone.
+
+``python3 benchmarks/diagnostics/concurrent_seq2seq.py [--requests 32] [--new 64]`` from the
+repository root, on a GPU.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from decode import _model  # noqa: E402
+
+from graphwrap import GraphedModule  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+def rounds(fn, n: int = 3) -> list:
+    out = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--new", type=int, default=64)
+    a = ap.parse_args()
+    print(f"concurrent_seq2seq: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    model = _model("whisper", DEV)
+    g = torch.Generator().manual_seed(0)
+    feats = [torch.randn(1, model.config.num_mel_bins, 3000, generator=g).to(DEV).half() for _ in range(a.requests)]
+    kw = dict(do_sample=False, max_new_tokens=a.new, min_new_tokens=a.new)  # (random weights can end a row early)
+    tokens = a.requests * a.new
+    with torch.no_grad():
+        want = [model.generate(input_features=f, **kw) for f in feats[:2]]  # (first calls, untimed)
+        eager = rounds(lambda: [model.generate(input_features=f, **kw) for f in feats], 2)
+        want = [model.generate(input_features=f, **kw) for f in feats]
+    gm = GraphedModule(model)
+    outs = [None] * a.requests
+
+    def burst():
+        def one(i):
+            outs[i] = gm.generate(input_features=feats[i], **kw)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(a.requests)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    first = rounds(burst, 1)[0]
+    warm = rounds(burst)
+    equal = sum(torch.equal(o, w) for o, w in zip(outs, want))
+    alone = rounds(lambda: [gm.generate(input_features=f, **kw) for f in feats])
+
+    def rate(ts):
+        return tokens / statistics.median(ts)
+
+    base = rate(eager)
+    print(f"{a.requests} requests, {a.new} new tokens each, default calls (no cache_implementation):", flush=True)
+    print(f"  model.generate one after another: {base:,.0f} tokens/s (rounds {[round(t, 2) for t in eager]} s)")
+    print(f"  gm.generate from {a.requests} threads: first burst {first:.2f} s; warm {rate(warm):,.0f} tokens/s "
+          f"(rounds {[round(t, 2) for t in warm]} s), {rate(warm) / base:.1f}x; tokens equal to model.generate's: "
+          f"{equal} of {a.requests}")
+    print(f"  gm.generate one after another: {rate(alone):,.0f} tokens/s (rounds {[round(t, 2) for t in alone]} s), "
+          f"{rate(alone) / base:.1f}x")
+    print(f"  stats: {gm.stats().get('generate')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
