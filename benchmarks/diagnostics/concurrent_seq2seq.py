@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from decode import _model  # noqa: E402
+from decode import _model, _timed  # noqa: E402
 
 from graphwrap import GraphedModule  # noqa: E402
 
@@ -28,14 +28,8 @@ DEV = torch.device("cuda")
 
 
 def rounds(fn, n: int = 3) -> list:
-    out = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return out
+    """Each round's seconds, shortest first."""
+    return _timed(fn, n)[0]
 
 
 def main():
