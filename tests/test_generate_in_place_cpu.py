@@ -140,10 +140,11 @@ def test_a_step_that_gathers_still_hands_the_model_its_whole_window():
     assert twin.window(32).in_place, "a capture's twin reads the base store's switch"
 
 
-def _beside(gm, model, short, long, news=40, long_news=6, live=None):
-    """The short prompts decode (``news`` tokens each); once they do (``live`` of them: all
-    unless given), the long ones arrive: every call's tokens against ``model.generate`` alone."""
+def _beside(gm, model, short, long, news=40, long_news=6, ready=None):
+    """The short prompts decode (``news`` tokens each); once they do (or once ``ready()``), the
+    long ones arrive: every call's tokens against ``model.generate`` alone."""
     server = gm.__dict__["_gw_decode"]
+    ready = ready or (lambda: len(server.sched.live()) >= len(short))
     outs = {}
 
     def run(i, p, n):
@@ -152,10 +153,11 @@ def _beside(gm, model, short, long, news=40, long_news=6, live=None):
     first = [threading.Thread(target=run, args=(i, p, news)) for i, p in enumerate(short)]
     for t in first:
         t.start()
-    while len(server.sched.live()) < (len(short) if live is None else live):
+    while not ready():
         threading.Event().wait(0.001)
-    got = thread_results(lambda i: gm.generate(torch.tensor([long[i]]), max_new_tokens=long_news, do_sample=False),
-                         len(long))
+    # (queued from this thread at once: a thread started now might get to queue after the rows ended)
+    got = [f.result(timeout=120) for f in
+           [gm.submit_generate(torch.tensor([p]), max_new_tokens=long_news, do_sample=False) for p in long]]
     for t in first:
         t.join()
     for i, p in enumerate(short):
@@ -265,8 +267,10 @@ def test_a_mixed_capture_puts_the_piece_in_the_scratch_row_over_its_own_blocks()
 
 
 def test_rows_preempted_beside_mixed_steps_are_recomputed_with_generates_tokens(in_place, monkeypatch):
-    """A pool too small for every row at once: the newest gives its blocks back (the long prompt
-    among them, between its pieces) and is recomputed, while pieces go inside the steps."""
+    """A pool too small for every row at once: the newest gives its blocks back and is recomputed
+    (ahead of the long prompt, queued last), while the long prompt's pieces go inside the steps
+    of the rows left. Every call is queued, the short ones first, before the first is admitted:
+    which rows run together does not hang on when the callers' threads get to queue."""
     from graphwrap.decoding.pool import BLOCK, scratch_blocks
 
     model = _model("llama")
@@ -278,7 +282,11 @@ def test_rows_preempted_beside_mixed_steps_are_recomputed_with_generates_tokens(
     gm.generate(torch.tensor([[5, 6]]), max_new_tokens=1)
     d = gm.stats()["decode"]
     assert d["cache_blocks"]["free"] == usable, d["cache_blocks"]
-    _beside(gm, model, _prompts([5, 7, 4]), _prompts([30], seed=5), news=55, long_news=30, live=1)
+    server, admitted = gm.__dict__["_gw_decode"], server_mod._admitted
+    calls = server.counts["calls"] + 4
+    monkeypatch.setattr(server_mod, "_admitted", lambda server: admitted(server) if server.counts["calls"] >= calls else [])
+    _beside(gm, model, _prompts([5, 7, 4]), _prompts([30], seed=5), news=55, long_news=30,
+            ready=lambda: len(server.sched.queue) == 3)
     d = gm.stats()["decode"]
     assert d["preempted"] > 0 and d["mixed_steps"] > 0 and not d["mixed_failed"], d
     assert d["cache_blocks"] == {"block": BLOCK, "used": 0, "free": usable}
