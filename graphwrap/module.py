@@ -343,13 +343,7 @@ class GraphedModule(nn.Module):
         :meth:`generate` (its rows and cache, steps, rows per step, prefills, queue waits, time to
         first token and per output token, and its step's graphs), or why there is none.
         """
-        out = self.engine.stats()
-        server = self.__dict__.get("_gw_decode")
-        if server is not None:
-            out["decode"] = dict(server.stats(), step=server.engine.stats(), prefill=server.prefill_engine.stats())
-        elif self.__dict__.get("_gw_decode_why") is not None:
-            out["decode"] = {"off": self.__dict__["_gw_decode_why"]}
-        return out
+        return dict(self.engine.stats(), **front.stats(self.__dict__, self.module))
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's ``generate`` (a Hugging Face model), its decode steps replayed by

@@ -56,20 +56,6 @@ FORWARD_RUNS = threading.local()
 EXITING = threading.Event()
 WORKERS: "weakref.WeakSet" = weakref.WeakSet()
 
-# ------------------------------------------------------------------ generate
-_GENERATE_LOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, threading.Lock]" = weakref.WeakKeyDictionary()
-_GENERATE_LOCKS_LOCK = threading.Lock()
-
-
-def generate_lock(module: torch.nn.Module) -> threading.Lock:
-    """The lock one ``generate`` at a time holds on ``module``, whichever GraphedModule runs it."""
-    with _GENERATE_LOCKS_LOCK:
-        lock = _GENERATE_LOCKS.get(module)
-        if lock is None:
-            lock = _GENERATE_LOCKS[module] = threading.Lock()
-        return lock
-
-
 # ------------------------------------------------------------------ facts about types
 DICT_TYPES_REBUILT: Dict[type, bool] = {collections.OrderedDict: True}
 REBUILDS_SAME: Dict[type, bool] = {}  # registered pytree type -> whether its registration rebuilds that type

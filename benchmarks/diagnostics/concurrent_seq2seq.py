@@ -1,9 +1,10 @@
 """Concurrent default calls of an encoder-decoder: Whisper's base shape (fp16, random weights, 30 s
 of audio features a request, 64 new tokens each), ``gm.generate`` with no ``cache_implementation``
-from 32 threads at once (the one-call loop: each call's steps replay, the calls take turns),
-against ``model.generate`` one request after another (every step eager: what these calls ran when
-graphwrap left them to transformers), and ``gm.generate`` one after another; tokens/s of each (the
-median of 3 warm rounds; 2 for the eager one), and whether each request's tokens are
+from 32 threads at once (the one-call loop: each call's steps replay; calls that wait together
+share a turn, graphwrap/decoding/turns.py), the same with ``decode=False`` (each call its own
+turn), against ``model.generate`` one request after another (every step eager: what these calls
+ran when graphwrap left them to transformers), and ``gm.generate`` one after another; tokens/s of
+each (the median of 3 warm rounds; 2 for the eager one), and whether each request's tokens are
 ``model.generate``'s alone.
 
 ``python3 benchmarks/diagnostics/concurrent_seq2seq.py [--requests 32] [--new 64]`` from the
@@ -51,19 +52,23 @@ def main():
     gm = GraphedModule(model)
     outs = [None] * a.requests
 
-    def burst():
+    def burst(wrapped):
         def one(i):
-            outs[i] = gm.generate(input_features=feats[i], **kw)
+            outs[i] = wrapped.generate(input_features=feats[i], **kw)
         threads = [threading.Thread(target=one, args=(i,)) for i in range(a.requests)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
 
-    first = rounds(burst, 1)[0]
-    warm = rounds(burst)
+    first = rounds(lambda: burst(gm), 1)[0]
+    warm = rounds(lambda: burst(gm))
     equal = sum(torch.equal(o, w) for o, w in zip(outs, want))
     alone = rounds(lambda: [gm.generate(input_features=f, **kw) for f in feats])
+    apart = GraphedModule(model, decode=False)
+    burst(apart)  # (its caches and graphs: at one row)
+    turns = rounds(lambda: burst(apart))
+    equal_apart = sum(torch.equal(o, w) for o, w in zip(outs, want))
 
     def rate(ts):
         return tokens / statistics.median(ts)
@@ -76,7 +81,10 @@ def main():
           f"{equal} of {a.requests}")
     print(f"  gm.generate one after another: {rate(alone):,.0f} tokens/s (rounds {[round(t, 2) for t in alone]} s), "
           f"{rate(alone) / base:.1f}x")
-    print(f"  stats: {gm.stats().get('generate')}", flush=True)
+    print(f"  gm.generate from {a.requests} threads, decode=False (a turn each): {rate(turns):,.0f} tokens/s "
+          f"(rounds {[round(t, 2) for t in turns]} s), {rate(turns) / base:.1f}x; joined turns "
+          f"{rate(warm) / rate(turns):.1f}x that; tokens equal: {equal_apart} of {a.requests}")
+    print(f"  stats: {gm.stats().get('generate')}, turns {gm.stats().get('generate_turns')}", flush=True)
 
 
 if __name__ == "__main__":

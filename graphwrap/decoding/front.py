@@ -14,14 +14,14 @@ import dataclasses
 import logging
 import threading
 import weakref
-from typing import Optional, Tuple
+from typing import Optional, Tuple, cast
 
 import torch
 
 from ..core.engine import Engine
 from ..errors import GraphwrapError
 from ..loops import decode
-from ..process import generate_lock
+from . import turns
 from .attention import without_cudnn
 from .pool import CACHE_MEMORY
 from .scheduler import buckets_upto
@@ -195,6 +195,21 @@ def output(result: torch.Tensor, plan: CallPlan) -> torch.Tensor:
     return result.to(plan.device)
 
 
+def stats(held: dict, module) -> dict:
+    """What ``gm.stats()`` says of generation beside the engine's: the shared batch (or why there
+    is none) and the turns on the model."""
+    out: dict = {}
+    server = held.get("_gw_decode")
+    if server is not None:
+        out["decode"] = dict(server.stats(), step=server.engine.stats(), prefill=server.prefill_engine.stats())
+    elif held.get("_gw_decode_why") is not None:
+        out["decode"] = {"off": held["_gw_decode_why"]}
+    t = turns.turns_of(module, make=False)
+    if t is not None:
+        out["generate_turns"] = dict(t.counts)
+    return out
+
+
 def close(held: dict, cancel: bool = False, timeout: Optional[float] = None) -> bool:
     server = held.pop("_gw_decode", None)
     held.pop("_gw_decode_why", None)
@@ -284,14 +299,27 @@ def alone(gm, why: str, args, kwargs):
     A call that fails ends its streamer, as the shared batch does (a consumer waiting on the
     streamer is let go; transformers' ``generate`` leaves it open)."""
     module = gm.module
-    note(gm.__dict__, why)
-    # Outside torch.inference_mode, where the caller is in it: the static cache is allocated
-    # by the prompt's forward, and inference tensors could not be written by a capture.
+    held = gm.__dict__
+    note(held, why)
+    per_call = why != held.get("_gw_decode_why")  # this call's settings, not the model
+    cfg = decode_options(held["_gw_options"].decode, getattr(module, "config", None))
+
+    def run(args, kwargs, calls, starts):
+        # Outside torch.inference_mode, where the caller is in it: the static cache is allocated
+        # by the prompt's forward, and inference tensors could not be written by a capture.
+        with torch.inference_mode(False), without_cudnn(_device(module)):
+            return decode.generate(gm.engine, held, module, args, kwargs, not_shared=why if per_call else None,
+                                   calls=calls, starts=starts)
+
+    # Calls that wait for the turn together run as one batch where they can (turns.py); with
+    # decode=False each call runs alone.
+    # (an encoder-decoder's output is cut where graphwrap's loop saw its decoder's start)
+    joins = cfg is not None and decode.unsupported(module) is None and (
+        not getattr(getattr(module, "config", None), "is_encoder_decoder", False)
+        or decode.request_unsupported(kwargs) is None)
+    me = turns.waiter(module, args, kwargs) if joins else turns.Waiter(args, kwargs)
     try:
-        with generate_lock(module), torch.inference_mode(False), without_cudnn(_device(module)):
-            per_call = why != gm.__dict__.get("_gw_decode_why")  # this call's settings, not the model
-            return decode.generate(gm.engine, gm.__dict__, module, args, kwargs,
-                                   not_shared=why if per_call else None)
+        return turns.take(cast(turns.Turns, turns.turns_of(module)), me, cfg["rows"] if cfg is not None else 1, run)
     except BaseException:
         streamer = kwargs.get("streamer")
         if streamer is not None:

@@ -393,13 +393,13 @@ def _kept(inputs: dict) -> dict:
     return inputs
 
 
-def make_decode_loop(step, own_cache=None, declined=None):
+def make_decode_loop(step, own_cache=None, declined=None, starts=None):
     """A ``custom_generate`` callable whose decode steps are ``step(**model_inputs)``, or
     ``step.logits(model_inputs)`` where the loop keeps the inputs from step to step (:class:`Step`);
     ``own_cache(model, input_ids, model_kwargs)`` may put a cache of graphwrap's own in place of the one
     ``generate`` made (an encoder-decoder's: :mod:`.seq2seq`). A request it hands to
     transformers' own loop (beam search the model's generation config asks for, say) appends
-    the reason to ``declined``."""
+    the reason to ``declined``; one it runs appends its prompt's length to ``starts``."""
 
     def graphwrap_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
         why = _mode_unsupported(model, generation_config)
@@ -414,6 +414,8 @@ def make_decode_loop(step, own_cache=None, declined=None):
                           generation_config=generation_config, **model_kwargs)
         if own_cache is not None:
             own_cache(model, input_ids, model_kwargs)
+        if starts is not None:
+            starts.append(input_ids.shape[1])
         return _loop(model, step, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
     return graphwrap_decode
@@ -540,11 +542,13 @@ class Step:
             return self.repeat(kw)
 
 
-def generate(engine, held: dict, module, args, kwargs, not_shared: Optional[str] = None):
+def generate(engine, held: dict, module, args, kwargs, not_shared: Optional[str] = None, calls: int = 1,
+             starts: Optional[List[int]] = None):
     """``gm.generate``: ``held`` is the GraphedModule's ``__dict__``, which keeps its static caches
     (``_gw_caches``) and the reasons already logged (``_gw_loop_notes``). How each call's steps
-    were run is counted in ``stats()["generate"]``; ``not_shared``, why the shared decode batch
-    did not take the call, is said with a reason of the cache's own."""
+    were run is counted in ``stats()["generate"]`` (``calls``: the calls this one runs, joined);
+    ``not_shared``, why the shared decode batch did not take the call, is said with a reason of
+    the cache's own. Each pass of graphwrap's loop appends its prompt's length to ``starts``."""
     if "_gw_experts" not in held:  # a mixture of experts' steps run a graph-safe implementation
         held["_gw_experts"] = batched_experts(module)
     step = Step(engine, held["_gw_experts"])
@@ -565,7 +569,7 @@ def generate(engine, held: dict, module, args, kwargs, not_shared: Optional[str]
             why = f"{not_shared}, and {why}"
     declined: List[str] = []
     if why is None:
-        kwargs = dict(kwargs, custom_generate=make_decode_loop(step, own, declined))
+        kwargs = dict(kwargs, custom_generate=make_decode_loop(step, own, declined, starts))
     elif why not in held.setdefault("_gw_loop_notes", set()):
         held["_gw_loop_notes"].add(why)
         logger.info("generate runs transformers' own loop, each step handed to graphwrap (%s)", why)
@@ -581,7 +585,8 @@ def generate(engine, held: dict, module, args, kwargs, not_shared: Optional[str]
         for k in ("get_compiled_call", "_valid_auto_compile_criteria"):
             d.pop(k, None)
         d.update(before)
-    _count(engine, held, why or (declined[0] if declined else None), step.handed, _new_tokens(out, args, kwargs), kwargs)
+    _count(engine, held, why or (declined[0] if declined else None), step.handed, _new_tokens(out, args, kwargs), kwargs,
+           calls)
     return out
 
 
@@ -593,7 +598,7 @@ def _new_tokens(out, args, kwargs) -> Optional[int]:
     return seqs.shape[1] - ids.shape[1] if seqs.shape[0] >= ids.shape[0] else None
 
 
-def _count(engine, held: dict, why: Optional[str], handed: int, new: Optional[int], kwargs):
+def _count(engine, held: dict, why: Optional[str], handed: int, new: Optional[int], kwargs, calls: int = 1):
     """Count how a ``generate`` call's steps were run; a call whose decode steps never reached
     graphwrap says why (transformers ran them itself: beam search calls the model directly, and
     a release that moves the hooks graphwrap uses would show here first)."""
@@ -607,7 +612,7 @@ def _count(engine, held: dict, why: Optional[str], handed: int, new: Optional[in
             held["_gw_loop_notes"].add(how)
             logger.warning("generate ran %d new tokens in %s", new, how)
     with engine.lock:
-        engine.generates[how] = engine.generates.get(how, 0) + 1
+        engine.generates[how] = engine.generates.get(how, 0) + calls
 
 
 def default_static(module, kwargs) -> dict:
