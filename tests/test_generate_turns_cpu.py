@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from graphwrap import GraphedModule
+from graphwrap import GraphedModule, GraphwrapError
 from graphwrap.decoding import turns
 
 tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
@@ -288,3 +288,26 @@ def test_decode_false_keeps_every_call_alone():
         th.join()
     assert t.counts["turns"] == 3 and t.counts["joined_turns"] == 0
 
+
+# ------------------------------------------------------------------ ids past the vocabulary
+
+
+@pytest.mark.parametrize("bad", [dict(input_ids=torch.tensor([[3, 64, 5]])), dict(input_ids=torch.tensor([[3, -1]])),
+                                 dict(pad_token_id=70), dict(decoder_start_token_id=64),
+                                 dict(forced_bos_token_id=100), dict(decoder_input_ids=torch.tensor([[0, 80]]))])
+def test_a_call_of_ids_past_the_vocabulary_fails_alone_before_any_forward(bad):
+    """The one-call loop's calls (an encoder-decoder's here): on a GPU any of these would be a
+    device-side assert ending the CUDA context of every caller."""
+    model = _model("t5")
+    gm = GraphedModule(model)
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    call = dict(dict(input_ids=torch.tensor([[3, 4, 5]]), max_new_tokens=4), **bad)
+    with pytest.raises(GraphwrapError, match="outside the model's vocabulary of 64"):
+        gm.generate(**call)
+    assert not forwards
+    hook.remove()
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, max_new_tokens=4, eos_token_id=500)  # (an end never made: served)
+    assert torch.equal(gm.generate(input_ids=ids, max_new_tokens=4, eos_token_id=500), want)

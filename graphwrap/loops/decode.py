@@ -154,6 +154,37 @@ def check_room(args, kwargs):
             "(graphwrap then sizes its own cache)")
 
 
+# Token ids a call may set that generate feeds to the model or writes into its scores by index.
+ID_SETTINGS = ("pad_token_id", "decoder_start_token_id", "forced_bos_token_id", "forced_eos_token_id")
+
+
+def check_ids(module, args, kwargs):
+    """A GraphwrapError, before any forward, for token ids past the model's embedding or its
+    scores: the prompt's (``input_ids``, ``decoder_input_ids``) and the ids a call sets that
+    ``generate`` feeds back as inputs or writes by index (a pad, a decoder start, a forced
+    token). On a GPU any of them is a device-side assert that ends the process's CUDA context
+    for every caller; an end-of-sequence id outside the vocabulary is only never made."""
+    embed = getattr(module, "get_input_embeddings", None)
+    rows = getattr(embed() if callable(embed) else None, "num_embeddings", None)
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    limits = [n for n in (rows, vocab) if isinstance(n, int) and n > 0]
+    if not limits:
+        return
+    most = min(limits)
+    main = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    for name, ids in (("input_ids", main), ("decoder_input_ids", kwargs.get("decoder_input_ids"))):
+        if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.numel():
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= most:
+                raise GraphwrapError(f"{name} holds token id {low if low < 0 else high}, outside the model's "
+                                     f"vocabulary of {most}")
+    for name in ID_SETTINGS:
+        ids = kwargs.get(name)
+        for t in ids if isinstance(ids, (list, tuple)) else [ids]:
+            if isinstance(t, int) and not 0 <= t < most:
+                raise GraphwrapError(f"{name}={t} is outside the model's vocabulary of {most}")
+
+
 def _mode_unsupported(model, gen) -> Optional[str]:
     if gen.num_beams not in (None, 1) or (gen.num_return_sequences or 1) != 1:
         return "beam search or several sequences per prompt"
@@ -554,6 +585,7 @@ def generate(engine, held: dict, module, args, kwargs, not_shared: Optional[str]
     step = Step(engine, held["_gw_experts"])
     name = cache_keyword(module)
     check_room(args, kwargs)  # a cache the caller passes (graphwrap sizes its own)
+    check_ids(module, args, kwargs)
     why = unsupported(module) or request_unsupported(kwargs)
     if why is None:
         kwargs = default_static(module, kwargs)
