@@ -348,6 +348,47 @@ def test_an_encoder_decoders_default_call_replays_with_generates_tokens(name, fp
     assert s["eager_calls"] == {} and replays(gm) >= 2 * 19 - 2
 
 
+@pytest.mark.parametrize("name", ["t5", "bart", "whisper"])
+def test_concurrent_encoder_decoder_calls_share_a_turn_of_replays_with_generates_tokens(name, fp32_exact):
+    """Eight default calls waiting for the turn together (graphwrap/decoding/turns.py): one
+    generate over their 16 rows, every step a replay, each call's tokens its own alone."""
+    import threading
+
+    from graphwrap.decoding import turns
+
+    model = _seq2seq(name)
+    gm = GraphedModule(model)
+    calls = []
+    for i in range(8):
+        kw = dict(_seq2seq_request(name, 0), max_new_tokens=12, min_new_tokens=0)
+        if name == "whisper":
+            kw["pad_token_id"] = model.generation_config.eos_token_id  # (joined where its pad is its end)
+        calls.append(kw)
+    with torch.no_grad():
+        want = [model.generate(**kw) for kw in calls]
+    t = turns.turns_of(model)
+    with t.cond:
+        t.busy = True  # (held until every call waits: one joined turn)
+    got = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, gm.generate(**calls[i]))) for i in range(8)]
+    for th in threads:
+        th.start()
+    while True:
+        with t.cond:
+            if len(t.waiting) == 8:
+                t.busy = False
+                t.cond.notify_all()
+                break
+        threading.Event().wait(0.001)
+    for th in threads:
+        th.join()
+    for i in range(8):
+        assert torch.equal(got[i], want[i]), (name, i)
+    s = gm.stats()
+    assert s["generate_turns"]["joined_calls"] == 8 and s["generate"] == {"graphwrap's decode loop": 8}, s
+    assert s["eager_calls"] == {} and replays(gm) >= 10
+
+
 def test_whispers_long_form_replays_each_segment_with_generates_tokens(fp32_exact, monkeypatch):
     """Audio longer than the encoder's window: transformers' long-form path decodes it segment
     by segment, each segment in graphwrap's loop, its steps replayed."""

@@ -65,10 +65,14 @@ def test_calls_alike_share_a_key_and_whatever_differs_keeps_them_apart():
     assert a.key is not None and a.rows == 1 and a.rule.kind == "loop" and a.rule.eos == (1,)
     assert turns.waiter(model, (), dict(input_ids=ids + 1, max_new_tokens=5)).key == a.key
     assert turns.waiter(model, (), dict(input_ids=ids.repeat(3, 1), max_new_tokens=5)).rows == 3
-    for other in (dict(input_ids=ids, max_new_tokens=6), dict(input_ids=torch.randint(3, 60, (1, 11)), max_new_tokens=5),
-                  dict(input_ids=ids, max_new_tokens=5, attention_mask=torch.ones_like(ids))):
+    # (a text encoder-decoder's prompts of other lengths join, padded: see the tests below)
+    assert a.pad == 0 and turns.waiter(model, (), dict(input_ids=torch.randint(3, 60, (1, 11)), max_new_tokens=5,
+                                                        attention_mask=torch.ones(1, 11))).key == a.key
+    for other in (dict(input_ids=ids, max_new_tokens=6), dict(input_ids=ids.int(), max_new_tokens=5)):
         w = turns.waiter(model, (), other)
         assert w.key is not None and w.key != a.key, other
+    padless = turns.waiter(model, (), dict(input_ids=torch.tensor([[3, 0, 5] + [4] * 7]), max_new_tokens=5))
+    assert padless.pad is None and padless.key != a.key, "a pad in a prompt without a mask: joined at its length only"
     positional = turns.waiter(model, (ids,), dict(max_new_tokens=5))
     assert positional.key is not None and positional.key != a.key
     for alone in (dict(do_sample=True), dict(num_beams=2), dict(streamer=object()), dict(logits_processor=[]),
@@ -78,6 +82,21 @@ def test_calls_alike_share_a_key_and_whatever_differs_keeps_them_apart():
     assert turns.waiter(model, (), dict(input_ids=torch.tensor([[3, 64]]), max_new_tokens=5)).key is None, \
         "an id past the embedding: the call meets the model's own error alone"
     assert turns.waiter(model, (ids, ids), {}).key is None
+
+
+def test_prompts_of_other_lengths_join_only_where_the_model_masks_padding():
+    gpt2 = _model("gpt2")
+    ids = torch.randint(3, 60, (1, 10))
+    a = turns.waiter(gpt2, (), dict(input_ids=ids, max_new_tokens=5))
+    assert a.key is not None and a.pad is None, "a decoder-only prompt: its length is where its output starts"
+    assert turns.waiter(gpt2, (), dict(input_ids=torch.randint(3, 60, (1, 11)), max_new_tokens=5)).key != a.key
+    t5 = _model("t5")
+    turns._HONOURS[t5] = False  # (found by a join before: the model reads padded positions)
+    try:
+        b = turns.waiter(t5, (), dict(input_ids=ids, max_new_tokens=5))
+        assert b.pad is None and b.key != turns.waiter(t5, (), dict(input_ids=ids[:, :9], max_new_tokens=5)).key
+    finally:
+        del turns._HONOURS[t5]
 
 
 def test_whisper_is_joined_short_form_where_its_pad_is_its_end_of_sequence():
@@ -104,6 +123,12 @@ def test_the_join_pads_the_rows_to_a_power_of_two_with_copies_of_the_last():
     assert kwargs["attention_mask"].tolist() == [[1, 1], [0, 1], [1, 1], [1, 1]]
     args, kwargs, rows = turns.join([turns.Waiter((torch.tensor([[7]]),), {}, rows=1)] * 3)
     assert rows == 4 and args[0].tolist() == [[7], [7], [7], [7]] and kwargs == {}
+    # Prompts of other lengths, padded with the model's pad and masked (ones where no mask was given)
+    c = turns.Waiter((), dict(input_ids=torch.tensor([[3, 4, 5]]), x=1), rows=1, pad=0)
+    d = turns.Waiter((), dict(input_ids=torch.tensor([[6]]), attention_mask=torch.tensor([[1]]), x=1), rows=1, pad=0)
+    args, kwargs, rows = turns.join([c, d])
+    assert kwargs["input_ids"].tolist() == [[3, 4, 5], [6, 0, 0]]
+    assert kwargs["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]] and rows == 2
     assert [turns.bucket_of(n) for n in (1, 2, 3, 5, 31, 32, 33)] == [1, 2, 4, 8, 32, 32, 64]
 
 
@@ -272,6 +297,63 @@ def test_concurrent_calls_joined_give_generates_tokens_each(name):
     assert t.counts["joined_turns"] == 1 and t.counts["joined_calls"] == len(calls), t.counts
     assert sum(gm.stats()["generate"].values()) == len(calls), "each call counted"
     assert gm.stats()["generate_turns"] == t.counts
+
+
+def _together(gm, model, calls, kw):
+    """Every call queued for the turn before the first takes it; their outputs."""
+    t = turns.turns_of(model)
+    _hold(t)
+    got = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, gm.generate(**calls[i], **kw)))
+               for i in range(len(calls))]
+    for th in threads:
+        th.start()
+    _release(t, len(calls))
+    for th in threads:
+        th.join()
+    return [got[i] for i in range(len(calls))], t.counts
+
+
+def _texts(lengths, masks=True):
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(3, 60, (1 + i % 2, n), generator=g)
+        out.append(dict(input_ids=ids, attention_mask=torch.ones_like(ids)) if masks or i % 3 else dict(input_ids=ids))
+    return out
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_text_prompts_of_every_length_join_padded_with_generates_tokens(name):
+    model = _varied(_model(name))
+    kw = dict(max_new_tokens=10, no_repeat_ngram_size=1)
+    calls = _texts([6, 14, 9, 3, 11, 7], masks=False)  # (some with a mask, some without)
+    kw, want = _ending(model, name, calls, kw)
+    got, counts = _together(GraphedModule(model), model, calls, kw)
+    for i, w in enumerate(want):
+        assert torch.equal(got[i], w), (name, i, got[i].tolist(), w.tolist())
+    assert counts["joined_calls"] == len(calls) and turns._HONOURS[model] is True, counts
+
+
+def test_a_model_that_reads_padded_prompts_joins_calls_of_one_length_only(gw_log):
+    model = _varied(_model("bart"))
+
+    def unmasked(module, args, kwargs):  # (the encoder and the cross-attention see every position)
+        kwargs.pop("attention_mask", None)
+        return args, kwargs
+
+    model.register_forward_pre_hook(unmasked, with_kwargs=True)
+    kw = dict(max_new_tokens=6, no_repeat_ngram_size=1)
+    calls = _texts([6, 9, 6, 12])
+    want = _alone(model, calls, kw)
+    gm = GraphedModule(model)
+    got, counts = _together(gm, model, calls, kw)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert turns._HONOURS[model] is False and counts["joins_undone"] == 1 and counts["joined_turns"] == 0, counts
+    assert "join only calls of their own prompt's length" in gw_log.text
+    got, counts = _together(gm, model, calls, kw)  # (now: the two of 6 positions joined, the others alone)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert counts["joined_turns"] == 1 and counts["joined_calls"] == 2, counts
 
 
 def test_decode_false_keeps_every_call_alone():

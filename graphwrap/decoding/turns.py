@@ -66,8 +66,10 @@ class Waiter:
     args: tuple
     kwargs: dict
     key: Optional[tuple] = None  # None: runs alone
+    module: Any = None
     rows: int = 0
     rule: Optional[EndsRule] = None
+    pad: Optional[int] = None  # a text encoder-decoder's pad id: joined with calls of other lengths, padded
     done: bool = False
     result: Any = None
     error: Optional[BaseException] = None
@@ -179,7 +181,10 @@ def _serve(turns: Turns, group: List[Waiter], run: Run):
 
 
 def _joined(group: List[Waiter], run: Run) -> Optional[list]:
-    """Each call's output from one run of them all, or None where the split cannot be told."""
+    """Each call's output from one run of them all, or None where the split cannot be told (or
+    the model does not mask the padded prompts a join of several lengths makes)."""
+    if group[0].pad is not None and len({_width(w) for w in group}) > 1 and not pads_honoured(group[0]):
+        return None
     args, kwargs, bucket = join(group)
     starts: List[int] = []
     out = run(args, kwargs, len(group), starts)
@@ -193,12 +198,59 @@ def _joined(group: List[Waiter], run: Run) -> Optional[list]:
     return split(out, [w.rows for w in group], rule)
 
 
+# ------------------------------------------------------------------ padded prompts
+
+_HONOURS: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+PAD_CHECK = 8  # positions of padding the check adds
+
+
+def _width(w: Waiter) -> int:
+    return int(cast(Tuple[str, torch.Tensor], _main(w.args, w.kwargs))[1].shape[1])
+
+
+def pads_honoured(w: Waiter) -> bool:
+    """Whether the model's first decoder step gives the same logits for ``w``'s first prompt
+    alone and right-padded (its mask zero there): that its encoder and its cross-attention
+    leave padded positions out. Found once per model, in the turn (a model that reads them
+    keeps joining calls of one length only)."""
+    module = w.module
+    found = _HONOURS.get(module)
+    if found is not None:
+        return found
+    ids = cast(Tuple[str, torch.Tensor], _main(w.args, w.kwargs))[1][:1]
+    mask = w.kwargs.get(MASK)
+    mask = torch.ones_like(ids) if mask is None else mask[:1]
+    pads = ids.new_full((1, PAD_CHECK), cast(int, w.pad))
+    gen = module.generation_config
+    start = w.kwargs.get("decoder_start_token_id", gen.decoder_start_token_id)
+    if start is None:
+        start = getattr(module.config, "decoder_start_token_id", None)
+    ok, why = False, "it names no decoder start"
+    if isinstance(start, int):
+        try:
+            with torch.no_grad():
+                first = ids.new_full((1, 1), start)
+                plain = module(input_ids=ids, attention_mask=mask, decoder_input_ids=first, use_cache=False,
+                               return_dict=True).logits.float()
+                pad = module(input_ids=torch.cat([ids, pads], 1), attention_mask=torch.cat([mask, mask.new_zeros(
+                    (1, PAD_CHECK))], 1), decoder_input_ids=first, use_cache=False, return_dict=True).logits.float()
+            tol = 1e-3 if next(module.parameters()).dtype == torch.float32 else 5e-2
+            ok = bool((pad - plain).abs().max() <= tol * max(float(plain.abs().max()), 1.0))
+            why = "its logits differ with padded positions masked"
+        except Exception as e:  # noqa: BLE001 - a model that cannot be run so joins calls of one length only
+            why = f"its forward on a padded prompt failed ({type(e).__name__})"
+    _HONOURS[module] = ok
+    if not ok:
+        logger.info("calls of %s join only calls of their own prompt's length (%s)", type(module).__name__, why)
+    return ok
+
+
 # ------------------------------------------------------------------ the key, the join, the split
 
 
 def waiter(module, args: tuple, kwargs: dict) -> Waiter:
     """A call as it waits for its turn, with its key where it may be joined."""
-    w = Waiter(args, kwargs)
+    w = Waiter(args, kwargs, module=module)
     found = _main(args, kwargs)
     if found is None:
         return w
@@ -225,10 +277,29 @@ def waiter(module, args: tuple, kwargs: dict) -> Waiter:
         return w
     kind = main.device.type
     autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) if kind in ("cuda", "cpu") else None
-    w.key = (rule.kind, name, tuple(main.shape[1:]), main.dtype, main.device,
-             None if mask is None else (mask.shape[1], mask.dtype), tuple(sorted(settings)), autocast)
+    w.pad = _pad_id(module, gen, kwargs, main, mask, rule)
+    shape = ("any length",) if w.pad is not None else (tuple(main.shape[1:]), None if mask is None else mask.shape[1])
+    w.key = (rule.kind, name, shape, main.dtype, main.device, tuple(sorted(settings)), autocast)
     w.rows, w.rule = int(main.shape[0]), rule
     return w
+
+
+def _pad_id(module, gen, kwargs, main: torch.Tensor, mask, rule: EndsRule) -> Optional[int]:
+    """The id a text encoder-decoder's prompt is padded with to join calls of other lengths (the
+    model's pad, masked; None where the call joins only calls of its own length): where its
+    model masks padded prompts (:func:`pads_honoured`, found at the first join that pads) and
+    the call's mask says which positions are its own (a call without one: where its prompt
+    holds no pad, which ``generate`` would mask)."""
+    if rule.kind != "loop" or rule.start is not None or main.dim() != 2 or main.is_floating_point():
+        return None
+    if _HONOURS.get(module) is False:
+        return None
+    pad = kwargs.get("pad_token_id", gen.pad_token_id)
+    if not isinstance(pad, int) or isinstance(pad, bool):
+        return None
+    if mask is None and bool((main == pad).any()):
+        return None
+    return pad
 
 
 def _main(args: tuple, kwargs: dict) -> Optional[Tuple[str, torch.Tensor]]:
@@ -336,14 +407,32 @@ def join(group: Sequence[Waiter]) -> Tuple[tuple, dict, int]:
         return torch.cat(parts)
 
     args, kwargs = first.args, dict(first.kwargs)
+    mains = [cast(Tuple[str, torch.Tensor], _main(w.args, w.kwargs))[1] for w in group]
+    masks = [w.kwargs.get(MASK) for w in group]
+    if first.pad is not None and (len({m.shape[1] for m in mains}) > 1 or any(m is not None for m in masks)):
+        mains, masks = padded(mains, masks, first.pad)
     if args:
-        args = (joined([w.args[0] for w in group]),)
+        args = (joined(mains),)
     else:
         name = next(k for k in MAIN_INPUTS if kwargs.get(k) is not None)
-        kwargs[name] = joined([w.kwargs[name] for w in group])
-    if kwargs.get(MASK) is not None:
-        kwargs[MASK] = joined([w.kwargs[MASK] for w in group])
+        kwargs[name] = joined(mains)
+    if masks[0] is not None:
+        kwargs[MASK] = joined(cast(List[torch.Tensor], masks))
     return args, kwargs, bucket
+
+
+def padded(ids: List[torch.Tensor], masks: List[Optional[torch.Tensor]], pad: int):
+    """Prompts of several lengths right-padded with ``pad`` to the longest, and their masks (ones
+    where a call gave none) with zeros."""
+    width = max(t.shape[1] for t in ids)
+    dtype = next((m.dtype for m in masks if m is not None), torch.long)
+    out_ids, out_masks = [], []
+    for t, m in zip(ids, masks):
+        m = torch.ones(t.shape, dtype=dtype, device=t.device) if m is None else m.to(dtype)
+        extra = width - t.shape[1]
+        out_ids.append(torch.cat([t, t.new_full((t.shape[0], extra), pad)], 1) if extra else t)
+        out_masks.append(torch.cat([m, m.new_zeros((m.shape[0], extra))], 1) if extra else m)
+    return out_ids, out_masks
 
 
 def split(out: torch.Tensor, rows: Sequence[int], rule: Optional[EndsRule]) -> Optional[List[torch.Tensor]]:
