@@ -351,7 +351,8 @@ def test_an_encoder_decoders_default_call_replays_with_generates_tokens(name, fp
 @pytest.mark.parametrize("name", ["t5", "bart", "whisper"])
 def test_concurrent_encoder_decoder_calls_share_a_turn_of_replays_with_generates_tokens(name, fp32_exact):
     """Eight default calls waiting for the turn together (graphwrap/decoding/turns.py): one
-    generate over their 16 rows, every step a replay, each call's tokens its own alone."""
+    generate over their 16 rows (text prompts of 10, 13 and 16 tokens, padded), every step a
+    replay, each call's tokens its own alone."""
     import threading
 
     from graphwrap.decoding import turns
@@ -360,7 +361,7 @@ def test_concurrent_encoder_decoder_calls_share_a_turn_of_replays_with_generates
     gm = GraphedModule(model)
     calls = []
     for i in range(8):
-        kw = dict(_seq2seq_request(name, 0), max_new_tokens=12, min_new_tokens=0)
+        kw = dict(_seq2seq_request(name, i % 3), max_new_tokens=12, min_new_tokens=0)
         if name == "whisper":
             kw["pad_token_id"] = model.generation_config.eos_token_id  # (joined where its pad is its end)
         calls.append(kw)
