@@ -108,6 +108,9 @@ def test_whisper_is_joined_short_form_where_its_pad_is_its_end_of_sequence():
     assert turns.waiter(_model("whisper", pad=0, eos=2), (), dict(input_features=features)).key is None
     longer = torch.randn(1, 16, 65)  # past the encoder's window: segments, long-form
     assert turns.waiter(_model("whisper", pad=2, eos=2), (), dict(input_features=longer)).key is None
+    stamped = _model("whisper", pad=2, eos=2)
+    stamped.generation_config.return_timestamps = True  # (segments of their own)
+    assert turns.waiter(stamped, (), dict(input_features=features)).key is None
 
 
 # ------------------------------------------------------------------ the join and the split
@@ -215,6 +218,26 @@ def test_calls_that_wait_together_run_as_one_and_each_gets_its_own_rows():
     assert sorted(runs) == [(1, 1), (5, 8)], "five calls of 7 rows in one run padded to 8; the other alone"
     assert t.counts == {"turns": 2, "joined_turns": 1, "joined_calls": 5, "joins_undone": 0}
     assert not t.busy and not t.waiting
+
+
+def test_turns_go_in_the_order_the_calls_came():
+    t, order = turns.Turns(), []
+
+    def run(args, kwargs, calls, starts):
+        order.append(int(kwargs["input_ids"][0, 0]))
+        return kwargs["input_ids"]
+
+    _hold(t)
+    threads = []
+    for i in range(6):  # (each queued before the next starts)
+        threads.append(threading.Thread(target=turns.take, args=(t, _waiter(i, key=None), 64, run)))
+        threads[-1].start()
+        while len(t.waiting) < i + 1:
+            threading.Event().wait(0.001)
+    _release(t, 6)
+    for th in threads:
+        th.join()
+    assert order == list(range(6))
 
 
 def test_a_joined_turn_takes_at_most_its_rows_and_the_rest_wait_for_the_next():

@@ -113,12 +113,13 @@ def take(turns: Turns, me: Waiter, most_rows: int, run: Run):
     the prompt length of each pass of graphwrap's loop, where given)."""
     with turns.cond:
         turns.waiting.append(me)
-        try:
-            while turns.busy and not me.done:
+        try:  # (turns go in the order calls came: the oldest waiting call takes the next)
+            while not me.done and (turns.busy or turns.waiting[0] is not me):
                 turns.cond.wait()
         except BaseException:  # (interrupted while waiting: no turn runs it for nobody)
             if me in turns.waiting:
                 turns.waiting.remove(me)
+                turns.cond.notify_all()
             raise
         if me.done:
             return me.outcome()
@@ -372,7 +373,8 @@ def _rule(module, gen, kwargs, main: torch.Tensor) -> Optional[EndsRule]:
         # Short-form only (one pass, no segments), and a pad that is the end-of-sequence token:
         # Whisper strips a row's pads and its end from each row before padding the batch, so a
         # row's own output never ends with a pad, and the batch's row is it, padded.
-        if isinstance(pad, int) and eos == (pad,) and main.dim() == 3 and main.shape[-1] <= window:
+        if (isinstance(pad, int) and eos == (pad,) and main.dim() == 3 and main.shape[-1] <= window
+                and not getattr(gen, "return_timestamps", False)):
             return EndsRule("whisper", pad=pad)
     return None
 
