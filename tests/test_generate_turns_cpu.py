@@ -79,8 +79,6 @@ def test_calls_alike_share_a_key_and_whatever_differs_keeps_them_apart():
                   dict(bad_words_ids=torch.tensor([[4]])), dict(max_time=1.0),
                   dict(generation_config=model.generation_config), dict(num_return_sequences=2)):
         assert turns.waiter(model, (), dict(input_ids=ids, max_new_tokens=5, **alone)).key is None, alone
-    assert turns.waiter(model, (), dict(input_ids=torch.tensor([[3, 64]]), max_new_tokens=5)).key is None, \
-        "an id past the embedding: the call meets the model's own error alone"
     assert turns.waiter(model, (ids, ids), {}).key is None
 
 
@@ -162,33 +160,44 @@ def _hold(t):
 
 
 def _release(t, waiting):
-    while True:
+    """The turn let go once ``waiting`` calls wait for it."""
+    for _ in range(60_000):  # (a minute at most)
         with t.cond:
             if len(t.waiting) >= waiting:
                 t.busy = False
                 t.cond.notify_all()
                 return
         threading.Event().wait(0.001)
+    with t.cond:
+        t.busy = False
+        t.cond.notify_all()
+    raise AssertionError(f"{len(t.waiting)} calls waited for the turn, not {waiting}")
 
 
-def _calls(t, waiters, most_rows, run):
-    """Every waiter queued while the turn is held, then the turn let go: their outcomes."""
+def _held(t, n, fn, waiting=None):
+    """``fn(i)`` in ``n`` threads, each queued while the turn is held (``waiting`` of them: all
+    unless given), then the turn let go: what each returned, or the error it raised."""
     _hold(t)
     got = {}
 
     def go(i):
         try:
-            got[i] = turns.take(t, waiters[i], most_rows, run)
+            got[i] = fn(i)
         except Exception as e:  # noqa: BLE001
             got[i] = e
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(waiters))]
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
     for th in threads:
         th.start()
-    _release(t, len(waiters))
+    _release(t, n if waiting is None else waiting)
     for th in threads:
         th.join()
-    return [got[i] for i in range(len(waiters))]
+    return [got[i] for i in range(n)]
+
+
+def _calls(t, waiters, most_rows, run):
+    """Every waiter queued while the turn is held, then the turn let go: their outcomes."""
+    return _held(t, len(waiters), lambda i: turns.take(t, waiters[i], most_rows, run))
 
 
 def _echo(runs):
@@ -296,6 +305,18 @@ def _ending(model, name, calls, kw):
     raise AssertionError("no token ends these calls at different places")
 
 
+def _together(gm, model, calls, kw, inference=False, refused=0):
+    """Every call queued for the turn before the first takes it (each under inference_mode where
+    asked; ``refused`` of them fail before they queue); their outputs, or the error each raised."""
+    t = turns.turns_of(model)
+
+    def one(i):
+        with torch.inference_mode(inference):
+            return gm.generate(**calls[i], **kw)
+
+    return _held(t, len(calls), one, len(calls) - refused), t.counts
+
+
 @pytest.mark.parametrize("name", ["t5", "bart", "whisper", "gpt2"])
 def test_concurrent_calls_joined_give_generates_tokens_each(name):
     model = _varied(_model(name, pad=2, eos=2))
@@ -305,36 +326,24 @@ def test_concurrent_calls_joined_give_generates_tokens_each(name):
     calls = [_inputs(name, 1 + i % 2, i) for i in range(7)]
     kw, want = _ending(model, name, calls, kw)
     gm = GraphedModule(model)
-    t = turns.turns_of(model)
-    _hold(t)
-    got = {}
-    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, gm.generate(**calls[i], **kw)))
-               for i in range(len(calls))]
-    for th in threads:
-        th.start()
-    _release(t, len(calls))
-    for th in threads:
-        th.join()
+    got, counts = _together(gm, model, calls, kw, inference=name in ("t5", "whisper"))  # (callers in inference_mode too)
     for i, w in enumerate(want):
-        assert torch.equal(got[i], w), (name, i, got[i].tolist(), w.tolist())
-    assert t.counts["joined_turns"] == 1 and t.counts["joined_calls"] == len(calls), t.counts
+        assert torch.equal(got[i], w), (name, i, got[i], w.tolist())
+    assert counts["joined_turns"] == 1 and counts["joined_calls"] == len(calls), counts
     assert sum(gm.stats()["generate"].values()) == len(calls), "each call counted"
-    assert gm.stats()["generate_turns"] == t.counts
+    assert gm.stats()["generate_turns"] == counts
 
 
-def _together(gm, model, calls, kw):
-    """Every call queued for the turn before the first takes it; their outputs."""
-    t = turns.turns_of(model)
-    _hold(t)
-    got = {}
-    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, gm.generate(**calls[i], **kw)))
-               for i in range(len(calls))]
-    for th in threads:
-        th.start()
-    _release(t, len(calls))
-    for th in threads:
-        th.join()
-    return [got[i] for i in range(len(calls))], t.counts
+def test_a_bad_call_beside_good_ones_fails_alone_and_the_others_are_joined():
+    model = _varied(_model("t5"))
+    kw = dict(max_new_tokens=8, no_repeat_ngram_size=1)
+    calls = _texts([6, 9, 7, 5])
+    calls.insert(2, dict(input_ids=torch.tensor([[3, 4, 640]])))  # (an id past the vocabulary of 64)
+    want = _alone(model, [c for i, c in enumerate(calls) if i != 2], kw)
+    got, counts = _together(GraphedModule(model), model, calls, kw, refused=1)  # (it fails before its turn)
+    assert isinstance(got[2], GraphwrapError) and "outside the model's vocabulary" in str(got[2])
+    assert all(torch.equal(g, w) for g, w in zip(got[:2] + got[3:], want))
+    assert counts["joined_calls"] == 4 and counts["joined_turns"] == 1, counts
 
 
 def _texts(lengths, masks=True):

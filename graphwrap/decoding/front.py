@@ -301,6 +301,7 @@ def alone(gm, why: str, args, kwargs):
     module = gm.module
     held = gm.__dict__
     note(held, why)
+    decode.check_ids(module, args, kwargs)  # (before its turn: a bad call fails at once, and is never joined)
     per_call = why != held.get("_gw_decode_why")  # this call's settings, not the model
     cfg = decode_options(held["_gw_options"].decode, getattr(module, "config", None))
 

@@ -271,7 +271,7 @@ def waiter(module, args: tuple, kwargs: dict) -> Waiter:
             return w
         settings.append((k, frozen))
     gen = getattr(module, "generation_config", None)
-    if gen is None or not _greedy(gen, kwargs) or not _ids_in_range(module, main):
+    if gen is None or not _greedy(gen, kwargs):
         return w
     rule = _rule(module, gen, kwargs, main)
     if rule is None:
@@ -318,18 +318,6 @@ def _main(args: tuple, kwargs: dict) -> Optional[Tuple[str, torch.Tensor]]:
     if not isinstance(main, torch.Tensor) or main.dim() < 2 or main.shape[0] < 1 or main.requires_grad:
         return None
     return name, main
-
-
-def _ids_in_range(module, main: torch.Tensor) -> bool:
-    """Token ids (not features) all within the model's embedding: an id past it fails the model's
-    forward (on a GPU, a device-side assert), which a joined run would make every call's."""
-    if main.is_floating_point():
-        return True
-    embed = getattr(module, "get_input_embeddings", None)
-    rows = getattr(embed() if callable(embed) else None, "num_embeddings", None)
-    if not isinstance(rows, int) or main.numel() == 0:
-        return False
-    return bool(main.min() >= 0) and bool(main.max() < rows)
 
 
 def _frozen(v):

@@ -174,7 +174,7 @@ def check_ids(module, args, kwargs):
     main = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
     for name, ids in (("input_ids", main), ("decoder_input_ids", kwargs.get("decoder_input_ids"))):
         if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.numel():
-            low, high = int(ids.min()), int(ids.max())
+            low, high = torch.stack(torch.aminmax(ids)).tolist()  # (one wait for the device)
             if low < 0 or high >= most:
                 raise GraphwrapError(f"{name} holds token id {low if low < 0 else high}, outside the model's "
                                      f"vocabulary of {most}")
@@ -585,7 +585,6 @@ def generate(engine, held: dict, module, args, kwargs, not_shared: Optional[str]
     step = Step(engine, held["_gw_experts"])
     name = cache_keyword(module)
     check_room(args, kwargs)  # a cache the caller passes (graphwrap sizes its own)
-    check_ids(module, args, kwargs)
     why = unsupported(module) or request_unsupported(kwargs)
     if why is None:
         kwargs = default_static(module, kwargs)
