@@ -421,6 +421,11 @@ def test_a_call_of_ids_past_the_vocabulary_fails_alone_before_any_forward(bad):
         gm.generate(**call)
     assert not forwards
     hook.remove()
+    ended = []
+    streamer = type("Streamer", (), {"put": lambda self, v: None, "end": lambda self: ended.append(1)})()
+    with pytest.raises(GraphwrapError):
+        gm.generate(**call, streamer=streamer)
+    assert ended == [1], "its streamer ended: a consumer waiting on it is let go"
     ids = torch.tensor([[3, 4, 5]])
     with torch.no_grad():
         want = model.generate(input_ids=ids, max_new_tokens=4, eos_token_id=500)  # (an end never made: served)

@@ -301,7 +301,6 @@ def alone(gm, why: str, args, kwargs):
     module = gm.module
     held = gm.__dict__
     note(held, why)
-    decode.check_ids(module, args, kwargs)  # (before its turn: a bad call fails at once, and is never joined)
     per_call = why != held.get("_gw_decode_why")  # this call's settings, not the model
     cfg = decode_options(held["_gw_options"].decode, getattr(module, "config", None))
 
@@ -318,8 +317,9 @@ def alone(gm, why: str, args, kwargs):
     joins = cfg is not None and decode.unsupported(module) is None and (
         not getattr(getattr(module, "config", None), "is_encoder_decoder", False)
         or decode.request_unsupported(kwargs) is None)
-    me = turns.waiter(module, args, kwargs) if joins else turns.Waiter(args, kwargs)
     try:
+        decode.check_ids(module, args, kwargs)  # (before its turn: a bad call fails at once, and is never joined)
+        me = turns.waiter(module, args, kwargs) if joins else turns.Waiter(args, kwargs)
         return turns.take(cast(turns.Turns, turns.turns_of(module)), me, cfg["rows"] if cfg is not None else 1, run)
     except BaseException:
         streamer = kwargs.get("streamer")
