@@ -387,7 +387,8 @@ def test_concurrent_encoder_decoder_calls_share_a_turn_of_replays_with_generates
         assert torch.equal(got[i], want[i]), (name, i)
     s = gm.stats()
     assert s["generate_turns"]["joined_calls"] == 8 and s["generate"] == {"graphwrap's decode loop": 8}, s
-    assert s["eager_calls"] == {} and replays(gm) >= 10
+    longest = max(w.shape[-1] for w in want)  # (one run as long as its longest row: its steps replayed once)
+    assert s["eager_calls"] == {} and longest - 3 <= replays(gm) <= longest, (replays(gm), longest)
 
 
 def test_whispers_long_form_replays_each_segment_with_generates_tokens(fp32_exact, monkeypatch):

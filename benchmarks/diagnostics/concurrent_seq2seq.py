@@ -33,6 +33,23 @@ def rounds(fn, n: int = 3) -> list:
     return _timed(fn, n)[0]
 
 
+def parted(model, feats, ours, ref):
+    """Where ``ours`` first parts from ``ref`` (decoder tokens), and eager's logits there: the
+    margin of ``ref``'s token over ours (a near tie where it is within fp16's rounding)."""
+    diff = (ours[0] != ref[0]).nonzero()
+    if ours.shape != ref.shape and not len(diff):
+        return f"lengths {ours.shape[-1]} and {ref.shape[-1]}"
+    if not len(diff):
+        return "equal"
+    i = int(diff[0])
+    with torch.no_grad():
+        logits = model(input_features=feats, decoder_input_ids=ref[:, :i]).logits[0, -1].float()
+    a, b = int(ref[0, i]), int(ours[0, i])
+    top2 = logits.topk(2).values
+    return (f"part at token {i}: eager's logit of model.generate's token {logits[a]:.4f}, of ours "
+            f"{logits[b]:.4f} (margin {logits[a] - logits[b]:.4f}; eager's top two {top2[0]:.4f}, {top2[1]:.4f})")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=32)
@@ -64,11 +81,15 @@ def main():
     first = rounds(lambda: burst(gm), 1)[0]
     warm = rounds(lambda: burst(gm))
     equal = sum(torch.equal(o, w) for o, w in zip(outs, want))
+    parts = [f"request {i}: {parted(model, feats[i], o, w)}" for i, (o, w) in enumerate(zip(outs, want))
+             if not torch.equal(o, w)]
     alone = rounds(lambda: [gm.generate(input_features=f, **kw) for f in feats])
     apart = GraphedModule(model, decode=False)
     burst(apart)  # (its caches and graphs: at one row)
     turns = rounds(lambda: burst(apart))
     equal_apart = sum(torch.equal(o, w) for o, w in zip(outs, want))
+    parts += [f"request {i}, decode=False: {parted(model, feats[i], o, w)}"
+              for i, (o, w) in enumerate(zip(outs, want)) if not torch.equal(o, w)]
 
     def rate(ts):
         return tokens / statistics.median(ts)
@@ -84,6 +105,8 @@ def main():
     print(f"  gm.generate from {a.requests} threads, decode=False (a turn each): {rate(turns):,.0f} tokens/s "
           f"(rounds {[round(t, 2) for t in turns]} s), {rate(turns) / base:.1f}x; joined turns "
           f"{rate(warm) / rate(turns):.1f}x that; tokens equal: {equal_apart} of {a.requests}")
+    for p in parts:
+        print(f"  {p}")
     print(f"  stats: {gm.stats().get('generate')}, turns {gm.stats().get('generate_turns')}", flush=True)
 
 
