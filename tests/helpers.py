@@ -1,5 +1,6 @@
 """Small helpers the tests keep using."""
 
+import collections
 import dataclasses
 import threading
 from collections import OrderedDict
@@ -505,3 +506,82 @@ def same_or_near_tie(model, ids, out, k: int):
     at = int((out[0] != want.sequences[0]).nonzero()[0]) - ids.shape[1]
     top2 = want.logits[at][0].float().topk(2).values
     assert top2[0] - top2[1] <= 4 * 2 ** -10 * top2[0].abs().clamp(min=1), (at, top2)
+
+
+# ------------------------------------------------------------------ joined turns (graphwrap/decoding/turns.py)
+
+
+def hold_turn(t):
+    """The turn held: calls that come queue for it."""
+    with t.cond:
+        t.busy = True
+
+
+def release_turn(t, waiting):
+    """The turn let go once ``waiting`` calls wait for it."""
+    for _ in range(60_000):  # (a minute at most)
+        with t.cond:
+            if len(t.waiting) >= waiting:
+                t.busy = False
+                t.cond.notify_all()
+                return
+        threading.Event().wait(0.001)
+    with t.cond:
+        t.busy = False
+        t.cond.notify_all()
+    raise AssertionError(f"{len(t.waiting)} calls waited for the turn, not {waiting}")
+
+
+def held_turn(t, n, fn, waiting=None):
+    """``fn(i)`` in ``n`` threads, each queued while the turn is held (``waiting`` of them: all
+    unless given), then the turn let go: what each returned, or the error it raised."""
+    hold_turn(t)
+    got = {}
+
+    def go(i):
+        try:
+            got[i] = fn(i)
+        except Exception as e:  # noqa: BLE001
+            got[i] = e
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    release_turn(t, n if waiting is None else waiting)
+    for th in threads:
+        th.join()
+    return [got[i] for i in range(n)]
+
+
+def generate_alone(model, calls, kw):
+    out = []
+    for c in calls:
+        with torch.no_grad():
+            out.append(model.generate(**c, **kw))
+    return out
+
+
+def ending_eos(model, name, calls, kw):
+    """``kw`` with an end-of-sequence id that ends the calls' rows at different places (a token
+    the rows make, tried by how many rows make it), and ``model.generate``'s output of each call
+    alone with it."""
+    rows = collections.Counter()
+    for out in generate_alone(model, calls, dict(kw, min_new_tokens=kw["max_new_tokens"])):
+        for row in out[:, out.shape[1] - kw["max_new_tokens"]:].tolist():
+            rows.update(set(row))
+    for token, _ in rows.most_common(8):
+        ends = dict(kw, eos_token_id=token, pad_token_id=token) if name == "whisper" else dict(kw, eos_token_id=token)
+        want = generate_alone(model, calls, ends)
+        if len({w.shape[1] for w in want}) > 1:
+            return ends, want
+    raise AssertionError("no token ends these calls at different places")
+
+
+def varied_weights(model):
+    """Weights large enough that each input makes tokens of its own (at the initial scale these
+    tiny models make one token over and over, whatever the input)."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return model

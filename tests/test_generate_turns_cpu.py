@@ -3,11 +3,11 @@ one batch (graphwrap/decoding/turns.py): which calls may be joined, the join, wh
 output is cut, the turn itself, and tokens against ``model.generate`` alone for T5, BART,
 Whisper and a decoder-only call of a setting the shared batch leaves to the one-call loop."""
 
-import collections
 import threading
 
 import pytest
 import torch
+from helpers import ending_eos, generate_alone, held_turn, hold_turn, release_turn, varied_weights
 
 from graphwrap import GraphedModule, GraphwrapError
 from graphwrap.decoding import turns
@@ -35,16 +35,6 @@ def _model(name, pad=0, eos=2):
     cfg = tr.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=128, bos_token_id=1,
                         eos_token_id=2, pad_token_id=0)
     return tr.GPT2LMHeadModel(cfg).eval()
-
-
-def _varied(model):
-    """Weights large enough that each input makes tokens of its own (at the initial scale these
-    tiny models make one token over and over, whatever the input)."""
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.5)
-    return model
 
 
 def _inputs(name, rows, seed):
@@ -154,50 +144,9 @@ def test_the_split_cuts_each_call_where_the_last_of_its_rows_ends():
 # ------------------------------------------------------------------ the turn
 
 
-def _hold(t):
-    with t.cond:
-        t.busy = True
-
-
-def _release(t, waiting):
-    """The turn let go once ``waiting`` calls wait for it."""
-    for _ in range(60_000):  # (a minute at most)
-        with t.cond:
-            if len(t.waiting) >= waiting:
-                t.busy = False
-                t.cond.notify_all()
-                return
-        threading.Event().wait(0.001)
-    with t.cond:
-        t.busy = False
-        t.cond.notify_all()
-    raise AssertionError(f"{len(t.waiting)} calls waited for the turn, not {waiting}")
-
-
-def _held(t, n, fn, waiting=None):
-    """``fn(i)`` in ``n`` threads, each queued while the turn is held (``waiting`` of them: all
-    unless given), then the turn let go: what each returned, or the error it raised."""
-    _hold(t)
-    got = {}
-
-    def go(i):
-        try:
-            got[i] = fn(i)
-        except Exception as e:  # noqa: BLE001
-            got[i] = e
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
-    for th in threads:
-        th.start()
-    _release(t, n if waiting is None else waiting)
-    for th in threads:
-        th.join()
-    return [got[i] for i in range(n)]
-
-
 def _calls(t, waiters, most_rows, run):
     """Every waiter queued while the turn is held, then the turn let go: their outcomes."""
-    return _held(t, len(waiters), lambda i: turns.take(t, waiters[i], most_rows, run))
+    return held_turn(t, len(waiters), lambda i: turns.take(t, waiters[i], most_rows, run))
 
 
 def _echo(runs):
@@ -236,14 +185,14 @@ def test_turns_go_in_the_order_the_calls_came():
         order.append(int(kwargs["input_ids"][0, 0]))
         return kwargs["input_ids"]
 
-    _hold(t)
+    hold_turn(t)
     threads = []
     for i in range(6):  # (each queued before the next starts)
         threads.append(threading.Thread(target=turns.take, args=(t, _waiter(i, key=None), 64, run)))
         threads[-1].start()
         while len(t.waiting) < i + 1:
             threading.Event().wait(0.001)
-    _release(t, 6)
+    release_turn(t, 6)
     for th in threads:
         th.join()
     assert order == list(range(6))
@@ -266,7 +215,7 @@ def test_a_joined_turn_that_fails_runs_each_call_alone_and_only_the_bad_one_fail
     assert t.counts["joins_undone"] == 1 and t.counts["joined_turns"] == 0
 
 
-def test_a_joined_run_whose_prompt_is_not_known_runs_each_call_alone():
+def test_a_joined_run_whose_prompt_is_not_known_runs_each_callgenerate_alone():
     t, runs = turns.Turns(), []
 
     def run(args, kwargs, calls, starts):  # (transformers' own loop ran: graphwrap's did not see the prompt)
@@ -281,30 +230,6 @@ def test_a_joined_run_whose_prompt_is_not_known_runs_each_call_alone():
 # ------------------------------------------------------------------ tokens against model.generate alone
 
 
-def _alone(model, calls, kw):
-    out = []
-    for c in calls:
-        with torch.no_grad():
-            out.append(model.generate(**c, **kw))
-    return out
-
-
-def _ending(model, name, calls, kw):
-    """``kw`` with an end-of-sequence id that ends the calls' rows at different places (a token
-    the rows make, tried by how many rows make it), and ``model.generate``'s output of each call
-    alone with it."""
-    rows = collections.Counter()
-    for out in _alone(model, calls, dict(kw, min_new_tokens=kw["max_new_tokens"])):
-        for row in out[:, out.shape[1] - kw["max_new_tokens"]:].tolist():
-            rows.update(set(row))
-    for token, _ in rows.most_common(8):
-        ends = dict(kw, eos_token_id=token, pad_token_id=token) if name == "whisper" else dict(kw, eos_token_id=token)
-        want = _alone(model, calls, ends)
-        if len({w.shape[1] for w in want}) > 1:
-            return ends, want
-    raise AssertionError("no token ends these calls at different places")
-
-
 def _together(gm, model, calls, kw, inference=False, refused=0):
     """Every call queued for the turn before the first takes it (each under inference_mode where
     asked; ``refused`` of them fail before they queue); their outputs, or the error each raised."""
@@ -314,17 +239,17 @@ def _together(gm, model, calls, kw, inference=False, refused=0):
         with torch.inference_mode(inference):
             return gm.generate(**calls[i], **kw)
 
-    return _held(t, len(calls), one, len(calls) - refused), t.counts
+    return held_turn(t, len(calls), one, len(calls) - refused), t.counts
 
 
 @pytest.mark.parametrize("name", ["t5", "bart", "whisper", "gpt2"])
 def test_concurrent_calls_joined_give_generates_tokens_each(name):
-    model = _varied(_model(name, pad=2, eos=2))
+    model = varied_weights(_model(name, pad=2, eos=2))
     # (no token twice in a row's output: these tiny models' rows otherwise repeat one token; the
     # shared batch leaves the setting to the one-call loop, so the decoder-only calls go there too)
     kw = dict(max_new_tokens=12, no_repeat_ngram_size=1)
     calls = [_inputs(name, 1 + i % 2, i) for i in range(7)]
-    kw, want = _ending(model, name, calls, kw)
+    kw, want = ending_eos(model, name, calls, kw)
     gm = GraphedModule(model)
     got, counts = _together(gm, model, calls, kw, inference=name in ("t5", "whisper"))  # (callers in inference_mode too)
     for i, w in enumerate(want):
@@ -335,11 +260,11 @@ def test_concurrent_calls_joined_give_generates_tokens_each(name):
 
 
 def test_a_bad_call_beside_good_ones_fails_alone_and_the_others_are_joined():
-    model = _varied(_model("t5"))
+    model = varied_weights(_model("t5"))
     kw = dict(max_new_tokens=8, no_repeat_ngram_size=1)
     calls = _texts([6, 9, 7, 5])
     calls.insert(2, dict(input_ids=torch.tensor([[3, 4, 640]])))  # (an id past the vocabulary of 64)
-    want = _alone(model, [c for i, c in enumerate(calls) if i != 2], kw)
+    want = generate_alone(model, [c for i, c in enumerate(calls) if i != 2], kw)
     got, counts = _together(GraphedModule(model), model, calls, kw, refused=1)  # (it fails before its turn)
     assert isinstance(got[2], GraphwrapError) and "outside the model's vocabulary" in str(got[2])
     assert all(torch.equal(g, w) for g, w in zip(got[:2] + got[3:], want))
@@ -357,10 +282,10 @@ def _texts(lengths, masks=True):
 
 @pytest.mark.parametrize("name", ["t5", "bart"])
 def test_text_prompts_of_every_length_join_padded_with_generates_tokens(name):
-    model = _varied(_model(name))
+    model = varied_weights(_model(name))
     kw = dict(max_new_tokens=10, no_repeat_ngram_size=1)
     calls = _texts([6, 14, 9, 3, 11, 7], masks=False)  # (some with a mask, some without)
-    kw, want = _ending(model, name, calls, kw)
+    kw, want = ending_eos(model, name, calls, kw)
     got, counts = _together(GraphedModule(model), model, calls, kw)
     for i, w in enumerate(want):
         assert torch.equal(got[i], w), (name, i, got[i].tolist(), w.tolist())
@@ -368,7 +293,7 @@ def test_text_prompts_of_every_length_join_padded_with_generates_tokens(name):
 
 
 def test_a_model_that_reads_padded_prompts_joins_calls_of_one_length_only(gw_log):
-    model = _varied(_model("bart"))
+    model = varied_weights(_model("bart"))
 
     def unmasked(module, args, kwargs):  # (the encoder and the cross-attention see every position)
         kwargs.pop("attention_mask", None)
@@ -377,7 +302,7 @@ def test_a_model_that_reads_padded_prompts_joins_calls_of_one_length_only(gw_log
     model.register_forward_pre_hook(unmasked, with_kwargs=True)
     kw = dict(max_new_tokens=6, no_repeat_ngram_size=1)
     calls = _texts([6, 9, 6, 12])
-    want = _alone(model, calls, kw)
+    want = generate_alone(model, calls, kw)
     gm = GraphedModule(model)
     got, counts = _together(gm, model, calls, kw)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
@@ -388,16 +313,16 @@ def test_a_model_that_reads_padded_prompts_joins_calls_of_one_length_only(gw_log
     assert counts["joined_turns"] == 1 and counts["joined_calls"] == 2, counts
 
 
-def test_decode_false_keeps_every_call_alone():
+def test_decode_false_keeps_every_callgenerate_alone():
     model = _model("t5")
     gm = GraphedModule(model, decode=False)
     calls = [_inputs("t5", 1, i) for i in range(3)]
     t = turns.turns_of(model)
-    _hold(t)
+    hold_turn(t)
     threads = [threading.Thread(target=gm.generate, kwargs=dict(c, max_new_tokens=4)) for c in calls]
     for th in threads:
         th.start()
-    _release(t, len(calls))
+    release_turn(t, len(calls))
     for th in threads:
         th.join()
     assert t.counts["turns"] == 3 and t.counts["joined_turns"] == 0

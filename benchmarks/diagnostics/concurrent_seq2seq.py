@@ -7,7 +7,7 @@ ran when graphwrap left them to transformers), and ``gm.generate`` one after ano
 each (the median of 3 warm rounds; 2 for the eager one), and whether each request's tokens are
 ``model.generate``'s alone.
 
-``python3 benchmarks/diagnostics/concurrent_seq2seq.py [--requests 32] [--new 64]`` from the
+``python3 benchmarks/diagnostics/concurrent_seq2seq.py [--requests 32] [--new 64] [--float32]`` from the
 repository root, on a GPU.
 """
 
@@ -44,22 +44,31 @@ def parted(model, feats, ours, ref):
     i = int(diff[0])
     with torch.no_grad():
         logits = model(input_features=feats, decoder_input_ids=ref[:, :i]).logits[0, -1].float()
+        # the same logits as model.generate's own steps made them (its cache, one token a step)
+        stepped = model.generate(input_features=feats, do_sample=False, max_new_tokens=i, min_new_tokens=i,
+                                 output_scores=True, return_dict_in_generate=True).scores[i - 1][0].float()
     a, b = int(ref[0, i]), int(ours[0, i])
     top2 = logits.topk(2).values
     return (f"part at token {i}: eager's logit of model.generate's token {logits[a]:.4f}, of ours "
-            f"{logits[b]:.4f} (margin {logits[a] - logits[b]:.4f}; eager's top two {top2[0]:.4f}, {top2[1]:.4f})")
+            f"{logits[b]:.4f} (margin {logits[a] - logits[b]:.4f}; eager's top two {top2[0]:.4f}, {top2[1]:.4f}); "
+            f"model.generate's own step there: {stepped[a]:.4f} and {stepped[b]:.4f}, and eager's two ways "
+            f"differ by up to {(stepped - logits).abs().max():.4f} over the vocabulary")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--float32", action="store_true", help="the model in float32 (fp16 by default)")
     a = ap.parse_args()
     print(f"concurrent_seq2seq: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     model = _model("whisper", DEV)
+    dtype = torch.float32 if a.float32 else torch.float16
+    model = model.to(dtype)
+    print(f"Whisper-base shape in {dtype}", flush=True)
     g = torch.Generator().manual_seed(0)
-    feats = [torch.randn(1, model.config.num_mel_bins, 3000, generator=g).to(DEV).half() for _ in range(a.requests)]
+    feats = [torch.randn(1, model.config.num_mel_bins, 3000, generator=g).to(DEV, dtype) for _ in range(a.requests)]
     kw = dict(do_sample=False, max_new_tokens=a.new, min_new_tokens=a.new)  # (random weights can end a row early)
     tokens = a.requests * a.new
     with torch.no_grad():
