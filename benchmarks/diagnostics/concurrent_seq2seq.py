@@ -47,12 +47,19 @@ def parted(model, feats, ours, ref):
         # the same logits as model.generate's own steps made them (its cache, one token a step)
         stepped = model.generate(input_features=feats, do_sample=False, max_new_tokens=i, min_new_tokens=i,
                                  output_scores=True, return_dict_in_generate=True).scores[i - 1][0].float()
+        # transformers' own loop over a static cache, every step eager (graphwrap's loop's cache kind)
+        static = model.generate(input_features=feats, do_sample=False, max_new_tokens=i + 1, min_new_tokens=i + 1,
+                                cache_implementation="static")
     a, b = int(ref[0, i]), int(ours[0, i])
     top2 = logits.topk(2).values
+    finite = stepped.isfinite()  # (the steps' scores: -inf where a processor forbade a token)
+    spread = (stepped - logits)[finite].abs().max()
+    same = "ours" if int(static[0, i]) == b else "model.generate's" if int(static[0, i]) == a else "another"
     return (f"part at token {i}: eager's logit of model.generate's token {logits[a]:.4f}, of ours "
             f"{logits[b]:.4f} (margin {logits[a] - logits[b]:.4f}; eager's top two {top2[0]:.4f}, {top2[1]:.4f}); "
             f"model.generate's own step there: {stepped[a]:.4f} and {stepped[b]:.4f}, and eager's two ways "
-            f"differ by up to {(stepped - logits).abs().max():.4f} over the vocabulary")
+            f"differ by up to {spread:.4f} over the vocabulary; model.generate over a static cache (eager) "
+            f"makes {same} token there")
 
 
 def main():
