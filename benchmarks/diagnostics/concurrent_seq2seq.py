@@ -70,6 +70,9 @@ def main():
     a = ap.parse_args()
     print(f"concurrent_seq2seq: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # (generate's notes on max_length, once a call)
     model = _model("whisper", DEV)
     dtype = torch.float32 if a.float32 else torch.float16
     model = model.to(dtype)
