@@ -185,6 +185,29 @@ def test_an_eos_outside_the_vocabulary_in_a_config_raises_no_device_assert():
     assert gm.stats()["generate"] == {SHARED: 1}
 
 
+def test_a_call_past_the_models_positions_is_refused_and_the_context_serves_on():
+    """GPT-2's table of 32 positions: a call needing 33 would be a device-side assert ending the
+    CUDA context of every caller; it is refused (graphwrap/loops/positions.py), and the calls
+    after it, of the one-call loop and the shared batch, are served."""
+    torch.manual_seed(0)
+    cfg = tr.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100, n_positions=32, bos_token_id=1,
+                        eos_token_id=2, pad_token_id=0)
+    model = tr.GPT2LMHeadModel(cfg).to(DEV).eval()
+    gm = GraphedModule(model)
+    ids = torch.randint(3, 100, (1, 16), device=DEV)
+    for extra in (dict(no_repeat_ngram_size=3), {}):  # (the one-call loop; the batch's own check)
+        with pytest.raises(GraphwrapError, match="positions"):
+            gm.generate(ids, max_new_tokens=18, min_new_tokens=18, do_sample=False, **extra)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False, no_repeat_ngram_size=3)
+    assert torch.equal(gm.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                   no_repeat_ngram_size=3), want)
+    out = gm.generate(ids, max_new_tokens=8, do_sample=False)
+    torch.cuda.synchronize()
+    s = gm.stats()["generate"]
+    assert out.shape[0] == 1 and s.get(SHARED) == 1 and sum(s.values()) == 2, s  # (the refused: counted nowhere)
+
+
 class Small(nn.Module):
     def __init__(self):
         super().__init__()

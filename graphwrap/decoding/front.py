@@ -21,6 +21,7 @@ import torch
 from ..core.engine import Engine
 from ..errors import GraphwrapError
 from ..loops import decode
+from ..loops.positions import check_positions
 from . import turns
 from .attention import without_cudnn
 from .pool import CACHE_MEMORY
@@ -318,7 +319,9 @@ def alone(gm, why: str, args, kwargs):
         not getattr(getattr(module, "config", None), "is_encoder_decoder", False)
         or decode.request_unsupported(kwargs) is None)
     try:
-        decode.check_ids(module, args, kwargs)  # (before its turn: a bad call fails at once, and is never joined)
+        # (before its turn: a bad call fails at once, and is never joined)
+        decode.check_ids(module, args, kwargs)
+        check_positions(module, args, kwargs)
         me = turns.waiter(module, args, kwargs) if joins else turns.Waiter(args, kwargs)
         return turns.take(cast(turns.Turns, turns.turns_of(module)), me, cfg["rows"] if cfg is not None else 1, run)
     except BaseException:
