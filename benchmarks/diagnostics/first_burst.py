@@ -41,6 +41,24 @@ def shapes(gm) -> str:
             f"{caps.get('seconds', '-')} s (queued {len(caps.get('queued', []))}), failed {d.get('capture_failed', '-')}")
 
 
+def compile_costs(name: str):
+    """Where ``compile=True``'s time went in this process (torch's own counts): Inductor's FX
+    graph cache and AOTAutograd's cache, hits against misses (a second process on the machine
+    hits what the first one wrote), and the seconds of each phase dynamo times."""
+    from torch._dynamo.utils import compile_times, counters
+
+    caches = {k: v for k, v in counters["inductor"].items() if "cache" in k}
+    caches.update({f"aot_autograd {k}": v for k, v in counters["aot_autograd"].items() if "cache" in k or "autograd" in k})
+    print(f"[{name}] torch's caches: {dict(sorted(caches.items()))}", flush=True)
+    try:
+        table = compile_times(repr="csv", aggregate=True)
+        phases = sorted(zip(table[0], table[1]), key=lambda kv: -float(kv[1]))[:10]
+        print(f"[{name}] compile phases, seconds in all: " + ", ".join(f"{k} {float(v):.1f}" for k, v in phases),
+              flush=True)
+    except Exception as e:  # noqa: BLE001 - torch's reporting changes between versions
+        print(f"[{name}] compile phases not read: {type(e).__name__}: {e}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model", choices=["gpt2", "llama"])
@@ -72,6 +90,7 @@ def main():
           f"{tokens / w:,.0f} tokens/s); first / warm = {first / w:.2f}x", flush=True)
     if a.compile:
         print(f"[{a.model}] compile=True, after the bursts: {shapes(gm)}", flush=True)
+        compile_costs(a.model)
         gm.close()
         return
     t, _, clocks, _ = g.burst(gm, reqs, dev, stream=True)
