@@ -134,14 +134,17 @@ def _alone(model, prompt, n):
         return model.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
 
 
-def _captured_beside(model, **decode):
+def _captured_beside(model, compile=None, **decode):
     """A GraphedModule whose batch (made here) captures shapes beside its decode thread, its
-    engines on the CPU stand-in for CUDA graphs: ``(gm, server)``."""
-    gm = GraphedModule(model, decode=decode)
+    engines on the CPU stand-in for CUDA graphs: ``(gm, server)``. With ``compile``, the engines
+    of its compiled graphs are stand-ins too, which compile nothing (Inductor is not asked)."""
+    gm = GraphedModule(model, decode=decode, compile=compile)
     gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)  # makes the batch
     server = gm.__dict__["_gw_decode"]
-    for engine in (server.engine, server.prefill_engine, server.piece_engine):
+    for engine in (server.engine, server.prefill_engine, server.piece_engine, *server.compiled_engines.values()):
         engine.backend, engine.where = CpuBackend(), None
+    for engine in server.compiled_engines.values():
+        engine.compile_opts = None
     server.start_captures()
     return gm, server
 
@@ -226,6 +229,7 @@ def test_captures_go_needed_first_then_queued_ahead_then_covered():
     class Server:
         device = torch.device("cpu")
         shapes = Shapes()
+        compiled_engines = {}
 
     caps = Captures(Server())
 
@@ -257,6 +261,96 @@ def test_captures_go_needed_first_then_queued_ahead_then_covered():
     assert caps.stop(10) and not caps.thread.is_alive()
     caps.want(("step", 4, 1024))
     assert caps.queued() == [], "a stopped thread takes nothing more"
+
+
+def test_with_compile_each_shape_captured_plain_is_compiled_after_every_plain_capture_queued():
+    """compile=: a shape's compiled graph is queued once its plain graph serves (not where that
+    failed, nor for a kind without a compiled engine), behind every plain capture."""
+    order = []
+
+    class Server:
+        device = torch.device("cpu")
+        shapes = Shapes()
+        compiled_engines = {"step": None, "prefill": None}
+
+    caps = Captures(Server())
+    caps._capture = lambda shape: order.append(shape) or ("it failed" if shape[1] == 3 else None)
+    caps._compile = lambda shape: order.append(("compiled", shape))
+    for shape in (("step", 4, 64), ("step", 3, 64), ("piece", 8, 64), ("prefill", 2, 16)):
+        caps.want(shape, AHEAD)
+    caps.want(("step", 8, 64), COVERED)
+    assert caps.finish(10)
+    assert order == [("step", 4, 64), ("step", 3, 64), ("piece", 8, 64), ("prefill", 2, 16), ("step", 8, 64),
+                     ("compiled", ("step", 4, 64)), ("compiled", ("prefill", 2, 16)), ("compiled", ("step", 8, 64))]
+    assert caps.stop(10)
+
+
+def test_with_compile_plain_graphs_serve_first_then_compiled_ones_replace_them_with_the_models_tokens():
+    """compile=: each shape is served by a plain graph first, then by the graph of its compiled
+    engine, captured over a twin of its own (the stand-ins compile nothing: what is tested is
+    the order and the hand-over); tokens as model.generate's throughout."""
+    model = _model("gpt2")
+    gm, server = _captured_beside(model, compile=True, rows=4)
+    assert set(server.compiled_engines) == {"step", "prefill", "piece"}
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(2, 101, (n,), generator=g).tolist() for n in (5, 11, 3, 7)]
+    news = [9, 6, 12, 8]
+
+    def replays():
+        d = gm.stats()["decode"]
+        return sum(b["replays"] for e in d["compiled_engines"].values() for k in e["keys"] for b in k["buckets"].values())
+
+    def one_pass():
+        got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i],
+                                                   do_sample=False), len(prompts))
+        for p, n, out in zip(prompts, news, got):
+            assert torch.equal(out, _alone(model, p, n))
+        _idle(server)  # (every shape captured plain, then compiled)
+
+    one_pass()
+    d = gm.stats()["decode"]
+    compiled = d["captures"]["compiled"]
+    assert compiled and set(compiled) <= set(d["shapes"]) and d["capture_failed"] == {}
+    assert all(server.compiled[s][1] is not server.twins[s] for s in compiled), "a twin of its own"
+    before = replays()
+    one_pass()
+    assert replays() > before, "the compiled graphs served the second pass"
+    gm.close()
+
+
+def test_with_compile_a_lone_call_never_waits_for_a_compile_and_its_capture_waits_for_the_next_call(monkeypatch):
+    """Inductor's compile of a shape runs while no caller waits for it; the capture after it
+    starts only while a call is in flight (a caller done with the batch may synchronize the
+    device), so a lone call returns during the compile, and the capture waits for the next."""
+    from graphwrap.decoding import captures as captures_mod
+
+    compiling, release = threading.Event(), threading.Event()
+
+    def slow_compile(engine, stream, server, args, kwargs):
+        compiling.set()
+        release.wait(30)
+
+    monkeypatch.setattr(captures_mod, "precompile", slow_compile)
+    model = _model("gpt2")
+    gm, server = _captured_beside(model, compile=True, rows=4)
+    ids = torch.tensor([[4, 9, 13, 2, 7]])
+    assert torch.equal(gm.generate(ids, max_new_tokens=6, do_sample=False), _alone(model, ids[0].tolist(), 6))
+    caps = server.captures
+    assert not compiling.is_set() and any(q[0] == "compile" for q in caps.queued()), "queued, not begun: no call"
+    caps.calls(+1)  # (a call in flight: jobs begin)
+    assert compiling.wait(30), "a plain capture's shape went on to compile"
+    caps.calls(-1)
+    t0 = time.monotonic()
+    assert torch.equal(gm.generate(ids, max_new_tokens=6, do_sample=False), _alone(model, ids[0].tolist(), 6))
+    assert time.monotonic() - t0 < 20 and caps.apart, "the call returned while the compile ran"
+    release.set()
+    time.sleep(0.2)
+    with caps.cond:
+        assert caps.running is not None and caps.running[0] == "compile" and caps.apart, "its capture waits"
+    before = len(server.compiled)
+    assert torch.equal(gm.generate(ids, max_new_tokens=6, do_sample=False), _alone(model, ids[0].tolist(), 6))
+    assert caps.finish(30) and len(server.compiled) > before
+    gm.close()
 
 
 def test_capture_generate_captures_every_shape_of_the_buckets_and_later_calls_replay_them():

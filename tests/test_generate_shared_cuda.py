@@ -168,16 +168,35 @@ def test_a_lone_call_cancelled_mid_stream_gives_its_row_and_blocks_back_without_
     gm.close()
 
 
-def test_compile_true_serves_the_shared_batch_with_compiled_steps():
+def test_compile_true_serves_the_shared_batch_with_plain_graphs_first_then_compiled_steps():
+    """compile=True: the first calls are served by plain graphs (captured in a moment), each
+    shape's compiled graph replaces its plain one once Inductor has compiled it beside the
+    decode thread (graphwrap/decoding/captures.py); tokens as model.generate's both times."""
     model = _model()
     gm = GraphedModule(model, compile=True)
     reqs = _requests(8, seed=4)
-    got = thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False), 8)
     with torch.no_grad():
-        same = sum(torch.equal(out, model.generate(input_ids=ids, max_new_tokens=k, do_sample=False))
-                   for (ids, k), out in zip(reqs, got))
-    assert same >= 7, f"{same} of 8 equal (Inductor's kernels round differently: at most one near tie)"
-    assert gm.stats()["decode"]["done"] == 8
+        want = [model.generate(input_ids=ids, max_new_tokens=k, do_sample=False) for ids, k in reqs]
+
+    def engines_replays():
+        d = gm.stats()["decode"]["compiled_engines"]
+        return [b for e in d.values() for k in e["keys"] for b in k["buckets"].values()]
+
+    for i in range(2):
+        got = thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1],
+                                                   do_sample=False), 8)
+        same = sum(torch.equal(out, w) for out, w in zip(got, want))
+        assert same >= 7, f"{same} of 8 equal (Inductor's kernels round differently: at most one near tie)"
+        if i == 0:
+            d = gm.stats()["decode"]
+            assert d["shapes"] and d["capture_failed"] == {}, "plain graphs served the first calls"
+            assert gm.__dict__["_gw_decode"].captures.finish(600)
+            d = gm.stats()["decode"]
+            assert d["captures"]["compiled"] and set(d["captures"]["compiled"]) <= set(d["shapes"]), d["captures"]
+            assert all(b["compiled"] for b in engines_replays()), "every compiled engine's graph runs Inductor's kernels"
+            before = sum(b["replays"] for b in engines_replays())
+    assert sum(b["replays"] for b in engines_replays()) > before, "the compiled graphs served the second pass"
+    assert gm.stats()["decode"]["done"] == 16
     gm.close()
 
 

@@ -22,7 +22,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Deque, List, Optional, Set
+from typing import Deque, List, Optional, Set, Tuple
 
 import torch
 
@@ -31,7 +31,9 @@ from .attention import without_cudnn
 from .shapes import COVERED, EAGER, GRAPH, NEEDED, Shapes
 
 logger = logging.getLogger("graphwrap")
-AHEAD = 1  # the queues, first to last: NEEDED (0), AHEAD, COVERED (2)
+AHEAD = 1  # the queues, first to last: NEEDED (0), AHEAD, COVERED (2), LATER
+LATER = 3  # compile=: a shape's compiled graph, to replace its plain one
+COMPILE = "compile"  # a job of LATER: (COMPILE, shape)
 
 
 def start(server):
@@ -80,7 +82,8 @@ def forward(server, engine, shape: tuple, how: str, args: tuple, window):
     then)."""
     with server.fold:
         if how == GRAPH:
-            twin = server.twins[shape]
+            done = server.compiled.get(shape)  # (compile=: its compiled graph, once it serves)
+            engine, twin = done if done is not None else (engine, server.twins[shape])
             server.store.load(twin)
             out = engine.call(args, {"rows": window(twin)})
             server.store.save(twin)
@@ -97,7 +100,7 @@ class Captures:
     def __init__(self, server):
         self.server = server
         self.cond = threading.Condition(threading.Lock())
-        self.queues: List[Deque[tuple]] = [collections.deque() for _ in (NEEDED, AHEAD, COVERED)]
+        self.queues: List[Deque[tuple]] = [collections.deque() for _ in (NEEDED, AHEAD, COVERED, LATER)]
         self.seen: Set[tuple] = set()
         self.running: Optional[tuple] = None
         self.stopped = False
@@ -107,6 +110,8 @@ class Captures:
         self.done = 0
         self.serving = 0  # calls of the batch in flight: captures run only while there are some
         self.ahead_of_calls = False  # capture whatever is queued, calls or not (every_shape)
+        # The running job compiles, or waits for a call before its capture: no caller waits for it.
+        self.apart = False
 
     def want(self, shape: tuple, queue: int = NEEDED):
         """Queue ``shape``'s capture (once), in ``queue``: :data:`NEEDED`, :data:`AHEAD` or
@@ -140,7 +145,7 @@ class Captures:
         capture under way to end, so that a caller done with the batch finds no capture running
         (a device-wide ``torch.cuda.synchronize()`` fails while any stream captures)."""
         with self.cond:
-            while self.running is not None and self.serving == 0 and not self.ahead_of_calls:
+            while self.running is not None and not self.apart and self.serving == 0 and not self.ahead_of_calls:
                 self.cond.wait()
 
     def queued(self) -> list:
@@ -185,60 +190,87 @@ class Captures:
 
     def _run(self):
         while True:
-            shape = self._next()
-            if shape is None:
+            job = self._next()
+            if job is None:
                 return
             t0 = time.perf_counter()
+            compiled = job[0] == COMPILE
+            shape = job[1] if compiled else job
             try:
-                why = self._capture(shape)
-            except Exception as e:  # noqa: BLE001 - the shape is served eagerly; the batch goes on
+                why = self._compile(shape) if compiled else self._capture(shape)
+            except Exception as e:  # noqa: BLE001 - the shape is served eagerly (or by its plain graph); the batch goes on
                 why = f"{type(e).__name__}: {e}"
             self.seconds += time.perf_counter() - t0
             self.done += 1
-            if why is not None:
-                logger.warning("no graph for the shared batch's %s shape %s (%s): it runs in a larger graph or eagerly",
-                               shape[0], shape[1:], why)
-            else:
-                logger.info("captured the shared batch's %s shape %s beside the decode thread in %.0f ms",
-                            shape[0], shape[1:], 1e3 * (time.perf_counter() - t0))
-            self.server.shapes.captured(shape, why)
+            self._report(shape, why, compiled, time.perf_counter() - t0)
             with self.cond:
                 self.running = None
+                self.apart = False
+                if why is None and not compiled and shape[0] in self.server.compiled_engines:
+                    self.seen.add((COMPILE, shape))
+                    self.queues[LATER].append((COMPILE, shape))
                 if not any(self.queues):
                     self.ahead_of_calls = False
                 self.cond.notify_all()
 
-    def _capture(self, shape: tuple) -> Optional[str]:
-        """Capture ``shape`` over a new twin of the cache; None once its graph serves, else why not."""
+    def _report(self, shape: tuple, why: Optional[str], compiled: bool, seconds: float):
+        if compiled:
+            if why is not None:
+                logger.warning("the shared batch's %s shape %s keeps its plain graph (compile=: %s)",
+                               shape[0], shape[1:], why)
+            else:
+                logger.info("compiled the shared batch's %s shape %s beside the decode thread in %.1f s: its "
+                            "replays run Inductor's kernels from now on", shape[0], shape[1:], seconds)
+            return
+        if why is not None:
+            logger.warning("no graph for the shared batch's %s shape %s (%s): it runs in a larger graph or eagerly",
+                           shape[0], shape[1:], why)
+        else:
+            logger.info("captured the shared batch's %s shape %s beside the decode thread in %.0f ms",
+                        shape[0], shape[1:], 1e3 * seconds)
+        self.server.shapes.captured(shape, why)
+
+    def _inputs(self, shape: tuple, twin) -> Tuple[tuple, dict]:
+        """A forward of ``shape`` over ``twin``: its inputs (ids of zeros, the place of a piece)."""
         server = self.server
         kind, n, width = shape
         device = server.device
-        args: tuple
         if kind == "mixed":  # (n: the step's rows; width: the piece's positions)
-            twin = server.store.mixed_twin(width)
-            engine = server.mixed_engine
-            args = (torch.zeros((1, n + width), dtype=torch.long, device=device),
-                    torch.tensor([0, width, server.store.scratch], dtype=torch.long, device=device))
-            kwargs = {"rows": twin.mixed_window(n, width)}
-        elif kind == "piece":  # (n: the piece's positions; width: the span it attends over)
-            twin = server.store.piece_twin(n)
-            engine = server.piece_engine
-            args = (torch.zeros((1, n), dtype=torch.long, device=device),
-                           torch.tensor([0, n, 0], dtype=torch.long, device=device))
-            kwargs = {"rows": twin.piece_window(n, width)}
-        elif kind == "step":
-            twin = server.store.twin()
-            engine = server.engine
-            args = (torch.zeros((n, 1), dtype=torch.long, device=device),)
-            kwargs = {"rows": twin.window(width)}
-        else:
-            twin = server.store.twin()
-            engine = server.prefill_engine
-            args = (torch.zeros((n, width), dtype=torch.long, device=device),
-                    torch.full((n,), width, dtype=torch.long, device=device),
-                    torch.full((n,), server.store.scratch, dtype=torch.long, device=device))
-            kwargs = {"rows": twin.prompt_window(width)}
-        with on_stream(self.stream), torch.no_grad(), server.fold, without_cudnn(device):
+            return ((torch.zeros((1, n + width), dtype=torch.long, device=device),
+                     torch.tensor([0, width, server.store.scratch], dtype=torch.long, device=device)),
+                    {"rows": twin.mixed_window(n, width)})
+        if kind == "piece":  # (n: the piece's positions; width: the span it attends over)
+            return ((torch.zeros((1, n), dtype=torch.long, device=device),
+                     torch.tensor([0, n, 0], dtype=torch.long, device=device)), {"rows": twin.piece_window(n, width)})
+        if kind == "step":
+            return (torch.zeros((n, 1), dtype=torch.long, device=device),), {"rows": twin.window(width)}
+        return ((torch.zeros((n, width), dtype=torch.long, device=device),
+                 torch.full((n,), width, dtype=torch.long, device=device),
+                 torch.full((n,), server.store.scratch, dtype=torch.long, device=device)),
+                {"rows": twin.prompt_window(width)})
+
+    def _twin(self, shape: tuple):
+        """A new twin of the cache for a capture of ``shape``."""
+        store = self.server.store
+        kind, n, width = shape
+        return store.mixed_twin(width) if kind == "mixed" else store.piece_twin(n) if kind == "piece" else store.twin()
+
+    def _capture(self, shape: tuple) -> Optional[str]:
+        """Capture ``shape`` over a new twin of the cache; None once its graph serves, else why not."""
+        server = self.server
+        engines = {"mixed": server.mixed_engine, "piece": server.piece_engine, "step": server.engine}
+        twin = self._twin(shape)
+        why = self._graph(engines.get(shape[0], server.prefill_engine), shape, twin)
+        if why is None:
+            server.twins[shape] = twin
+        return why
+
+    def _graph(self, engine, shape: tuple, twin) -> Optional[str]:
+        """``engine``'s graph of ``shape`` over ``twin``, captured and checked; None once it serves
+        (its last replay ended), else why not."""
+        server = self.server
+        args, kwargs = self._inputs(shape, twin)
+        with on_stream(self.stream), torch.no_grad(), server.fold, without_cudnn(server.device):
             engine.call(args, kwargs)
             f = engine.facts(args, kwargs)
             why = str(f) if type(f) is Eager else None
@@ -248,9 +280,47 @@ class Captures:
                     why = str(plan.reason) if plan.reason is not None else "the engine serves it eagerly"
         if self.stream is not None:
             self.stream.synchronize()  # the capture's last replay has ended before the decode thread loads the twin
-        if why is None:
-            server.twins[shape] = twin
         return why
+
+    def _compile(self, shape: tuple) -> Optional[str]:
+        """compile=: ``shape``'s graph of Inductor's kernels over a new twin, to replace its plain
+        one; None once it serves, else why not. Inductor compiles first, while no caller waits
+        for it (:meth:`settle`) and calls or none; the capture waits for a call in flight (a
+        device-wide synchronize of a caller done with the batch never meets it)."""
+        server = self.server
+        engine = server.compiled_engines[shape[0]]
+        twin = self._twin(shape)
+        with self.cond:
+            self.apart = True
+        precompile(engine, self.stream, server, *self._inputs(shape, twin))
+        with self.cond:
+            while not self.stopped and not (self.serving or self.ahead_of_calls):
+                self.cond.wait()
+            if self.stopped:
+                return "the batch closed"
+            self.apart = False
+        why = self._graph(engine, shape, twin)
+        if why is None and engine.capturer.compile_off is not None:
+            why = f"compile= given up: {engine.capturer.compile_off}"
+        if why is None:
+            server.compiled[shape] = (engine, twin)
+        return why
+
+
+def precompile(engine, stream, server, args: tuple, kwargs: dict):
+    """Run ``engine``'s compiled forward once on a capture's inputs (over a twin: nothing of a
+    row is touched), so that Inductor compiles it before the capture, which then finds it
+    compiled; nothing where ``compile=`` is given up."""
+    from ..capture.work import compiled_forward
+
+    with engine.lock:
+        cf = compiled_forward(engine)
+    if cf is None:
+        return
+    with on_stream(stream), torch.no_grad(), server.fold, without_cudnn(server.device):
+        cf(*args, **kwargs)
+    if stream is not None:
+        stream.synchronize()
 
 
 class on_stream:

@@ -146,15 +146,21 @@ def _make(held: dict, module):
                                     seq_dim=None, seq_buckets=None, max_tokens=None, pad_values=0, batch_dim=0,
                                     eager_if_faster=False, decode=False,
                                     max_keys=max(opts.max_keys, _shapes(rows, cfg["max_len"])))
-    step, prefill = Engine(DecodeStep(module), step_opts), Engine(PrefillStep(module), step_opts)
-    piece = Engine(PieceStep(module), step_opts)
-    mixed = Engine(MixedStep(module), step_opts) if mixed_why is None else None
+    kinds = {"step": DecodeStep, "prefill": PrefillStep, "piece": PieceStep}
+    if mixed_why is None:
+        kinds["mixed"] = MixedStep
+    # With compile=, plain graphs serve each shape first and compiled ones replace them, captured
+    # beside the decode thread (captures.py); where the decode thread captures, compiled from the first.
+    plain = step_opts if opts.compile is None else dataclasses.replace(
+        step_opts, compile=None, warmup_iters=min(opts.warmup_iters, 1))
+    engines = {kind: Engine(cls(module), plain) for kind, cls in kinds.items()}
+    compiled = None if opts.compile is None else {kind: Engine(cls(module), step_opts) for kind, cls in kinds.items()}
     # What the GraphedModule has logged once (no CUDA, say) is not logged again by the batch's engines.
-    step.logged = prefill.logged = piece.logged = held["_gw_engine"].logged
-    if mixed is not None:
-        mixed.logged = step.logged
-    return DecodeServer(module, step, prefill, rows, cfg["max_len"], cfg["max_queue"], cfg["positions"],
-                        cfg.get("cache_memory", CACHE_MEMORY), cfg.get("paged"), piece, mixed), None
+    for engine in [*engines.values(), *(compiled or {}).values()]:
+        engine.logged = held["_gw_engine"].logged
+    return DecodeServer(module, engines["step"], engines["prefill"], rows, cfg["max_len"], cfg["max_queue"],
+                        cfg["positions"], cfg.get("cache_memory", CACHE_MEMORY), cfg.get("paged"), engines["piece"],
+                        engines.get("mixed"), compiled), None
 
 
 def _shapes(rows: int, max_len: int) -> int:
@@ -203,6 +209,8 @@ def stats(held: dict, module) -> dict:
     server = held.get("_gw_decode")
     if server is not None:
         out["decode"] = dict(server.stats(), step=server.engine.stats(), prefill=server.prefill_engine.stats())
+        if server.compiled_engines:  # compile=: the engines of the compiled graphs that replace plain ones
+            out["decode"]["compiled_engines"] = {k: e.stats() for k, e in server.compiled_engines.items()}
     elif held.get("_gw_decode_why") is not None:
         out["decode"] = {"off": held["_gw_decode_why"]}
     t = turns.turns_of(module, make=False)
@@ -221,6 +229,8 @@ def close(held: dict, cancel: bool = False, timeout: Optional[float] = None) -> 
         held["_gw_decode_closing"] = server  # the next batch waits for it
     server.engine.reset()
     server.prefill_engine.reset()
+    for engine in server.compiled_engines.values():
+        engine.reset()
     return done
 
 

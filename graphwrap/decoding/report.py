@@ -24,7 +24,7 @@ def report(server) -> dict:
         **server.shapes.counts(),
         "captures": None if server.captures is None else {
             "queued": server.captures.queued(), "done": server.captures.done,
-            "seconds": round(server.captures.seconds, 3)},
+            "seconds": round(server.captures.seconds, 3), "compiled": sorted(server.compiled)},
         "prefills": c["prefills"], "rows_per_prefill": c["prefill_rows"] / c["prefills"] if c["prefills"] else 0.0,
         "prefill_pieces": c["prefill_pieces"], "piece_turns_skipped": c["piece_turns_skipped"],
         "mixed_steps": c["mixed_steps"], "mixed_failed": c["mixed_failed"],  # (a piece inside a step: steps.py)

@@ -31,10 +31,11 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
-from typing import Counter, DefaultDict, Deque, Dict, List, Optional, cast
+from typing import Counter, DefaultDict, Deque, Dict, List, Optional, Tuple, cast
 
 import torch
 
+from ..core.engine import Engine
 from ..errors import GraphwrapError
 from . import captures, growth, paged_attention, pieces, steps
 from .attention import folding, sdpa_model, without_cudnn
@@ -91,7 +92,7 @@ class DecodeServer:
 
     def __init__(self, model, step_engine, prefill_engine, rows: int, max_len: int, max_queue: int,
                  positions: Optional[int] = None, cache_memory: float = CACHE_MEMORY, paged: Optional[bool] = None,
-                 piece_engine=None, mixed_engine=None):
+                 piece_engine=None, mixed_engine=None, compiled: Optional[Dict[str, Engine]] = None):
         self.model, self.engine, self.prefill_engine = model, step_engine, prefill_engine
         self.piece_engine = piece_engine  # a long prompt's pieces, in the paged pool (see pieces.py)
         p = next(model.parameters())
@@ -133,9 +134,19 @@ class DecodeServer:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.shapes = Shapes(self.stream is not None)
         self.twins: Dict[tuple, PagedStore] = {}  # shape -> the twin of the cache its graph was captured over
+        # compile=: the engines whose compiled graphs replace plain ones, by kind ("step", "prefill",
+        # "piece", "mixed"), and shape -> (engine, twin) of each compiled graph that serves (captures.py)
+        self.compiled_engines: Dict[str, Engine] = dict(compiled or {})
+        self.compiled: Dict[tuple, Tuple[Engine, PagedStore]] = {}
         self.captures: Optional[Captures] = None
         if self.stream is not None and isinstance(self.store, PagedStore):
             self.start_captures()
+        elif self.compiled_engines and not isinstance(self.store, PagedStore):  # (the decode thread captures: compiled from the first)
+            c = self.compiled_engines
+            self.engine, self.prefill_engine = c["step"], c["prefill"]
+            self.piece_engine = c["piece"] if self.piece_engine is not None else None
+            self.mixed_engine = c.get("mixed") if self.mixed_engine is not None else None
+            self.compiled_engines = {}
 
     def start_captures(self):
         """Capture new shapes on a thread of their own from now on (see :mod:`.captures`)."""
