@@ -193,7 +193,12 @@ def test_compile_true_serves_the_shared_batch_with_plain_graphs_first_then_compi
             assert gm.__dict__["_gw_decode"].captures.finish(600)
             d = gm.stats()["decode"]
             assert d["captures"]["compiled"] and set(d["captures"]["compiled"]) <= set(d["shapes"]), d["captures"]
-            assert all(b["compiled"] for b in engines_replays()), "every compiled engine's graph runs Inductor's kernels"
+            # (a kind whose forward Inductor does not serve, one that writes module buffers say,
+            # captures its plain forward in the compiled engine too: not every graph there is compiled)
+            engines = gm.stats()["decode"]["compiled_engines"]
+            assert any(b["compiled"] for b in engines_replays()), [
+                (kind, e["compile"], [(k["key"][:40], p, b["compiled"], b["graphs"]) for k in e["keys"]
+                                      for p, b in k["buckets"].items()]) for kind, e in engines.items()]
             before = sum(b["replays"] for b in engines_replays())
     assert sum(b["replays"] for b in engines_replays()) > before, "the compiled graphs served the second pass"
     assert gm.stats()["decode"]["done"] == 16
