@@ -353,6 +353,24 @@ def test_with_compile_a_lone_call_never_waits_for_a_compile_and_its_capture_wait
     gm.close()
 
 
+def test_with_compile_a_shape_whose_compile_ahead_fails_is_compiled_by_its_capture(monkeypatch, caplog):
+    from graphwrap.decoding import captures as captures_mod
+
+    def failing(engine, stream, server, args, kwargs):
+        raise RuntimeError("dynamo could not trace it")
+
+    monkeypatch.setattr(captures_mod, "precompile", failing)
+    model = _model("llama")
+    gm, server = _captured_beside(model, compile=True, rows=4)
+    ids = torch.tensor([[4, 9, 13, 2, 7]])
+    with caplog.at_level("INFO", logger="graphwrap"):
+        assert torch.equal(gm.generate(ids, max_new_tokens=6, do_sample=False), _alone(model, ids[0].tolist(), 6))
+        assert server.captures.finish(30)
+    assert server.compiled and "ahead of its capture failed (RuntimeError: dynamo could not trace it)" in caplog.text
+    assert torch.equal(gm.generate(ids, max_new_tokens=6, do_sample=False), _alone(model, ids[0].tolist(), 6))
+    gm.close()
+
+
 def test_capture_generate_captures_every_shape_of_the_buckets_and_later_calls_replay_them():
     model = _model("llama")
     gm, server = _captured_beside(model, rows=4, max_len=64)

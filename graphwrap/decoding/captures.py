@@ -26,6 +26,7 @@ from typing import Deque, List, Optional, Set, Tuple
 
 import torch
 
+from ..capture.cuda import first_line
 from ..core.reasons import Eager
 from .attention import without_cudnn
 from .shapes import COVERED, EAGER, GRAPH, NEEDED, Shapes
@@ -292,7 +293,11 @@ class Captures:
         twin = self._twin(shape)
         with self.cond:
             self.apart = True
-        precompile(engine, self.stream, server, *self._inputs(shape, twin))
+        try:
+            precompile(engine, self.stream, server, *self._inputs(shape, twin))
+        except Exception as e:  # noqa: BLE001 - the capture compiles it then (as where nothing compiled ahead)
+            logger.info("compiling the shared batch's %s shape %s ahead of its capture failed (%s: %s); its "
+                        "capture compiles it", shape[0], shape[1:], type(e).__name__, first_line(e))
         with self.cond:
             while not self.stopped and not (self.serving or self.ahead_of_calls):
                 self.cond.wait()
