@@ -288,7 +288,8 @@ def test_with_compile_each_shape_captured_plain_is_compiled_after_every_plain_ca
 def test_with_compile_plain_graphs_serve_first_then_compiled_ones_replace_them_with_the_models_tokens():
     """compile=: each shape is served by a plain graph first, then by the graph of its compiled
     engine, captured over a twin of its own (the stand-ins compile nothing: what is tested is
-    the order and the hand-over); tokens as model.generate's throughout."""
+    the order and the hand-over); tokens as model.generate's throughout, the second pass under
+    inference_mode."""
     model = _model("gpt2")
     gm, server = _captured_beside(model, compile=True, rows=4)
     assert set(server.compiled_engines) == {"step", "prefill", "piece"}
@@ -313,7 +314,8 @@ def test_with_compile_plain_graphs_serve_first_then_compiled_ones_replace_them_w
     assert compiled and set(compiled) <= set(d["shapes"]) and d["capture_failed"] == {}
     assert all(server.compiled[s][1] is not server.twins[s] for s in compiled), "a twin of its own"
     before = replays()
-    one_pass()
+    with torch.inference_mode():  # (the second pass, over the compiled graphs, as callers under it)
+        one_pass()
     assert replays() > before, "the compiled graphs served the second pass"
     gm.close()
 
