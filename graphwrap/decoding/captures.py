@@ -16,6 +16,11 @@ where one window serves every step: the largest row bucket's, which holds every 
 (:mod:`.shapes`). One capture runs at a time, and only while the batch serves a call (or
 ``capture_generate`` asked); a capture that fails leaves its shape to larger graphs or to eager
 forwards, and says why in the log and in ``stats()``.
+
+With ``compile=``, the graphs above run the plain forward, and each shape's graph of Inductor's
+kernels comes after all of them (a queue of its own): compiled while no finished call waits for
+it, captured by the kind's compiled engine over a twin of its own while a call is in flight,
+then served in place of the plain one (``server.compiled``).
 """
 
 import collections
