@@ -4,6 +4,7 @@ output is cut, the turn itself, and tokens against ``model.generate`` alone for 
 Whisper and a decoder-only call of a setting the shared batch leaves to the one-call loop."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -257,6 +258,44 @@ def test_concurrent_calls_joined_give_generates_tokens_each(name):
     assert counts["joined_turns"] == 1 and counts["joined_calls"] == len(calls), counts
     assert sum(gm.stats()["generate"].values()) == len(calls), "each call counted"
     assert gm.stats()["generate_turns"] == counts
+
+
+@pytest.mark.parametrize("change", ["weights scaled in place", "model.double()"])
+def test_a_model_changed_while_calls_wait_for_their_turn_gives_the_changed_models_tokens(change):
+    """Calls queued for a joined turn, then the model changed behind the wrapper before the turn
+    begins: the joined run sees the model as it is then, each call's tokens the changed model's."""
+    model = varied_weights(_model("t5"))
+    kw = dict(max_new_tokens=8, no_repeat_ngram_size=1)
+    calls = _texts([6, 9, 7, 5])
+    gm = GraphedModule(model)
+    gm.generate(**calls[0], **kw)  # (a first call: the model's loop and caches made before the change)
+    before = generate_alone(model, calls, kw)
+    t = turns.turns_of(model)
+    hold_turn(t)
+    got = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, gm.generate(**calls[i], **kw)))
+               for i in range(len(calls))]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + 60
+    while len(t.waiting) < len(calls):
+        assert time.monotonic() < deadline, "the calls never queued"
+        time.sleep(0.001)
+    with torch.no_grad():
+        if change == "model.double()":
+            model.double()
+        else:
+            for p in model.parameters():
+                p.mul_(1.5)
+    release_turn(t, len(calls))
+    for th in threads:
+        th.join()
+    want = generate_alone(model, calls, kw)
+    if change != "model.double()":  # (float64 makes float32's tokens: what is tested there is the new dtype)
+        assert any(not torch.equal(b, w) for b, w in zip(before, want)), "the change changes the tokens"
+    for i, w in enumerate(want):
+        assert torch.equal(got[i], w), (change, i)
+    assert t.counts["joined_turns"] >= 1
 
 
 def test_a_bad_call_beside_good_ones_fails_alone_and_the_others_are_joined():
