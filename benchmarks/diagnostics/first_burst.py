@@ -13,8 +13,8 @@ random weights) on GPT-2 or the 1.1B Llama shape, in this process:
 
 Each part prints what the batch says of its shapes (captured, run eagerly, in a larger graph).
 Run from the project root, or from an older tree's root for a before/after:
-``python3 benchmarks/diagnostics/first_burst.py gpt2 [--seconds 5] [--compile]`` (``--compile``: part 1's
-bursts alone, with ``compile=True``)
+``python3 benchmarks/diagnostics/first_burst.py gpt2 [--seconds 5] [--compile [--compiled]]`` (``--compile``:
+part 1's bursts alone, with ``compile=True``; ``--compiled``: the warm bursts after every queued compile)
 """
 
 import argparse
@@ -38,7 +38,8 @@ def shapes(gm) -> str:
     caps = d.get("captures") or {}
     return (f"shapes {len(d['shapes'])}, eager forwards {d.get('eager_forwards', '-')}, in a larger graph "
             f"{d['in_a_larger_graph']}, captures beside the decode thread {caps.get('done', '-')} in "
-            f"{caps.get('seconds', '-')} s (queued {len(caps.get('queued', []))}), failed {d.get('capture_failed', '-')}")
+            f"{caps.get('seconds', '-')} s (queued {len(caps.get('queued', []))}), failed {d.get('capture_failed', '-')}"
+            + (f", compiled {caps['compiled']}" if caps.get("compiled") is not None and "compiled_engines" in d else ""))
 
 
 def compile_costs(name: str):
@@ -66,6 +67,8 @@ def main():
     ap.add_argument("--log", action="store_true", help="graphwrap's log on stderr, ms since the process began")
     ap.add_argument("--compile", action="store_true", help="GraphedModule(model, compile=True): the first burst "
                     "and three more, nothing else")
+    ap.add_argument("--compiled", action="store_true", help="with --compile: wait for the queued compiles "
+                    "after the first burst, so that the warm bursts run the compiled graphs")
     ap.add_argument("--no-cudnn", action="store_true", help="torch's cuDNN attention turned off for the run")
     a = ap.parse_args()
     if a.no_cudnn:
@@ -84,6 +87,11 @@ def main():
     first, *_ = g.burst(gm, reqs, dev)
     print(f"[{a.model}] first burst: {first:.3f} s ({tokens / first:,.0f} tokens/s); {shapes(gm)}; decode thread "
           f"{gm.stats()['decode']['thread_s']}", flush=True)
+    if a.compile and a.compiled:  # (the queued compiles all done before the warm bursts)
+        t0 = time.perf_counter()
+        done = gm.__dict__["_gw_decode"].captures.finish(600)
+        print(f"[{a.model}] compile=True: the queued compiles done in {time.perf_counter() - t0:.1f} s "
+              f"({'all' if done else 'not all, in 600 s'}); {shapes(gm)}", flush=True)
     warm = [g.burst(gm, reqs, dev)[0] for _ in range(3)]
     w = statistics.median(warm)
     print(f"[{a.model}] warm bursts: median {w:.3f} s (min {min(warm):.3f}, max {max(warm):.3f}; "
