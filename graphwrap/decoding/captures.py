@@ -213,7 +213,6 @@ class Captures:
                 self.running = None
                 self.apart = False
                 if why is None and not compiled and shape[0] in self.server.compiled_engines:
-                    self.seen.add((COMPILE, shape))
                     self.queues[LATER].append((COMPILE, shape))
                 if not any(self.queues):
                     self.ahead_of_calls = False
