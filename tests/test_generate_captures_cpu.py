@@ -4,6 +4,7 @@ greedy tokens against model.generate alone with the engines on the CPU stand-in 
 graphs (a replay recomputes the forward over the twin's inputs, as a graph would over its
 addresses). Needs transformers (skipped with the reason without it)."""
 
+import contextlib
 import threading
 import time
 
@@ -371,6 +372,46 @@ def test_with_compile_a_shape_whose_compile_ahead_fails_is_compiled_by_its_captu
     assert server.compiled and "ahead of its capture failed (RuntimeError: dynamo could not trace it)" in caplog.text
     assert torch.equal(gm.generate(ids, max_new_tokens=6, do_sample=False), _alone(model, ids[0].tolist(), 6))
     gm.close()
+
+
+class _CountingCompile:
+    """A stand-in for the compiled forward's bookkeeping (graphwrap/capture/compiled.py): the
+    graphs it has compiled (one, on its first call), the shapes known to run compiled code and
+    the graphs compiled by a run ahead of the next capture."""
+
+    dynamic = True
+
+    def __init__(self):
+        self.graphs, self.calls, self.shapes, self.ahead = 0, 0, set(), None
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        self.graphs = max(self.graphs, 1)
+
+
+def test_a_compile_ahead_of_a_capture_marks_its_graph_compiled_though_the_warm_up_compiled_nothing(monkeypatch):
+    """compile=: the batch runs a shape's compiled forward once before it captures it (so that no
+    caller waits for Inductor); the capture's warm-up then compiles nothing, and its graph is
+    still the compiled one. Before, every such graph was counted as not compiled, and the GPU
+    test of compile= failed on it. A warm-up that compiled nothing with no run ahead is not."""
+    from types import SimpleNamespace
+
+    from graphwrap.capture import work
+    from graphwrap.core.records import Bucket, Key
+    from graphwrap.decoding import captures as captures_mod
+
+    cf = _CountingCompile()
+    monkeypatch.setattr(work, "compiled_forward", lambda engine: cf)
+    server = SimpleNamespace(fold=contextlib.nullcontext(), device=torch.device("cpu"))
+    engine = SimpleNamespace(lock=threading.Lock(), compile_opts={})
+    captures_mod.precompile(engine, None, server, (torch.zeros(2),), {})
+    assert cf.calls == 1 and cf.ahead == 1, "the graph compiled ahead, for the capture to count"
+    captures_mod.precompile(engine, None, server, (torch.zeros(2),), {})
+    assert cf.ahead == 0, "a second run ahead compiled nothing (kernels of another shape served it)"
+    for name, ran_ahead, want in (("a", True, True), ("b", False, False)):  # (one key each: a twin's)
+        ks, b = Key(name, None, ((0, None, 0),), torch.device("cpu"), None, name), Bucket(4)
+        work._mark_compiled(engine, ks, b, cf, 0, ran_ahead)
+        assert b.compiled is want and ((name, b.point) in cf.shapes) is want
 
 
 def test_capture_generate_captures_every_shape_of_the_buckets_and_later_calls_replay_them():

@@ -190,6 +190,9 @@ class CompiledForward:
         self.opts = opts
         self.graphs = 0  # FX graphs compiled so far
         self.shapes: Set[tuple] = set()  # (key, bucket) that ran compiled code, kept by GraphedModule
+        # A run ahead of the next capture (the shared batch compiles before it captures): the graphs
+        # it compiled, counted as that capture's warm-up's; None where none ran since the last one.
+        self.ahead: Optional[int] = None
         self.batch = opts["dynamic"] == "batch"
         self.dynamic = opts["dynamic"] is not False  # one compile may serve several shapes
         dynamic = None if self.batch else opts["dynamic"]  # "batch": dims marked dynamic, the rest static

@@ -95,6 +95,7 @@ class Captured:
     verify_s: float = 0.0
     compile_s: float = 0.0
     compiled_graphs: int = 0
+    ran_ahead: bool = False  # the compiled forward ran ahead of this capture (its graphs counted here)
     pool_bytes: int = 0
     pool_estimate: int = 0
     pool: Any = None  # a new pool, where an invalidated capture was taken again in one
@@ -219,7 +220,9 @@ def _warm_up(job: Job, recorder, static_in, info):
     try:
         if compiled is not None:
             compiled.mark(static_in, job.roles)
-            graphs0 = compiled.graphs
+            ahead, compiled.ahead = compiled.ahead, None
+            graphs0 = compiled.graphs - (ahead or 0)
+            info["ran_ahead"] = ahead is not None
         for _ in range(job.warmup_iters):
             job.restore()
             ref, spec = flatten_outputs(run_module(forward, job.spec, static_in))

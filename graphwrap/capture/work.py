@@ -290,7 +290,7 @@ def install(engine, ks: Key, b: Bucket, got, compiled, ring):
     b.pool_estimate = max(b.pool_estimate, got.pool_estimate)
     b.compile_s += got.compile_s
     b.compiled_graphs += got.compiled_graphs
-    _mark_compiled(engine, ks, b, compiled, got.compiled_graphs)
+    _mark_compiled(engine, ks, b, compiled, got.compiled_graphs, got.ran_ahead)
     if compiled is not None:
         how = (f"compiled, {got.compiled_graphs} graphs in {got.compile_s:.2f} s" if b.compiled
                else "NOT compiled: torch.compile compiled nothing for this shape")
@@ -301,7 +301,7 @@ def install(engine, ks: Key, b: Bucket, got, compiled, ring):
                b.name, ks.label, 1e3 * got.capture_s, how, 1e3 * got.verify_s, got.pool_bytes / 2**20)
 
 
-def _mark_compiled(engine, ks: Key, b: Bucket, compiled, graphs: int):
+def _mark_compiled(engine, ks: Key, b: Bucket, compiled, graphs: int, ran_ahead: bool = False):
     b.forward = compiled
     if compiled is None:
         b.compiled = False if engine.compile_opts is not None else None
@@ -309,9 +309,11 @@ def _mark_compiled(engine, ks: Key, b: Bucket, compiled, graphs: int):
     b.kernels = "shared" if compiled.dynamic else "per-size"
     # Compiled kernels ran if this warm-up compiled a graph, or this shape (any shape, with
     # dynamic shapes) was compiled before, by this key or one whose static inputs look the
-    # same (dynamo's cache outlives reset()): otherwise dynamo ran the forward uncompiled.
+    # same (dynamo's cache outlives reset()), or it ran on these inputs just before the capture
+    # (compiling them, or served by kernels compiled for another shape): otherwise dynamo ran
+    # the forward uncompiled.
     seen = compiled.shapes
-    ran = (graphs > 0 or (ks.seen_as, b.point) in seen
+    ran = (graphs > 0 or (ks.seen_as, b.point) in seen or (ran_ahead and compiled.graphs > 0)
            or (compiled.dynamic and any(label == ks.seen_as for label, _ in seen)))
     if ran:
         seen.add((ks.seen_as, b.point))
