@@ -6,9 +6,11 @@ time, the bytes it must read (weights, and the live keys and values) over the ba
 profiler's kernels of one replay by kind (matrix products, attention, the rest), then the
 kernels of a whole warm burst by kind, with the GPU's busy share of the burst's wall time.
 
-``python3 benchmarks/diagnostics/step_profile.py gpt2|llama [--span 512] [--ops]`` from the
-repository root, on a GPU (``--ops``: also the torch operators of eager steps, with their input
-shapes and device time).
+``python3 benchmarks/diagnostics/step_profile.py gpt2|llama [--span 512] [--ops] [--compile]`` from
+the repository root, on a GPU (``--ops``: also the torch operators of eager steps, with their input
+shapes and device time; ``--compile``: then a GraphedModule with ``compile=True`` in the same
+process, its warm bursts once every queued compile has replaced its plain graph, and its warm
+burst's kernels by kind beside the default's).
 """
 
 import argparse
@@ -88,6 +90,7 @@ def main():
     ap.add_argument("model", choices=["gpt2", "llama"])
     ap.add_argument("--span", type=int, default=512)
     ap.add_argument("--ops", action="store_true", help="also the operators of eager steps, with their shapes")
+    ap.add_argument("--compile", action="store_true", help="then compile=True's warm bursts and their kernels")
     a = ap.parse_args()
     name = torch.cuda.get_device_name()
     bw = next((v for k, v in BANDWIDTH.items() if k in name), 3.35e12)
@@ -126,6 +129,35 @@ def main():
         t = g.burst(gm, reqs, DEV)[0]
     by_kind, top = kernels(prof)
     say_kernels(f"a warm burst under the profiler ({t:.3f} s)", by_kind, top, 1e6 * t)
+    gm.close()
+    if a.compile:
+        compiled_bursts(model, reqs, tokens)
+
+
+def compiled_bursts(model, reqs, tokens):
+    """compile=True on the same model: the first burst, every queued compile waited for, three
+    warm bursts, then one under the profiler (kernels by kind, as the default's above)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gm = GraphedModule(model, compile=True)
+    first = g.burst(gm, reqs, DEV)[0]
+    t0 = time.perf_counter()
+    done = gm.__dict__["_gw_decode"].captures.finish(900)
+    d = gm.stats()["decode"]
+    marks = [(k["key"][:24], b["compiled"]) for e in d["compiled_engines"].values() for k in e["keys"]
+             for b in k["buckets"].values()]
+    print(f"compile=True: first burst {first:.3f} s; the queued compiles {'done' if done else 'NOT done'} in "
+          f"{time.perf_counter() - t0:.1f} s; compiled shapes {d['captures']['compiled']}; their graphs marked "
+          f"compiled: {sum(1 for _, c in marks if c)} of {len(marks)}", flush=True)
+    times = [g.burst(gm, reqs, DEV)[0] for _ in range(3)]
+    d = gm.stats()["decode"]
+    print(f"compile=True warm bursts: {tokens / statistics.median(times):,.0f} tokens/s (median of 3, "
+          f"{min(times):.3f}-{max(times):.3f} s); turn p50 {d['turn_ms']['p50']:.3f} ms; in a larger graph "
+          f"{d['in_a_larger_graph']}, eager forwards {d['eager_forwards']}", flush=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = g.burst(gm, reqs, DEV)[0]
+    by_kind, top = kernels(prof)
+    say_kernels(f"compile=True: a warm burst under the profiler ({t:.3f} s)", by_kind, top, 1e6 * t)
     gm.close()
 
 

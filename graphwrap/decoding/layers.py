@@ -134,12 +134,7 @@ class PagedLayer(RowLayer):
             slots.where, slots.offset, pos = _row_slots(self, n)
             slots.seen = pos + 1 if direct else None
         where, offset = slots.where, slots.offset
-        k, v = key_states[:, :, -1], value_states[:, :, -1]
-        if step_write.applies(self.keys, self.values, k, v):
-            step_write.write(self.keys, self.values, where, offset, k, v)
-        else:
-            self.keys[where, offset] = k.to(self.keys.dtype)
-            self.values[where, offset] = v.to(self.values.dtype)
+        step_write.put(self.keys, self.values, where, offset, key_states[:, :, -1], value_states[:, :, -1])
         if direct:
             return self.direct, self.values
         return self._gather(self.keys, n), self._gather(self.values, n)
@@ -188,8 +183,7 @@ class PagedPromptLayer(RowLayer):
         k, width = key_states.shape[0], key_states.shape[2]
         where = self.table.index_select(0, self.slots[:k])[:, self.pos_block[:width]]
         offset = self.pos_offset[:width]
-        self.keys[where, offset] = key_states.transpose(1, 2).to(self.keys.dtype)
-        self.values[where, offset] = value_states.transpose(1, 2).to(self.values.dtype)
+        step_write.put(self.keys, self.values, where, offset, key_states.transpose(1, 2), value_states.transpose(1, 2))
         return key_states, value_states
 
     def get_seq_length(self, *args, **kwargs):
@@ -210,8 +204,8 @@ class PagedChunkLayer(WindowLayer):
         self.lines = line[:blocks_for(end, store.block)]
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
-        self.keys[self.where, self.offset] = key_states[0].transpose(0, 1).to(self.keys.dtype)
-        self.values[self.where, self.offset] = value_states[0].transpose(0, 1).to(self.values.dtype)
+        step_write.put(self.keys, self.values, self.where, self.offset, key_states[0].transpose(0, 1),
+                       value_states[0].transpose(0, 1))
         return self._seen(self.keys), self._seen(self.values)
 
     def _seen(self, pool: Tensor) -> Tensor:
@@ -241,8 +235,8 @@ class PagedPieceLayer(WindowLayer):
         store = self.store
         at = store.at
         line, where, offset = _piece_slots(store, self.steps)
-        self.keys[where, offset] = key_states[0].transpose(0, 1).to(self.keys.dtype)
-        self.values[where, offset] = value_states[0].transpose(0, 1).to(self.values.dtype)
+        step_write.put(self.keys, self.values, where, offset, key_states[0].transpose(0, 1),
+                       value_states[0].transpose(0, 1))
         if store.base.direct:  # the pools themselves, marked with the row's line and the piece's place
             view = self.keys.view(self.keys.shape)
             setattr(view, "_gw_piece", (line, at))
@@ -281,14 +275,9 @@ class PagedMixedLayer(PagedLayer):
             slots.seen = pos + 1
             slots.piece = _piece_slots(store, self.steps)
         k, v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)  # [n + width, heads, dim]
-        if step_write.applies(self.keys, self.values, k[:n], v[:n]):
-            step_write.write(self.keys, self.values, slots.where, slots.offset, k[:n], v[:n])
-        else:
-            self.keys[slots.where, slots.offset] = k[:n].to(self.keys.dtype)
-            self.values[slots.where, slots.offset] = v[:n].to(self.values.dtype)
+        step_write.put(self.keys, self.values, slots.where, slots.offset, k[:n], v[:n])
         line, where, offset = slots.piece
-        self.keys[where, offset] = k[n:].to(self.keys.dtype)
-        self.values[where, offset] = v[n:].to(self.values.dtype)
+        step_write.put(self.keys, self.values, where, offset, k[n:], v[n:])
         setattr(self.direct, "_gw_mixed", (n, line, store.at))
         return self.direct, self.values
 
