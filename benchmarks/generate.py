@@ -152,17 +152,17 @@ def closed_loop_async(gm, reqs, device, seconds):
     return asyncio.run(main())
 
 
-def step_graph(gm, rows: int, span: int, fold: bool = True):
+def step_graph(gm, rows: int, span: int, fold: bool = True, step=None):
     """ms per bare replay of the decode step captured by hand at ``rows`` rows over ``span``
     (``fold``: with the batch's grouped-query attention, as its steps run; else transformers'
-    own sdpa)."""
+    own sdpa; ``step``: the forward to capture, the batch's plain step by default)."""
     server = gm.__dict__["_gw_decode"]
     with server.fold if fold else contextlib.nullcontext():
-        return _step_graph(server, rows, span)
+        return _step_graph(server, rows, span, step)
 
 
-def _step_graph(server, rows: int, span: int):
-    step, store = server.engine.module, server.store
+def _step_graph(server, rows: int, span: int, step=None):
+    step, store = step or server.engine.module, server.store
     ids = torch.zeros((rows, 1), dtype=torch.long, device=server.device)
     window = store.window(span)
     saved = store.lengths.clone(), store.live.clone()

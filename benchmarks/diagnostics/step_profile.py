@@ -131,12 +131,13 @@ def main():
     say_kernels(f"a warm burst under the profiler ({t:.3f} s)", by_kind, top, 1e6 * t)
     gm.close()
     if a.compile:
-        compiled_bursts(model, reqs, tokens)
+        compiled_bursts(model, reqs, tokens, a.span)
 
 
-def compiled_bursts(model, reqs, tokens):
+def compiled_bursts(model, reqs, tokens, span: int):
     """compile=True on the same model: the first burst, every queued compile waited for, three
-    warm bursts, then one under the profiler (kernels by kind, as the default's above)."""
+    warm bursts, then one under the profiler (kernels by kind, as the default's above), and the
+    64-row step over ``span`` captured by hand from the compiled forward (a bare replay)."""
     from torch.profiler import ProfilerActivity, profile
 
     gm = GraphedModule(model, compile=True)
@@ -158,6 +159,14 @@ def compiled_bursts(model, reqs, tokens):
         t = g.burst(gm, reqs, DEV)[0]
     by_kind, top = kernels(prof)
     say_kernels(f"compile=True: a warm burst under the profiler ({t:.3f} s)", by_kind, top, 1e6 * t)
+    from graphwrap.capture.work import compiled_forward
+
+    engine = gm.__dict__["_gw_decode"].compiled_engines["step"]
+    with engine.lock:
+        cf = compiled_forward(engine)
+    replay = statistics.median(g.step_graph(gm, 64, span, step=cf))  # (Inductor compiles this span first)
+    print(f"compile=True: 64-row step over {span} captured by hand, its compiled forward: bare replay "
+          f"{1e3 * replay:.3f} ms", flush=True)
     gm.close()
 
 
