@@ -477,7 +477,7 @@ def test_a_bucket_captured_again_runs_its_reference_without_the_read_recorder():
             return self.lin(x)
 
     class Forward:  # what the tuner hands a capture: kernels compiled for the bucket's size
-        graphs, dynamic = 0, False
+        graphs, dynamic, ahead = 0, False, None
 
         def __init__(self, module):
             self.module, self.shapes = module, set()
