@@ -382,9 +382,11 @@ class _CountingCompile:
     dynamic = True
 
     def __init__(self):
-        self.graphs, self.calls, self.shapes, self.ahead = 0, 0, set(), None
+        self.graphs, self.calls, self.shapes, self.ahead, self.fail = 0, 0, set(), None, False
 
     def __call__(self, *args, **kwargs):
+        if self.fail:
+            raise RuntimeError("dynamo could not trace it")
         self.calls += 1
         self.graphs = max(self.graphs, 1)
 
@@ -408,6 +410,11 @@ def test_a_compile_ahead_of_a_capture_marks_its_graph_compiled_though_the_warm_u
     assert cf.calls == 1 and cf.ahead == 1, "the graph compiled ahead, for the capture to count"
     captures_mod.precompile(engine, None, server, (torch.zeros(2),), {})
     assert cf.ahead == 0, "a second run ahead compiled nothing (kernels of another shape served it)"
+    cf.fail = True  # a run ahead that fails leaves no count for the capture after it
+    with pytest.raises(RuntimeError):
+        captures_mod.precompile(engine, None, server, (torch.zeros(2),), {})
+    assert cf.ahead is None
+    cf.fail = False
     for name, ran_ahead, want in (("a", True, True), ("b", False, False)):  # (one key each: a twin's)
         ks, b = Key(name, None, ((0, None, 0),), torch.device("cpu"), None, name), Bucket(4)
         work._mark_compiled(engine, ks, b, cf, 0, ran_ahead)

@@ -326,7 +326,7 @@ def precompile(engine, stream, server, args: tuple, kwargs: dict):
         cf = compiled_forward(engine)
     if cf is None:
         return
-    graphs = cf.graphs
+    graphs, cf.ahead = cf.graphs, None  # (a run that fails hands the capture nothing)
     with on_stream(stream), torch.no_grad(), server.fold, without_cudnn(server.device):
         cf(*args, **kwargs)
     if stream is not None:

@@ -12,7 +12,7 @@ piece's) is torch's operator ``graphwrap::put_slots``, which says it writes into
 Traced as an indexed assignment instead, the write into a pool that the attention also reads
 through a view of its own (the paged kernel's) made Inductor copy the whole layer's pool to a
 buffer and back on every forward: two kernels of some 50 us a layer on GPT-2's 64-row step (an
-H200), which made ``compile=True``'s warm bursts 2.1x slower than the default's
+H200), which made ``compile=True``'s warm bursts 2.2x slower than the default's
 (``benchmarks/diagnostics/step_profile.py --compile``). The operator is written in place.
 """
 
