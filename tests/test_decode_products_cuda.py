@@ -12,16 +12,24 @@ pytestmark = pytest.mark.cuda
 pytest.importorskip("triton", reason="needs Triton (torch's CUDA wheels bring it)")
 
 
+def mlp_cards():
+    from graphwrap.decoding import mlp
+
+    return sorted(set(mlp.CARDS.values()))
+
+
 @pytest.mark.parametrize("m,k,n", [(64, 2048, 5632), (1, 2048, 5632), (37, 4096, 14336), (5, 200, 300)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_the_gated_kernel_equals_transformers_operations_to_rounding(m, k, n, dtype):
+@pytest.mark.parametrize("shape", [None, *mlp_cards()], ids=lambda s: "card's" if s is None else str(s))
+def test_the_gated_kernel_equals_transformers_operations_to_rounding(m, k, n, dtype, shape):
+    """With this card's shape of work, and with each card's of graphwrap's table."""
     from graphwrap.decoding import mlp
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, 1, k, generator=g, device="cuda").to(dtype)
     wg = (torch.randn(n, k, generator=g, device="cuda") / k ** 0.5).to(dtype)
     wu = (torch.randn(n, k, generator=g, device="cuda") / k ** 0.5).to(dtype)
-    got = mlp.gate_up(x, wg, wu)
+    got = mlp.gate_up(x, wg, wu, *(shape or ()))
     own = mlp.reference(x, wg, wu)  # transformers' kernels: the products, SiLU, the product
     exact = mlp.reference(x.double(), wg.double(), wu.double())
     assert got.shape == (m, 1, n) and got.dtype == dtype
@@ -47,11 +55,12 @@ def test_where_the_gated_kernel_does_not_apply():
 
 
 @pytest.mark.parametrize("m,k,ns", [(64, 2048, (2048, 256, 256)), (1, 2048, (2048, 256, 256)),
-                                    (37, 4096, (4096, 1024, 1024)), (5, 200, (96, 40, 40))])
+                                    (37, 4096, (4096, 1024, 1024)), (5, 200, (96, 40, 40)),
+                                    (64, 5632, (2048,)), (5, 200, (96,))])  # (one product: the tune's)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("split", [None, 1, 4])
-def test_the_projections_kernel_equals_three_linears_to_rounding(m, k, ns, dtype, bias, split):
+def test_the_projections_kernel_equals_its_linears_to_rounding(m, k, ns, dtype, bias, split):
     from graphwrap.decoding import qkv
 
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -11,7 +11,8 @@ products' sums. Taken where the batch's step kernels run (a GPU with Triton), fo
 with no biases, and rows no more than :data:`ROWS`; elsewhere the module's own forward.
 """
 
-from typing import Optional
+import functools
+from typing import Optional, Tuple
 
 import torch
 
@@ -19,7 +20,13 @@ from . import paged_attention, qkv
 
 Tensor = torch.Tensor
 ROWS = 64  # at most this many rows (the step's); wider inputs (a prompt's positions) are cuBLAS's
-BN, BK, WARPS, STAGES = None, 64, 4, 4  # shape of work (step_products.py --tune, H200); BN: by_outputs
+STAGES = 4
+# The shape of work by card (``step_products.py --tune``): outputs a program takes, the inner
+# dimension's step, warps. A card whose name holds a key takes its row; any other the H200's
+# (:func:`by_outputs`, 64, 4). On an H100 (SXM, HBM3) tiles of 64 by 128 in 8 warps were the
+# fastest for both the 1.1B and the 7-8B shape (20.8 and 87.6 us against 21.6 and 92.2 for the
+# H200's choice); on an H200 that choice was 4-6% slower than its own.
+CARDS = {"H100 80GB HBM3": (64, 128, 8)}
 
 
 def applies(x: Tensor, gate: torch.nn.Linear, up: torch.nn.Linear) -> bool:
@@ -41,10 +48,25 @@ def by_outputs(n: int, device: torch.device) -> int:
     return 64 if -(-n // 64) >= qkv.processors(device) else 16
 
 
-def gate_up(x: Tensor, wg: Tensor, wu: Tensor, bn: Optional[int] = BN, bk: int = BK, warps: int = WARPS,
-            stages: int = STAGES) -> Tensor:
+@functools.lru_cache(maxsize=None)
+def _card(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def shape_of_work(n: int, device: torch.device) -> Tuple[int, int, int]:
+    """``(BN, BK, warps)`` for ``n`` outputs on ``device``'s card (:data:`CARDS`)."""
+    name = _card(device)
+    for key, shape in CARDS.items():
+        if key in name:
+            return shape
+    return by_outputs(n, device), 64, 4
+
+
+def gate_up(x: Tensor, wg: Tensor, wu: Tensor, bn: Optional[int] = None, bk: Optional[int] = None,
+            warps: Optional[int] = None, stages: int = STAGES) -> Tensor:
     """``silu(x @ wg.T) * (x @ wu.T)`` for ``x [..., K]`` and weights ``[N, K]`` -> ``[..., N]``
-    (``bn``, ``bk``, ``warps``, ``stages``: the kernel's shape of work, for the tune)."""
+    (``bn``, ``bk``, ``warps``, ``stages``: the kernel's shape of work, for the tune; None: the
+    card's, :func:`shape_of_work`)."""
     import triton
 
     from ._mlp_triton import gate_up as kernel
@@ -54,7 +76,7 @@ def gate_up(x: Tensor, wg: Tensor, wu: Tensor, bn: Optional[int] = BN, bk: int =
         rows = rows.contiguous()
     m, k = rows.shape
     n = wg.shape[0]
-    bn = by_outputs(n, x.device) if bn is None else bn
+    bn, bk, warps = (c if v is None else v for v, c in zip((bn, bk, warps), shape_of_work(n, x.device)))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     bm = max(16, 1 << (m - 1).bit_length())
     kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](

@@ -59,10 +59,10 @@ def applies(x: Tensor, projections: Sequence) -> bool:
 
 def project(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]], bn: int = BN, bk: int = BK,
             warps: int = WARPS, stages: int = STAGES, split: Optional[int] = SPLIT) -> List[Tensor]:
-    """``[x @ w.T + b for w, b in zip(weights, biases)]`` (three; biases all or none) for ``x [..., K]``
-    -> ``[..., N_i]`` each, in one launch (``bn``, ``bk``, ``warps``, ``stages``: its shape of
-    work). With ``split`` > 1 the inner dimension goes in that many parts, each a program of its
-    own, summed in fp32 by a second kernel in their order (the same result every run)."""
+    """``[x @ w.T + b for w, b in zip(weights, biases)]`` (one to three; biases all or none) for
+    ``x [..., K]`` -> ``[..., N_i]`` each, in one launch (``bn``, ``bk``, ``warps``, ``stages``: its
+    shape of work). With ``split`` > 1 the inner dimension goes in that many parts, each a program
+    of its own, summed in fp32 by a second kernel in their order (the same result every run)."""
     import triton
 
     from ._qkv_triton import project as kernel
@@ -73,7 +73,11 @@ def project(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tens
         rows = rows.contiguous()
     m, k = rows.shape
     assert m <= ROWS, "one tile of rows: a step's"
-    ns = [w.shape[0] for w in weights]
+    assert 1 <= len(weights) == len(biases) <= 3, "one to three products"
+    made = len(weights)
+    ns = [w.shape[0] for w in weights] + [0] * (3 - made)  # (a product of no outputs: no tiles, never read)
+    weights = list(weights) + [weights[0]] * (3 - made)
+    biases = list(biases) + [biases[0]] * (3 - made)
     outs = [torch.empty((m, n), dtype=x.dtype, device=x.device) for n in ns]
     tiles = [triton.cdiv(n, bn) for n in ns]
     if split is None:  # (the 1.1B shape's 80 tiles on an H200's 132 SMs: 11.2 -> 8.9 us with two)
@@ -92,7 +96,7 @@ def project(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tens
         reduce[(m, triton.cdiv(sum(ns), REDUCE_BN))](
             parts, *b, *outs, *ns, *(o.stride(0) for o in outs), parts.stride(1), parts.stride(0),
             HAS_BIAS=has_bias, SPLIT=split, BN=REDUCE_BN)
-    return [o.view(*x.shape[:-1], n) for o, n in zip(outs, ns)]
+    return [o.view(*x.shape[:-1], n) for o, n in zip(outs[:made], ns)]
 
 
 @functools.lru_cache(maxsize=None)
