@@ -1,8 +1,7 @@
 """The shape of work of graphwrap's gated-MLP kernel by card (graphwrap/decoding/mlp.py): the
 H100's row where the card's name holds it, else the rule tuned on an H200 (tiles of 64 outputs
-where they still make a program for each SM, else of 16); a shape given by the caller kept. The
-kernels' programmatic dependent launch (graphwrap/decoding/pdl.py): where it is taken. The
-kernels themselves run on a GPU: tests/test_decode_products_cuda.py, tests/test_decode_pdl_cuda.py."""
+where they still make a program for each SM, else of 16); a shape given by the caller kept.
+The kernel itself runs on a GPU: tests/test_decode_products_cuda.py."""
 
 import pytest
 import torch
@@ -42,8 +41,8 @@ def test_a_shape_of_work_given_is_kept(card, monkeypatch):
 
     class Kernel:
         def __getitem__(self, grid):
-            def launch(*args, BM, BN, BK, num_warps, num_stages, **more):
-                seen.update(grid=grid, BM=BM, BN=BN, BK=BK, warps=num_warps, **more)
+            def launch(*args, BM, BN, BK, num_warps, num_stages):
+                seen.update(grid=grid, BM=BM, BN=BN, BK=BK, warps=num_warps)
             return launch
 
     import sys
@@ -56,23 +55,6 @@ def test_a_shape_of_work_given_is_kept(card, monkeypatch):
     x, w = torch.zeros(8, 1, 32), torch.zeros(96, 32)
     assert mlp.gate_up(x, w, w).shape == (8, 1, 96)
     assert (seen["BN"], seen["BK"], seen["warps"], seen["BM"]) == (64, 128, 8, 16)
-    assert seen["PDL"] is False and "launch_pdl" not in seen, "no Triton here: no programmatic launch"
     assert seen["grid"] == (2, 1), "96 outputs in tiles of 64, 8 rows in one tile"
     mlp.gate_up(x, w, w, bn=16, warps=4)
     assert (seen["BN"], seen["BK"], seen["warps"]) == (16, 128, 4)
-
-
-def test_programmatic_dependent_launch_where_available_or_forced(monkeypatch):
-    """graphwrap's kernels take it where the card and Triton have it (decoding/pdl.py), or where
-    forced; a kernel without it is told so (its PDL constant off, no launch keyword)."""
-    from graphwrap.decoding import pdl
-
-    monkeypatch.setattr(pdl, "available", lambda device: True)
-    assert pdl.launch(DEV) == {"PDL": True, "launch_pdl": True}
-    monkeypatch.setattr(pdl, "ON", False)
-    assert pdl.launch(DEV) == {"PDL": False}
-    monkeypatch.setattr(pdl, "available", lambda device: False)
-    monkeypatch.setattr(pdl, "ON", None)
-    assert pdl.launch(DEV) == {"PDL": False}
-    monkeypatch.setattr(pdl, "ON", True)
-    assert pdl.launch(DEV) == {"PDL": True, "launch_pdl": True}

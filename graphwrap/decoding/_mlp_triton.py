@@ -6,11 +6,9 @@ import triton.language as tl
 
 
 @triton.jit
-def gate_up(X, WG, WU, O, M, N, K, sxm, swn, som, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+def gate_up(X, WG, WU, O, M, N, K, sxm, swn, som, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """``O[m, n] = silu(X[m] . WG[n]) * (X[m] . WU[n])``, each product rounded to ``O``'s dtype
     before the next operation, as transformers' three kernels round."""
-    if PDL:  # (programmatic dependent launch: the last kernel ended, its writes seen)
-        tl.extra.cuda.gdc_wait()
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     rk = tl.arange(0, BK)

@@ -6,10 +6,8 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm(X, W, O, sx, so, N, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def rms_norm(X, W, O, sx, so, N, eps, BLOCK: tl.constexpr):
     """Row ``program_id``: ``x * rsqrt(mean(x^2) + eps) * w``, in fp32, rounded once."""
-    if PDL:  # (programmatic dependent launch: the last kernel ended, its writes seen)
-        tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     m = c < N

@@ -49,10 +49,8 @@ def paged_walk(q, K, V, T, b, h, begin, end, n_pos, first, scale, softcap, skb, 
 @triton.jit
 def paged_decode(Q, K, V, T, L, O, scale, window, softcap, sqb, sqh, skb, skt, skh, stb, sob, soh,
                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                 TILE: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr):
+                 TILE: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
     """Program ``(b, h)``: row ``b``'s query heads of key head ``h`` over the row's positions."""
-    if PDL:  # (programmatic dependent launch: the last kernel ended, its writes seen)
-        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_pos = tl.load(L + b)
@@ -73,12 +71,10 @@ def paged_decode(Q, K, V, T, L, O, scale, window, softcap, sqb, sqh, skb, skt, s
 @triton.jit
 def paged_decode_part(Q, K, V, T, L, P, scale, window, softcap, sqb, sqh, skb, skt, skh, stb, G: tl.constexpr,
                       GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                      TILE: tl.constexpr, S: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr):
+                      TILE: tl.constexpr, S: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
     """Program ``(b, h, s)``: the ``s``-th of row ``b``'s runs of tiles (a row of few tiles uses as
     many programs as it has tiles); writes its part: the unscaled sums ``[G, D]``, then the
     softmax's denominator and maximum, per query head."""
-    if PDL:  # (programmatic dependent launch: the last kernel ended, its writes seen)
-        tl.extra.cuda.gdc_wait()
     b, h, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_pos = tl.load(L + b)
     g, d = tl.arange(0, GP), tl.arange(0, DP)
@@ -102,11 +98,9 @@ def paged_decode_part(Q, K, V, T, L, P, scale, window, softcap, sqb, sqh, skb, s
 
 @triton.jit
 def paged_decode_join(L, P, O, window, sob, soh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                      DP: tl.constexpr, TILE: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr):
+                      DP: tl.constexpr, TILE: tl.constexpr, S: tl.constexpr):
     """Program ``(b, h)``: row ``b``'s parts for key head ``h``, each rescaled to the largest
     maximum, over the summed denominators."""
-    if PDL:  # (programmatic dependent launch: the last kernel ended, its writes seen)
-        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_pos = tl.load(L + b)

@@ -9,9 +9,7 @@ import triton.language as tl
 def paged_piece(Q, K, V, LINE, AT, O, PART, ML, scale, window, softcap, sqh, sqi, skb, skt, skh, soi, soh,
                 G: tl.constexpr, W: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
                 TILE: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr,
-                SOFTCAP: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # (programmatic dependent launch: the last kernel ended, its writes seen)
-        tl.extra.cuda.gdc_wait()
+                SOFTCAP: tl.constexpr):
     h = tl.program_id(0)
     r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # query rows of key head h: (head of the group, position)
     rm = r < G * W
@@ -72,9 +70,7 @@ def paged_piece(Q, K, V, LINE, AT, O, PART, ML, scale, window, softcap, sqh, sqi
 
 @triton.jit
 def join_splits(PART, ML, O, soi, soh, G: tl.constexpr, W: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                SPLITS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # (programmatic dependent launch: the last kernel ended, its writes seen)
-        tl.extra.cuda.gdc_wait()
+                SPLITS: tl.constexpr):
     n = tl.program_id(0)  # (key head, query row of its group)
     rows = tl.num_programs(0)
     s = tl.arange(0, SPLITS)

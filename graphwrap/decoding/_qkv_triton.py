@@ -32,9 +32,7 @@ def _tile(X, W, B, O, P, n0, c0, s, M, N, K, KS, sxm, swn, som, spm, sps, HAS_BI
 @triton.jit
 def project(X, W0, W1, W2, B0, B1, B2, O0, O1, O2, P, M, N0, N1, N2, K, KS, sxm, sw0, sw1, sw2, so0, so1, so2, spm,
             sps, T0, T1, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            BK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # (programmatic dependent launch: the last kernel ended, its writes seen)
-        tl.extra.cuda.gdc_wait()
+            BK: tl.constexpr):
     t = tl.program_id(0)  # tiles of the first product's outputs, then the second's, then the third's
     s = tl.program_id(1)  # the part of the inner dimension (SPLIT > 1)
     if t < T0:
@@ -49,11 +47,9 @@ def project(X, W0, W1, W2, B0, B1, B2, O0, O1, O2, P, M, N0, N1, N2, K, KS, sxm,
 
 @triton.jit
 def reduce(P, B0, B1, B2, O0, O1, O2, N0, N1, N2, so0, so1, so2, spm, sps, HAS_BIAS: tl.constexpr,
-           SPLIT: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+           SPLIT: tl.constexpr, BN: tl.constexpr):
     """Row ``m``'s sums of ``project``'s ``SPLIT`` parts, in their order, (+ the bias) rounded once
     into the three outputs."""
-    if PDL:  # (programmatic dependent launch: the last kernel ended, its writes seen)
-        tl.extra.cuda.gdc_wait()
     m = tl.program_id(0)
     c = tl.program_id(1) * BN + tl.arange(0, BN)
     nt = N0 + N1 + N2

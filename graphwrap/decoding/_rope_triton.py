@@ -22,9 +22,7 @@ def _heads(X, O, c1, c2, s1, s2, sxh, soh, H: tl.constexpr, HALF: tl.constexpr, 
 
 @triton.jit
 def rope(Q, K, COS, SIN, QO, KO, S, sqb, sqh, sqs, skb, skh, sks, scb, scs, ssb, sss, sob, soh, sos, sob_k, soh_k,
-         sos_k, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # (programmatic dependent launch: the last kernel ended, its writes seen)
-        tl.extra.cuda.gdc_wait()
+         sos_k, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr, BH: tl.constexpr):
     t = tl.program_id(0)  # one position of one sequence: b * S + s
     b = t // S
     s = t % S

@@ -17,9 +17,7 @@ def _one(X, P, sxh, sph, H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, DP:
 
 @triton.jit
 def write_slots(K, V, KP, VP, WHERE, OFFSET, skn, skh, svn, svh, spb, spo, sph, H: tl.constexpr, D: tl.constexpr,
-                BH: tl.constexpr, DP: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # (programmatic dependent launch: the last kernel ended, its writes seen)
-        tl.extra.cuda.gdc_wait()
+                BH: tl.constexpr, DP: tl.constexpr):
     i = tl.program_id(0)  # one row: its key and value go to block WHERE[i], offset OFFSET[i]
     at = tl.load(WHERE + i).to(tl.int64) * spb + tl.load(OFFSET + i).to(tl.int64) * spo
     _one(K + i * skn, KP + at, skh, sph, H, D, BH, DP)

@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import paged_attention, pdl, qkv
+from . import paged_attention, qkv
 
 Tensor = torch.Tensor
 ROWS = 64  # at most this many rows (the step's); wider inputs (a prompt's positions) are cuBLAS's
@@ -81,7 +81,7 @@ def gate_up(x: Tensor, wg: Tensor, wu: Tensor, bn: Optional[int] = None, bk: Opt
     bm = max(16, 1 << (m - 1).bit_length())
     kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
         rows, wg, wu, out, m, n, k, rows.stride(0), wg.stride(0), out.stride(0),
-        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **pdl.launch(x.device))
+        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
     return out.view(*x.shape[:-1], n)
 
 

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from . import paged_attention, pdl
+from . import paged_attention
 
 Tensor = torch.Tensor
 ROWS = 64  # at most this many rows (a step's); more (a prompt's positions) are PyTorch's
@@ -41,7 +41,7 @@ def rms(x: Tensor, weight: Tensor, eps: float, warps: int = 0) -> Tensor:
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     block = _pow2(n)
     rms_norm[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, float(eps), BLOCK=block,
-                               num_warps=warps or _warps(block), **pdl.launch(x.device))
+                               num_warps=warps or _warps(block))
     return out.view(x.shape)
 
 

@@ -15,8 +15,6 @@ from typing import Optional
 
 import torch
 
-from . import pdl
-
 Tensor = torch.Tensor
 TILE = 64  # positions a program reads at a time (heads wider than 128)
 SPLIT_FROM = 1024  # a step's graph over rows past this many positions splits each row's positions
@@ -92,8 +90,7 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: T
         q = q.contiguous()
     out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
     shape = dict(G=group, GP=gp, D=d, DP=dp, BLOCK=block, TILE=tile, IEEE=q.dtype == torch.float32,
-                 SOFTCAP=bool(softcap), num_warps=warps, **({} if stages is None else {"num_stages": stages}),
-                 **pdl.launch(q.device))
+                 SOFTCAP=bool(softcap), num_warps=warps, **({} if stages is None else {"num_stages": stages}))
     args = (q, k_pool, v_pool, table, lengths)
     strides = (q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), table.stride(0))
     if splits <= 1:
@@ -102,7 +99,7 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: T
     parts = torch.empty((n, hkv, splits, gp, dp + 2), dtype=torch.float32, device=q.device)  # each part's sums, max
     _triton().paged_decode_part[(n, hkv, splits)](*args, parts, scale, window, softcap, *strides, S=splits, **shape)
     _triton().paged_decode_join[(n, hkv)](lengths, parts, out, window, out.stride(0), out.stride(1), G=group, GP=gp,
-                                          D=d, DP=dp, TILE=tile, S=splits, num_warps=4, **pdl.launch(q.device))
+                                          D=d, DP=dp, TILE=tile, S=splits, num_warps=4)
     return out
 
 

@@ -21,8 +21,6 @@ from typing import Optional
 
 import torch
 
-from . import pdl
-
 Tensor = torch.Tensor
 TILE = 64  # key positions a program reads at a time
 ROWS = 64  # query rows (heads of a group x positions) a program takes
@@ -75,11 +73,10 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, line: Tensor, at: Tensor,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         out.stride(0), out.stride(1),
         G=group, W=width, D=d, DP=dp, BLOCK=block, TILE=tile, ROWS=rows, SPLITS=splits,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=bool(softcap), num_warps=warps, **extra,
-        **pdl.launch(q.device))
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=bool(softcap), num_warps=warps, **extra)
     if splits > 1:  # the splits' partial sums joined: each weighed by its share of the softmax's total
         _joiner()[(hkv * group * width,)](part, ml, out, out.stride(0), out.stride(1), G=group, W=width, D=d, DP=dp,
-                                          SPLITS=splits, num_warps=1, **pdl.launch(q.device))
+                                          SPLITS=splits, num_warps=1)
     return out
 
 

@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from . import paged_attention, pdl
+from . import paged_attention
 
 Tensor = torch.Tensor
 ROWS = 64  # at most this many rows (a step's); wider inputs (a prompt's positions) are cuBLAS's
@@ -91,11 +91,11 @@ def project(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tens
         rows, *weights, *b, *outs, parts, m, *ns, k, ks, rows.stride(0), *(w.stride(0) for w in weights),
         *(o.stride(0) for o in outs), parts.stride(-2), parts.stride(0), tiles[0], tiles[1],
         HAS_BIAS=has_bias, SPLIT=split, BM=max(16, 1 << (m - 1).bit_length()), BN=bn, BK=bk, num_warps=warps,
-        num_stages=stages, **pdl.launch(x.device))
+        num_stages=stages)
     if split > 1:
         reduce[(m, triton.cdiv(sum(ns), REDUCE_BN))](
             parts, *b, *outs, *ns, *(o.stride(0) for o in outs), parts.stride(1), parts.stride(0),
-            HAS_BIAS=has_bias, SPLIT=split, BN=REDUCE_BN, **pdl.launch(x.device))
+            HAS_BIAS=has_bias, SPLIT=split, BN=REDUCE_BN)
     return [o.view(*x.shape[:-1], n) for o, n in zip(outs[:made], ns)]
 
 

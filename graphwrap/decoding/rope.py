@@ -15,8 +15,6 @@ from typing import Tuple
 
 import torch
 
-from . import pdl
-
 Tensor = torch.Tensor
 
 
@@ -46,7 +44,7 @@ def rotate(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tens
                    cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
                    qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
                    HQ=hq, HK=hk, HALF=half, HP=max(16, 1 << (half - 1).bit_length()),
-                   BH=max(1, 1 << (max(hq, hk) - 1).bit_length()), num_warps=4, **pdl.launch(q.device))
+                   BH=max(1, 1 << (max(hq, hk) - 1).bit_length()), num_warps=4)
     return qo, ko
 
 

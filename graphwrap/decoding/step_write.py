@@ -18,7 +18,7 @@ H200), which made ``compile=True``'s warm bursts 2.2x slower than the default's
 
 import torch
 
-from . import paged_attention, pdl
+from . import paged_attention
 
 Tensor = torch.Tensor
 
@@ -41,8 +41,7 @@ def write(keys: Tensor, values: Tensor, where: Tensor, offset: Tensor, k: Tensor
     n, h, d = k.shape
     write_slots[(n,)](k, v, keys, values, where, offset, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                       keys.stride(0), keys.stride(1), keys.stride(2), H=h, D=d,
-                      BH=max(1, 1 << (h - 1).bit_length()), DP=max(16, 1 << (d - 1).bit_length()), num_warps=1,
-                      **pdl.launch(k.device))
+                      BH=max(1, 1 << (h - 1).bit_length()), DP=max(16, 1 << (d - 1).bit_length()), num_warps=1)
 
 
 def reference(keys: Tensor, values: Tensor, where: Tensor, offset: Tensor, k: Tensor, v: Tensor) -> None:
