@@ -6,11 +6,12 @@ time, the bytes it must read (weights, and the live keys and values) over the ba
 profiler's kernels of one replay by kind (matrix products, attention, the rest), then the
 kernels of a whole warm burst by kind, with the GPU's busy share of the burst's wall time.
 
-``python3 benchmarks/diagnostics/step_profile.py gpt2|llama [--span 512] [--ops] [--compile]`` from
-the repository root, on a GPU (``--ops``: also the torch operators of eager steps, with their input
-shapes and device time; ``--compile``: then a GraphedModule with ``compile=True`` in the same
+``python3 benchmarks/diagnostics/step_profile.py gpt2|llama [--span 512] [--ops] [--compile] [--cards]``
+from the repository root, on a GPU (``--ops``: also the torch operators of eager steps, with their
+input shapes and device time; ``--compile``: then a GraphedModule with ``compile=True`` in the same
 process, its warm bursts once every queued compile has replaced its plain graph, and its warm
-burst's kernels by kind beside the default's).
+burst's kernels by kind beside the default's; ``--cards``: the bare replay with the gated-MLP
+kernel's shape of work for this card and with the rule of cards not named, alternating).
 """
 
 import argparse
@@ -91,6 +92,8 @@ def main():
     ap.add_argument("--span", type=int, default=512)
     ap.add_argument("--ops", action="store_true", help="also the operators of eager steps, with their shapes")
     ap.add_argument("--compile", action="store_true", help="then compile=True's warm bursts and their kernels")
+    ap.add_argument("--cards", action="store_true", help="also the bare replay with the gated-MLP kernel's shape "
+                    "of work for this card and with the rule of cards not named (mlp.CARDS), alternating")
     a = ap.parse_args()
     name = torch.cuda.get_device_name()
     bw = next((v for k, v in BANDWIDTH.items() if k in name), 3.35e12)
@@ -119,6 +122,15 @@ def main():
           f"{weights / 1e9:.2f} GB weights + {kv / 1e9:.2f} GB keys and values at {bw / 1e12:.2f} TB/s = "
           f"{1e3 * floor:.3f} ms: {floor / replay:.0%} of the roofline; 64 rows / replay = "
           f"{64 / replay:,.0f} tokens/s", flush=True)
+    if a.cards:
+        from graphwrap.decoding import mlp
+
+        cards = mlp.CARDS
+        for named in (True, False, True, False):
+            mlp.CARDS = cards if named else {}
+            print(f"gated MLP's shape of work {mlp.shape_of_work(model.config.intermediate_size, DEV)}: bare "
+                  f"replay {1e3 * statistics.median(g.step_graph(gm, 64, a.span)):.3f} ms", flush=True)
+        mlp.CARDS = cards
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         g.step_graph(gm, 64, a.span)  # (3 eager warm-ups, then 5 x 50 replays)
     by_kind, top = kernels(prof, per=253)
