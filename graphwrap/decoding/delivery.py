@@ -39,15 +39,17 @@ class Outbox:
     """The delivery workers of the process.
 
     Few workers wake: a mailbox that becomes ready is left to the workers already running, and
-    an idle one takes it only where none runs or every running one has been inside one delivery
-    for longer than ``STALLED`` seconds (a slow streamer). One worker more than are running
-    stands by for that. The decode thread's posts then cost an append, not a thread's wake-up
-    per token."""
+    the worker standing by takes it only where none runs or every running one has been inside one
+    delivery for longer than ``STALLED`` seconds (a slow streamer). One worker always stands by
+    (until ``max_workers``): a worker that leaves the stand-by to take a mailbox starts another in
+    its place, so that mailboxes queued behind stuck workers are taken whether or not any post
+    comes after them. The decode thread's posts then cost an append, not a thread's wake-up per
+    token."""
 
     def __init__(self, max_workers: int = MAX_WORKERS):
         self.cond = threading.Condition(threading.Lock())  # guards everything below
         self.ready: Deque[Mailbox] = collections.deque()
-        self.idle = 0  # workers waiting for a mailbox
+        self.idle = 0  # workers standing by (waiting for a mailbox), or started and about to
         self.workers = 0
         self.busy: Dict[int, float] = {}  # worker id -> when its current delivery began
         self.max_workers = max_workers
@@ -69,18 +71,27 @@ class Outbox:
             ready.append(box)
         if not ready:
             return
-        spawn = False
         with self.cond:
             was_empty = not self.ready
             self.ready.extend(ready)
             if self.idle:
                 if was_empty or self._all_stalled():
-                    self.cond.notify()  # a worker to take them, or to stand by in case the running ones stall
-            elif self.workers < self.max_workers:
-                self.workers += 1  # one more than are running: a worker always stands by
-                spawn = True
+                    self.cond.notify()  # the worker standing by: to take them, or to watch the running ones
+                return
+            spawn = self._stand_by()
         if spawn:
-            threading.Thread(target=self._work, name="graphwrap-deliver", daemon=True).start()
+            self._spawn()
+
+    def _stand_by(self) -> bool:
+        """Whether a worker must be started to stand by (none does; the caller holds the lock)."""
+        if self.idle or self.workers >= self.max_workers:
+            return False
+        self.workers += 1
+        self.idle += 1  # (counted standing by from now: no second one is started meanwhile)
+        return True
+
+    def _spawn(self):
+        threading.Thread(target=self._work, name="graphwrap-deliver", daemon=True).start()
 
     def _all_stalled(self) -> bool:
         """No worker is running, or every running one is stuck in one delivery (the caller holds
@@ -91,21 +102,26 @@ class Outbox:
     def _work(self):
         me = threading.get_ident()
         _HERE.worker = True
+        standing = True  # (a worker starts standing by: counted in idle by its starter)
         while True:
             with self.cond:
                 self.busy.pop(me, None)
-                if not self.ready:
-                    # Idle: woken for a mailbox, it takes one only where no running worker will
-                    # soon (none runs, or each is stuck); else it stands by, looking again every
-                    # STALLED seconds while mailboxes wait.
-                    while True:
-                        self.idle += 1
+                if not standing and not self.ready:
+                    standing = True
+                    self.idle += 1
+                if standing:
+                    # Standing by: it takes a mailbox only where no running worker will soon (none
+                    # runs, or each is stuck); it looks again every STALLED seconds while mailboxes
+                    # wait, and is woken when the first one comes.
+                    while not (self.ready and self._all_stalled()):
                         self.cond.wait(STALLED if self.ready else None)
-                        self.idle -= 1
-                        if self.ready and self._all_stalled():
-                            break
+                    self.idle -= 1
+                    standing = False
                 box = self.ready.popleft()
                 self.busy[me] = time.monotonic()
+                spawn = self._stand_by()  # another in its place
+            if spawn:
+                self._spawn()
             self._drain(box, self.busy, me)
             del box  # (not held while waiting: it holds its call, and the call its batch)
 

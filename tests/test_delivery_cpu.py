@@ -1,0 +1,99 @@
+"""Deliveries off the decode thread (graphwrap/decoding/delivery.py): a slow or stuck streamer
+holds up its own call only, however many there are and whenever the others' deliveries come."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from graphwrap.decoding.delivery import Mailbox, Outbox
+
+
+def _stuck_then_quick(stuck: int, posts: int = 20):
+    """``stuck`` mailboxes whose every delivery blocks (a streamer whose reader never reads),
+    posted to once a step as the decode thread does, and a quick one among them at step 5:
+    whether the quick one's delivery ran within two seconds."""
+    outbox = Outbox()
+    gate, quick_done, stop = threading.Event(), threading.Event(), threading.Event()
+    boxes = [Mailbox(lambda e: None) for _ in range(stuck)]
+    quick = Mailbox(lambda e: None)
+
+    def decode_thread():
+        for step in range(posts):
+            if stop.is_set():
+                return
+            items = [(b, gate.wait) for b in boxes]
+            if step == 5:
+                items.append((quick, quick_done.set))
+            outbox.post_many(items)
+            time.sleep(0.001)
+
+    t = threading.Thread(target=decode_thread)
+    t.start()
+    try:
+        return quick_done.wait(2.0), outbox
+    finally:
+        stop.set()
+        gate.set()
+        t.join()
+
+
+@pytest.mark.parametrize("stuck", [1, 2, 5, 40])
+def test_a_quick_delivery_is_not_held_behind_stuck_ones(stuck):
+    """Each step posts to every stuck mailbox (already scheduled: no new mailbox becomes ready), so
+    no post after the quick one's could wake a worker for it: the worker standing by must."""
+    ok, outbox = _stuck_then_quick(stuck)
+    assert ok, f"the quick delivery waited behind {stuck} stuck ones (workers {outbox.workers}, idle {outbox.idle})"
+
+
+def test_one_worker_stands_by_and_the_rest_run_on_one():
+    """A mailbox that becomes ready while a worker runs (not stuck) is the running worker's: few
+    threads wake, and one stands by."""
+    outbox = Outbox()
+    done = threading.Event()
+    box = Mailbox(lambda e: None)
+    count = []
+    for i in range(200):
+        outbox.post(box, lambda i=i: count.append(i))
+    outbox.post(box, done.set)
+    assert done.wait(5)
+    assert count == list(range(200)), "a mailbox's deliveries in order"
+    time.sleep(0.05)
+    assert outbox.workers <= 3 and outbox.idle >= 1, (outbox.workers, outbox.idle)
+
+
+def test_a_call_without_a_streamer_ends_beside_streamers_that_are_never_read():
+    """gm.generate calls whose streamers block in put() (readers that never read) beside calls
+    with none: those end with their tokens, and close() does not wait for the stuck ones' reader."""
+    tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+    from graphwrap import GraphedModule
+
+    torch.manual_seed(0)
+    cfg = tr.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=101, n_positions=128, bos_token_id=1,
+                        eos_token_id=None, pad_token_id=0)
+    model = tr.AutoModelForCausalLM.from_config(cfg).eval()
+    gm = GraphedModule(model, decode={"rows": 8})
+    gate = threading.Event()
+
+    class Stuck:
+        def put(self, value):
+            gate.wait(60)
+
+        def end(self):
+            pass
+
+    try:
+        stuck = [gm.submit_generate(torch.tensor([[5, 6, 7]]), max_new_tokens=30, do_sample=False, streamer=Stuck())
+                 for _ in range(4)]
+        prompt = [9, 10, 11, 12]
+        plain = gm.submit_generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)
+        assert torch.equal(plain.result(timeout=30), want)
+        assert not any(f.done() for f in stuck), "the stuck streamers' calls wait for their readers"
+    finally:
+        gate.set()
+    for f in stuck:
+        assert f.result(timeout=30).shape == (1, 33)
+    gm.close()
