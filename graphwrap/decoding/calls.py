@@ -5,7 +5,7 @@ thread), and the errors a caller gets where the batch takes no call."""
 import logging
 import struct
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
@@ -99,12 +99,18 @@ def finish(call: Call, error: Optional[BaseException]):
             error = error if error is not None else e
     if call.future.done():
         return
+    if error is None:
+        try:
+            result = _result(call)
+        except Exception as e:  # noqa: BLE001 - the call fails with it: never a future left unset
+            error = GraphwrapError(f"the output of this generate call could not be built ({type(e).__name__}: {e})")
+            call.error = error
     try:
         if error is not None:
             call.future.set_exception(error)
         else:
-            call.future.set_result(_result(call))
-    except Exception:  # noqa: BLE001 - cancelled meanwhile
+            call.future.set_result(result)
+    except InvalidStateError:  # cancelled meanwhile
         pass
 
 
@@ -141,6 +147,9 @@ def check_call(plan: CallPlan, max_len: int, positions: Optional[int], cache: Ca
     bad = [t for p in plan.prompts for t in p if not 0 <= t < vocab]
     if bad:
         raise GraphwrapError(f"token id {bad[0]} is outside the model's vocabulary of {vocab}")
+    pad = plan.settings.pad
+    if pad is not None and pad not in plan.settings.eos and not 0 <= pad < vocab:
+        raise GraphwrapError(f"pad_token_id={pad} is outside the model's vocabulary of {vocab}")
 
 
 class Sinks:

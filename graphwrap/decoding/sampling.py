@@ -176,8 +176,12 @@ class RowSettings:
         eos = self.eos[sel]
         ok = (eos >= 0) & hold[:, None]
         ids = eos.clamp(min=0, max=scores.shape[1] - 1)  # (write keeps only ids of the vocabulary)
-        got = scores.gather(1, ids)
-        return scores.scatter(1, ids, torch.where(ok, torch.full_like(got, float("-inf")), got))
+        # The held ids' scores to -inf, the rest left as they are: the smaller of each score and
+        # -inf (held) or +inf (not). A padding entry (-1) lands on id 0 beside a held id 0 (the end
+        # of GPT-NeoX, Pythia, StarCoder), and the smaller value wins whatever the order of writes;
+        # a scatter of both values there kept either.
+        bound = torch.where(ok, float("-inf"), float("inf")).to(scores.dtype)
+        return scores.scatter_reduce(1, ids, bound, reduce="amin", include_self=True)
 
     def _sample(self, scores: Tensor, sel, lengths: Tensor, active: Active) -> Tensor:
         scores = scores / self.temperature[sel][:, None]

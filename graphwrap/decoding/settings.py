@@ -41,6 +41,7 @@ NEUTRAL: Dict[str, Tuple[Tuple[type, ...], object]] = {
 # generate() keywords (not generation settings) the batch takes.
 MODEL_KWARGS = frozenset(("attention_mask", "streamer"))
 CACHE_IMPLEMENTATIONS = (None, "static", "dynamic")
+TOP_K_MOST = 1 << 31  # a top_k past any vocabulary: larger ones are taken as this (within the device's int64)
 KEEP_MERGED = 64  # merged settings kept per model
 _MERGED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _MERGED_LOCK = threading.Lock()  # guards _MERGED (calls plan from many threads); never held while merging
@@ -219,7 +220,8 @@ def _settings(gen, width: int) -> Union[SeqSettings, str]:
     if isinstance(gen.eos_token_id, torch.Tensor):
         eos = tuple(int(e) for e in gen.eos_token_id.reshape(-1).tolist())
     pad = gen.pad_token_id if gen.pad_token_id is not None else (eos[0] if eos else None)
-    s = SeqSettings(max_new=max_new, min_new=max(0, min_new), eos=eos, pad=pad, sample=bool(gen.do_sample))
+    # (min_new past max_new holds the end for every step, as min_new = max_new does: kept so, within int64)
+    s = SeqSettings(max_new=max_new, min_new=min(max(0, min_new), max_new), eos=eos, pad=pad, sample=bool(gen.do_sample))
     if gen.repetition_penalty is not None and gen.repetition_penalty != 1.0:
         if not gen.repetition_penalty > 0:
             return f"repetition_penalty={gen.repetition_penalty}"
@@ -233,7 +235,7 @@ def _settings(gen, width: int) -> Union[SeqSettings, str]:
         if k is not None and k != 0:
             if k < 0:
                 return f"top_k={k}"
-            s.top_k = int(k)
+            s.top_k = int(min(k, TOP_K_MOST))  # (more than the vocabulary keeps every token, as the most does)
         if p is not None and p != 1.0:
             if not 0 < p < 1:
                 return f"top_p={p}"
