@@ -623,3 +623,28 @@ def test_settings_follow_the_api_and_the_model_s_defaults():
     assert kw["eos_token_id"] == [2, 7]
     kw = settings(CompletionRequest(prompt="x", temperature=0, ignore_eos=True), 5, gen, [2])
     assert kw["do_sample"] is False and kw["eos_token_id"] == []
+
+
+def test_a_pad_id_in_a_prompt_is_a_token_of_it(srv):
+    """The server's prompts carry no mask: every id is a token. A leading pad id was dropped (the
+    prompt continued as if it were not there), a pad id inside sent the request to the one-call
+    loop (slow, beside every other request), and with logprobs it was refused."""
+    tok = srv.served.tokenizer
+    pad = tok.convert_tokens_to_ids("<|end|>")
+    body = tok("the quick brown")["input_ids"]
+    old = tok.pad_token
+    tok.pad_token = "<|end|>"  # (the tokenizer's pad id is the one the server passes)
+    try:
+        for ids in ([pad] + body, body[:1] + [pad] + body[1:], [pad, pad] + body):
+            _, text = greedy(srv, ids, 8)  # (it passes a pad id the prompt does not hold: all its ids count)
+            want = model_logprobs(srv.served.gm.module, tok, ids, 8, 1)  # (the same: the prompt's positions show)
+            before = srv.served.gm.stats()["generate"].get("graphwrap's shared decode batch", 0)
+            status, answer, _ = post(srv.port, "/v1/completions", {"prompt": ids, "max_tokens": 8, "temperature": 0,
+                                                                   "logprobs": 1})
+            assert status == 200, answer
+            assert answer["choices"][0]["text"] == text
+            check_completion_logprobs(answer["choices"][0]["logprobs"], want, tok)
+            assert answer["usage"]["prompt_tokens"] == len(ids)
+            assert srv.served.gm.stats()["generate"]["graphwrap's shared decode batch"] == before + 1
+    finally:
+        tok.pad_token = old

@@ -123,9 +123,12 @@ class _Streamer:
 def submit(gm, ids: List[int], kwargs: Dict[str, Any], seed: Optional[int], feed: Feed) -> concurrent.futures.Future:
     """One sequence queued on ``gm``'s batch (blocks while the batch is made, on its first call):
     a future of its :class:`Ended`. Raises QueueFull, Closed, or Unservable."""
+    prompt = torch.tensor([ids], dtype=torch.long)
+    # Every id of a request's prompt is a token: a pad id in it is one too (without a mask, generate
+    # takes the pad id for padding, dropping a leading one and sending any other to its own loop).
     try:
-        inner = front.submit(gm, (torch.tensor([ids], dtype=torch.long),), dict(kwargs, streamer=_Streamer(feed)),
-                             False, seed)
+        inner = front.submit(gm, (prompt,), dict(kwargs, attention_mask=torch.ones_like(prompt),
+                                                  streamer=_Streamer(feed)), False, seed)
     except (QueueFull, Closed):
         raise
     except GraphwrapError as e:
