@@ -107,3 +107,31 @@ def test_the_fast_decode_is_the_tokenizer_s_own_and_a_class_that_changes_decode_
     loud = Shouting.from_pretrained(str(tmp_path))
     ids = tok("the quick brown fox")["input_ids"]
     assert decoder(loud)(ids) == loud.decode(ids) == "THE QUICK BROWN FOX"
+
+
+class _Counting(str):
+    """A stop string that counts how often it is read (a character or a slice at a time)."""
+
+    reads = 0
+
+    def __getitem__(self, key):
+        _Counting.reads += 1
+        return str.__getitem__(self, key)
+
+
+@pytest.mark.parametrize("text,stop", [("a" * 3000, "a" * 999 + "b"), ("ab" * 1500, "ab" * 499 + "x"),
+                                       ("xyz" * 1000, "q" * 1000)], ids=["a-run", "ab-run", "no-match"])
+def test_stop_strings_cost_what_the_text_is_long_not_its_square(text, stop):
+    """Each character is read once whatever the stop string: trying every prefix of a stop string
+    at every token (a 16,001-character stop string made a request 3.4x slower) reads it about
+    len(text) x len(stop) times."""
+    _Counting.reads = 0
+    s = StopText([_Counting(stop)])
+    out = ""
+    for c in text:  # a character a token
+        got, hit = s.feed(c)
+        out += got
+        assert not hit
+    out += s.flush()
+    assert out == text
+    assert _Counting.reads <= 4 * (len(text) + len(stop)), _Counting.reads

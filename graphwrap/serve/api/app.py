@@ -4,14 +4,22 @@
 /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus' text). The handlers parse,
 check, stream and count; every decision about tokens is the batch's (:mod:`.client`).
 
-Every request ends on its own: a body that does not parse, a field the server does not know or
-serve, a prompt past the context answer 400 with the reason; a full queue 429 and a server
+Every request ends on its own, every error in the API's shape (``{"error": {"message", "type",
+"param", "code"}}``): a body that does not parse, a field the server does not know or serve or
+out of its bounds, a token id outside the vocabulary, messages the chat template refuses, a
+prompt past the context answer 400 with the reason; a missing or wrong API key 401
+(:mod:`.guard`), an unknown path 404, a body over the limit 413; a full queue 429 and a server
 shutting down 503, each with ``Retry-After``; a request whose model call fails 500 (in a stream:
-an ``error`` event, then the end); a client that goes away cancels its sequences, whose rows the
-batch frees at its next step.
+an ``error`` event, then the end); a client that goes away, queued or running, cancels its
+sequences, whose places the batch frees at its next step. Prompts are tokenized and templated
+off the event loop (one thread), after their text's length is checked.
+
+At shutdown, streams still running when the drain ends are cut (:meth:`Client.cut`): each gets
+an ``error`` event and ``[DONE]``, and is logged with the tokens it was sent.
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -22,18 +30,21 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from ...decoding.calls import Closed, QueueFull
 from . import logprobs
-from .client import Client, Piece, TokenLogprob
+from .client import Client, Cut, Piece, TokenLogprob
 from .engines import EngineGone, Failed, Unservable
+from .guard import MAX_BODY, Guard
 from .metrics import LAG_EVERY, Metrics
 from .schemas import MAX_CHOICES, ChatRequest, CompletionRequest, Sampling, settings
 
 logger = logging.getLogger("graphwrap.serve")
 MAX_NEW_DEFAULT = 2048  # a chat request without max_tokens: the context left, at most this
 RETRY_AFTER = "1"
+CHARS_PER_POSITION = 32  # a request's prompt text, at most this many characters per position of the context
 
 
 class Refused(Exception):
@@ -56,6 +67,20 @@ class Served:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     active: int = 0  # requests being answered, streams until their end (event loop only)
+    api_key: Optional[str] = None  # where set, every request needs it (:mod:`.guard`)
+    key_everywhere: bool = False  # the key asked on /health and /metrics too
+    max_body: int = MAX_BODY  # bytes of a request's body
+    max_prompt_chars: Optional[int] = None  # characters of a request's prompt text (default: CHARS_PER_POSITION x context)
+
+    client: Any = None  # the app's Client (make_app sets it)
+
+    def cut(self, reason: str) -> int:
+        """End every request being answered with ``reason`` (shutdown, past the drain): how many
+        sequences were cut."""
+        return self.client.cut(reason) if self.client is not None else 0
+
+    def prompt_chars(self) -> int:
+        return self.max_prompt_chars if self.max_prompt_chars is not None else CHARS_PER_POSITION * self.context
 
     @property
     def gm(self):
@@ -84,6 +109,8 @@ def as_refusal(e: BaseException) -> Refused:
         return Refused(503, f"the server cannot generate: {e}", "service_unavailable")
     if isinstance(e, Unservable):
         return Refused(400, str(e))
+    if isinstance(e, Cut):
+        return Refused(503, str(e), "service_unavailable")
     kind = e.kind if isinstance(e, Failed) else type(e).__name__
     return Refused(500, f"the model failed on this request ({kind}: {e})", "server_error")
 
@@ -101,21 +128,40 @@ def make_app(served: Served) -> FastAPI:
 
     app = FastAPI(title="graphwrap", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     client = Client(served.engine, served.tokenizer, metrics)
+    # Tokenizing and chat templates: off the event loop, in one thread (a tokenizer is not for two at once).
+    text_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphwrap-tokenize")
     app.state.served, app.state.metrics, app.state.client = served, metrics, client
+    served.client = client
+    app.add_middleware(Guard, api_key=served.api_key, everywhere=served.key_everywhere, max_body=served.max_body,
+                       count=lambda path, status: metrics.requests.inc(endpoint=path, status=status))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
+        message, param = _problems(request, exc.errors())
         metrics.requests.inc(endpoint=request.url.path, status="400")
-        return JSONResponse(error_body(problems, "invalid_request_error"), status_code=400)
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        kind = _KINDS.get(exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.url.path} (the server serves /v1/completions, /v1/chat/completions, " \
+                      "/v1/models, /health and /metrics)"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        elif exc.status_code == 400 and "parsing the body" in message:  # (FastAPI's words for bytes that do not decode)
+            message = "the body is not valid JSON (it is not UTF-8 text, or does not parse)"
+        metrics.requests.inc(endpoint=request.url.path, status=str(exc.status_code))
+        return JSONResponse(error_body(message, kind), status_code=exc.status_code, headers=exc.headers)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await _answer(served, client, metrics, request, body, "/v1/completions")
+        return await _answer(served, client, metrics, request, body, "/v1/completions", text_thread)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        return await _answer(served, client, metrics, request, body, "/v1/chat/completions")
+        return await _answer(served, client, metrics, request, body, "/v1/chat/completions", text_thread)
 
     @app.get("/v1/models")
     async def models():
@@ -131,13 +177,34 @@ def make_app(served: Served) -> FastAPI:
             return JSONResponse({"status": "failed", "reason": gone}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def _metrics():
         stats = await asyncio.get_running_loop().run_in_executor(None, served.engine.stats)
         text = metrics.render(stats, served.active)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
+
+
+_KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+
+
+def _problems(request: Request, errors) -> tuple:
+    """``(message, param)`` of a body that did not validate: each problem with the field it is in."""
+    kind = request.headers.get("content-type", "")
+    if any(e.get("type") == "json_invalid" for e in errors):
+        ctx = next((e.get("ctx") or {} for e in errors if e.get("type") == "json_invalid"), {})
+        return f"the body is not valid JSON ({ctx.get('error', 'it does not parse')})", None
+    if "json" not in kind.lower():
+        said = f"Content-Type {kind!r}" if kind else "no Content-Type"
+        return f"the body must be JSON, sent with 'Content-Type: application/json' (the request has {said})", None
+    parts, param = [], None
+    for e in errors:
+        where = ".".join(str(x) for x in e["loc"][1:]) or "body"
+        param = param or (where if where != "body" else None)
+        parts.append(f"{where}: {e['msg']}")
+    return "; ".join(parts), param
 
 
 async def _sample_lag(metrics: Metrics):
@@ -165,16 +232,22 @@ class Job:
 
 
 async def _answer(served: Served, client: Client, metrics: Metrics, request: Request,
-                  body: Union[CompletionRequest, ChatRequest], endpoint: str):
+                  body: Union[CompletionRequest, ChatRequest], endpoint: str, text_thread):
     arrived = time.perf_counter()
     served.active += 1
     streaming = False
     try:
-        job = _job(served, body, arrived)
+        job = await asyncio.get_running_loop().run_in_executor(text_thread, _job, served, body, arrived)
         pieces = client.choices(job.prompts, body.n, job.kwargs, body.stops(), body.seed, arrived,
                                 body.wanted_logprobs())
         if body.stream:
-            first = await _first(pieces)  # an error before the first token is answered with a status
+            # An error before the first token is answered with a status; a client that hangs up
+            # meanwhile (its request queued, say) gives its place up at once.
+            first = await _unless_gone(request, _first(pieces))
+            if first is None:
+                metrics.requests.inc(endpoint=endpoint, status="499")
+                _log(metrics, job, _usage(job, []), "cancelled (the client went away before its first token)")
+                return Response(status_code=499)
             metrics.requests.inc(endpoint=endpoint, status="200")
             streaming = True  # (the stream counts itself out at its end)
 
@@ -203,19 +276,32 @@ def _job(served: Served, body: Union[CompletionRequest, ChatRequest], arrived: f
         raise Refused(404, f"the model {body.model!r} is not served here (it serves {served.name!r})",
                       "not_found_error", "model")
     tok = served.tokenizer
+    info = served.engine.info
+    most = served.prompt_chars()
     if isinstance(body, ChatRequest):
         if not getattr(tok, "chat_template", None):
             raise Refused(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
-        text = tok.apply_chat_template(body.conversation(), tokenize=False, add_generation_prompt=True)
+        conversation = body.conversation()
+        _check_chars(sum(len(m["content"]) for m in conversation), most, "messages")
+        try:
+            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - the template's own words (a role it does not take, say)
+            raise Refused(400, f"the model's chat template refused these messages ({type(e).__name__}: {e})",
+                          param="messages") from None
         prompts, limit, echo = [tok(text, add_special_tokens=False)["input_ids"]], body.limit(), [""]
     else:
         try:
             given = body.prompts()
         except ValueError as e:
             raise Refused(400, str(e), param="prompt") from None
+        _check_chars(sum(len(p) for p in given if isinstance(p, str)), most, "prompt")
+        for p in given:
+            if not isinstance(p, str):
+                _check_ids(p, info.vocab, "prompt")
         prompts = [tok(p)["input_ids"] if isinstance(p, str) else p for p in given]
-        limit = body.max_tokens if body.max_tokens is not None else 16
+        limit = body.limit()
         echo = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in given]
+    _check_ids(body.stop_token_ids or [], info.vocab, "stop_token_ids")
     if len(prompts) * body.n > MAX_CHOICES:
         raise Refused(400, f"{len(prompts)} prompts x n={body.n} choices: at most {MAX_CHOICES}", param="n")
     if any(len(p) == 0 for p in prompts):
@@ -226,11 +312,22 @@ def _job(served: Served, body: Union[CompletionRequest, ChatRequest], arrived: f
     if longest + limit > served.context:
         raise Refused(400, f"the prompt has {longest} tokens and max_tokens is {limit}: {longest + limit} positions, "
                            f"past the model's context of {served.context} (pass fewer tokens)", param="max_tokens")
-    info = served.engine.info
     kwargs = settings(body, limit, info.generation, info.eos)
     kwargs["pad_token_id"] = _pad(served, info.eos)
     prefix = "chatcmpl-" if isinstance(body, ChatRequest) else "cmpl-"
     return Job(prefix + uuid.uuid4().hex, isinstance(body, ChatRequest), prompts, kwargs, echo, arrived)
+
+
+def _check_chars(n: int, most: int, param: str):
+    if n > most:
+        raise Refused(400, f"the prompt's text has {n} characters, more than this server takes ({most}: "
+                           f"--max-prompt-chars sets it)", param=param)
+
+
+def _check_ids(ids: List[int], vocab: Optional[int], param: str):
+    bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
+    if bad is not None:
+        raise Refused(400, f"token id {bad} is outside the model's vocabulary of {vocab}", param=param)
 
 
 def _pad(served: Served, eos: List[int]) -> int:
@@ -266,9 +363,10 @@ async def _disconnected(request: Request):
         pass
 
 
-def _usage(job: Job, pieces: List[Piece]) -> Dict[str, int]:
+def _usage(job: Job, pieces) -> Dict[str, int]:
+    """The usage of a request whose choices' last pieces so far are ``pieces``."""
     prompt = sum(len(p) for p in job.prompts)
-    made = sum(p.tokens for p in pieces if p.finish is not None)
+    made = sum(p.made for p in pieces)
     return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
 
 
@@ -332,6 +430,7 @@ async def _events(served: Served, metrics: Metrics, job: Job, body: Sampling, fi
     before = "data: " + _json(head)[:-1] + ',"choices":['
     after = "]" + (',"usage":null' if body.usage_in_stream() else "") + "}\n\n"
     ends: List[Piece] = []
+    last: Dict[int, Piece] = {}  # each choice's last piece so far (the tokens it was sent)
     how = "cancelled"
 
     offsets = [len(job.echo[i // body.n]) for i in range(len(job.prompts) * body.n)]  # (completions' text_offset)
@@ -362,6 +461,7 @@ async def _events(served: Served, metrics: Metrics, job: Job, body: Sampling, fi
             if job.chat or job.echo[i // body.n]:
                 yield chunk(i, job.echo[i // body.n], None, role=True)
         async for p in _chain(first, pieces):
+            last[p.index] = p
             if p.finish is not None:
                 ends.append(p)
             if p.text or p.finish is not None or p.logprobs:
@@ -373,13 +473,16 @@ async def _events(served: Served, metrics: Metrics, job: Job, body: Sampling, fi
         yield "data: [DONE]\n\n"
     except Exception as e:  # noqa: BLE001 - the status was sent: the stream ends with the error
         refused = as_refusal(e)
-        how = f"failed ({refused.message})"
-        logger.error("a streamed request failed: %s", refused.message, exc_info=e)
+        if isinstance(e, Cut):
+            how = f"cut ({e})"
+        else:
+            how = f"failed ({refused.message})"
+            logger.error("a streamed request failed: %s", refused.message, exc_info=e)
         yield _sse(error_body(refused.message, refused.kind))
         yield "data: [DONE]\n\n"
     finally:
         await pieces.aclose()  # type: ignore[attr-defined]
-        _log(metrics, job, _usage(job, ends), how)
+        _log(metrics, job, _usage(job, last.values()), how)
 
 
 class _Stream(StreamingResponse):

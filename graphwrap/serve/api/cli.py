@@ -1,10 +1,13 @@
 """``python -m graphwrap serve MODEL``: load a Hugging Face causal LM and its tokenizer, wrap
 the model, and serve the OpenAI API over HTTP until SIGTERM or Ctrl-C; then take no new
-requests (503), let those running finish within ``--drain`` seconds, cancel the rest, and exit.
+requests (503), let those running finish within ``--drain`` seconds, cut the rest (each stream
+gets an error event and ``[DONE]``; a second signal cuts them at once), close the decode batch
+and exit.
 """
 
 import argparse
 import logging
+import os
 import sys
 from typing import List, Optional
 
@@ -35,6 +38,15 @@ def parser() -> argparse.ArgumentParser:
                     help="process: the decode batch in a child process, the HTTP side's Python apart from it (the "
                          "faster); thread: both in one process")
     ap.add_argument("--drain", type=float, default=30.0, help="seconds running requests get to finish at shutdown")
+    ap.add_argument("--api-key", default=os.environ.get("GRAPHWRAP_API_KEY"),
+                    help="every request must carry 'Authorization: Bearer KEY' (401 otherwise; default: the "
+                         "GRAPHWRAP_API_KEY variable, else none)")
+    ap.add_argument("--api-key-everywhere", action="store_true",
+                    help="the API key is asked on /health and /metrics too (by default they are open)")
+    ap.add_argument("--max-body-mb", type=float, default=16.0, help="a request body's size, at most (413 past it)")
+    ap.add_argument("--max-prompt-chars", type=int, default=None,
+                    help="characters of a request's prompt text, at most, checked before it is tokenized "
+                         "(default: 32 per position of the context)")
     ap.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"),
                     help="uvicorn's HTTP parser (auto: httptools where it is installed)")
     ap.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
@@ -56,18 +68,29 @@ def load(a: argparse.Namespace, engine: Optional[str] = None):
 
         remote = Remote(a, a.log_level)
         tok = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
-        return Served(remote, tok, a.served_model_name or a.model, remote.context,
-                      a.max_tokens_default or MAX_NEW_DEFAULT)
-    from .loading import load_here
+        served = Served(remote, tok, a.served_model_name or a.model, remote.context,
+                        a.max_tokens_default or MAX_NEW_DEFAULT)
+    else:
+        from .loading import load_here
 
-    return load_here(a)
+        served = load_here(a)
+    served.api_key = getattr(a, "api_key", None)
+    served.key_everywhere = bool(getattr(a, "api_key_everywhere", False))
+    served.max_body = int(getattr(a, "max_body_mb", 16.0) * (1 << 20))
+    served.max_prompt_chars = getattr(a, "max_prompt_chars", None)
+    return served
+
+
+CUT_GRACE = 2.0  # seconds the streams cut at the drain's end get to send their last events
 
 
 def draining_server():
     """uvicorn's Server, draining on the first SIGTERM or Ctrl-C: new requests get 503 while those
-    running (streams included) finish, then it stops, at the latest ``drain`` seconds later; a
-    second signal stops it at once. (uvicorn's own graceful shutdown may cut streams short: some
-    of its versions end them at the first signal.)"""
+    running (streams included) finish, then it stops, at the latest ``drain`` seconds later. What
+    still runs then is cut (:meth:`~.app.Served.cut`): each stream gets an error event and
+    ``[DONE]`` within ``CUT_GRACE`` seconds, then the server stops. A second signal cuts them at
+    once; a third is uvicorn's own (it stops at once). (uvicorn's own graceful shutdown may cut
+    streams short without a word: some of its versions end them at the first signal.)"""
     import time
 
     import uvicorn
@@ -77,20 +100,35 @@ def draining_server():
             super().__init__(config)
             self.served, self.drain = served, drain
             self.until: Optional[float] = None
+            self.cut_at: Optional[float] = None
+            self.signals = 0
 
         def handle_exit(self, sig, frame):
-            if self.until is not None:
-                return super().handle_exit(sig, frame)
-            logger.info("shutting down: no new requests; those running get %.0f s to finish", self.drain)
-            self.served.draining = True
-            self.until = time.monotonic() + self.drain
+            self.signals += 1
+            if self.signals == 1:
+                logger.info("shutting down: no new requests; those running get %.0f s to finish", self.drain)
+                self.served.draining = True
+                self.until = time.monotonic() + self.drain
+            elif self.signals == 2:
+                logger.info("a second signal: the requests still running are cut now")
+                self.until = time.monotonic()
+            else:
+                super().handle_exit(sig, frame)
 
         async def on_tick(self, counter: int) -> bool:
-            if self.until is not None and (self.served.active == 0 or time.monotonic() > self.until):
-                if self.served.active:
-                    logger.warning("%d requests were still running at the end of the drain: cancelled",
-                                   self.served.active)
-                self.should_exit = True
+            now = time.monotonic()
+            if self.until is not None and not self.should_exit:
+                if self.served.active == 0:
+                    self.should_exit = True
+                elif now >= self.until and self.cut_at is None:
+                    cut = self.served.cut("the server is shutting down: its drain ended before this request did")
+                    logger.warning("%d requests (%d sequences) were still running at the end of the drain: cut, "
+                                   "each with an error", self.served.active, cut)
+                    self.cut_at = now
+                elif self.cut_at is not None and now > self.cut_at + CUT_GRACE:
+                    logger.warning("%d requests did not end %.0f s after their cut: closed", self.served.active,
+                                   CUT_GRACE)
+                    self.should_exit = True
             return await super().on_tick(counter)
 
     return Draining

@@ -13,7 +13,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Set, Tuple
 
 from ...decoding.calls import Logprobs
 from .metrics import Metrics
@@ -35,13 +35,19 @@ class TokenLogprob:
 @dataclass(slots=True)
 class Piece:
     """Text of one choice: more of it, or its end (``finish`` set, ``tokens`` its count);
-    ``logprobs``: one for each token this piece took in, where the request asked."""
+    ``logprobs``: one for each token this piece took in, where the request asked; ``made``: the
+    choice's tokens so far, this piece's included."""
 
     index: int
     text: str
     finish: Optional[str] = None  # "stop" or "length" at the end
     tokens: int = 0
     logprobs: Optional[List[TokenLogprob]] = None
+    made: int = 0
+
+
+class Cut(Exception):
+    """A sequence cut short by the server (its shutdown's drain ended before it did)."""
 
 
 @dataclass(slots=True)
@@ -131,6 +137,15 @@ class Client:
         self.decode = decoder(tokenizer)
         self.texts: Dict[int, str] = {}  # a token's own text (log-probabilities name tokens so)
         self.inboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox]" = weakref.WeakKeyDictionary()
+        self.live: Set["asyncio.Queue[Any]"] = set()  # the queues of the sequences being answered (event loop only)
+
+    def cut(self, reason: str) -> int:
+        """End every sequence being answered with :class:`Cut` (``reason``): each request then ends
+        as a failed one does, a stream with an error event and ``[DONE]`` (called on the event
+        loop). How many were cut."""
+        for queue in self.live:
+            queue.put_nowait(Cut(reason))
+        return len(self.live)
 
     async def choices(self, prompts: Sequence[List[int]], n: int, kwargs: Dict[str, Any], stops: Sequence[str],
                       seed: Optional[int], arrived: float, logprobs: Optional[int] = None) -> AsyncIterator[Piece]:
@@ -176,7 +191,12 @@ class Client:
         """One sequence's pieces. Raises what queueing raised (QueueFull, Closed, Unservable for a
         request the batch cannot hold, EngineGone) or what its call failed with."""
         queue: "asyncio.Queue[Any]" = asyncio.Queue()
-        future = await self.engine.queue(ids, kwargs, seed, _Feed(self._inbox(), queue, logprobs))
+        self.live.add(queue)
+        try:
+            future = await self.engine.queue(ids, kwargs, seed, _Feed(self._inbox(), queue, logprobs))
+        except BaseException:
+            self.live.discard(queue)
+            raise
         text, stop = Detokenizer(self.tok, ids, self.decode), StopText(stops)
         count, first, last, finish = 0, None, None, None
         try:
@@ -186,9 +206,12 @@ class Client:
                 tokens: List[int] = []
                 scores: List[Any] = []
                 while got is not _END:  # every token come meanwhile: one piece for them all
-                    if type(got) is _Scored:
+                    kind = type(got)
+                    if kind is _Scored:
                         tokens += got.tokens
                         scores += got.logprobs
+                    elif kind is Cut:
+                        raise got
                     else:
                         tokens += got
                     if queue.empty():
@@ -207,7 +230,7 @@ class Client:
                     piece, hit = stop.feed(text.add(some))
                     scored = self._scored(some, scores[at:at + step]) if scores else None
                     if piece or scored:
-                        yield Piece(index, piece, logprobs=scored)
+                        yield Piece(index, piece, logprobs=scored, made=count)
                     if hit:
                         finish = "stop"
                         break
@@ -221,8 +244,9 @@ class Client:
             else:
                 tail = ""
             self._count(count, first, last, arrived)
-            yield Piece(index, tail, finish, count)
+            yield Piece(index, tail, finish, count, made=count)
         finally:
+            self.live.discard(queue)
             if not future.done():
                 future.cancel()  # a stop string, a client gone: its row is freed at the next step
 

@@ -33,7 +33,7 @@ import traceback
 import types
 from typing import Any, Dict, List, Optional, Set
 
-from .engines import SUBMITTERS, Ended, batch_stats, error_kind, model_eos, submit
+from .engines import SUBMITTERS, Ended, batch_stats, error_kind, model_eos, model_vocab, submit
 
 logger = logging.getLogger("graphwrap.serve")
 
@@ -250,5 +250,6 @@ def run(conn, args, log_level: str = "info"):
     gm = served.engine.gm
     freeze_startup()
     clock = GcClock()
-    conn.send(("ready", {"eos": model_eos(gm.module), "generation": _sampling(gm.module), "context": served.context}))
+    conn.send(("ready", {"eos": model_eos(gm.module), "generation": _sampling(gm.module), "context": served.context,
+                         "vocab": model_vocab(gm.module)}))
     Worker(conn, gm, clock).serve()

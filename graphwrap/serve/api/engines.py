@@ -60,6 +60,17 @@ class ModelInfo:
 
     eos: List[int]
     generation: Any  # an object with do_sample, temperature, top_p, top_k (or None)
+    vocab: Optional[int] = None  # token ids the model takes (its input embedding's rows), where it says
+
+
+def model_vocab(model) -> Optional[int]:
+    """How many token ids ``model`` takes: its input embedding's rows (else its config's vocab_size)."""
+    embed = getattr(model, "get_input_embeddings", None)
+    rows = getattr(embed() if callable(embed) else None, "num_embeddings", None)
+    if isinstance(rows, int):
+        return rows
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return vocab if isinstance(vocab, int) else None
 
 
 def model_eos(model) -> List[int]:
@@ -161,7 +172,7 @@ class Local:
     @property
     def info(self) -> ModelInfo:  # (read each time: the model may change behind the server)
         m = self.gm.module
-        return ModelInfo(model_eos(m), getattr(m, "generation_config", None))
+        return ModelInfo(model_eos(m), getattr(m, "generation_config", None), model_vocab(m))
 
     def gone(self) -> Optional[str]:
         return None

@@ -58,7 +58,7 @@ class Remote:
         self.proc.start()
         child.close()
         ready = self._first()
-        self.info = ModelInfo(ready["eos"], ready["generation"])
+        self.info = ModelInfo(ready["eos"], ready["generation"], ready.get("vocab"))
         self.context: int = ready["context"]
         self.send_lock = threading.Lock()  # one writer at a time on the pipe
         self.join_lock = threading.Lock()  # one thread at a time waits for the child (two would race to reap it)

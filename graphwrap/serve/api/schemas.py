@@ -3,49 +3,61 @@ know is an error naming it (``extra="forbid"``), and a field it knows but does n
 (penalties on presence, tools, the prompt's log-probabilities, ...) is an error too where it asks
 for anything, never ignored. :func:`settings` turns a request into ``generate``'s keywords.
 
+Every field is checked against its type and its bounds when the request arrives, as the API
+types it: integers and booleans strictly (``"stream": "yes"`` and ``"n": "2"`` are refused, not
+read), integers within 64 bits, numbers finite, ``min_tokens`` at most ``max_tokens``, stop
+strings at most :data:`MAX_STOPS` of at most :data:`MAX_STOP_CHARS` characters. What depends on
+the model (token ids within its vocabulary, positions within its context) is checked by the app.
+
 Beside the API's own fields the server takes vLLM's extensions ``top_k``, ``min_tokens``,
 ``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos``.
 """
 
-from typing import Any, Dict, List, Optional, Union
+from typing import Annotated, Any, Dict, List, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # choices per request (prompts x n)
 MAX_STOPS = 16
+MAX_STOP_CHARS = 1024  # characters of one stop string
 MAX_LOGPROBS = 20  # the most likely tokens a step reports, besides the one chosen
+COMPLETION_TOKENS = 16  # a completion's max_tokens where the request leaves it out (the API's default)
+INT64 = (1 << 63) - 1
+# An integer of the API: strict (no string or float read as one), within int64.
+Int = Annotated[StrictInt, Field(ge=-INT64 - 1, le=INT64)]
+Id = Annotated[StrictInt, Field(ge=-INT64 - 1, le=INT64)]  # a token id (the vocabulary is the app's check)
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class Sampling(Strict):
     """What completions and chat completions share."""
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[Annotated[StrictInt, Field(ge=1, le=INT64)]] = None
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=-1)
-    min_tokens: int = Field(0, ge=0)
+    top_k: Optional[Annotated[StrictInt, Field(ge=-1, le=INT64)]] = None
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=INT64)] = 0
     repetition_penalty: Optional[float] = Field(None, gt=0)
-    n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, List[str]]] = None
-    stop_token_ids: Optional[List[int]] = None
-    ignore_eos: bool = False
-    seed: Optional[int] = None
+    stop_token_ids: Optional[List[Id]] = None
+    ignore_eos: StrictBool = False
+    seed: Optional[Annotated[StrictInt, Field(ge=-INT64 - 1, le=(1 << 64) - 1)]] = None
     user: Optional[str] = None  # the caller's end user, for their own logs: changes nothing here
     # Known, served only at the values that change nothing:
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     logit_bias: Optional[Dict[str, float]] = None
 
     @model_validator(mode="after")
@@ -57,14 +69,25 @@ class Sampling(Strict):
             raise ValueError(f"{', '.join(unserved)}: not served by graphwrap's server (leave them out)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
-        if len(self.stops()) > MAX_STOPS:
-            raise ValueError(f"at most {MAX_STOPS} stop strings")
-        if any(s == "" for s in self.stops()):
-            raise ValueError("an empty stop string")
+        stops = self.stops()
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"stop: at most {MAX_STOPS} stop strings")
+        if any(s == "" for s in stops):
+            raise ValueError("stop: an empty stop string")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop: a stop string of {max(len(s) for s in stops)} characters (at most "
+                             f"{MAX_STOP_CHARS})")
+        limit = self.limit()
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) is more than max_tokens ({limit})")
         return self
 
     def _unserved(self) -> List[str]:
         return []
+
+    def limit(self) -> Optional[int]:
+        """The most new tokens the request asks for (None: not said)."""
+        return self.max_tokens
 
     def wanted_logprobs(self) -> Optional[int]:
         """How many of each step's most likely tokens to report with each token's own
@@ -79,10 +102,10 @@ class Sampling(Strict):
 
 
 class CompletionRequest(Sampling):
-    prompt: Union[str, List[str], List[int], List[List[int]]]
-    echo: bool = False
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: Optional[int] = None
+    prompt: Union[str, List[str], List[Id], List[List[Id]]]
+    echo: StrictBool = False
+    logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    best_of: Optional[Int] = None
     suffix: Optional[str] = None
 
     def _unserved(self) -> List[str]:
@@ -92,6 +115,9 @@ class CompletionRequest(Sampling):
 
     def wanted_logprobs(self) -> Optional[int]:
         return self.logprobs
+
+    def limit(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else COMPLETION_TOKENS
 
     def prompts(self) -> List[Union[str, List[int]]]:
         """Each prompt: its text or its token ids."""
@@ -129,13 +155,13 @@ class Message(Strict):
 
 class ChatRequest(Sampling):
     messages: List[Message] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: Optional[Annotated[StrictInt, Field(ge=1, le=INT64)]] = None
+    logprobs: Optional[StrictBool] = None
+    top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
     response_format: Optional[Dict[str, Any]] = None
     tools: Optional[List[Any]] = None
     tool_choice: Optional[Any] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[StrictBool] = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):

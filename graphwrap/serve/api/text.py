@@ -5,7 +5,7 @@ token of a text decodes differently from the same token after others: a word's l
 and holds back a piece that ends inside a character (bytes of UTF-8 split over tokens decode to
 U+FFFD until the rest comes). :class:`StopText` passes text on, holding back the end that could
 be the start of a stop string, and cuts at the first stop string the text meets (it is not part
-of the text, as the API has it).
+of the text, as the API has it), reading each character once.
 """
 
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -57,8 +57,16 @@ class Detokenizer:
 
 
 class StopText:
+    """Stop strings found in text that comes a piece at a time, at a cost linear in the text:
+    each stop string has a matcher (Knuth-Morris-Pratt's table) that reads each character once
+    and knows how much of the text's end could still begin the stop string; that much, at the
+    most over the stop strings, is held back. No prefix of the text is tried again or copied."""
+
     def __init__(self, stops: Sequence[str]):
         self.stops = list(stops)
+        self.tables = [_table(s) for s in self.stops]
+        self.states = [0] * len(self.stops)  # per stop string: its characters the text now ends with
+        self.firsts = {s[0] for s in self.stops}
         self.held = ""
         self.stopped = False
 
@@ -70,15 +78,32 @@ class StopText:
         if not self.stops:
             self.held = ""
             return text, False
-        # The stop string that a text growing a character at a time would meet first: the one that
-        # ends first (the longer where two end together), so that the cut is the same however the
-        # text was split into pieces.
-        found = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in self.stops) if i >= 0]
-        if found:
-            self.held, self.stopped = "", True
-            return text[:min(found)[1]], True
-        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
-                    if text.endswith(s[:k])), default=0)
+        # Only the new characters are read: the held ones were read before (the matchers' states).
+        base = len(self.held)
+        states, stops, tables, firsts = self.states, self.stops, self.tables, self.firsts
+        for at in range(base, len(text)):
+            c = text[at]
+            if c not in firsts and not any(states):
+                continue
+            # The stop string that a text growing a character at a time meets first: the one that
+            # ends first (the longer where two end together), so that the cut is the same however
+            # the text was split into pieces.
+            cut = None
+            for i, s in enumerate(stops):
+                k = states[i]
+                while k and s[k] != c:
+                    k = tables[i][k - 1]
+                if s[k] == c:
+                    k += 1
+                if k == len(s):
+                    start = at + 1 - k
+                    cut = start if cut is None else min(cut, start)
+                    k = tables[i][k - 1]
+                states[i] = k
+            if cut is not None:
+                self.held, self.stopped = "", True
+                return text[:cut], True
+        keep = max(states)
         self.held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep], False
 
@@ -89,3 +114,16 @@ class StopText:
             return out
         rest, self.held = self.held, ""
         return out + rest
+
+
+def _table(s: str) -> List[int]:
+    """For each prefix of ``s``, the length of its longest proper prefix that is also its suffix."""
+    table = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        table[i] = k
+    return table
