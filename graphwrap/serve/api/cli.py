@@ -140,7 +140,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         import uvicorn
     except ImportError:
-        print("python -m graphwrap serve needs FastAPI and uvicorn: pip install 'graphwrap[serve]'", file=sys.stderr)
+        print("python -m graphwrap serve needs FastAPI, uvicorn and transformers: from a clone, "
+              "python3 -m pip install -e '.[http]'", file=sys.stderr)
         return 2
     from .app import make_app
 
