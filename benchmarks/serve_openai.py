@@ -67,7 +67,8 @@ def make_model(shape: str, path: str, device: str, fp32: bool = False) -> str:
     if shape == "gpt2":
         cfg, cls, eos = GPT2Config(), GPT2LMHeadModel, 50256
     elif shape == "tiny":  # for a CPU: the server's own cost, the model's next to nothing
-        cfg, cls, eos = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=1024), GPT2LMHeadModel, 1023
+        cfg, cls, eos = (GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=1024, bos_token_id=1023,
+                                   eos_token_id=1023), GPT2LMHeadModel, 1023)
     elif shape == "llama-1b":  # TinyLlama-1.1B's shape
         cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                           num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, bos_token_id=1,

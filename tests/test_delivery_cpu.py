@@ -63,16 +63,20 @@ def test_one_worker_stands_by_and_the_rest_run_on_one():
     assert outbox.workers <= 3 and outbox.idle >= 1, (outbox.workers, outbox.idle)
 
 
-def test_a_call_without_a_streamer_ends_beside_streamers_that_are_never_read():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_call_without_a_streamer_ends_beside_streamers_that_are_never_read(device, request):
     """gm.generate calls whose streamers block in put() (readers that never read) beside calls
     with none: those end with their tokens, and close() does not wait for the stuck ones' reader."""
     tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
     from graphwrap import GraphedModule
 
+    if device == "cuda":
+        request.getfixturevalue("fp32_exact")  # (graphs and eager alike to the bit)
+
     torch.manual_seed(0)
     cfg = tr.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=101, n_positions=128, bos_token_id=1,
                         eos_token_id=None, pad_token_id=0)
-    model = tr.AutoModelForCausalLM.from_config(cfg).eval()
+    model = tr.AutoModelForCausalLM.from_config(cfg).to(device).eval()
     gm = GraphedModule(model, decode={"rows": 8})
     gate = threading.Event()
 
@@ -84,12 +88,12 @@ def test_a_call_without_a_streamer_ends_beside_streamers_that_are_never_read():
             pass
 
     try:
-        stuck = [gm.submit_generate(torch.tensor([[5, 6, 7]]), max_new_tokens=30, do_sample=False, streamer=Stuck())
-                 for _ in range(4)]
+        stuck = [gm.submit_generate(torch.tensor([[5, 6, 7]], device=device), max_new_tokens=30, do_sample=False,
+                                    streamer=Stuck()) for _ in range(4)]
         prompt = [9, 10, 11, 12]
-        plain = gm.submit_generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)
+        plain = gm.submit_generate(torch.tensor([prompt], device=device), max_new_tokens=20, do_sample=False)
         with torch.no_grad():
-            want = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)
+            want = model.generate(torch.tensor([prompt], device=device), max_new_tokens=20, do_sample=False)
         assert torch.equal(plain.result(timeout=30), want)
         assert not any(f.done() for f in stuck), "the stuck streamers' calls wait for their readers"
     finally:

@@ -37,6 +37,15 @@ def srv(model_dir):
     r.stop()
 
 
+@pytest.fixture
+def cpu_srv(model_dir):
+    """A server whose batch runs on the CPU, wherever the tests run: the hook that slows its model
+    (tests/test_http_cpu.py's _Slow) runs in every step there, and in no graph's replay."""
+    r = Running(cli.load(_args(model_dir, served_model_name="tiny", rows=4, max_queue=8, device="cpu")))
+    yield r
+    r.stop()
+
+
 def _request(port, method, path, body=None, headers=None):
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     c.request(method, path, body, headers or {})
@@ -165,36 +174,36 @@ def test_head_of_metrics_answers_200(srv):
     assert status == 200 and raw == b""
 
 
-def test_clients_that_hang_up_while_queued_give_up_their_place(srv):
+def test_clients_that_hang_up_while_queued_give_up_their_place(cpu_srv):
     """Rows full of slowed requests, a queue of 8: streamed requests queued behind them whose
     clients hang up leave the queue at once (they filled --max-queue and were later prefilled for
     nobody), and live clients are then queued, not refused."""
-    model = srv.served.gm.module
+    model = cpu_srv.served.gm.module
     slow = _Slow(model, 0.05)  # (200 tokens: 10 s a request)
     long = {"prompt": "the", "max_tokens": 200, "ignore_eos": True}
     conns = []
     try:
-        busy = [threading.Thread(target=post, args=(srv.port, "/v1/completions", long)) for _ in range(4)]
+        busy = [threading.Thread(target=post, args=(cpu_srv.port, "/v1/completions", long)) for _ in range(4)]
         for t in busy:
             t.start()
-        _wait(lambda: srv.served.gm.stats()["decode"]["rows_busy"] == 4, 30)
-        d = srv.served.gm.stats()["decode"]
+        _wait(lambda: cpu_srv.served.gm.stats()["decode"]["rows_busy"] == 4, 30)
+        d = cpu_srv.served.gm.stats()["decode"]
         cancelled, done = d["cancelled"], d["done"]
         for _ in range(8):  # the whole queue
-            c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+            c = http.client.HTTPConnection("127.0.0.1", cpu_srv.port, timeout=30)
             c.request("POST", "/v1/completions", json.dumps(dict(long, stream=True)),
                       {"Content-Type": "application/json"})
             conns.append(c)
-        _wait(lambda: srv.served.gm.stats()["decode"]["queued"] == 8, 30)
+        _wait(lambda: cpu_srv.served.gm.stats()["decode"]["queued"] == 8, 30)
         for c in conns:  # hang up, still queued
             c.sock.close()
             c.close()
         # each gone at once (not once a row was free for it, seconds later), never prefilled
-        _wait(lambda: srv.served.gm.stats()["decode"]["queued"] == 0, 3)
-        _wait(lambda: srv.served.gm.stats()["decode"]["cancelled"] >= cancelled + 8, 3)
-        d = srv.served.gm.stats()["decode"]
+        _wait(lambda: cpu_srv.served.gm.stats()["decode"]["queued"] == 0, 3)
+        _wait(lambda: cpu_srv.served.gm.stats()["decode"]["cancelled"] >= cancelled + 8, 3)
+        d = cpu_srv.served.gm.stats()["decode"]
         assert d["rows_busy"] == 4 and d["done"] == done, "the running requests run on"
-        status, body, _ = post(srv.port, "/v1/completions", {"prompt": "the", "max_tokens": 2}, timeout=120)
+        status, body, _ = post(cpu_srv.port, "/v1/completions", {"prompt": "the", "max_tokens": 2}, timeout=120)
         assert status == 200, body
     finally:
         slow.remove()
@@ -289,7 +298,7 @@ def test_streams_still_running_when_the_drain_ends_get_an_error_event_and_done(m
     """Past --drain (or at a second signal), a stream is cut with an error event and [DONE] (its
     connection was dropped, and openai raised APIConnectionError), and the log says how many
     tokens it was sent (it said 0 after hundreds)."""
-    served = cli.load(_args(model_dir, rows=2))
+    served = cli.load(_args(model_dir, rows=2, device="cpu"))  # (slowed by a hook: see cpu_srv)
     app = make_app(served)
     port = free_port()
     drain = 60.0 if second_signal else 1.0
