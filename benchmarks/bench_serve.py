@@ -296,7 +296,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _bench(a, extra: Optional[dict] = None) -> int:
-    info = served_model(a.url, a.api_key)
+    try:
+        info = served_model(a.url, a.api_key)
+    except (OSError, ValueError, KeyError, IndexError) as e:  # (transformers serve's /v1/models reads the hub's cache)
+        if a.model is None and not a.start:
+            raise SystemExit(f"{a.url}/v1/models did not answer ({e}): name the model with --model")
+        info = {"id": a.model}
     model = a.model or (a.model_dir if a.start else info["id"])
     context = a.context or info.get("max_model_len") or 2048
     tok = None
