@@ -169,7 +169,8 @@ def test_completions_give_generate_s_tokens_decoded_whole_and_streamed(srv):
     (choice,) = body["choices"]
     assert choice["text"] == text
     assert choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 12, "total_tokens": len(ids) + 12}
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 12, "total_tokens": len(ids) + 12,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     # the same as token ids, streamed, with the usage asked for
     status, evs = events(srv.port, "/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0,
                                                        "stream_options": {"include_usage": True}})
@@ -375,7 +376,7 @@ def test_chat_messages_are_checked(srv):
     assert s == 400 and "messages" in body["error"]["message"]
     s, body, _ = post(srv.port, "/v1/chat/completions",
                       {"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]})
-    assert s == 400 and "text parts" in body["error"]["message"]
+    assert s == 400 and "only text is served" in body["error"]["message"]
     s, body, _ = post(srv.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                           "tools": [{"type": "function"}]})
     assert s == 400 and "tools" in body["error"]["message"]

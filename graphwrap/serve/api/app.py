@@ -367,7 +367,9 @@ def _usage(job: Job, pieces) -> Dict[str, int]:
     """The usage of a request whose choices' last pieces so far are ``pieces``."""
     prompt = sum(len(p) for p in job.prompts)
     made = sum(p.made for p in pieces)
-    return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
+    # (no prompt token is read from a cache yet: every one is computed)
+    return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made,
+            "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def _head(served: Served, job: Job) -> Dict[str, Any]:
@@ -429,6 +431,7 @@ async def _events(served: Served, metrics: Metrics, job: Job, body: Sampling, fi
     # the event loop, which every stream shares, a few microseconds instead of a dict's dump).
     before = "data: " + _json(head)[:-1] + ',"choices":['
     after = "]" + (',"usage":null' if body.usage_in_stream() else "") + "}\n\n"
+    running_usage = body.usage_in_chunks()
     ends: List[Piece] = []
     last: Dict[int, Piece] = {}  # each choice's last piece so far (the tokens it was sent)
     how = "cancelled"
@@ -454,6 +457,8 @@ async def _events(served: Served, metrics: Metrics, job: Job, body: Sampling, fi
         else:
             choice = (f'{{"index":{index},"text":{json.dumps(text)},"logprobs":{scores(index, scored)},'
                       f'"finish_reason":{end}}}')
+        if running_usage:  # (continuous_usage_stats: the usage so far in every chunk)
+            return before + choice + ']' + ',"usage":' + _json(_usage(job, last.values())) + "}\n\n"
         return before + choice + after
 
     try:

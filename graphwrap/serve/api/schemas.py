@@ -13,6 +13,7 @@ Beside the API's own fields the server takes vLLM's extensions ``top_k``, ``min_
 ``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos``.
 """
 
+import json
 from typing import Annotated, Any, Dict, List, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
@@ -30,11 +31,22 @@ Id = Annotated[StrictInt, Field(ge=-INT64 - 1, le=INT64)]  # a token id (the voc
 
 
 class Strict(BaseModel):
+    """A body of the API: unknown fields refused, numbers finite, and a field sent as ``null``
+    taken as left out (its default), as the API has it for every optional field."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class StreamOptions(Strict):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # (vLLM's: the usage so far in every chunk)
 
 
 class Sampling(Strict):
@@ -100,6 +112,10 @@ class Sampling(Strict):
     def usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def usage_in_chunks(self) -> bool:
+        """Whether every chunk carries the usage so far (``continuous_usage_stats``)."""
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(Sampling):
     prompt: Union[str, List[str], List[Id], List[List[Id]]]
@@ -131,26 +147,67 @@ class CompletionRequest(Sampling):
         return list(p)  # type: ignore[arg-type]
 
 
-class TextPart(Strict):
-    type: str
-    text: str
+class ToolCall(Strict):
+    """A tool call of an assistant's message in the history (the API's shape)."""
+
+    id: Optional[str] = None
+    type: str = "function"
+    function: Dict[str, Any]
 
 
 class Message(Strict):
+    """A message of the history, with every field of the API's message types (an assistant's
+    answer appended as the client got it: ``refusal``, ``annotations``, ``audio``,
+    ``function_call`` and ``tool_calls``, null or set; a tool's answer with its ``tool_call_id``).
+    Content is text, or a list of parts of which only text ones are served."""
+
     role: str
-    content: Optional[Union[str, List[TextPart]]] = None
+    content: Optional[Union[str, List[Dict[str, Any]]]] = None
     name: Optional[str] = None
+    refusal: Optional[str] = None
+    annotations: Optional[List[Any]] = None
+    audio: Optional[Dict[str, Any]] = None
+    function_call: Optional[Dict[str, Any]] = None
+    tool_calls: Optional[List[ToolCall]] = None
+    tool_call_id: Optional[str] = None
 
     @model_validator(mode="after")
     def _text_only(self):
-        if isinstance(self.content, list) and any(p.type != "text" for p in self.content):
-            raise ValueError("only text parts are served in a message's content")
+        if isinstance(self.content, list):
+            for part in self.content:
+                kind = part.get("type")
+                if kind != "text":
+                    raise ValueError(f"only text is served in a message's content (a part of type {kind!r})")
+                if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                    raise ValueError("a text part of a message's content is {'type': 'text', 'text': '...'}")
         return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p["text"] for p in self.content)
         return self.content or ""
+
+    def for_template(self) -> Dict[str, Any]:
+        """The message as a chat template reads it (transformers' form: a tool call's arguments
+        as a dict where they parse as JSON)."""
+        out: Dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": dict(c.function, arguments=_arguments(
+                c.function.get("arguments")))} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(raw: Any) -> Any:
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+    return raw
 
 
 class ChatRequest(Sampling):
@@ -180,10 +237,9 @@ class ChatRequest(Sampling):
     def limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def conversation(self) -> List[Dict[str, str]]:
+    def conversation(self) -> List[Dict[str, Any]]:
         """The messages as a chat template reads them."""
-        return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in self.messages]
+        return [m.for_template() for m in self.messages]
 
 
 def settings(req: Sampling, max_new: int, gen, eos: List[int]) -> Dict[str, Any]:

@@ -1,0 +1,100 @@
+"""What real clients send the server, on a CPU: a chat history built as the OpenAI SDK builds it
+(each answer's message appended with its nulls), an agent's history (tool calls and the tools'
+answers), explicit nulls for optional fields, vLLM's ``continuous_usage_stats`` (guidellm and
+aiperf send it), an image part (refused, saying why)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+
+import tiny_lm  # noqa: E402
+from test_http_cpu import Running, _args, events, greedy, post  # noqa: E402
+
+from graphwrap.serve.api import cli  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    r = Running(cli.load(_args(tiny_lm.make(str(tmp_path_factory.mktemp("tiny_lm"))), served_model_name="tiny",
+                               rows=4)))
+    yield r
+    r.stop()
+
+
+def _template_ids(srv, messages):
+    tok = srv.served.tokenizer
+    return tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+
+
+def test_a_history_built_as_the_openai_sdk_builds_it_is_served(srv):
+    openai = pytest.importorskip("openai", reason="needs the openai client: pip install openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="none")
+    messages = [{"role": "user", "content": "the quick brown"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    messages.append(first.choices[0].message.model_dump())  # (refusal, annotations, audio, tool_calls: null)
+    assert {"refusal", "tool_calls", "function_call", "audio"} <= set(messages[-1])
+    messages.append({"role": "user", "content": "a shared batch"})
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    assert second.choices[0].message.content == greedy(srv, _template_ids(srv, plain), 6)[1]
+    assert second.usage.prompt_tokens == len(_template_ids(srv, plain))
+    assert second.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_an_agent_s_history_reaches_the_chat_template_in_transformers_form(srv):
+    tok = srv.served.tokenizer
+    old = tok.chat_template
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if m.tool_calls %}"
+                         "{% for c in m.tool_calls %}[{{ c.function.name }}({{ c.function.arguments.city }})]{% endfor %}"
+                         "{% endif %}{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}{% endfor %}<|assistant|>")
+    try:
+        messages = [{"role": "user", "content": "weather?"},
+                    {"role": "assistant", "content": None, "refusal": None,
+                     "tool_calls": [{"id": "call_1", "type": "function",
+                                     "function": {"name": "weather", "arguments": json.dumps({"city": "Oslo"})}}]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "cold"}]
+        status, body, _ = post(srv.port, "/v1/chat/completions", {"messages": messages, "max_tokens": 4,
+                                                                   "temperature": 0})
+        assert status == 200, body
+        text = "<|user|>weather?<|assistant|>[weather(Oslo)]<|tool|>cold#call_1<|assistant|>"
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert body["usage"]["prompt_tokens"] == len(ids)
+        assert body["choices"][0]["message"]["content"] == greedy(srv, ids, 4)[1]
+    finally:
+        tok.chat_template = old
+
+
+def test_an_explicit_null_means_the_default(srv):
+    body = {"prompt": "the", "max_tokens": 3, "temperature": 0, "n": None, "stream": None, "echo": None,
+            "stop": None, "seed": None, "logprobs": None, "stream_options": None, "top_p": None, "user": None}
+    status, answer, _ = post(srv.port, "/v1/completions", body)
+    assert status == 200, answer
+    assert len(answer["choices"]) == 1 and answer["usage"]["completion_tokens"] == 3
+    status, answer, _ = post(srv.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                                 "max_tokens": 2, "n": None, "logprobs": None,
+                                                                 "top_logprobs": None, "tools": None})
+    assert status == 200, answer
+
+
+def test_continuous_usage_puts_the_usage_so_far_in_every_chunk(srv):
+    status, evs = events(srv.port, "/v1/completions", {"prompt": "the quick", "max_tokens": 10, "temperature": 0,
+                                                       "n": 2, "stream_options": {"include_usage": True,
+                                                                                  "continuous_usage_stats": True}})
+    assert status == 200 and evs[-1] == "[DONE]"
+    chunks = [e for e in evs[:-1] if e["choices"]]
+    made = [e["usage"]["completion_tokens"] for e in chunks]
+    assert all(e["usage"]["prompt_tokens"] == evs[-2]["usage"]["prompt_tokens"] for e in chunks)
+    assert made == sorted(made) and made[-1] == 20 and made[0] < 20
+    assert evs[-2]["choices"] == [] and evs[-2]["usage"]["completion_tokens"] == 20
+
+
+def test_an_image_part_is_refused_saying_only_text_is_served(srv):
+    status, body, _ = post(srv.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+    assert status == 400 and "only text is served" in body["error"]["message"], body
+    assert "image_url" in body["error"]["message"]
