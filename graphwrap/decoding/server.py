@@ -388,7 +388,7 @@ class DecodeServer:
     def _first_tokens(self, seqs: List[Seq], logits: torch.Tensor, lengths: torch.Tensor):
         """Each sequence's settings written into its row and its first token queued, from its
         prompt's last logits (``lengths``: the prompts' lengths, on the device)."""
-        index, kept = self._write_settings(seqs)
+        index, kept = _write_settings(self, seqs)
         if len(kept) < len(seqs):  # (a sequence whose settings could not be written ended alone)
             if not kept:
                 return
@@ -399,29 +399,6 @@ class DecodeServer:
         self.next_ids[index, 0] = tokens
         self.inflight.queue(seqs, list(range(len(seqs))), tokens, _logprobs(self.active, logits, tokens))
         self.sched.launched(seqs)
-
-    def _write_settings(self, seqs: List[Seq]) -> Tuple[torch.Tensor, List[Seq]]:
-        """The sequences' settings written into their rows: ``(their rows on the device, the
-        sequences written)``. Where the rows cannot be written together, each is written alone,
-        and a sequence whose own cannot be fails alone (its call ends with the error): no
-        request's settings end another's, on any path that admits a sequence."""
-        def write(group: List[Seq]) -> torch.Tensor:
-            return self.settings.write(_rows(group), [s.settings for s in group], [s.feed for s in group],
-                                       [s.seed for s in group], [len(s.prompt) for s in group])
-
-        try:
-            return write(seqs), seqs
-        except Exception as e:  # noqa: BLE001 - one sequence's settings: its call's failure alone
-            if len(seqs) == 1:
-                logger.warning("a sequence's settings could not be written into its row: its call fails (%s)", e)
-                self._end_call(seqs[0].call, e)
-                return torch.empty(0, dtype=torch.long, device=self.device), []
-        kept, index = [], []
-        for s in seqs:
-            got, ok = self._write_settings([s])
-            kept += ok
-            index.append(got)
-        return torch.cat(index), kept
 
     def _step(self, live: List[Seq]):
         steps.step(self, live)
@@ -502,6 +479,27 @@ class DecodeServer:
 
     def stats(self) -> dict:
         return report(self)
+
+
+def _write_settings(server: DecodeServer, seqs: List[Seq]) -> Tuple[torch.Tensor, List[Seq]]:
+    """The sequences' settings written into their rows: ``(their rows on the device, the
+    sequences written)``. Where the rows cannot be written together, each is written alone, and a
+    sequence whose own cannot be fails alone (its call ends with the error): no request's
+    settings end another's, on any path that admits a sequence."""
+    try:
+        return server.settings.write(_rows(seqs), [s.settings for s in seqs], [s.feed for s in seqs],
+                                     [s.seed for s in seqs], [len(s.prompt) for s in seqs]), seqs
+    except Exception as e:  # noqa: BLE001 - one sequence's settings: its call's failure alone
+        if len(seqs) == 1:
+            logger.warning("a sequence's settings could not be written into its row: its call fails (%s)", e)
+            server._end_call(seqs[0].call, e)
+            return torch.empty(0, dtype=torch.long, device=server.device), []
+    kept, index = [], []
+    for s in seqs:
+        got, ok = _write_settings(server, [s])
+        kept += ok
+        index.append(got)
+    return torch.cat(index), kept
 
 
 def _admitted(server: DecodeServer) -> List[Seq]:

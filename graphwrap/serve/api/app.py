@@ -135,25 +135,7 @@ def make_app(served: Served) -> FastAPI:
     app.add_middleware(Guard, api_key=served.api_key, everywhere=served.key_everywhere, max_body=served.max_body,
                        count=lambda path, status: metrics.requests.inc(endpoint=path, status=status))
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        message, param = _problems(request, exc.errors())
-        metrics.requests.inc(endpoint=request.url.path, status="400")
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
-
-    @app.exception_handler(HTTPException)
-    async def _http(request: Request, exc: HTTPException):
-        kind = _KINDS.get(exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
-        message = str(exc.detail)
-        if exc.status_code == 404:
-            message = f"no route {request.url.path} (the server serves /v1/completions, /v1/chat/completions, " \
-                      "/v1/models, /health and /metrics)"
-        elif exc.status_code == 405:
-            message = f"{request.method} is not allowed on {request.url.path}"
-        elif exc.status_code == 400 and "parsing the body" in message:  # (FastAPI's words for bytes that do not decode)
-            message = "the body is not valid JSON (it is not UTF-8 text, or does not parse)"
-        metrics.requests.inc(endpoint=request.url.path, status=str(exc.status_code))
-        return JSONResponse(error_body(message, kind), status_code=exc.status_code, headers=exc.headers)
+    _errors_in_the_api_s_shape(app, metrics)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -184,6 +166,31 @@ def make_app(served: Served) -> FastAPI:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _errors_in_the_api_s_shape(app: FastAPI, metrics: Metrics):
+    """FastAPI's own errors (a body that does not validate, an unknown path or method, a body that
+    does not decode) answered in the API's shape, each counted."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        message, param = _problems(request, exc.errors())
+        metrics.requests.inc(endpoint=request.url.path, status="400")
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        kind = _KINDS.get(exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.url.path} (the server serves /v1/completions, /v1/chat/completions, " \
+                      "/v1/models, /health and /metrics)"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        elif exc.status_code == 400 and "parsing the body" in message:  # (FastAPI's words for bytes that do not decode)
+            message = "the body is not valid JSON (it is not UTF-8 text, or does not parse)"
+        metrics.requests.inc(endpoint=request.url.path, status=str(exc.status_code))
+        return JSONResponse(error_body(message, kind), status_code=exc.status_code, headers=exc.headers)
 
 
 _KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -422,45 +429,52 @@ def _sse(obj: Any) -> str:
     return f"data: {_json(obj)}\n\n"
 
 
+class _Chunks:
+    """A stream's events as text. Each event is the same but for its choice: the rest is written
+    once (a token's event costs the event loop, which every stream shares, a few microseconds
+    instead of a dict's dump). ``last``: each choice's last piece so far (the tokens it was sent)."""
+
+    def __init__(self, served: Served, job: Job, body: Sampling):
+        self.job = job
+        self.head = dict(_head(served, job), object="chat.completion.chunk" if job.chat else "text_completion")
+        self.before = "data: " + _json(self.head)[:-1] + ',"choices":['
+        self.after = "]" + (',"usage":null' if body.usage_in_stream() else "") + "}\n\n"
+        self.running_usage = body.usage_in_chunks()
+        self.offsets = [len(job.echo[i // body.n]) for i in range(len(job.prompts) * body.n)]  # (text_offset)
+        self.last: Dict[int, Piece] = {}
+
+    def scores(self, index: int, scored: Optional[List[TokenLogprob]]) -> str:
+        if not scored:
+            return "null"
+        if self.job.chat:
+            return _json(logprobs.chat(scored))
+        got, self.offsets[index] = logprobs.completion(scored, self.offsets[index])
+        return _json(got)
+
+    def chunk(self, index: int, text: str, finish: Optional[str], role: bool = False,
+              scored: Optional[List[TokenLogprob]] = None) -> str:
+        # (json.dumps without options reuses one encoder: a string's dump costs a microsecond, not five)
+        end = _FINISH[finish]
+        if self.job.chat:
+            delta = ('{"role":"assistant","content":' + json.dumps(text) + "}" if role else
+                     '{"content":' + json.dumps(text) + "}" if text or finish is None else "{}")
+            choice = f'{{"index":{index},"delta":{delta},"logprobs":{self.scores(index, scored)},"finish_reason":{end}}}'
+        else:
+            choice = (f'{{"index":{index},"text":{json.dumps(text)},"logprobs":{self.scores(index, scored)},'
+                      f'"finish_reason":{end}}}')
+        if self.running_usage:  # (continuous_usage_stats: the usage so far in every chunk)
+            return self.before + choice + ']' + ',"usage":' + _json(_usage(self.job, self.last.values())) + "}\n\n"
+        return self.before + choice + self.after
+
+
 async def _events(served: Served, metrics: Metrics, job: Job, body: Sampling, first: Piece,
                   pieces: AsyncIterator[Piece]) -> AsyncIterator[str]:
     """The stream: each choice's first chunk (chat: its role; completions: the echo), then text
     as it comes, each choice's end with its finish, the usage where asked for, ``[DONE]``."""
-    head = dict(_head(served, job), object="chat.completion.chunk" if job.chat else "text_completion")
-    # Each event is the same but for its choice: the rest is written once (a token's event costs
-    # the event loop, which every stream shares, a few microseconds instead of a dict's dump).
-    before = "data: " + _json(head)[:-1] + ',"choices":['
-    after = "]" + (',"usage":null' if body.usage_in_stream() else "") + "}\n\n"
-    running_usage = body.usage_in_chunks()
+    c = _Chunks(served, job, body)
+    chunk, last = c.chunk, c.last
     ends: List[Piece] = []
-    last: Dict[int, Piece] = {}  # each choice's last piece so far (the tokens it was sent)
     how = "cancelled"
-
-    offsets = [len(job.echo[i // body.n]) for i in range(len(job.prompts) * body.n)]  # (completions' text_offset)
-
-    def scores(index: int, scored: Optional[List[TokenLogprob]]) -> str:
-        if not scored:
-            return "null"
-        if job.chat:
-            return _json(logprobs.chat(scored))
-        got, offsets[index] = logprobs.completion(scored, offsets[index])
-        return _json(got)
-
-    def chunk(index: int, text: str, finish: Optional[str], role: bool = False,
-              scored: Optional[List[TokenLogprob]] = None) -> str:
-        # (json.dumps without options reuses one encoder: a string's dump costs a microsecond, not five)
-        end = _FINISH[finish]
-        if job.chat:
-            delta = ('{"role":"assistant","content":' + json.dumps(text) + "}" if role else
-                     '{"content":' + json.dumps(text) + "}" if text or finish is None else "{}")
-            choice = f'{{"index":{index},"delta":{delta},"logprobs":{scores(index, scored)},"finish_reason":{end}}}'
-        else:
-            choice = (f'{{"index":{index},"text":{json.dumps(text)},"logprobs":{scores(index, scored)},'
-                      f'"finish_reason":{end}}}')
-        if running_usage:  # (continuous_usage_stats: the usage so far in every chunk)
-            return before + choice + ']' + ',"usage":' + _json(_usage(job, last.values())) + "}\n\n"
-        return before + choice + after
-
     try:
         for i in range(len(job.prompts) * body.n):
             if job.chat or job.echo[i // body.n]:
@@ -471,9 +485,8 @@ async def _events(served: Served, metrics: Metrics, job: Job, body: Sampling, fi
                 ends.append(p)
             if p.text or p.finish is not None or p.logprobs:
                 yield chunk(p.index, p.text, p.finish, scored=p.logprobs)
-        usage = _usage(job, ends)
         if body.usage_in_stream():
-            yield _sse(dict(head, choices=[], usage=usage))
+            yield _sse(dict(c.head, choices=[], usage=_usage(job, ends)))
         how = "done"
         yield "data: [DONE]\n\n"
     except Exception as e:  # noqa: BLE001 - the status was sent: the stream ends with the error

@@ -129,6 +129,26 @@ class _Feed:
         self.inbox.post(self.queue, _END)
 
 
+def _taken(queue: "asyncio.Queue[Any]", got: Any) -> Tuple[List[int], List[Any], bool]:
+    """``got`` and every token come meanwhile, for one piece: ``(tokens, their log-probabilities
+    where asked, whether the sequence's end came)``; a :class:`Cut` is raised."""
+    tokens: List[int] = []
+    scores: List[Any] = []
+    while got is not _END:
+        kind = type(got)
+        if kind is _Scored:
+            tokens += got.tokens
+            scores += got.logprobs
+        elif kind is Cut:
+            raise got
+        else:
+            tokens += got
+        if queue.empty():
+            break
+        got = queue.get_nowait()
+    return tokens, scores, got is _END
+
+
 class Client:
     """Generation for the HTTP handlers, over an engine (:mod:`.engines`) and the tokenizer."""
 
@@ -202,22 +222,7 @@ class Client:
         try:
             ended = False
             while finish is None and not ended:
-                got = await queue.get()
-                tokens: List[int] = []
-                scores: List[Any] = []
-                while got is not _END:  # every token come meanwhile: one piece for them all
-                    kind = type(got)
-                    if kind is _Scored:
-                        tokens += got.tokens
-                        scores += got.logprobs
-                    elif kind is Cut:
-                        raise got
-                    else:
-                        tokens += got
-                    if queue.empty():
-                        break
-                    got = queue.get_nowait()
-                ended = got is _END
+                tokens, scores, ended = _taken(queue, await queue.get())
                 if not tokens:
                     continue
                 last = time.perf_counter()
