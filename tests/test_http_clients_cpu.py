@@ -98,3 +98,39 @@ def test_an_image_part_is_refused_saying_only_text_is_served(srv):
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
     assert status == 400 and "only text is served" in body["error"]["message"], body
     assert "image_url" in body["error"]["message"]
+
+
+def test_completion_log_probabilities_name_each_token_by_the_text_it_adds(tmp_path):
+    """A word-level tokenizer (a word a token, decoded with spaces between): the text is
+    " w6 w6 w6", and each token was named "w6" with offsets 0, 2, 4, which do not line up with it.
+    Each token is now named by the text it adds (" w6"), its alternatives likewise, so the tokens
+    make up the text and the offsets point into it."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import serve_openai
+
+    model_dir = serve_openai.make_model("tiny", str(tmp_path / "words"), "cpu")
+    r = Running(cli.load(_args(model_dir, served_model_name="words", rows=2)))
+    try:
+        for stream in (False, True):
+            body = {"prompt": "w5 w6 w7", "max_tokens": 6, "temperature": 0, "logprobs": 2}
+            if stream:
+                status, evs = events(r.port, "/v1/completions", body)
+                chunks = [e["choices"][0] for e in evs[:-1] if e["choices"]]
+                text = "".join(c["text"] for c in chunks)
+                parts = [c["logprobs"] for c in chunks if c["logprobs"]]
+                lp = {k: [x for p in parts for x in p[k]] for k in ("tokens", "text_offset", "top_logprobs")}
+            else:
+                status, answer, _ = post(r.port, "/v1/completions", body)
+                text, lp = answer["choices"][0]["text"], answer["choices"][0]["logprobs"]
+            assert status == 200
+            assert len(lp["tokens"]) == 6
+            assert all(t.startswith(" w") for t in lp["tokens"]), lp["tokens"]
+            assert "".join(lp["tokens"]) == text
+            for token, offset, top in zip(lp["tokens"], lp["text_offset"], lp["top_logprobs"]):
+                assert text[offset:offset + len(token)] == token
+                assert token in top and all(k.startswith(" w") for k in top), top
+    finally:
+        r.stop()

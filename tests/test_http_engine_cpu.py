@@ -164,7 +164,8 @@ def test_log_probabilities_come_through_the_engine_process_beside_other_streams(
     plain.join(60)
     assert status == 200 and evs[-1] == "[DONE]"
     parts = [e["choices"][0]["logprobs"] for e in evs[:-1] if e["choices"][0]["logprobs"]]
-    check_completion_logprobs({k: [x for p in parts for x in p[k]] for k in parts[0]}, want, tok)
+    check_completion_logprobs({k: [x for p in parts for x in p[k]] for k in parts[0]}, want, tok,
+                              tok("the quick brown")["input_ids"], "".join(e["choices"][0]["text"] for e in evs[:-1]))
     assert out["plain"][0] == 200 and out["plain"][1]["choices"][0]["logprobs"] is None
     assert out["plain"][1]["choices"][0]["text"] == "".join(e["choices"][0]["text"] for e in evs[:-1])
 

@@ -246,7 +246,7 @@ async def _answer(served: Served, client: Client, metrics: Metrics, request: Req
     try:
         job = await asyncio.get_running_loop().run_in_executor(text_thread, _job, served, body, arrived)
         pieces = client.choices(job.prompts, body.n, job.kwargs, body.stops(), body.seed, arrived,
-                                body.wanted_logprobs())
+                                body.wanted_logprobs(), aligned=not job.chat)
         if body.stream:
             # An error before the first token is answered with a status; a client that hangs up
             # meanwhile (its request queued, say) gives its place up at once.

@@ -168,12 +168,16 @@ class Client:
         return len(self.live)
 
     async def choices(self, prompts: Sequence[List[int]], n: int, kwargs: Dict[str, Any], stops: Sequence[str],
-                      seed: Optional[int], arrived: float, logprobs: Optional[int] = None) -> AsyncIterator[Piece]:
+                      seed: Optional[int], arrived: float, logprobs: Optional[int] = None,
+                      aligned: bool = False) -> AsyncIterator[Piece]:
         """Every choice's pieces as they come (choice ``i * n + j`` is prompt ``i``'s ``j``-th),
         each choice's last piece with its finish. Leaving the loop early cancels what is left.
-        ``logprobs`` (k): each token's log-probability and the step's k most likely tokens."""
+        ``logprobs`` (k): each token's log-probability and the step's k most likely tokens, named
+        by their own text, or (``aligned``) by the text each adds to the choice's text there (the
+        chosen tokens' texts then make up the text, as completions' ``text_offset`` counts them)."""
         if len(prompts) * n == 1:  # (no task between the sequence and the request: one less hop a token)
-            async for piece in self.sequence(0, prompts[0], kwargs, stops, _seed(seed, 0), arrived, logprobs):
+            async for piece in self.sequence(0, prompts[0], kwargs, stops, _seed(seed, 0), arrived, logprobs,
+                                             aligned):
                 yield piece
             return
         out: "asyncio.Queue[Any]" = asyncio.Queue()
@@ -182,7 +186,7 @@ class Client:
             for j in range(n):
                 index = i * n + j
                 tasks.append(asyncio.ensure_future(self._pump(index, ids, kwargs, stops, _seed(seed, index), arrived,
-                                                              out, logprobs)))
+                                                              out, logprobs, aligned)))
         try:
             left = len(tasks)
             while left:
@@ -197,9 +201,9 @@ class Client:
                 t.cancel()
 
     async def _pump(self, index: int, ids: List[int], kwargs, stops, seed, arrived: float, out: "asyncio.Queue[Any]",
-                    logprobs: Optional[int]):
+                    logprobs: Optional[int], aligned: bool):
         try:
-            async for piece in self.sequence(index, ids, kwargs, stops, seed, arrived, logprobs):
+            async for piece in self.sequence(index, ids, kwargs, stops, seed, arrived, logprobs, aligned):
                 out.put_nowait(piece)
         except asyncio.CancelledError:
             raise
@@ -207,7 +211,8 @@ class Client:
             out.put_nowait(e)
 
     async def sequence(self, index: int, ids: List[int], kwargs: Dict[str, Any], stops: Sequence[str],
-                       seed: Optional[int], arrived: float, logprobs: Optional[int] = None) -> AsyncIterator[Piece]:
+                       seed: Optional[int], arrived: float, logprobs: Optional[int] = None,
+                       aligned: bool = False) -> AsyncIterator[Piece]:
         """One sequence's pieces. Raises what queueing raised (QueueFull, Closed, Unservable for a
         request the batch cannot hold, EngineGone) or what its call failed with."""
         queue: "asyncio.Queue[Any]" = asyncio.Queue()
@@ -227,13 +232,14 @@ class Client:
                     continue
                 last = time.perf_counter()
                 first = first if first is not None else last
-                # With stop strings, a token at a time: the count stops at the token that ended it.
-                step = 1 if stops else len(tokens)
+                # With stop strings, a token at a time: the count stops at the token that ended it;
+                # with log-probabilities too: each token's own text.
+                step = 1 if stops or scores else len(tokens)
                 for at in range(0, len(tokens), step):
                     some = tokens[at:at + step]
                     count += len(some)
-                    piece, hit = stop.feed(text.add(some))
-                    scored = self._scored(some, scores[at:at + step]) if scores else None
+                    added, scored = self._added(text, some, scores[at:at + step], aligned)
+                    piece, hit = stop.feed(added)
                     if piece or scored:
                         yield Piece(index, piece, logprobs=scored, made=count)
                     if hit:
@@ -254,6 +260,21 @@ class Client:
             self.live.discard(queue)
             if not future.done():
                 future.cancel()  # a stop string, a client gone: its row is freed at the next step
+
+    def _added(self, text: Detokenizer, tokens: List[int], scores: List[Any],
+               aligned: bool) -> Tuple[str, Optional[List[TokenLogprob]]]:
+        """The text ``tokens`` add, and their log-probabilities where asked (``scores``: then one
+        token): named by each token's own text, or (``aligned``) by the text it adds, the
+        alternatives by the text each would have added in its place."""
+        if not scores:
+            return text.add(tokens), None
+        if not aligned:
+            return text.add(tokens), self._scored(tokens, scores)
+        x = scores[0]
+        lp, top = x.unpack() if isinstance(x, Logprobs) else x
+        alternatives = [(text.would_add(i), v) for i, v in top]
+        added = text.add(tokens)
+        return added, [TokenLogprob(added, lp, alternatives)]
 
     def _scored(self, tokens: List[int], scores: List[Any]) -> List[TokenLogprob]:
         """The API's form of each token's log-probabilities (packed as the engine process sends

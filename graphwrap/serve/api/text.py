@@ -48,6 +48,13 @@ class Detokenizer:
             return now[len(before):]
         return ""
 
+    def would_add(self, token: int) -> str:
+        """The text ``token`` would add now (what :meth:`add` would give, held-back characters
+        included), without adding it: an alternative token's text in its place."""
+        before = self._decode(self.ids[self.prefix:self.read])
+        now = self._decode(self.ids[self.prefix:] + [token])
+        return now[len(before):] if len(now) > len(before) else ""
+
     def flush(self) -> str:
         """What is held back, once no token will come."""
         before = self._decode(self.ids[self.prefix:self.read])
