@@ -27,7 +27,7 @@ COMPLETION_TOKENS = 16  # a completion's max_tokens where the request leaves it 
 INT64 = (1 << 63) - 1
 # An integer of the API: strict (no string or float read as one), within int64.
 Int = Annotated[StrictInt, Field(ge=-INT64 - 1, le=INT64)]
-Id = Annotated[StrictInt, Field(ge=-INT64 - 1, le=INT64)]  # a token id (the vocabulary is the app's check)
+Id = Int  # a token id (the vocabulary is the app's check)
 
 
 class Strict(BaseModel):
