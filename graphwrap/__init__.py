@@ -20,6 +20,7 @@ from .core.buckets import (
     fit_buckets,
     padded_rows,
 )
+from .decoding.grammar import Grammar, GrammarError
 from .errors import GraphwrapError
 from .loops.batcher import Batcher
 from .loops.pipeline import Inputs
@@ -27,6 +28,6 @@ from .module import GraphedModule
 from .serve.replicas import Replicas
 
 __all__ = [
-    "GraphedModule", "Batcher", "Replicas", "GraphwrapError", "Inputs", "save_compile_cache", "load_compile_cache",
+    "GraphedModule", "Batcher", "Replicas", "GraphwrapError", "Grammar", "GrammarError", "Inputs", "save_compile_cache", "load_compile_cache",
     "Adaptive", "BucketTable", "default_buckets", "exact_buckets", "fit_buckets", "padded_rows", "__version__",
 ]

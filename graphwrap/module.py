@@ -361,6 +361,9 @@ class GraphedModule(nn.Module):
         cache holds raises :class:`GraphwrapError`. Calls the batch cannot serve (beams, custom
         processors, a cache passed in, a model whose attention the rows do not reproduce) run
         the one-call loop, taking turns, with the reason in the log and ``stats()["generate"]``.
+        ``grammar=graphwrap.Grammar.json_schema(schema)`` (or ``.json()``, ``.regex()``,
+        ``.choice()``, ``.ebnf()``) with ``tokenizer=`` constrains the output to it (needs
+        ``xgrammar``; the shared batch alone applies it: a call it cannot serve raises).
         """
         return front.generate(self, args, kwargs)
 

@@ -24,6 +24,7 @@ from ..loops import decode
 from ..loops.positions import check_positions
 from . import turns
 from .attention import without_cudnn
+from .grammar import GrammarError
 from .pool import CACHE_MEMORY
 from .scheduler import buckets_upto
 from .settings import CallPlan, plan_call
@@ -257,6 +258,8 @@ def _queued(gm, args, kwargs, block: bool = True, seed: Optional[int] = None):
             if getattr(kwargs.get("streamer"), "logprobs", None) is not None:  # (no loop but the batch's gives them)
                 raise GraphwrapError(f"log-probabilities come from the shared batch only, which does not serve this "
                                      f"call: {p}")
+            if kwargs.get("grammar") is not None:  # (nor applies a grammar)
+                raise GrammarError(f"a grammar is applied by the shared batch only, which does not serve this call: {p}")
             return None, p, None
         if "_gw_decode_finalizer" not in held:
             held["_gw_decode_finalizer"] = weakref.finalize(gm, _close_dropped, held)

@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .grammar import RowMasks
 from .rows import to_device
 from .settings import SeqSettings
 
@@ -51,6 +52,7 @@ class Active:
     top_k: int = 0  # the largest top_k of a sampled row (0: none)
     top_p: bool = False
     logprobs: int = -1  # the most top log-probabilities a row asks for (-1: no row wants any)
+    grammar: bool = False  # a row's tokens are constrained (grammar.py)
 
     @staticmethod
     def of(settings: Sequence[SeqSettings]) -> "Active":
@@ -59,6 +61,7 @@ class Active:
             a.penalty |= s.penalty != 1.0
             a.min_new |= s.min_new > 0 and bool(s.eos)
             a.logprobs = max(a.logprobs, s.logprobs)
+            a.grammar |= s.grammar is not None
             if s.sample:
                 a.sample = True
                 a.top_k = max(a.top_k, s.top_k)
@@ -99,6 +102,7 @@ class RowSettings:
         self.eos = torch.full((rows, EOS_WIDTH), -1, dtype=torch.long, device=d)
         self.history: Optional[Tensor] = None  # [rows, max_len] token ids, made when a row first needs a penalty
         self.max_len = max_len
+        self.masks: Optional[RowMasks] = None  # the rows' allowed tokens, made when a row first has a grammar
 
     def eos_of(self, s: SeqSettings) -> List[int]:
         """The end-of-sequence ids of ``s`` the model can make (an id outside the vocabulary is
@@ -135,11 +139,21 @@ class RowSettings:
                     self.history[r, :len(p)] = to_device(torch.tensor(p, dtype=torch.long), self.device)
         return idx
 
-    def release(self, rows: Tensor):
-        """Rows given back: neutral settings (greedy, no penalty, no end-of-sequence hold)."""
+    def release(self, rows: Tensor, host: Sequence[int] = ()):
+        """Rows given back (``host``: the same, on the host): neutral settings (greedy, no penalty,
+        no end-of-sequence hold, every token allowed)."""
         self.longs.index_fill_(0, rows, 0)
         self.eos.index_fill_(0, rows, -1)
         self.floats.index_fill_(0, rows, 1.0)
+        if self.masks is not None:
+            self.masks.release(list(host))
+
+    def constrain(self, seqs: Sequence) -> None:
+        """The allowed tokens of each constrained sequence of ``seqs`` (their matchers moved on by
+        every token read), ready for the sampling queued next."""
+        if self.masks is None:
+            self.masks = RowMasks(self.floats.shape[0], self.vocab, self.device)
+        self.masks.fill(seqs)
 
     def next_tokens(self, logits: Tensor, rows, lengths: Tensor, active: Active) -> Tensor:
         """The next token of each of ``rows`` (an int ``n``: the first ``n`` rows; else a tensor
@@ -147,6 +161,8 @@ class RowSettings:
         lengths now (the position the new token takes)."""
         sel = slice(0, rows) if isinstance(rows, int) else rows
         scores = logits.float()
+        if active.grammar and self.masks is not None:
+            scores = self.masks.apply(scores, sel)
         if active.penalty:
             scores = self._penalise(scores, sel, lengths)
         if active.min_new:

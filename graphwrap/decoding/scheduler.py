@@ -49,6 +49,7 @@ class Seq:
     launched: int = 0  # tokens whose computation has been queued on the device
     done: bool = False
     seed: int = 0  # of its sampling noise
+    matcher: Any = None  # its place in its call's grammar (grammar.Matcher), where the call gave one
     submitted: float = field(default_factory=time.perf_counter)
     first_at: Optional[float] = None
     last_at: Optional[float] = None

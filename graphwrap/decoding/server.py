@@ -42,6 +42,7 @@ from .attention import folding, sdpa_model, without_cudnn
 from .calls import Call, Closed, Logprobs, QueueFull, Sinks, check_call, finish, put_token
 from .captures import Captures, on_stream
 from .delivery import OUTBOX, Mailbox, on_worker
+from .grammar import matchers
 from .inflight import Tokens
 from .pages import PagedStore
 from .pool import CACHE_MEMORY, PIECE, PIECE_ALONE, Blocks, plan_cache
@@ -49,7 +50,7 @@ from .report import Turns, report
 from .rows import RowStore, to_device
 from .sampling import Active, RowSettings, logprobs
 from .scheduler import Scheduler, Seq, buckets_upto
-from .settings import CallPlan
+from .settings import CallPlan, in_vocab, out_vocab
 from .shapes import Shapes
 from .step import CHUNK, ChunkStep, Prompts, cache_layout, layer_windows
 from .weights import Weights
@@ -101,8 +102,8 @@ class DecodeServer:
         self.cache, self.store, self.fold = make_cache(model, rows, max_len, self.device, cache_memory, paged)
         self.sched = Scheduler(rows, max_len, buckets_upto(rows, (1, 2, 4, 8, 16)), buckets_upto(max_len, (64, 128, 256)),
                                Blocks(self.cache.blocks, self.cache.scratch) if self.cache.paged else None, self.cache.block)
-        self.vocab = _vocab(model)
-        self.settings = RowSettings(rows, max_len, self.device, _out_vocab(model, self.vocab))
+        self.vocab = in_vocab(model)
+        self.settings = RowSettings(rows, max_len, self.device, out_vocab(model))
         self.chunk, self.piece, self.piece_alone = CHUNK, min(PIECE, CHUNK), min(PIECE_ALONE, CHUNK)  # (pieces.py)
         self.pieces_running: Deque[torch.cuda.Event] = collections.deque()  # the pieces on the device (pieces.py)
         self.prompts = Prompts(rows, min(max_len, self.chunk), self.store.scratch)
@@ -165,6 +166,8 @@ class DecodeServer:
         g = None if seed is None else torch.Generator().manual_seed(seed)
         seeds = torch.randint(0, 1 << 31, (n,), generator=g).tolist() if plan.settings.sample else [0] * n
         call.seqs = [Seq(call, i, p, plan.settings, seed=seed) for i, (p, seed) in enumerate(zip(plan.prompts, seeds))]
+        if plan.settings.grammar is not None:
+            matchers(call.seqs, plan.settings.grammar, self.settings.eos_of(plan.settings))
         call.left = len(call.seqs)
         fut.add_done_callback(lambda f: self.abort(call, None) if f.cancelled() else None)
         return call
@@ -395,6 +398,8 @@ class DecodeServer:
             at = torch.tensor([i for i, s in enumerate(seqs) if s in kept], device=logits.device)
             seqs, logits, lengths = kept, logits[at], lengths[at]
         self.active = Active.of([s.settings for s in self.sched.holders if s is not None])
+        if self.active.grammar:
+            self.settings.constrain(seqs)
         tokens = self.settings.next_tokens(logits, index, lengths, self.active)
         self.next_ids[index, 0] = tokens
         self.inflight.queue(seqs, list(range(len(seqs))), tokens, _logprobs(self.active, logits, tokens))
@@ -423,7 +428,10 @@ class DecodeServer:
             self.sinks.add(call, token, now, lp)
         elif streamer is not None:
             self.outgoing.append((call.box, lambda: put_token(call, streamer, token, now, self.lag, lp)))
-        if token in s.settings.eos or len(s.tokens) >= s.settings.max_new:
+        if s.matcher is not None and not s.matcher.accept(token):
+            self._end_call(call, GraphwrapError(f"token {token} broke the call's grammar (a bug of the batch's masks)"))
+            return
+        if token in s.settings.eos or len(s.tokens) >= s.settings.max_new or (s.matcher is not None and s.matcher.ended):
             s.done = True
             if len(s.tokens) > 1:
                 self.tpot.append((s.last_at - s.first_at) / (len(s.tokens) - 1))
@@ -470,7 +478,7 @@ class DecodeServer:
         """Rows given back: released on the device, settings and all."""
         index = to_device(torch.tensor(rows, dtype=torch.long), self.device)
         self.store.release(index)
-        self.settings.release(index)
+        self.settings.release(index, rows)
         self.active = Active.of([s.settings for s in self.sched.holders if s is not None])
         with self.cond:
             self.cond.notify_all()
@@ -552,19 +560,6 @@ def _free_memory(device: torch.device) -> Optional[int]:
     free, _ = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return int(free + reserved)
-
-
-def _vocab(model) -> int:
-    emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
-    n = getattr(emb, "num_embeddings", None)
-    return int(n if n is not None else model.config.vocab_size)
-
-
-def _out_vocab(model, default: int) -> int:
-    """How many scores a step's logits hold per row (the ids the model can make)."""
-    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
-    n = getattr(head, "out_features", None)
-    return int(n) if isinstance(n, int) else default
 
 
 def _logprobs(active: Active, logits: torch.Tensor, tokens: torch.Tensor) -> Optional[torch.Tensor]:

@@ -40,6 +40,7 @@ NEUTRAL: Dict[str, Tuple[Tuple[type, ...], object]] = {
 }
 # generate() keywords (not generation settings) the batch takes.
 MODEL_KWARGS = frozenset(("attention_mask", "streamer"))
+GRAMMAR_KWARGS = ("grammar", "tokenizer")  # graphwrap's structured output (grammar.py): the batch alone serves it
 CACHE_IMPLEMENTATIONS = (None, "static", "dynamic")
 TOP_K_MOST = 1 << 31  # a top_k past any vocabulary: larger ones are taken as this (within the device's int64)
 KEEP_MERGED = 64  # merged settings kept per model
@@ -61,6 +62,7 @@ class SeqSettings:
     top_p: float = 1.0
     penalty: float = 1.0
     logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and the top k (a streamer asks: calls.logprobs_of)
+    grammar: Any = None  # the call's compiled grammar (grammar.py): each sequence gets a matcher of its own
 
 
 @dataclass(slots=True)
@@ -95,6 +97,7 @@ def plan_call(model, args, kwargs) -> Union[CallPlan, str]:
         if kwargs.pop(name, None):
             return f"{name}= is given"
     passed = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
+    grammar, tokenizer = (kwargs.pop(k, None) for k in GRAMMAR_KWARGS) if kwargs.get("grammar") is not None else (None, None)
     gen = merged(model, kwargs)
     if isinstance(gen, str):
         return gen
@@ -104,6 +107,8 @@ def plan_call(model, args, kwargs) -> Union[CallPlan, str]:
     settings = _settings(gen, ids.shape[1])
     if isinstance(settings, str):
         return settings
+    if grammar is not None:
+        settings.grammar = _compiled(model, grammar, tokenizer, settings)
     asked = getattr(streamer, "logprobs", None)  # (graphwrap's own streamers: the server's)
     if asked is not None:
         settings.logprobs = int(asked)
@@ -113,6 +118,32 @@ def plan_call(model, args, kwargs) -> Union[CallPlan, str]:
     if isinstance(prompts, str):
         return prompts
     return CallPlan(host, prompts, settings, streamer, ids.device)
+
+
+def _compiled(model, grammar, tokenizer, s: SeqSettings):
+    """The call's grammar compiled for the model's scores (GrammarError where it cannot be served:
+    never the one-call loop, which would not apply it)."""
+    from .grammar import Grammar, GrammarError, compile_for
+
+    if not isinstance(grammar, Grammar):
+        raise GrammarError(f"grammar= takes a graphwrap Grammar (Grammar.json_schema(...), ...), not {type(grammar).__name__}")
+    if s.min_new > 0:
+        raise GrammarError("a grammar decides where the output ends: min_new_tokens / min_length cannot be given with it")
+    return compile_for(grammar, tokenizer, out_vocab(model))
+
+
+def in_vocab(model) -> int:
+    """How many token ids the model's embedding takes."""
+    emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    n = getattr(emb, "num_embeddings", None)
+    return int(n if n is not None else model.config.vocab_size)
+
+
+def out_vocab(model) -> int:
+    """How many scores a step's logits hold per row (the ids the model can make)."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    n = getattr(head, "out_features", None)
+    return int(n) if isinstance(n, int) else in_vocab(model)
 
 
 def merged(model, kwargs: dict):

@@ -36,7 +36,7 @@ def step(server, live: List) -> None:
     _, n, span = shape
     try:
         logits = captures.forward(server, server.engine, shape, how, (server.next_ids[:n],), lambda s: s.window(span))
-        tokens, extra = sampled(server, logits, n)
+        tokens, extra = sampled(server, logits, n, live)
     except Exception as e:  # noqa: BLE001 - the step serves every live row: each fails with it
         logger.exception("a decode step failed; its %d sequences fail with the error", len(live))
         for s in live:
@@ -45,8 +45,13 @@ def step(server, live: List) -> None:
     stepped(server, live, n, tokens, extra)
 
 
-def sampled(server, logits: torch.Tensor, n: int):
-    """``(tokens, log-probabilities or None)`` of the first ``n`` rows from their logits."""
+def sampled(server, logits: torch.Tensor, n: int, live: List):
+    """``(tokens, log-probabilities or None)`` of the first ``n`` rows from their logits. Where a
+    live row has a grammar, every step queued before is read first (its matcher moves on by its
+    last token) and the rows' allowed tokens are filled while this step's forward runs."""
+    if server.active.grammar:
+        server._read(keep=0)
+        server.settings.constrain(live)
     tokens = server.settings.next_tokens(logits, n, server.store.lengths[:n], server.active)
     k = server.active.logprobs
     return tokens, (logprobs(logits, tokens, k) if k >= 0 else None)
@@ -97,7 +102,7 @@ def together(server) -> bool:
         server.counts["mixed_failed"] += 1
         return False
     try:
-        tokens, extra = sampled(server, logits[:n], n)
+        tokens, extra = sampled(server, logits[:n], n, live)
     except Exception as e:  # noqa: BLE001 - as a step's: every live row fails with it
         logger.exception("a decode step failed; its %d sequences fail with the error", len(live))
         for seq in live:

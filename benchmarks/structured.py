@@ -1,0 +1,256 @@
+"""Structured output in the shared batch: is every constrained output valid, and what does a
+constraint cost the batch?
+
+- ``validity``: random JSON schemas (objects, arrays, enums, bounded integers and numbers, strings,
+  nesting, required fields), each a sampled call with ``grammar=Grammar.json_schema(...)``; every
+  output that ends (its end-of-sequence token) must parse and validate (``jsonschema``); outputs
+  cut by ``max_new_tokens`` are counted apart (a model of random weights can write a long string).
+- ``overhead``: ``--concurrent`` calls in the batch at once, a quarter of them constrained by a
+  schema, against the same calls with none: output tokens per second of the whole batch, and of
+  the unconstrained calls alone (the rows beside a constrained one), medians of ``--repeats``.
+
+Runs on a CPU (the tiny model of tests/tiny_lm.py) or a GPU (``--shape llama-1b``: the 1.1B Llama
+shape, random weights, fp16, with a byte-level BPE tokenizer of ``--vocab`` tokens trained on the
+spot on random JSON text, so that the masks are a real vocabulary's size).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+NAMES = ["id", "name", "size", "tags", "ok", "score", "items", "kind", "x", "y", "note", "level"]
+WORDS = ["red", "green", "blue", "small", "large", "on", "off", "alpha", "beta"]
+
+
+def random_schemas(n: int, seed: int = 0) -> List[Dict[str, Any]]:
+    """``n`` schemas of objects, seeded: what models are asked for in practice, nested up to 3 deep."""
+    rng = random.Random(seed)
+    return [_object(rng, 0) for _ in range(n)]
+
+
+def _object(rng: random.Random, depth: int) -> Dict[str, Any]:
+    names = rng.sample(NAMES, rng.randint(1, 4))
+    props = {k: _value(rng, depth + 1) for k in names}
+    required = [k for k in names if rng.random() < 0.7]
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+def _value(rng: random.Random, depth: int) -> Dict[str, Any]:
+    kinds = ["integer", "number", "boolean", "enum", "string", "string"] + (["object", "array"] if depth < 3 else [])
+    k = rng.choice(kinds)
+    if k == "integer":
+        lo = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 1000)}
+    if k == "number":
+        return {"type": "number", "minimum": 0, "maximum": rng.choice([1, 10, 100])}
+    if k == "boolean":
+        return {"type": "boolean"}
+    if k == "enum":
+        return {"enum": rng.sample(WORDS, rng.randint(1, 4))}
+    if k == "string":
+        return {"type": "string", "maxLength": rng.randint(1, 16)} if rng.random() < 0.7 else {"type": "string"}
+    if k == "array":
+        lo = rng.randint(0, 2)
+        return {"type": "array", "items": _value(rng, depth + 1), "minItems": lo, "maxItems": lo + rng.randint(0, 3)}
+    return _object(rng, depth)
+
+
+def validity(gm, tok, schemas: List[dict], max_new_tokens: int, device="cpu", prompt: str = "the quick brown fox",
+             seed: int = 0) -> dict:
+    """Each schema a sampled call, all queued at once: how many ended, how many were cut, and
+    every ended output that does not parse or validate (``(schema, text, error)``)."""
+    import jsonschema
+    import torch
+
+    from graphwrap import Grammar
+
+    torch.manual_seed(seed)
+    p = torch.tensor([tok.encode(prompt)], device=device)
+    futures = [gm.submit_generate(p, grammar=Grammar.json_schema(s), tokenizer=tok, max_new_tokens=max_new_tokens,
+                                  do_sample=True) for s in schemas]
+    ended, cut, invalid = 0, 0, []
+    for s, f in zip(schemas, futures):
+        out = f.result(timeout=600)[0, p.shape[1]:].tolist()
+        if out[-1] != tok.eos_token_id:
+            cut += 1
+            continue
+        ended += 1
+        text = tok.decode(out, skip_special_tokens=True)
+        try:
+            jsonschema.validate(json.loads(text), s)
+        except Exception as e:  # noqa: BLE001 - every way an output is wrong is a finding
+            invalid.append((s, text, f"{type(e).__name__}: {str(e).splitlines()[0]}"))
+    return {"schemas": len(schemas), "ended": ended, "cut": cut, "invalid": invalid}
+
+
+class Times:
+    """A streamer that keeps when each token came (the prompt's ``put`` first, left out)."""
+
+    def __init__(self):
+        self.at: List[float] = []
+        self.prompt = True
+
+    def put(self, value):
+        if self.prompt:
+            self.prompt = False
+            return
+        self.at.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    def tpot(self):
+        return (self.at[-1] - self.at[0]) / (len(self.at) - 1) if len(self.at) > 1 else None
+
+
+OVERHEAD_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "items": {"type": "array", "items": {"type": "integer"}},
+    "notes": {"type": "array", "items": {"type": "string"}}}, "required": ["name", "items", "notes"],
+    "additionalProperties": False}
+
+
+def burst(gm, tok, n: int, constrained: int, new: int, vocab: int, device: str, seed: int) -> dict:
+    """``n`` calls at once (the first ``constrained`` with OVERHEAD_SCHEMA), prompts of 64 random
+    ids, ``new`` tokens each (the unconstrained ones ignore the end): each call's time per output token."""
+    import torch
+
+    from graphwrap import Grammar
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(100, min(vocab, len(tok)), (n, 64), generator=g)
+    calls = []
+    t0 = time.perf_counter()
+    for i in range(n):
+        times = Times()
+        kw: Dict[str, Any] = dict(max_new_tokens=new, do_sample=True, streamer=times)
+        if i < constrained:
+            kw.update(grammar=Grammar.json_schema(OVERHEAD_SCHEMA), tokenizer=tok)
+        else:
+            kw.update(eos_token_id=None, pad_token_id=0)
+        calls.append((times, gm.submit_generate(prompts[i:i + 1].to(device), **kw)))
+    made = sum(f.result(timeout=600).shape[1] - 64 for _, f in calls)
+    wall = time.perf_counter() - t0
+    plain = [t.tpot() for t, _ in calls[constrained:]]
+    bound = [t.tpot() for t, _ in calls[:constrained] if t.tpot() is not None]
+    return {"wall_s": wall, "tokens_per_s": made / wall, "tpot_ms_plain": 1e3 * statistics.median(plain),
+            "tpot_ms_constrained": 1e3 * statistics.median(bound) if bound else None,
+            "constrained_tokens": [len(t.at) for t, _ in calls[:constrained]]}
+
+
+def make_tokenizer(path: str, vocab: int) -> str:
+    """A byte-level BPE tokenizer of about ``vocab`` tokens trained on random words and JSON (no
+    network), saved to ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(60000)]
+    text = [" ".join(rng.choice(words) for _ in range(40)) + ' {"k": [1, 2], "s": "x"}' for _ in range(20000)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(text, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    tok.save_pretrained(path)
+    return path
+
+
+def load(a):
+    """``(gm, tokenizer, device)`` of ``--shape``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from graphwrap import GraphedModule
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.shape == "tiny":
+        import tiny_lm
+
+        d = tiny_lm.make(tempfile.mkdtemp(), positions=1024)
+        tok = AutoTokenizer.from_pretrained(d)
+        model = AutoModelForCausalLM.from_pretrained(d).to(device).eval()
+    else:
+        tok = AutoTokenizer.from_pretrained(make_tokenizer(tempfile.mkdtemp(), a.vocab))
+        cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                          num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, bos_token_id=0,
+                          eos_token_id=tok.eos_token_id)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+        model = model.half().eval() if device == "cuda" else model.eval()
+        for p in model.parameters():  # small weights: logits of random models stay finite in fp16
+            torch.nn.init.normal_(p, std=0.02)
+    gm = GraphedModule(model, decode={"rows": a.rows, "max_len": 1024})
+    return gm, tok, device
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="tiny", choices=("tiny", "llama-1b"))
+    ap.add_argument("--vocab", type=int, default=32000, help="the tokenizer's tokens (llama-1b)")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--schemas", type=int, default=200)
+    ap.add_argument("--max-new-tokens", type=int, default=600)
+    ap.add_argument("--concurrent", type=int, default=64)
+    ap.add_argument("--new", type=int, default=128, help="tokens each call of the overhead bursts makes")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--skip", default="", help="validity or overhead: a part not to run")
+    ap.add_argument("--out", default=None, help="a JSON file of the results")
+    a = ap.parse_args(argv)
+    import torch
+
+    gm, tok, device = load(a)
+    res: Dict[str, Any] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                           "torch": torch.__version__, "date": datetime.date.today().isoformat(), "shape": a.shape,
+                           "tokenizer_tokens": len(tok)}
+    if "validity" not in a.skip:
+        t0 = time.perf_counter()
+        v = validity(gm, tok, random_schemas(a.schemas), a.max_new_tokens, device)
+        v["seconds"] = time.perf_counter() - t0
+        print(f"validity: {v['schemas']} schemas, {v['ended']} ended, {v['cut']} cut at {a.max_new_tokens} tokens, "
+              f"{len(v['invalid'])} invalid ({v['seconds']:.1f} s)")
+        for s, text, err in v["invalid"][:5]:
+            print("  invalid:", err, json.dumps(s)[:200], repr(text[:200]))
+        res["validity"] = v
+    if "overhead" not in a.skip:
+        quarter = a.concurrent // 4
+        burst(gm, tok, a.concurrent, quarter, a.new, 32000, device, seed=99)  # warm-up: graphs, compiles
+        first = None
+        runs: Dict[str, List[dict]] = {"none": [], "quarter": []}
+        for r in range(a.repeats):
+            for name, k in (("none", 0), ("quarter", quarter)):
+                got = burst(gm, tok, a.concurrent, k, a.new, 32000, device, seed=r)
+                runs[name].append(got)
+                first = first or got
+        res["overhead"] = runs
+        for name in runs:
+            tp = [x["tpot_ms_plain"] for x in runs[name]]
+            tps = [x["tokens_per_s"] for x in runs[name]]
+            cons = [x["tpot_ms_constrained"] for x in runs[name] if x["tpot_ms_constrained"] is not None]
+            print(f"{name:8s} tpot of unconstrained calls {statistics.median(tp):.2f} ms [{min(tp):.2f}-{max(tp):.2f}]"
+                  f"  constrained {statistics.median(cons) if cons else float('nan'):.2f} ms"
+                  f"  batch {statistics.median(tps):,.0f} tok/s [{min(tps):,.0f}-{max(tps):,.0f}]")
+        ratio = (statistics.median(x["tpot_ms_plain"] for x in runs["quarter"])
+                 / statistics.median(x["tpot_ms_plain"] for x in runs["none"]))
+        print(f"time per output token, a quarter constrained / none: {ratio:.3f}")
+        res["tpot_ratio"] = ratio
+    gm.close()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

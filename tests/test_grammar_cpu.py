@@ -1,0 +1,156 @@
+"""Structured output in the shared batch (graphwrap/decoding/grammar.py): a call with a grammar
+makes only what the grammar allows, in any batch, and the calls beside it keep
+``model.generate``'s own tokens; a grammar that cannot be served is a clear error, never the
+one-call loop (which would not apply it). A tiny GPT-2 of random weights over a byte-level BPE
+tokenizer (tests/tiny_lm.py). Each test runs on the CPU and, with the marker ``cuda``, on a GPU
+(masks filled on the host while the step runs, copied once a step)."""
+
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+xgr = pytest.importorskip("xgrammar", reason="needs XGrammar: pip install xgrammar")
+jsonschema = pytest.importorskip("jsonschema", reason="needs jsonschema: pip install jsonschema")
+
+import tiny_lm  # noqa: E402
+
+from graphwrap import Grammar, GrammarError, GraphedModule  # noqa: E402
+from graphwrap.decoding.grammar import RowMasks, check  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import structured  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tag": {"enum": ["red", "green"]},
+                                           "xs": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+          "required": ["n", "tag", "xs"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_lm.make(str(tmp_path_factory.mktemp("tiny_lm")), positions=512)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request):
+    if request.param == "cuda":
+        request.getfixturevalue("fp32_exact")
+    return request.param
+
+
+@pytest.fixture
+def lm(model_dir, device):
+    tok = tr.AutoTokenizer.from_pretrained(model_dir)
+    model = tr.AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
+    return model, tok, GraphedModule(model, decode={"rows": 8, "max_len": 512})
+
+
+def _prompt(tok, text, device):
+    return torch.tensor([tok.encode(text)], device=device)
+
+
+def _text(tok, out, prompt):
+    return tok.decode(out[0, prompt.shape[1]:].tolist(), skip_special_tokens=True)
+
+
+def test_a_schema_s_output_parses_and_validates_greedy_and_sampled(lm, device):
+    model, tok, gm = lm
+    p = _prompt(tok, "the quick brown fox", device)
+    outs = [gm.submit_generate(p, grammar=Grammar.json_schema(SCHEMA), tokenizer=tok, max_new_tokens=120,
+                               do_sample=seed is not None, **({} if seed is None else {"temperature": 1.5}))
+            for seed in (None, 1, 2, 3)]
+    for f in outs:
+        out = f.result(timeout=120)
+        assert int(out[0, -1]) == tok.eos_token_id  # (it ended at the grammar's end, not at max_new_tokens)
+        jsonschema.validate(json.loads(_text(tok, out, p)), SCHEMA)
+    assert gm.stats()["generate"] == {"graphwrap's shared decode batch": 4}
+
+
+def test_choice_and_regex(lm, device):
+    model, tok, gm = lm
+    p = _prompt(tok, "a shared batch", device)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        got = _text(tok, gm.generate(p, grammar=Grammar.choice(["yes", "no", "maybe so"]), tokenizer=tok,
+                                     max_new_tokens=20, do_sample=True), p)
+        assert got in ("yes", "no", "maybe so")
+        got = _text(tok, gm.generate(p, grammar=Grammar.regex(r"[0-9]{3}-(ab|cd)"), tokenizer=tok, max_new_tokens=20,
+                                     do_sample=True), p)
+        assert re.fullmatch(r"[0-9]{3}-(ab|cd)", got), got
+
+
+def test_calls_beside_a_constrained_one_keep_generate_s_tokens(lm, device):
+    """A constrained call in the batch changes no other row's tokens; a row it gave back allows
+    every token again (the next call in it is generate's)."""
+    model, tok, gm = lm
+    prompts = [_prompt(tok, t, device) for t in ("the lazy dog", "graphs replay kernels", "héllo wörld")]
+    with torch.no_grad():
+        want = [model.generate(p, max_new_tokens=24, do_sample=False, min_new_tokens=24) for p in prompts]
+    constrained = [gm.submit_generate(prompts[0], grammar=Grammar.json_schema(SCHEMA), tokenizer=tok,
+                                      max_new_tokens=60, do_sample=True) for _ in range(3)]
+    plain = [gm.submit_generate(p, max_new_tokens=24, do_sample=False, min_new_tokens=24) for p in prompts]
+    for f, w in zip(plain, want):
+        assert torch.equal(f.result(timeout=120).cpu(), w.cpu())
+    for f in constrained:
+        jsonschema.validate(json.loads(_text(tok, f.result(timeout=120), prompts[0])), SCHEMA)
+    for p, w in zip(prompts, want):  # (rows the constrained calls held, now free)
+        assert torch.equal(gm.generate(p, max_new_tokens=24, do_sample=False, min_new_tokens=24).cpu(), w.cpu())
+
+
+def test_random_schemas_validate(lm, device):
+    """40 random schemas (objects, arrays, enums, bounded numbers, nesting, required fields),
+    sampled: every output that ends parses and validates (benchmarks/structured.py runs 200)."""
+    model, tok, gm = lm
+    schemas = structured.random_schemas(40, seed=0)
+    report = structured.validity(gm, tok, schemas, max_new_tokens=400, device=device)
+    assert report["invalid"] == [], report["invalid"][:3]
+    assert report["ended"] >= 36, report  # (a random model may run past 400 tokens in a long string)
+
+
+def test_grammars_that_cannot_be_served_are_errors(lm, device):
+    model, tok, gm = lm
+    p = _prompt(tok, "the quick", device)
+    with pytest.raises(GrammarError, match="tokenizer"):
+        gm.generate(p, grammar=Grammar.json(), max_new_tokens=5)
+    with pytest.raises(GrammarError, match="shared batch only"):  # (beams: the one-call loop's alone)
+        gm.generate(p, grammar=Grammar.json(), tokenizer=tok, max_new_tokens=5, num_beams=2)
+    with pytest.raises(GrammarError, match="min_new_tokens"):
+        gm.generate(p, grammar=Grammar.json(), tokenizer=tok, max_new_tokens=5, min_new_tokens=3)
+    with pytest.raises(GrammarError, match="Grammar"):
+        gm.generate(p, grammar={"type": "object"}, tokenizer=tok, max_new_tokens=5)
+    with pytest.raises(GrammarError, match="does not compile"):
+        gm.generate(p, grammar=Grammar.regex("(unclosed"), tokenizer=tok, max_new_tokens=5)
+    assert gm.stats()["generate"] == {}  # (none ran, in the batch or out of it)
+
+
+def test_checks_without_a_tokenizer():
+    check(Grammar.json_schema(SCHEMA))
+    check(Grammar.choice(["a", 'say "b"']))
+    for bad in (Grammar.json_schema("{not json"), Grammar.regex("(unclosed"), Grammar("ebnf", "root ::= ")):
+        with pytest.raises(GrammarError, match="does not compile"):
+            check(bad)
+    with pytest.raises(GrammarError):
+        Grammar("yaml", "")
+    with pytest.raises(GrammarError):
+        Grammar.choice("yes")
+
+
+def test_row_masks_apply_each_row_s_own_bits():
+    m = RowMasks(rows=3, vocab=70, device=torch.device("cpu"))
+    m.host[1].zero_()
+    m.host[1, 0] = 1 << 5  # row 1: token 5 alone
+    m.host[1, 2] = 1 << 1  # and token 65
+    scores = torch.zeros(3, 70)
+    out = m.apply(scores, slice(0, 3))
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all()
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [5, 65]
+    out = m.apply(scores[:1], torch.tensor([1]))
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [5, 65]
+    m.constrained.add(1)
+    m.release([1])
+    assert torch.isfinite(m.apply(scores, slice(0, 3))).all()
