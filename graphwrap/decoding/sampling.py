@@ -38,8 +38,15 @@ def gumbel(seed: Tensor, position: Tensor, vocab: int) -> Tensor:
     key = hash32(hash32(seed) ^ ((position * 0x9E3779B9) & M32))
     ids = torch.arange(vocab, device=seed.device, dtype=torch.long)
     bits = hash32(key[:, None] ^ ((ids[None, :] * 0x85EBCA6B) & M32))
-    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(uniform(bits)))
+
+
+def uniform(bits: Tensor) -> Tensor:
+    """Floats strictly inside (0, 1) from 32-bit integers: their top 23 bits, centred. (With 24 bits
+    the largest, 1 - 2**-25, rounds to 1.0 in float32: its noise was +inf, which made that token the
+    draw whatever its score, one id in 2**24 a step, and a token top-k, top-p or a grammar had set
+    to -inf came out as NaN, which argmax takes.)"""
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
