@@ -34,12 +34,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from ...decoding.calls import Closed, QueueFull
+from ...decoding.grammar import GrammarError, check
 from . import logprobs
 from .client import Client, Cut, Piece, TokenLogprob
 from .engines import EngineGone, Failed, Unservable
 from .guard import MAX_BODY, Guard
 from .metrics import LAG_EVERY, Metrics
 from .schemas import MAX_CHOICES, ChatRequest, CompletionRequest, Sampling, settings
+from .tools import Shape, message, shape_of, template_tools
 
 logger = logging.getLogger("graphwrap.serve")
 MAX_NEW_DEFAULT = 2048  # a chat request without max_tokens: the context left, at most this
@@ -71,6 +73,7 @@ class Served:
     key_everywhere: bool = False  # the key asked on /health and /metrics too
     max_body: int = MAX_BODY  # bytes of a request's body
     max_prompt_chars: Optional[int] = None  # characters of a request's prompt text (default: CHARS_PER_POSITION x context)
+    tool_parser: Optional[str] = None  # how a chat's own tool calls are read (tools.parser_for)
 
     client: Any = None  # the app's Client (make_app sets it)
 
@@ -236,6 +239,7 @@ class Job:
     kwargs: Dict[str, Any]
     echo: List[str]  # per prompt, the text a choice starts with (completions' echo)
     arrived: float
+    shape: Shape = Shape()  # a chat's output: text, JSON, tool calls (tools.py)
 
 
 async def _answer(served: Served, client: Client, metrics: Metrics, request: Request,
@@ -290,8 +294,10 @@ def _job(served: Served, body: Union[CompletionRequest, ChatRequest], arrived: f
             raise Refused(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
         conversation = body.conversation()
         _check_chars(sum(len(m["content"]) for m in conversation), most, "messages")
+        shape = _shape(served, body)
         try:
-            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(conversation, tools=template_tools(body), tokenize=False,
+                                           add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - the template's own words (a role it does not take, say)
             raise Refused(400, f"the model's chat template refused these messages ({type(e).__name__}: {e})",
                           param="messages") from None
@@ -306,7 +312,7 @@ def _job(served: Served, body: Union[CompletionRequest, ChatRequest], arrived: f
             if not isinstance(p, str):
                 _check_ids(p, info.vocab, "prompt")
         prompts = [tok(p)["input_ids"] if isinstance(p, str) else p for p in given]
-        limit = body.limit()
+        limit, shape = body.limit(), Shape()
         echo = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in given]
     _check_ids(body.stop_token_ids or [], info.vocab, "stop_token_ids")
     if len(prompts) * body.n > MAX_CHOICES:
@@ -321,8 +327,21 @@ def _job(served: Served, body: Union[CompletionRequest, ChatRequest], arrived: f
                            f"past the model's context of {served.context} (pass fewer tokens)", param="max_tokens")
     kwargs = settings(body, limit, info.generation, info.eos)
     kwargs["pad_token_id"] = _pad(served, info.eos)
+    if shape.grammar is not None:
+        kwargs["grammar"] = shape.grammar
     prefix = "chatcmpl-" if isinstance(body, ChatRequest) else "cmpl-"
-    return Job(prefix + uuid.uuid4().hex, isinstance(body, ChatRequest), prompts, kwargs, echo, arrived)
+    return Job(prefix + uuid.uuid4().hex, isinstance(body, ChatRequest), prompts, kwargs, echo, arrived, shape)
+
+
+def _shape(served: Served, body: ChatRequest) -> Shape:
+    """What the chat's output must match, its grammar checked (400 where it cannot compile)."""
+    shape = shape_of(body, served.tool_parser)
+    if shape.grammar is not None:
+        try:
+            check(shape.grammar)
+        except GrammarError as e:
+            raise Refused(400, str(e), param="tools" if shape.calls else "response_format") from None
+    return shape
 
 
 def _check_chars(n: int, most: int, param: str):
@@ -400,9 +419,10 @@ async def _whole(served: Served, metrics: Metrics, job: Job, body: Sampling, pie
     finishes = {p.index: p.finish for p in ends}
     asked = body.wanted_logprobs() is not None
     if job.chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": t},
-                    "logprobs": logprobs.chat(scored[i]) if asked else None,
-                    "finish_reason": finishes[i]} for i, t in enumerate(texts)]
+        made = [message(t, job.shape) for t in texts]
+        choices = [{"index": i, "message": m, "logprobs": logprobs.chat(scored[i]) if asked else None,
+                    "finish_reason": "tool_calls" if called and finishes[i] == "stop" else finishes[i]}
+                   for i, (m, called) in enumerate(made)]
     else:
         choices = [{"index": i, "text": t,
                     "logprobs": logprobs.completion(scored[i], len(job.echo[i // n]))[0] if asked else None,
@@ -418,7 +438,7 @@ def _log(metrics: Metrics, job: Job, usage: Dict[str, int], how: str):
                 usage["completion_tokens"], time.perf_counter() - job.arrived)
 
 
-_FINISH = {None: "null", "stop": '"stop"', "length": '"length"'}
+_FINISH = {None: "null", "stop": '"stop"', "length": '"length"', "tool_calls": '"tool_calls"'}
 
 
 def _json(obj: Any) -> str:
@@ -442,6 +462,18 @@ class _Chunks:
         self.running_usage = body.usage_in_chunks()
         self.offsets = [len(job.echo[i // body.n]) for i in range(len(job.prompts) * body.n)]  # (text_offset)
         self.last: Dict[int, Piece] = {}
+        self.held: Dict[int, str] = {}  # a choice's text so far, where its message goes whole (tool calls)
+
+    def whole(self, index: int, text: str, finish: str) -> str:
+        """A choice's whole message as one chunk's delta, with its finish (tool calls' deltas carry
+        their index, id, name and all their arguments)."""
+        m, called = message(text, self.job.shape)
+        delta: Dict[str, Any] = {"content": m["content"]}
+        if called:
+            delta["tool_calls"] = [dict(call, index=k) for k, call in enumerate(m["tool_calls"])]
+        choice = {"index": index, "delta": delta, "logprobs": None,
+                  "finish_reason": "tool_calls" if called and finish == "stop" else finish}
+        return self.before + _json(choice) + self.after
 
     def scores(self, index: int, scored: Optional[List[TokenLogprob]]) -> str:
         if not scored:
@@ -483,7 +515,11 @@ async def _events(served: Served, metrics: Metrics, job: Job, body: Sampling, fi
             last[p.index] = p
             if p.finish is not None:
                 ends.append(p)
-            if p.text or p.finish is not None or p.logprobs:
+            if job.shape.calls:  # (tool calls: the message goes whole at the choice's end)
+                c.held[p.index] = c.held.get(p.index, "") + p.text
+                if p.finish is not None:
+                    yield c.whole(p.index, c.held.pop(p.index), p.finish)
+            elif p.text or p.finish is not None or p.logprobs:
                 yield chunk(p.index, p.text, p.finish, scored=p.logprobs)
         if body.usage_in_stream():
             yield _sse(dict(c.head, choices=[], usage=_usage(job, ends)))

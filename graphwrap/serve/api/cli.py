@@ -47,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-prompt-chars", type=int, default=None,
                     help="characters of a request's prompt text, at most, checked before it is tokenized "
                          "(default: 32 per position of the context)")
+    ap.add_argument("--tool-call-parser", default="auto", choices=("auto", "hermes", "llama3_json", "none"),
+                    help="how a chat's tool calls are read from the model's text with tool_choice auto (auto: the "
+                         "format its chat template shows, hermes or llama3_json, else none)")
     ap.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"),
                     help="uvicorn's HTTP parser (auto: httptools where it is installed)")
     ap.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
@@ -62,6 +65,7 @@ def load(a: argparse.Namespace, engine: Optional[str] = None):
     from transformers import AutoTokenizer
 
     from .app import MAX_NEW_DEFAULT, Served
+    from .tools import parser_for
 
     if (engine or getattr(a, "engine", "thread")) == "process":
         from .remote import Remote
@@ -78,6 +82,7 @@ def load(a: argparse.Namespace, engine: Optional[str] = None):
     served.key_everywhere = bool(getattr(a, "api_key_everywhere", False))
     served.max_body = int(getattr(a, "max_body_mb", 16.0) * (1 << 20))
     served.max_prompt_chars = getattr(a, "max_prompt_chars", None)
+    served.tool_parser = parser_for(served.tokenizer, getattr(a, "tool_call_parser", "auto"))
     return served
 
 

@@ -134,8 +134,8 @@ class Worker:
     """The child's side: calls queued on ``gm``'s batch as the parent asks, their tokens and ends
     sent back."""
 
-    def __init__(self, conn, gm, gc_clock: Optional[GcClock] = None):
-        self.conn, self.gm, self.gc = conn, gm, gc_clock
+    def __init__(self, conn, gm, gc_clock: Optional[GcClock] = None, tokenizer: Any = None):
+        self.conn, self.gm, self.gc, self.tokenizer = conn, gm, gc_clock, tokenizer
         self.out = Outbox(conn)
         self.lock = threading.Lock()  # guards calls, pending and cancelled
         self.calls: Dict[int, concurrent.futures.Future] = {}
@@ -187,7 +187,7 @@ class Worker:
     def _submit(self, rid: int, ids: List[int], kwargs: Dict[str, Any], seed: Optional[int],
                 logprobs: Optional[int] = None):
         try:
-            fut = submit(self.gm, ids, kwargs, seed, _Tap(self.out, rid, logprobs))
+            fut = submit(self.gm, ids, kwargs, seed, _Tap(self.out, rid, logprobs), self.tokenizer)
         except BaseException as e:  # noqa: BLE001 - the request's: answered with it
             with self.lock:
                 self.pending.discard(rid)
@@ -252,4 +252,4 @@ def run(conn, args, log_level: str = "info"):
     clock = GcClock()
     conn.send(("ready", {"eos": model_eos(gm.module), "generation": _sampling(gm.module), "context": served.context,
                          "vocab": model_vocab(gm.module)}))
-    Worker(conn, gm, clock).serve()
+    Worker(conn, gm, clock, served.tokenizer).serve()

@@ -131,10 +131,14 @@ class _Streamer:
         self.feed.end()
 
 
-def submit(gm, ids: List[int], kwargs: Dict[str, Any], seed: Optional[int], feed: Feed) -> concurrent.futures.Future:
+def submit(gm, ids: List[int], kwargs: Dict[str, Any], seed: Optional[int], feed: Feed,
+           tokenizer: Any = None) -> concurrent.futures.Future:
     """One sequence queued on ``gm``'s batch (blocks while the batch is made, on its first call):
-    a future of its :class:`Ended`. Raises QueueFull, Closed, or Unservable."""
+    a future of its :class:`Ended`. Raises QueueFull, Closed, or Unservable. ``tokenizer``: the
+    model's, for a request's grammar (compiled here, against it)."""
     prompt = torch.tensor([ids], dtype=torch.long)
+    if kwargs.get("grammar") is not None:
+        kwargs = dict(kwargs, tokenizer=tokenizer)
     # Every id of a request's prompt is a token: a pad id in it is one too (without a mask, generate
     # takes the pad id for padding, dropping a leading one and sending any other to its own loop).
     try:
@@ -165,8 +169,8 @@ class Local:
     """The batch of a GraphedModule in this process (tests, embedding, a Ray Serve replica): the
     server's Python per token shares the interpreter with the decode thread."""
 
-    def __init__(self, gm):
-        self.gm = gm
+    def __init__(self, gm, tokenizer: Any = None):
+        self.gm, self.tokenizer = gm, tokenizer
         self.pool = concurrent.futures.ThreadPoolExecutor(SUBMITTERS, thread_name_prefix="graphwrap-submit")
 
     @property
@@ -182,7 +186,7 @@ class Local:
         """The sequence queued (in a thread: making the batch, on the first call, takes a
         while). A task cancelled meanwhile cancels the sequence once it is queued."""
         loop = asyncio.get_running_loop()
-        queued = loop.run_in_executor(self.pool, submit, self.gm, ids, kwargs, seed, feed)
+        queued = loop.run_in_executor(self.pool, submit, self.gm, ids, kwargs, seed, feed, self.tokenizer)
         try:
             return await asyncio.shield(queued)
         except asyncio.CancelledError:

@@ -36,7 +36,7 @@ def load_here(a: argparse.Namespace):
     d = gm.stats().get("decode")
     if d is None or "off" in d:
         logger.warning("the shared decode batch does not serve this model: requests take turns on it, one at a time")
-    return Served(Local(gm), tok, a.served_model_name or a.model, context, a.max_tokens_default or MAX_NEW_DEFAULT)
+    return Served(Local(gm, tok), tok, a.served_model_name or a.model, context, a.max_tokens_default or MAX_NEW_DEFAULT)
 
 
 def _captured_ahead(gm) -> bool:

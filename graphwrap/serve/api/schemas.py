@@ -14,7 +14,7 @@ Beside the API's own fields the server takes vLLM's extensions ``top_k``, ``min_
 """
 
 import json
-from typing import Annotated, Any, Dict, List, Optional, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
@@ -210,29 +210,73 @@ def _arguments(raw: Any) -> Any:
     return raw
 
 
+class Function(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
+
+
+class Tool(Strict):
+    type: Literal["function"] = "function"
+    function: Function
+
+
+class Named(Strict):
+    name: str
+
+
+class NamedChoice(Strict):
+    type: Literal["function"] = "function"
+    function: Named
+
+
+class JsonSchema(Strict):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[Dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchema] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema: {'name': ..., 'schema': {...}}")
+        return self
+
+
 class ChatRequest(Sampling):
     messages: List[Message] = Field(min_length=1)
     max_completion_tokens: Optional[Annotated[StrictInt, Field(ge=1, le=INT64)]] = None
     logprobs: Optional[StrictBool] = None
     top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
-    response_format: Optional[Dict[str, Any]] = None
-    tools: Optional[List[Any]] = None
-    tool_choice: Optional[Any] = None
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[List[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedChoice]] = None
     parallel_tool_calls: Optional[StrictBool] = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        names = [t.function.name for t in self.tools or []]
+        if isinstance(self.tool_choice, NamedChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not one of the tools")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedChoice)
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format cannot be given with a tool_choice that forces a tool call")
         return self
 
     def wanted_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def _unserved(self) -> List[str]:
-        out = ["response_format"] if self.response_format and self.response_format.get("type") != "text" else []
-        out += ["tools"] if self.tools else []
-        return out + (["tool_choice"] if self.tool_choice not in (None, "none", "auto") else [])
 
     def limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

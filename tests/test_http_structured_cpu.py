@@ -1,0 +1,171 @@
+"""Structured output and tool calls over HTTP, on a CPU (a tiny GPT-2 of random weights): a
+``response_format`` schema's output parses and validates, a forced tool call comes back as
+``tool_calls`` whose arguments validate, streamed or not, through the official openai client too;
+a schema or tool choice that cannot be served is a 400 naming its field. The parsers of models' own
+tool-call formats are checked on their text."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+pytest.importorskip("uvicorn", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+pytest.importorskip("xgrammar", reason="needs XGrammar: pip install xgrammar")
+jsonschema = pytest.importorskip("jsonschema", reason="needs jsonschema: pip install jsonschema")
+
+import tiny_lm  # noqa: E402
+from test_http_cpu import Running, _args, events, post  # noqa: E402
+
+from graphwrap.serve.api import cli  # noqa: E402
+from graphwrap.serve.api.tools import Shape, message, parse, parser_for  # noqa: E402
+
+PERSON = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "mood": {"enum": ["happy", "sad"]}, "pets": {"type": "boolean"}},
+          "required": ["age", "mood", "pets"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather of a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"enum": ["Paris", "Tokyo"]},
+                                                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                                                "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+ASK = [{"role": "user", "content": "the quick brown fox"}]
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    d = tiny_lm.make(str(tmp_path_factory.mktemp("tiny_lm")))
+    r = Running(cli.load(_args(d, served_model_name="tiny", rows=4, max_queue=16)))
+    yield r
+    r.stop()
+
+
+def _args_of(call, tools):
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    jsonschema.validate(json.loads(call["function"]["arguments"]), params[call["function"]["name"]])
+
+
+def test_a_json_schema_s_output_parses_and_validates(srv):
+    status, r, _ = post(srv.port, "/v1/chat/completions", {
+        "messages": ASK, "max_tokens": 120, "n": 3, "temperature": 1.0, "seed": 7,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                   "strict": True}}})
+    assert status == 200, r
+    for c in r["choices"]:
+        assert c["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(c["message"]["content"]), PERSON)
+
+
+def test_json_object_is_json(srv):
+    status, r, _ = post(srv.port, "/v1/chat/completions", {
+        "messages": ASK, "max_tokens": 200, "n": 4, "temperature": 1.0, "seed": 3,
+        "response_format": {"type": "json_object"}})
+    assert status == 200, r
+    ended = [c for c in r["choices"] if c["finish_reason"] == "stop"]
+    assert ended, r  # (a random model may write a long string: those are cut, finish "length")
+    for c in ended:
+        json.loads(c["message"]["content"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_named_tool_choice_comes_back_as_a_tool_call(srv, stream):
+    body = {"messages": ASK, "max_tokens": 100, "tools": [WEATHER, CLOCK], "temperature": 1.0, "seed": 1,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    if not stream:
+        status, r, _ = post(srv.port, "/v1/chat/completions", body)
+        assert status == 200, r
+        choice = r["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        (call,) = choice["message"]["tool_calls"]
+    else:
+        status, evs = events(srv.port, "/v1/chat/completions", body)
+        assert status == 200 and evs[-1] == "[DONE]", evs
+        deltas = [e["choices"][0] for e in evs[:-1] if e["choices"]]
+        assert deltas[-1]["finish_reason"] == "tool_calls"
+        (call,) = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
+        assert call.pop("index") == 0
+    assert call["function"]["name"] == "get_weather"
+    _args_of(call, [WEATHER, CLOCK])
+
+
+def test_a_required_tool_choice_calls_one_of_the_tools_or_more(srv):
+    status, r, _ = post(srv.port, "/v1/chat/completions", {
+        "messages": ASK, "max_tokens": 150, "tools": [WEATHER, CLOCK], "tool_choice": "required", "n": 2,
+        "temperature": 1.0, "seed": 5, "parallel_tool_calls": False})
+    assert status == 200, r
+    for choice in r["choices"]:
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]  # (parallel_tool_calls false: one)
+        _args_of(call, [WEATHER, CLOCK])
+
+
+def test_the_openai_client_s_parse_gets_its_model(srv):
+    openai = pytest.importorskip("openai", reason="needs the openai client: pip install openai")
+    pydantic = pytest.importorskip("pydantic")
+
+    class Person(pydantic.BaseModel):
+        age: int
+        happy: bool
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="none", max_retries=0)
+    r = client.chat.completions.parse(model="tiny", messages=ASK, response_format=Person, max_tokens=60, seed=2,
+                                      temperature=1.0)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(r.choices[0].message.parsed, Person)
+    else:  # (a long integer of a random model, cut: its prefix is JSON's)
+        assert r.choices[0].message.content.startswith('{"age": ')
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format", "does not compile"),
+    ({"response_format": {"type": "xml"}}, "response_format", ""),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "", "not one of"),
+    ({"tool_choice": "required"}, "", "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", ""),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "",
+     "cannot be given"),
+])
+def test_what_cannot_be_served_gets_400_naming_it(srv, body, param, words):
+    status, r, _ = post(srv.port, "/v1/chat/completions", dict(body, messages=ASK, max_tokens=5))
+    assert status == 400, r
+    assert words in r["error"]["message"]
+    assert param in (r["error"].get("param") or "") + r["error"]["message"]
+
+
+def test_hermes_tool_calls_are_parsed_and_the_rest_is_content():
+    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
+    content, calls = parse(text, "hermes")
+    assert content == "Let me look."
+    assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Paris", "days": 2}),
+                                                      ("get_time", {"zone": "UTC"})]
+    broken = "<tool_call>\n{not json}\n</tool_call>"
+    assert parse(broken, "hermes") == (broken, [])
+    m, called = message(text, Shape("parsed", parser="hermes"))
+    assert called and m["content"] == "Let me look." and len(m["tool_calls"]) == 2
+
+
+def test_llama3_json_tool_calls_are_parsed_and_plain_text_is_content():
+    content, calls = parse('<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}', "llama3_json")
+    assert content is None and [(n, json.loads(a)) for n, a in calls] == [("get_time", {"zone": "CET"})]
+    two = '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}'
+    assert [n for n, _ in parse(two, "llama3_json")[1]] == ["a", "b"]
+    assert parse("Paris is sunny.", "llama3_json") == ("Paris is sunny.", [])
+    assert parse('{"city": "Paris"}', "llama3_json") == ('{"city": "Paris"}', [])  # (JSON, not a call)
+
+
+def test_the_parser_is_the_one_the_chat_template_shows():
+    class Tok:
+        chat_template = ""
+
+    t = Tok()
+    assert parser_for(t) is None
+    t.chat_template = "{% if tools %}<tool_call>{{ tools }}</tool_call>{% endif %}"
+    assert parser_for(t) == "hermes"
+    t.chat_template = "{{- '<|python_tag|>' }}"
+    assert parser_for(t) == "llama3_json"
+    assert parser_for(t, "none") is None and parser_for(t, "hermes") == "hermes"
