@@ -129,6 +129,7 @@ def burst(gm, tok, n: int, constrained: int, new: int, vocab: int, device: str, 
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(100, min(vocab, len(tok)), (n, 64), generator=g)
     calls = []
+    before = gm.stats().get("decode") or {"steps": 0, "thread_s": {}}
     t0 = time.perf_counter()
     for i in range(n):
         times = Times()
@@ -140,11 +141,16 @@ def burst(gm, tok, n: int, constrained: int, new: int, vocab: int, device: str, 
         calls.append((times, gm.submit_generate(prompts[i:i + 1].to(device), **kw)))
     made = sum(f.result(timeout=600).shape[1] - 64 for _, f in calls)
     wall = time.perf_counter() - t0
+    after = gm.stats()["decode"]
+    steps = after["steps"] - before["steps"]
+    # (the decode thread's seconds by part, per step: where a step's time goes on the host)
+    parts = {k: 1e3 * (v - before["thread_s"].get(k, 0.0)) / max(1, steps) for k, v in after["thread_s"].items()}
     plain = [t.tpot() for t, _ in calls[constrained:]]
     bound = [t.tpot() for t, _ in calls[:constrained] if t.tpot() is not None]
     return {"wall_s": wall, "tokens_per_s": made / wall, "tpot_ms_plain": 1e3 * statistics.median(plain),
             "tpot_ms_constrained": 1e3 * statistics.median(bound) if bound else None,
-            "constrained_tokens": [len(t.at) for t, _ in calls[:constrained]]}
+            "constrained_tokens": [len(t.at) for t, _ in calls[:constrained]], "steps": steps,
+            "thread_ms_per_step": {k: round(v, 3) for k, v in parts.items()}}
 
 
 def make_tokenizer(path: str, vocab: int) -> str:
@@ -242,6 +248,7 @@ def main(argv=None):
             print(f"{name:8s} tpot of unconstrained calls {statistics.median(tp):.2f} ms [{min(tp):.2f}-{max(tp):.2f}]"
                   f"  constrained {statistics.median(cons) if cons else float('nan'):.2f} ms"
                   f"  batch {statistics.median(tps):,.0f} tok/s [{min(tps):,.0f}-{max(tps):,.0f}]")
+            print(f"{'':8s} decode thread ms per step (last run): {runs[name][-1]['thread_ms_per_step']}")
         ratio = (statistics.median(x["tpot_ms_plain"] for x in runs["quarter"])
                  / statistics.median(x["tpot_ms_plain"] for x in runs["none"]))
         print(f"time per output token, a quarter constrained / none: {ratio:.3f}")

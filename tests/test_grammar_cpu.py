@@ -154,3 +154,18 @@ def test_row_masks_apply_each_row_s_own_bits():
     m.constrained.add(1)
     m.release([1])
     assert torch.isfinite(m.apply(scores, slice(0, 3))).all()
+
+
+def test_a_token_its_grammar_refuses_fails_that_call_alone(lm, device, monkeypatch):
+    """The masks switched off (a bug, made on purpose): the constrained call's matcher refuses a
+    token, the call fails with the reason, and the call beside it keeps generate's tokens."""
+    model, tok, gm = lm
+    monkeypatch.setattr(RowMasks, "apply", lambda self, scores, sel: scores)
+    p = _prompt(tok, "the lazy dog", device)
+    with torch.no_grad():
+        want = model.generate(p, max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    bad = gm.submit_generate(p, grammar=Grammar.choice(["yes", "no"]), tokenizer=tok, max_new_tokens=24)
+    plain = gm.submit_generate(p, max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    with pytest.raises(GrammarError, match="does not allow"):
+        bad.result(timeout=120)
+    assert torch.equal(plain.result(timeout=120).cpu(), want.cpu())

@@ -17,6 +17,7 @@ once the grammar is complete (a model without one ends where the grammar can go 
 """
 
 import json
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ Tensor = torch.Tensor
 KINDS = ("json", "json_schema", "regex", "choice", "ebnf")
 _COMPILERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> {vocab: GrammarCompiler}
 _COMPILERS_LOCK = threading.Lock()
+FILL_THREADS = min(8, os.cpu_count() or 1)  # threads XGrammar fills the rows' masks with (its own, outside the GIL)
 
 
 class GrammarError(GraphwrapError, ValueError):
@@ -146,36 +148,65 @@ def _compiler(xgr, tokenizer, vocab: int):
         return compiler
 
 
+def _take_pending(live: Sequence[Any]) -> List[Any]:
+    """Each matcher moved on by its tokens read since its last mask: the sequences it refused."""
+    broken: List[Any] = []
+    while True:
+        now = [s for s in live if s.matcher.pending and s not in broken]
+        if not now:
+            return broken
+        ok = xgrammar().BatchGrammarMatcher.batch_accept_token([s.matcher.m for s in now],
+                                                               [s.matcher.pending.pop(0) for s in now])
+        for s, good in zip(now, ok):
+            s.matcher.ended = s.matcher.m.is_terminated()
+            if not good:
+                broken.append(s)
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
 
 
 class Matcher:
-    """One sequence's place in its grammar, on the host."""
+    """One sequence's place in its grammar, on the host. Its tokens are taken as they are read
+    and moved into the matcher with the other rows' before the next mask is filled (one call
+    for every row); a grammar without an end-of-sequence token takes each at once, so that the
+    sequence ends where the grammar does."""
 
-    __slots__ = ("m", "ended")
+    __slots__ = ("m", "ended", "pending", "at_once")
 
     def __init__(self, compiled, eos: Sequence[int]):
         xgr = xgrammar()
         eos = list(eos)
         self.m = xgr.GrammarMatcher(compiled, override_stop_tokens=eos or None, terminate_without_stop_token=not eos)
         self.ended = False
+        self.pending: List[int] = []
+        self.at_once = not eos
 
-    def accept(self, token: int) -> bool:
-        """The sequence made ``token``; False where the grammar does not allow it."""
+    def made(self, token: int) -> bool:
+        """The sequence made ``token``; False where the grammar does not allow it (known at once
+        only where the matcher takes tokens at once)."""
+        if not self.at_once:
+            self.pending.append(token)
+            return True
         ok = bool(self.m.accept_token(token))
         self.ended = self.m.is_terminated()
         return ok
-
-    def fill(self, bitmask: Tensor, row: int) -> None:
-        self.m.fill_next_token_bitmask(bitmask, row)
 
 
 def matchers(seqs: Sequence[Any], compiled, eos: Sequence[int]) -> None:
     """A matcher of its own for each sequence of a call with a grammar."""
     for s in seqs:
         s.matcher = Matcher(compiled, eos)
+
+
+def before_sampling(server, seqs: Sequence[Any]) -> None:
+    """The allowed tokens of each live constrained sequence of ``seqs`` ready for the sampling
+    queued next; a sequence whose token its grammar refused fails alone (a bug of the masks)."""
+    for s in server.settings.constrain(seqs):
+        server._end_call(s.call, GrammarError("a token the call's grammar does not allow was sampled "
+                                              "(a bug of the batch's masks: please report it)"))
 
 
 class RowMasks:
@@ -193,26 +224,31 @@ class RowMasks:
         self.word, self.bit = ids >> 5, (ids & 31).to(torch.int32)
         self.copied: Optional[torch.cuda.Event] = torch.cuda.Event() if on_gpu else None
         self.constrained: set = set()  # rows whose host bitmask is not all ones
+        self.batch = xgrammar().BatchGrammarMatcher(FILL_THREADS)
 
     def _wait(self):
         if self.copied is not None:
             self.copied.synchronize()  # (the last copy read the host rows about to be written)
 
-    def fill(self, seqs: Sequence[Any]) -> None:
-        """Each live constrained sequence's bitmask for its next token, in its row, copied to the
-        device (rows up to the highest)."""
-        rows = [s.row for s in seqs if s.matcher is not None and not s.done and s.row is not None]
-        if not rows:
-            return
+    def fill(self, seqs: Sequence[Any]) -> List[Any]:
+        """Each live constrained sequence's tokens read so far taken by its matcher (one call for
+        every row), then its bitmask for its next token filled in its row (threads of XGrammar's
+        own, outside the GIL), copied to the device (rows up to the highest): the sequences whose
+        tokens their grammar refused, left out."""
+        live = [s for s in seqs if s.matcher is not None and not s.done and s.row is not None]
+        broken = _take_pending(live)
+        live = [s for s in live if s not in broken and not s.matcher.ended]
+        if not live:
+            return broken
         self._wait()
-        for s in seqs:
-            if s.matcher is not None and not s.done and s.row is not None:
-                s.matcher.fill(self.host, s.row)
-                self.constrained.add(s.row)
+        rows = [s.row for s in live]
+        self.batch.batch_fill_next_token_bitmask([s.matcher.m for s in live], self.host, rows)
+        self.constrained.update(rows)
         if self.copied is not None:
             top = max(rows) + 1
             self.table[:top].copy_(self.host[:top], non_blocking=True)
             self.copied.record()
+        return broken
 
     def release(self, rows: List[int]) -> None:
         """Rows given back allow every token again."""

@@ -155,12 +155,13 @@ class RowSettings:
         if self.masks is not None:
             self.masks.release(list(host))
 
-    def constrain(self, seqs: Sequence) -> None:
+    def constrain(self, seqs: Sequence) -> list:
         """The allowed tokens of each constrained sequence of ``seqs`` (their matchers moved on by
-        every token read), ready for the sampling queued next."""
+        every token read), ready for the sampling queued next: the sequences whose grammar refused
+        a token (:meth:`RowMasks.fill`)."""
         if self.masks is None:
             self.masks = RowMasks(self.floats.shape[0], self.vocab, self.device)
-        self.masks.fill(seqs)
+        return self.masks.fill(seqs)
 
     def next_tokens(self, logits: Tensor, rows, lengths: Tensor, active: Active) -> Tensor:
         """The next token of each of ``rows`` (an int ``n``: the first ``n`` rows; else a tensor

@@ -42,7 +42,7 @@ from .attention import folding, sdpa_model, without_cudnn
 from .calls import Call, Closed, Logprobs, QueueFull, Sinks, check_call, finish, put_token
 from .captures import Captures, on_stream
 from .delivery import OUTBOX, Mailbox, on_worker
-from .grammar import matchers
+from .grammar import before_sampling, matchers
 from .inflight import Tokens
 from .pages import PagedStore
 from .pool import CACHE_MEMORY, PIECE, PIECE_ALONE, Blocks, plan_cache
@@ -399,7 +399,7 @@ class DecodeServer:
             seqs, logits, lengths = kept, logits[at], lengths[at]
         self.active = Active.of([s.settings for s in self.sched.holders if s is not None])
         if self.active.grammar:
-            self.settings.constrain(seqs)
+            before_sampling(self, seqs)
         tokens = self.settings.next_tokens(logits, index, lengths, self.active)
         self.next_ids[index, 0] = tokens
         self.inflight.queue(seqs, list(range(len(seqs))), tokens, _logprobs(self.active, logits, tokens))
@@ -428,7 +428,7 @@ class DecodeServer:
             self.sinks.add(call, token, now, lp)
         elif streamer is not None:
             self.outgoing.append((call.box, lambda: put_token(call, streamer, token, now, self.lag, lp)))
-        if s.matcher is not None and not s.matcher.accept(token):
+        if s.matcher is not None and not s.matcher.made(token):
             self._end_call(call, GraphwrapError(f"token {token} broke the call's grammar (a bug of the batch's masks)"))
             return
         if token in s.settings.eos or len(s.tokens) >= s.settings.max_new or (s.matcher is not None and s.matcher.ended):

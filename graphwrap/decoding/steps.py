@@ -18,6 +18,7 @@ from typing import List, Optional
 import torch
 
 from . import captures, growth, pieces
+from .grammar import before_sampling
 from .rows import to_device
 from .sampling import logprobs
 from .shapes import EAGER
@@ -51,7 +52,7 @@ def sampled(server, logits: torch.Tensor, n: int, live: List):
     last token) and the rows' allowed tokens are filled while this step's forward runs."""
     if server.active.grammar:
         server._read(keep=0)
-        server.settings.constrain(live)
+        before_sampling(server, live)
     tokens = server.settings.next_tokens(logits, n, server.store.lengths[:n], server.active)
     k = server.active.logprobs
     return tokens, (logprobs(logits, tokens, k) if k >= 0 else None)
