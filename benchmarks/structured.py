@@ -153,6 +153,35 @@ def burst(gm, tok, n: int, constrained: int, new: int, vocab: int, device: str, 
             "thread_ms_per_step": {k: round(v, 3) for k, v in parts.items()}}
 
 
+class HostClock:
+    """Seconds the decode thread spends in the grammar's host work (RowMasks.fill) and in applying
+    the masks (RowMasks.apply: launches only), summed while it is installed."""
+
+    def __init__(self):
+        from graphwrap.decoding.grammar import RowMasks
+
+        self.spent = {"fill": 0.0, "apply": 0.0}
+        self.calls = {"fill": 0, "apply": 0}
+        for name in self.spent:
+            setattr(RowMasks, name, self._timed(name, getattr(RowMasks, name)))
+
+    def _timed(self, name, fn):
+        def run(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.spent[name] += time.perf_counter() - t0
+                self.calls[name] += 1
+        return run
+
+    def take(self) -> Dict[str, float]:
+        out = {f"{k}_ms_per_call": 1e3 * v / max(1, self.calls[k]) for k, v in self.spent.items()}
+        self.spent = dict.fromkeys(self.spent, 0.0)
+        self.calls = dict.fromkeys(self.calls, 0)
+        return out
+
+
 def make_tokenizer(path: str, vocab: int) -> str:
     """A byte-level BPE tokenizer of about ``vocab`` tokens trained on random words and JSON (no
     network), saved to ``path``."""
@@ -233,13 +262,19 @@ def main(argv=None):
     if "overhead" not in a.skip:
         quarter = a.concurrent // 4
         burst(gm, tok, a.concurrent, quarter, a.new, 32000, device, seed=99)  # warm-up: graphs, compiles
-        first = None
-        runs: Dict[str, List[dict]] = {"none": [], "quarter": []}
+        clock = HostClock()
+        masks = gm.__dict__["_gw_decode"].settings.masks
+        import xgrammar
+
+        from graphwrap.decoding.grammar import FILL_THREADS
+
+        runs: Dict[str, List[dict]] = {"none": [], "quarter": [], "quarter-8-threads": []}
         for r in range(a.repeats):
-            for name, k in (("none", 0), ("quarter", quarter)):
+            for name, k in (("none", 0), ("quarter", quarter), ("quarter-8-threads", quarter)):
+                masks.batch = xgrammar.BatchGrammarMatcher(8 if name.endswith("8-threads") else FILL_THREADS)
                 got = burst(gm, tok, a.concurrent, k, a.new, 32000, device, seed=r)
+                got["grammar_host"] = clock.take()
                 runs[name].append(got)
-                first = first or got
         res["overhead"] = runs
         for name in runs:
             tp = [x["tpot_ms_plain"] for x in runs[name]]
@@ -248,7 +283,8 @@ def main(argv=None):
             print(f"{name:8s} tpot of unconstrained calls {statistics.median(tp):.2f} ms [{min(tp):.2f}-{max(tp):.2f}]"
                   f"  constrained {statistics.median(cons) if cons else float('nan'):.2f} ms"
                   f"  batch {statistics.median(tps):,.0f} tok/s [{min(tps):,.0f}-{max(tps):,.0f}]")
-            print(f"{'':8s} decode thread ms per step (last run): {runs[name][-1]['thread_ms_per_step']}")
+            print(f"{'':8s} decode thread ms per step (last run): {runs[name][-1]['thread_ms_per_step']}; "
+                  f"grammar {runs[name][-1]['grammar_host']}")
         ratio = (statistics.median(x["tpot_ms_plain"] for x in runs["quarter"])
                  / statistics.median(x["tpot_ms_plain"] for x in runs["none"]))
         print(f"time per output token, a quarter constrained / none: {ratio:.3f}")

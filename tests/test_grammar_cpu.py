@@ -140,20 +140,22 @@ def test_checks_without_a_tokenizer():
         Grammar.choice("yes")
 
 
-def test_row_masks_apply_each_row_s_own_bits():
-    m = RowMasks(rows=3, vocab=70, device=torch.device("cpu"))
+def test_row_masks_apply_each_row_s_own_bits(device):
+    """On a GPU XGrammar's kernel applies them (in place), on a CPU torch's ops: the same bits."""
+    m = RowMasks(rows=3, vocab=70, device=torch.device(device))
     m.host[1].zero_()
     m.host[1, 0] = 1 << 5  # row 1: token 5 alone
     m.host[1, 2] = 1 << 1  # and token 65
-    scores = torch.zeros(3, 70)
-    out = m.apply(scores, slice(0, 3))
+    m.table.copy_(m.host)
+    scores = torch.zeros(3, 70, device=device)
+    out = m.apply(scores.clone(), slice(0, 3)).cpu()
     assert torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all()
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [5, 65]
-    out = m.apply(scores[:1], torch.tensor([1]))
+    out = m.apply(scores[:1].clone(), torch.tensor([1], device=device)).cpu()
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [5, 65]
     m.constrained.add(1)
     m.release([1])
-    assert torch.isfinite(m.apply(scores, slice(0, 3))).all()
+    assert torch.isfinite(m.apply(scores.clone(), slice(0, 3))).all()
 
 
 def test_a_token_its_grammar_refuses_fails_that_call_alone(lm, device, monkeypatch):

@@ -17,7 +17,6 @@ once the grammar is complete (a model without one ends where the grammar can go 
 """
 
 import json
-import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -31,7 +30,9 @@ Tensor = torch.Tensor
 KINDS = ("json", "json_schema", "regex", "choice", "ebnf")
 _COMPILERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> {vocab: GrammarCompiler}
 _COMPILERS_LOCK = threading.Lock()
-FILL_THREADS = min(8, os.cpu_count() or 1)  # threads XGrammar fills the rows' masks with (its own, outside the GIL)
+# Threads XGrammar fills a step's masks with. One: on an H200 host, 16 rows of a 32,000-token
+# vocabulary took 0.40 ms a step with one and 0.80 ms with eight (benchmarks/structured.py).
+FILL_THREADS = 1
 
 
 class GrammarError(GraphwrapError, ValueError):
@@ -223,6 +224,7 @@ class RowMasks:
         ids = torch.arange(vocab, device=self.device)
         self.word, self.bit = ids >> 5, (ids & 31).to(torch.int32)
         self.copied: Optional[torch.cuda.Event] = torch.cuda.Event() if on_gpu else None
+        self.kernel = on_gpu  # XGrammar's kernel applies the masks on a GPU (one launch; else torch's ops)
         self.constrained: set = set()  # rows whose host bitmask is not all ones
         self.batch = xgrammar().BatchGrammarMatcher(FILL_THREADS)
 
@@ -264,7 +266,14 @@ class RowMasks:
             self.table.index_fill_(0, index, -1)
 
     def apply(self, scores: Tensor, sel) -> Tensor:
-        """``scores`` ``[n, vocab]`` of rows ``sel`` with every token their masks forbid at -inf."""
+        """``scores`` ``[n, vocab]`` of rows ``sel`` with every token their masks forbid at -inf
+        (in place where XGrammar's kernel does it)."""
+        if self.kernel:
+            try:
+                xgrammar().apply_token_bitmask_inplace(scores, self.table[sel], vocab_size=scores.shape[1])
+                return scores
+            except ImportError:  # (no Triton): torch's ops from now on
+                self.kernel = False
         words = self.table[sel][:, self.word[:scores.shape[1]]]
         allowed = ((words >> self.bit[:scores.shape[1]]) & 1).bool()
         return scores.masked_fill(~allowed, float("-inf"))

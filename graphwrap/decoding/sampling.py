@@ -169,8 +169,8 @@ class RowSettings:
         lengths now (the position the new token takes)."""
         sel = slice(0, rows) if isinstance(rows, int) else rows
         scores = logits.float()
-        if active.grammar and self.masks is not None:
-            scores = self.masks.apply(scores, sel)
+        if active.grammar and self.masks is not None:  # (a copy of float32 logits: the log-probabilities read them)
+            scores = self.masks.apply(scores.clone() if scores is logits else scores, sel)
         if active.penalty:
             scores = self._penalise(scores, sel, lengths)
         if active.min_new:
