@@ -1,11 +1,13 @@
 """What real clients send the server, on a CPU: a chat history built as the OpenAI SDK builds it
 (each answer's message appended with its nulls), an agent's history (tool calls and the tools'
 answers), explicit nulls for optional fields, vLLM's ``continuous_usage_stats`` (guidellm and
-aiperf send it), an image part (refused, saying why)."""
+aiperf send it), an image part (refused, saying why), the sampling options vLLM serves
+(``presence_penalty``, ``frequency_penalty``, ``logit_bias``: the batch's own tokens for them)."""
 
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
 pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
@@ -134,3 +136,23 @@ def test_completion_log_probabilities_name_each_token_by_the_text_it_adds(tmp_pa
                 assert token in top and all(k.startswith(" w") for k in top), top
     finally:
         r.stop()
+
+
+def test_penalties_and_logit_bias_are_served_as_the_batch_serves_them(srv):
+    """Over HTTP a completion's ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` give
+    the tokens ``gm.generate`` gives with them (tests/test_generate_penalties_cpu.py checks those
+    against transformers and the API's definition)."""
+    gm, tok = srv.served.engine.gm, srv.served.tokenizer
+    ids = tok("the quick brown")["input_ids"]
+    for fields, kw in [({"presence_penalty": 1.5, "frequency_penalty": 0.5}, dict(presence_penalty=1.5,
+                                                                                  frequency_penalty=0.5)),
+                       ({"logit_bias": {"17": 5.0, "42": -100}}, dict(sequence_bias=[[[17], 5.0], [[42], -100.0]]))]:
+        out = gm.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                          pad_token_id=tok.eos_token_id, **kw)[0, len(ids):].tolist()
+        plain = gm.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                            pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+        assert out != plain  # (they change the tokens)
+        status, r, _ = post(srv.port, "/v1/completions", dict(fields, prompt=ids, max_tokens=12, min_tokens=12,
+                                                               temperature=0, logprobs=0))
+        assert status == 200, r
+        assert r["choices"][0]["text"] == tok.decode(out, skip_special_tokens=True)

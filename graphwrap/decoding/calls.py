@@ -147,6 +147,9 @@ def check_call(plan: CallPlan, max_len: int, positions: Optional[int], cache: Ca
     bad = [t for p in plan.prompts for t in p if not 0 <= t < vocab]
     if bad:
         raise GraphwrapError(f"token id {bad[0]} is outside the model's vocabulary of {vocab}")
+    bad = [t for t, _ in plan.settings.bias if not 0 <= t < vocab]
+    if bad:
+        raise GraphwrapError(f"sequence_bias names token id {bad[0]}, outside the model's vocabulary of {vocab}")
     pad = plan.settings.pad
     if pad is not None and pad not in plan.settings.eos and not 0 <= pad < vocab:
         raise GraphwrapError(f"pad_token_id={pad} is outside the model's vocabulary of {vocab}")

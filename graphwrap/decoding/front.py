@@ -27,7 +27,7 @@ from .attention import without_cudnn
 from .grammar import GrammarError
 from .pool import CACHE_MEMORY
 from .scheduler import buckets_upto
-from .settings import CallPlan, plan_call
+from .settings import PENALTY_KWARGS, CallPlan, plan_call
 
 logger = logging.getLogger("graphwrap")
 SHARED = "graphwrap's shared decode batch"
@@ -260,6 +260,9 @@ def _queued(gm, args, kwargs, block: bool = True, seed: Optional[int] = None):
                                      f"call: {p}")
             if kwargs.get("grammar") is not None:  # (nor applies a grammar)
                 raise GrammarError(f"a grammar is applied by the shared batch only, which does not serve this call: {p}")
+            if any(kwargs.get(k) for k in PENALTY_KWARGS):  # (nor these penalties)
+                raise GraphwrapError(f"presence_penalty and frequency_penalty are applied by the shared batch only, "
+                                     f"which does not serve this call: {p}")
             return None, p, None
         if "_gw_decode_finalizer" not in held:
             held["_gw_decode_finalizer"] = weakref.finalize(gm, _close_dropped, held)

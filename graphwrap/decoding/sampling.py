@@ -1,8 +1,10 @@
 """Each row's next token under its own settings, for a whole step at once.
 
 The settings live on the device, one entry per row of the cache, written when a sequence takes
-its row. The processors are transformers' (``repetition_penalty``, ``min_new_tokens`` /
-``min_length``, then ``temperature``, ``top_k``, ``top_p``), applied per row; greedy rows take
+its row. The processors are transformers' (a grammar's mask first, then ``sequence_bias`` of
+single tokens, ``repetition_penalty``, the API's ``presence_penalty`` and ``frequency_penalty``
+over the tokens made, ``min_new_tokens`` / ``min_length``, then ``temperature``, ``top_k``,
+``top_p``), applied per row; greedy rows take
 the highest score, sampled rows the highest score plus Gumbel noise (the same distribution as
 drawing from the softmax). The noise is a hash of the sequence's seed, its position and the
 token id, not a draw from a generator shared by every row, so a seeded sequence makes the same
@@ -21,6 +23,14 @@ from .settings import SeqSettings
 Tensor = torch.Tensor
 M32 = 0xFFFFFFFF
 EOS_WIDTH = 4  # end-of-sequence ids per row on the device at first (a request with more widens the table)
+
+
+BIAS_WIDTH = 4  # biased tokens per row on the device at first (a request with more widens the table)
+
+
+def _needs_history(s: SeqSettings) -> bool:
+    """Whether a row's penalties read the tokens its sequence has seen."""
+    return s.penalty != 1.0 or s.presence != 0.0 or s.frequency != 0.0
 
 
 def hash32(x: Tensor) -> Tensor:
@@ -60,6 +70,8 @@ class Active:
     top_p: bool = False
     logprobs: int = -1  # the most top log-probabilities a row asks for (-1: no row wants any)
     grammar: bool = False  # a row's tokens are constrained (grammar.py)
+    bias: bool = False  # a row adds a bias to some tokens' scores
+    additive: bool = False  # a row has a presence or frequency penalty
 
     @staticmethod
     def of(settings: Sequence[SeqSettings]) -> "Active":
@@ -69,6 +81,8 @@ class Active:
             a.min_new |= s.min_new > 0 and bool(s.eos)
             a.logprobs = max(a.logprobs, s.logprobs)
             a.grammar |= s.grammar is not None
+            a.bias |= bool(s.bias)
+            a.additive |= s.presence != 0.0 or s.frequency != 0.0
             if s.sample:
                 a.sample = True
                 a.top_k = max(a.top_k, s.top_k)
@@ -107,6 +121,9 @@ class RowSettings:
         self.temperature, self.top_p, self.penalty = self.floats.unbind(1)
         self.top_k, self.min_new, self.prompt_len, self.sample, self.seed = self.longs.unbind(1)
         self.eos = torch.full((rows, EOS_WIDTH), -1, dtype=torch.long, device=d)
+        self.additive = torch.zeros((rows, 2), device=d)  # presence, frequency
+        self.bias_ids = torch.zeros((rows, BIAS_WIDTH), dtype=torch.long, device=d)  # (padding: id 0, bias 0)
+        self.bias_values = torch.zeros((rows, BIAS_WIDTH), device=d)
         self.history: Optional[Tensor] = None  # [rows, max_len] token ids, made when a row first needs a penalty
         self.max_len = max_len
         self.masks: Optional[RowMasks] = None  # the rows' allowed tokens, made when a row first has a grammar
@@ -132,26 +149,46 @@ class RowSettings:
         longs = torch.tensor([[r, s.top_k, s.min_new, n, int(s.sample), seed & 0x7FFFFFFF] + e + [-1] * (width - len(e))
                               for r, s, n, seed, e in zip(rows, settings, starts, seeds, eos)], dtype=torch.long)
         floats = torch.tensor([[s.temperature, s.top_p, s.penalty] for s in settings], dtype=torch.float32)
+        floats = torch.cat([floats, torch.tensor([[s.presence, s.frequency] for s in settings], dtype=torch.float32)], 1)
         longs, floats = to_device(longs, self.device), to_device(floats, self.device)
         idx = longs[:, 0]
         self.longs.index_copy_(0, idx, longs[:, 1:6])
         self.eos.index_copy_(0, idx, longs[:, 6:])
-        self.floats.index_copy_(0, idx, floats)
-        if any(s.penalty != 1.0 for s in settings):
+        self.floats.index_copy_(0, idx, floats[:, :3])
+        self.additive.index_copy_(0, idx, floats[:, 3:])
+        self._write_bias(idx, settings)
+        if any(_needs_history(s) for s in settings):
             if self.history is None:
                 self.history = torch.zeros((self.floats.shape[0], self.max_len), dtype=torch.long,
                                            device=self.device)
             for r, s, p in zip(rows, settings, prompts):
-                if s.penalty != 1.0:
+                if _needs_history(s):
                     self.history[r, :len(p)] = to_device(torch.tensor(p, dtype=torch.long), self.device)
         return idx
 
+    def _write_bias(self, idx: Tensor, settings: List[SeqSettings]):
+        """The rows' biased token ids and biases (a row of more than the table holds widens it)."""
+        width = max([self.bias_ids.shape[1]] + [len(s.bias) for s in settings])
+        if width > self.bias_ids.shape[1]:
+            grow = width - self.bias_ids.shape[1]
+            self.bias_ids = torch.cat([self.bias_ids, self.bias_ids.new_zeros((self.bias_ids.shape[0], grow))], 1)
+            self.bias_values = torch.cat([self.bias_values, self.bias_values.new_zeros((self.bias_ids.shape[0], grow))], 1)
+        ids = torch.zeros((len(settings), width), dtype=torch.long)
+        values = torch.zeros((len(settings), width))
+        for i, s in enumerate(settings):
+            for j, (t, b) in enumerate(s.bias):
+                ids[i, j], values[i, j] = t, b
+        self.bias_ids.index_copy_(0, idx, to_device(ids, self.device))
+        self.bias_values.index_copy_(0, idx, to_device(values, self.device))
+
     def release(self, rows: Tensor, host: Sequence[int] = ()):
         """Rows given back (``host``: the same, on the host): neutral settings (greedy, no penalty,
-        no end-of-sequence hold, every token allowed)."""
+        no bias, no end-of-sequence hold, every token allowed)."""
         self.longs.index_fill_(0, rows, 0)
         self.eos.index_fill_(0, rows, -1)
         self.floats.index_fill_(0, rows, 1.0)
+        self.additive.index_fill_(0, rows, 0.0)
+        self.bias_values.index_fill_(0, rows, 0.0)
         if self.masks is not None:
             self.masks.release(list(host))
 
@@ -171,8 +208,12 @@ class RowSettings:
         scores = logits.float()
         if active.grammar and self.masks is not None:  # (a copy of float32 logits: the log-probabilities read them)
             scores = self.masks.apply(scores.clone() if scores is logits else scores, sel)
+        if active.bias:  # (transformers' order: sequence_bias, then repetition_penalty)
+            scores = scores.scatter_add(1, self.bias_ids[sel], self.bias_values[sel])
         if active.penalty:
             scores = self._penalise(scores, sel, lengths)
+        if active.additive:
+            scores = self._additive(scores, sel, lengths)
         if active.min_new:
             scores = self._hold_eos(scores, sel, lengths)
         greedy = scores.argmax(-1)
@@ -194,6 +235,17 @@ class RowSettings:
         p = self.penalty[sel][:, None]
         got = torch.where(got < 0, got * p, got / p)
         return scores.scatter(1, hist, got)
+
+    def _additive(self, scores: Tensor, sel, lengths: Tensor) -> Tensor:
+        """The API's presence and frequency penalties: each token the sequence has made (its
+        prompt's not counted) loses ``presence`` once and ``frequency`` per time it was made."""
+        assert self.history is not None  # (made when a row's settings first asked for one)
+        hist = self.history[sel]
+        at = torch.arange(hist.shape[1], device=scores.device)[None, :]
+        made = (at >= self.prompt_len[sel][:, None]) & (at < lengths[:, None])
+        counts = torch.zeros_like(scores).scatter_add_(1, hist, made.to(scores.dtype))
+        pf = self.additive[sel]
+        return scores - pf[:, 1:2] * counts - pf[:, 0:1] * (counts > 0).to(scores.dtype)
 
     def _hold_eos(self, scores: Tensor, sel, lengths: Tensor) -> Tensor:
         hold = (lengths - self.prompt_len[sel]) < self.min_new[sel]

@@ -4,9 +4,11 @@ cannot serve it (the call then runs as before, taking its turn on the model).
 The generation settings are transformers' own, merged as ``generate`` merges them
 (``_prepare_generation_config``: the model's defaults, a ``generation_config`` passed, the
 keywords). The batch serves greedy and sampled decoding with ``temperature``, ``top_k``,
-``top_p``, ``repetition_penalty``, ``min_new_tokens``/``min_length``, ``eos_token_id`` and
+``top_p``, ``repetition_penalty``, ``sequence_bias`` of single tokens, ``min_new_tokens``/``min_length``, ``eos_token_id`` and
 ``max_new_tokens``/``max_length``, a left-padded ``attention_mask``, several prompts per call
-and a ``streamer`` for a call of one prompt. Any other setting that changes the tokens (beams,
+and a ``streamer`` for a call of one prompt; and graphwrap's own keywords, which it alone serves (a
+call the batch cannot serve raises): ``grammar=`` with ``tokenizer=`` (:mod:`.grammar`),
+``presence_penalty`` and ``frequency_penalty``. Any other setting that changes the tokens (beams,
 ``no_repeat_ngram_size``, custom processors, ...) leaves the call to transformers' loop.
 """
 
@@ -21,7 +23,7 @@ import torch
 # Settings the batch applies itself.
 SERVED = frozenset(("max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k",
                     "top_p", "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id",
-                    "decoder_start_token_id", "cache_implementation", "transformers_version", "_from_model_config",
+                    "decoder_start_token_id", "sequence_bias", "cache_implementation", "transformers_version", "_from_model_config",
                     "_commit_hash", "compile_config", "disable_compile", "cache_config", "max_cache_len",
                     "continuous_batching_config", "early_stopping", "length_penalty", "num_assistant_tokens",
                     "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind",
@@ -41,6 +43,8 @@ NEUTRAL: Dict[str, Tuple[Tuple[type, ...], object]] = {
 # generate() keywords (not generation settings) the batch takes.
 MODEL_KWARGS = frozenset(("attention_mask", "streamer"))
 GRAMMAR_KWARGS = ("grammar", "tokenizer")  # graphwrap's structured output (grammar.py): the batch alone serves it
+# The API's additive penalties on tokens made (no generate setting is theirs): the batch alone serves them.
+PENALTY_KWARGS = ("presence_penalty", "frequency_penalty")
 CACHE_IMPLEMENTATIONS = (None, "static", "dynamic")
 TOP_K_MOST = 1 << 31  # a top_k past any vocabulary: larger ones are taken as this (within the device's int64)
 KEEP_MERGED = 64  # merged settings kept per model
@@ -63,6 +67,9 @@ class SeqSettings:
     penalty: float = 1.0
     logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and the top k (a streamer asks: calls.logprobs_of)
     grammar: Any = None  # the call's compiled grammar (grammar.py): each sequence gets a matcher of its own
+    presence: float = 0.0  # subtracted from the score of each token the sequence has made (the API's presence_penalty)
+    frequency: float = 0.0  # subtracted once per time it made it (frequency_penalty)
+    bias: Tuple[Tuple[int, float], ...] = ()  # (token id, added to its score): sequence_bias of single tokens
 
 
 @dataclass(slots=True)
@@ -97,6 +104,7 @@ def plan_call(model, args, kwargs) -> Union[CallPlan, str]:
         if kwargs.pop(name, None):
             return f"{name}= is given"
     passed = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
+    additive = [float(kwargs.pop(k, None) or 0.0) for k in PENALTY_KWARGS]
     grammar, tokenizer = (kwargs.pop(k, None) for k in GRAMMAR_KWARGS) if kwargs.get("grammar") is not None else (None, None)
     gen = merged(model, kwargs)
     if isinstance(gen, str):
@@ -109,6 +117,7 @@ def plan_call(model, args, kwargs) -> Union[CallPlan, str]:
         return settings
     if grammar is not None:
         settings.grammar = _compiled(model, grammar, tokenizer, settings)
+    settings.presence, settings.frequency = additive
     asked = getattr(streamer, "logprobs", None)  # (graphwrap's own streamers: the server's)
     if asked is not None:
         settings.logprobs = int(asked)
@@ -253,6 +262,10 @@ def _settings(gen, width: int) -> Union[SeqSettings, str]:
     pad = gen.pad_token_id if gen.pad_token_id is not None else (eos[0] if eos else None)
     # (min_new past max_new holds the end for every step, as min_new = max_new does: kept so, within int64)
     s = SeqSettings(max_new=max_new, min_new=min(max(0, min_new), max_new), eos=eos, pad=pad, sample=bool(gen.do_sample))
+    bias = _single_token_bias(gen.sequence_bias)
+    if isinstance(bias, str):
+        return bias
+    s.bias = bias
     if gen.repetition_penalty is not None and gen.repetition_penalty != 1.0:
         if not gen.repetition_penalty > 0:
             return f"repetition_penalty={gen.repetition_penalty}"
@@ -272,6 +285,21 @@ def _settings(gen, width: int) -> Union[SeqSettings, str]:
                 return f"top_p={p}"
             s.top_p = float(p)
     return s
+
+
+def _single_token_bias(given) -> Union[Tuple[Tuple[int, float], ...], str]:
+    """``sequence_bias`` as (id, bias) pairs where every biased sequence is one token (added to
+    its score every step, as transformers adds it); longer sequences are the one-call loop's."""
+    if not given:
+        return ()
+    pairs = given.items() if isinstance(given, dict) else [(tuple(k), v) for k, v in given]
+    out = []
+    for ids, b in pairs:
+        ids = tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)
+        if len(ids) != 1:
+            return "sequence_bias of a sequence longer than one token"
+        out.append((int(ids[0]), float(b)))
+    return tuple(out)
 
 
 def _prompts(ids: torch.Tensor, mask, s: SeqSettings) -> Union[List[List[int]], str]:

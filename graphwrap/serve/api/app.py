@@ -315,6 +315,7 @@ def _job(served: Served, body: Union[CompletionRequest, ChatRequest], arrived: f
         limit, shape = body.limit(), Shape()
         echo = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in given]
     _check_ids(body.stop_token_ids or [], info.vocab, "stop_token_ids")
+    _check_ids(list(body.biased()), info.vocab, "logit_bias")
     if len(prompts) * body.n > MAX_CHOICES:
         raise Refused(400, f"{len(prompts)} prompts x n={body.n} choices: at most {MAX_CHOICES}", param="n")
     if any(len(p) == 0 for p in prompts):

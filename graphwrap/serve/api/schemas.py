@@ -23,6 +23,7 @@ MAX_CHOICES = 64  # choices per request (prompts x n)
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024  # characters of one stop string
 MAX_LOGPROBS = 20  # the most likely tokens a step reports, besides the one chosen
+MAX_BIASED = 300  # tokens one logit_bias names
 COMPLETION_TOKENS = 16  # a completion's max_tokens where the request leaves it out (the API's default)
 INT64 = (1 << 63) - 1
 # An integer of the API: strict (no string or float read as one), within int64.
@@ -67,16 +68,14 @@ class Sampling(Strict):
     ignore_eos: StrictBool = False
     seed: Optional[Annotated[StrictInt, Field(ge=-INT64 - 1, le=(1 << 64) - 1)]] = None
     user: Optional[str] = None  # the caller's end user, for their own logs: changes nothing here
-    # Known, served only at the values that change nothing:
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    logit_bias: Optional[Dict[str, float]] = None
+    logit_bias: Optional[Dict[str, Annotated[float, Field(ge=-100, le=100)]]] = Field(None, max_length=MAX_BIASED)
 
     @model_validator(mode="after")
     def _served(self):
-        unserved = [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name)]
-        unserved += ["logit_bias"] if self.logit_bias else []
-        unserved += self._unserved()
+        self.biased()
+        unserved = self._unserved()
         if unserved:
             raise ValueError(f"{', '.join(unserved)}: not served by graphwrap's server (leave them out)")
         if self.stream_options is not None and not self.stream:
@@ -105,6 +104,16 @@ class Sampling(Strict):
         """How many of each step's most likely tokens to report with each token's own
         log-probability (0: its own alone), or None where none are asked for."""
         return None
+
+    def biased(self) -> Dict[int, float]:
+        """``logit_bias`` by token id (its keys are the ids' decimal text)."""
+        out = {}
+        for k, v in (self.logit_bias or {}).items():
+            try:
+                out[int(k)] = v
+            except ValueError:
+                raise ValueError(f"logit_bias: a key is a token id, not {k!r}") from None
+        return out
 
     def stops(self) -> List[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -297,6 +306,10 @@ def settings(req: Sampling, max_new: int, gen, eos: List[int]) -> Dict[str, Any]
     t = req.temperature if req.temperature is not None else (model_t if model_t is not None else 1.0)
     kw: Dict[str, Any] = {"max_new_tokens": max_new, "min_new_tokens": req.min_tokens,
                           "repetition_penalty": req.repetition_penalty or 1.0}
+    if req.presence_penalty or req.frequency_penalty:
+        kw.update(presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0)
+    if req.logit_bias:
+        kw["sequence_bias"] = [[[t], b] for t, b in req.biased().items()]
     stop_ids = list(req.stop_token_ids or [])
     kw["eos_token_id"] = stop_ids if req.ignore_eos else list(dict.fromkeys(list(eos) + stop_ids))
     if t == 0:
