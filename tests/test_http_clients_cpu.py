@@ -156,3 +156,22 @@ def test_penalties_and_logit_bias_are_served_as_the_batch_serves_them(srv):
                                                                temperature=0, logprobs=0))
         assert status == 200, r
         assert r["choices"][0]["text"] == tok.decode(out, skip_special_tokens=True)
+
+
+def test_best_of_answers_the_n_most_likely_of_its_choices(srv):
+    """``best_of`` 4 and ``n`` 2: the 2 of the 4 choices (each as ``n`` 4 with the same seed makes
+    it) whose tokens' log-probabilities sum highest, most likely first; the usage counts all 4."""
+    body = {"prompt": "the quick brown", "max_tokens": 8, "temperature": 1.0, "seed": 11, "logprobs": 0}
+    status, four, _ = post(srv.port, "/v1/completions", dict(body, n=4))
+    assert status == 200, four
+    ranked = sorted(four["choices"], key=lambda c: -sum(c["logprobs"]["token_logprobs"]))
+    for fields in ({}, {"logprobs": None}):
+        status, best, _ = post(srv.port, "/v1/completions", dict(body, n=2, best_of=4, **fields))
+        assert status == 200, best
+        assert [c["text"] for c in best["choices"]] == [c["text"] for c in ranked[:2]]
+        assert [c["index"] for c in best["choices"]] == [0, 1]
+        assert best["usage"]["completion_tokens"] == four["usage"]["completion_tokens"]
+        assert (best["choices"][0]["logprobs"] is None) == ("logprobs" in fields)
+    for bad, words in (({"n": 3, "best_of": 2}, "less than n"), ({"best_of": 2, "stream": True}, "streamed")):
+        status, r, _ = post(srv.port, "/v1/completions", dict(body, **bad))
+        assert status == 400 and words in r["error"]["message"], r

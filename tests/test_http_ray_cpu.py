@@ -49,8 +49,8 @@ def test_a_replica_serves_the_openai_api_through_ray_s_proxy(deployed):
                                                    "stream_options": {"include_usage": True}})
     assert status == 200 and evs[-1] == "[DONE]"
     assert "".join(e["choices"][0]["text"] for e in evs[:-2]) == want
-    status, body, _ = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 2, "best_of": 3})
-    assert status == 400 and "best_of" in json.dumps(body)
+    status, body, _ = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 2, "suffix": "y"})
+    assert status == 400 and "suffix" in json.dumps(body)
     status, body, _ = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                           "max_tokens": 3})
     assert status == 200 and body["usage"]["completion_tokens"] <= 3

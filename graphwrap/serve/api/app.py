@@ -249,8 +249,8 @@ async def _answer(served: Served, client: Client, metrics: Metrics, request: Req
     streaming = False
     try:
         job = await asyncio.get_running_loop().run_in_executor(text_thread, _job, served, body, arrived)
-        pieces = client.choices(job.prompts, body.n, job.kwargs, body.stops(), body.seed, arrived,
-                                body.wanted_logprobs(), aligned=not job.chat)
+        pieces = client.choices(job.prompts, body.drawn(), job.kwargs, body.stops(), body.seed, arrived,
+                                body.scored(), aligned=not job.chat)
         if body.stream:
             # An error before the first token is answered with a status; a client that hangs up
             # meanwhile (its request queued, say) gives its place up at once.
@@ -316,8 +316,8 @@ def _job(served: Served, body: Union[CompletionRequest, ChatRequest], arrived: f
         echo = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in given]
     _check_ids(body.stop_token_ids or [], info.vocab, "stop_token_ids")
     _check_ids(list(body.biased()), info.vocab, "logit_bias")
-    if len(prompts) * body.n > MAX_CHOICES:
-        raise Refused(400, f"{len(prompts)} prompts x n={body.n} choices: at most {MAX_CHOICES}", param="n")
+    if len(prompts) * body.drawn() > MAX_CHOICES:
+        raise Refused(400, f"{len(prompts)} prompts x {body.drawn()} choices: at most {MAX_CHOICES}", param="n")
     if any(len(p) == 0 for p in prompts):
         raise Refused(400, "an empty prompt", param="prompt")
     longest = max(len(p) for p in prompts)
@@ -405,7 +405,7 @@ def _head(served: Served, job: Job) -> Dict[str, Any]:
 
 
 async def _whole(served: Served, metrics: Metrics, job: Job, body: Sampling, pieces: AsyncIterator[Piece]):
-    n = body.n
+    n = body.drawn()
     texts = [job.echo[i // n] for i in range(len(job.prompts) * n)]
     scored: List[List[TokenLogprob]] = [[] for _ in texts]
     ends: List[Piece] = []
@@ -418,6 +418,8 @@ async def _whole(served: Served, metrics: Metrics, job: Job, body: Sampling, pie
     finally:  # (a client gone cancels this: its sequences are cancelled now, not when collected)
         await pieces.aclose()  # type: ignore[attr-defined]
     finishes = {p.index: p.finish for p in ends}
+    if n > body.n:
+        texts, scored, finishes = _best(texts, scored, finishes, n, body.n)
     asked = body.wanted_logprobs() is not None
     if job.chat:
         made = [message(t, job.shape) for t in texts]
@@ -431,6 +433,17 @@ async def _whole(served: Served, metrics: Metrics, job: Job, body: Sampling, pie
     usage = _usage(job, ends)
     _log(metrics, job, usage, "done")
     return dict(_head(served, job), choices=choices, usage=usage)
+
+
+def _best(texts: List[str], scored: List[List[TokenLogprob]], finishes: Dict[int, Optional[str]], drawn: int,
+          n: int):
+    """Completions' ``best_of``: of each prompt's ``drawn`` choices, the ``n`` whose tokens are
+    most likely (the sum of their log-probabilities), most likely first."""
+    keep = []
+    for start in range(0, len(texts), drawn):
+        group = range(start, start + drawn)
+        keep += sorted(group, key=lambda i: -sum(t.logprob for t in scored[i]))[:n]
+    return [texts[i] for i in keep], [scored[i] for i in keep], {k: finishes[i] for k, i in enumerate(keep)}
 
 
 def _log(metrics: Metrics, job: Job, usage: Dict[str, int], how: str):

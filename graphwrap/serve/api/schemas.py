@@ -100,6 +100,14 @@ class Sampling(Strict):
         """The most new tokens the request asks for (None: not said)."""
         return self.max_tokens
 
+    def drawn(self) -> int:
+        """Choices made per prompt (completions' ``best_of``: the ``n`` most likely are answered)."""
+        return self.n
+
+    def scored(self) -> Optional[int]:
+        """The log-probabilities the choices are made with (``best_of`` ranks by them)."""
+        return self.wanted_logprobs()
+
     def wanted_logprobs(self) -> Optional[int]:
         """How many of each step's most likely tokens to report with each token's own
         log-probability (0: its own alone), or None where none are asked for."""
@@ -130,13 +138,23 @@ class CompletionRequest(Sampling):
     prompt: Union[str, List[str], List[Id], List[List[Id]]]
     echo: StrictBool = False
     logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
-    best_of: Optional[Int] = None
+    best_of: Optional[Annotated[StrictInt, Field(ge=1, le=MAX_N)]] = None
     suffix: Optional[str] = None
 
     def _unserved(self) -> List[str]:
         out = ["logprobs with echo (the prompt's log-probabilities)"] if self.logprobs is not None and self.echo else []
-        out += ["best_of"] if self.best_of is not None and self.best_of != self.n else []
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) is less than n ({self.n})")
+        if self.drawn() > self.n and self.stream:
+            raise ValueError("best_of more than n cannot be streamed (the best are known at the end)")
         return out + (["suffix"] if self.suffix else [])
+
+    def drawn(self) -> int:
+        return self.best_of if self.best_of is not None else self.n
+
+    def scored(self) -> Optional[int]:
+        wanted = self.wanted_logprobs()
+        return max(wanted or 0, 0) if self.drawn() > self.n else wanted
 
     def wanted_logprobs(self) -> Optional[int]:
         return self.logprobs
