@@ -86,7 +86,8 @@ def bad_request(rng: random.Random, vocab: int, context: int) -> Tuple[str, str,
         ("past the context", {"prompt": [5] * context, "max_tokens": 4}, 400),
         ("an empty message list", {"messages": []}, 400),
         ("too many choices", {"prompt": ["w5"] * 9, "n": 8}, 400),
-        ("an unserved penalty", {"prompt": "w5", "presence_penalty": 1.0}, 400),
+        ("a penalty out of bounds", {"prompt": "w5", "presence_penalty": 2.5}, 400),
+        ("best_of below n", {"prompt": "w5", "n": 3, "best_of": 2}, 400),
         ("a model not served", {"prompt": "w5", "model": "gpt-9"}, 404),
     ]
     pick = rng.randrange(len(cases) + 4)

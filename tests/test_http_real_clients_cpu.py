@@ -61,9 +61,9 @@ def test_langchain_s_json_mode_gets_json(srv):
 
 
 def test_langchain_s_bound_tools_and_a_round_trip_through_the_history(srv):
+    chat = _chat(srv)
     from langchain_core.messages import HumanMessage, ToolMessage
 
-    chat = _chat(srv)
     called = chat.bind_tools([WEATHER], tool_choice="get_weather").invoke([HumanMessage(ASK)])
     (call,) = called.tool_calls
     assert call["name"] == "get_weather" and call["args"]["city"] in ("Paris", "Tokyo")
