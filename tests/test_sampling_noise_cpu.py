@@ -35,21 +35,3 @@ def test_a_sampled_row_never_takes_a_token_set_to_minus_inf():
         logits = torch.randn(rows, vocab)
         tokens = rs.next_tokens(logits, rows, torch.full((rows,), position, dtype=torch.long), active)
         assert torch.equal(tokens, logits.argmax(-1))
-
-
-def test_noise_made_ahead_gives_the_same_tokens():
-    """A batch with a grammar makes the step's noise before it waits for the rows' tokens: the
-    tokens are the same as with the noise made at the draw."""
-    vocab, rows = 500, 8
-    rs = RowSettings(rows, 64, torch.device("cpu"), vocab)
-    settings = [SeqSettings(max_new=8, sample=True, top_k=40 * (i % 2), top_p=0.9 if i % 3 else 1.0,
-                            temperature=0.7) for i in range(rows)]
-    rs.write(list(range(rows)), settings, [[1]] * rows, [11 * i + 3 for i in range(rows)])
-    active = Active.of(settings)
-    torch.manual_seed(1)
-    for position in (0, 5, 17):
-        logits = torch.randn(rows, vocab)
-        lengths = torch.full((rows,), position, dtype=torch.long)
-        made = rs.noise(rows, lengths)
-        assert torch.equal(rs.next_tokens(logits, rows, lengths, active, made),
-                           rs.next_tokens(logits, rows, lengths, active))

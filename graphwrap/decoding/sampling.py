@@ -200,18 +200,10 @@ class RowSettings:
             self.masks = RowMasks(self.floats.shape[0], self.vocab, self.device)
         return self.masks.fill(seqs)
 
-    def noise(self, rows, lengths: Tensor) -> Tensor:
-        """The sampling noise :meth:`next_tokens` adds for ``rows`` at ``lengths``, made ahead (it
-        depends on neither the logits nor a mask: a batch with a grammar queues its launches
-        before it waits for the rows' tokens, not after)."""
-        sel = slice(0, rows) if isinstance(rows, int) else rows
-        return gumbel(self.seed[sel], lengths, self.vocab)
-
-    def next_tokens(self, logits: Tensor, rows, lengths: Tensor, active: Active,
-                    noise: Optional[Tensor] = None) -> Tensor:
+    def next_tokens(self, logits: Tensor, rows, lengths: Tensor, active: Active) -> Tensor:
         """The next token of each of ``rows`` (an int ``n``: the first ``n`` rows; else a tensor
         of row indices) from their logits ``[len(rows), vocab]``; ``lengths`` are the rows'
-        lengths now (the position the new token takes); ``noise``: :meth:`noise`'s, where made ahead."""
+        lengths now (the position the new token takes)."""
         sel = slice(0, rows) if isinstance(rows, int) else rows
         scores = logits.float()
         if active.grammar and self.masks is not None:  # (a copy of float32 logits: the log-probabilities read them)
@@ -228,7 +220,7 @@ class RowSettings:
         if not active.sample:
             tokens = greedy
         else:
-            tokens = torch.where(self.sample[sel] != 0, self._sample(scores, sel, lengths, active, noise), greedy)
+            tokens = torch.where(self.sample[sel] != 0, self._sample(scores, sel, lengths, active), greedy)
         if self.history is not None:
             index = torch.arange(rows, device=tokens.device) if isinstance(rows, int) else rows
             self.history[index, lengths.clamp(max=self.max_len - 1)] = tokens
@@ -267,7 +259,7 @@ class RowSettings:
         bound = torch.where(ok, float("-inf"), float("inf")).to(scores.dtype)
         return scores.scatter_reduce(1, ids, bound, reduce="amin", include_self=True)
 
-    def _sample(self, scores: Tensor, sel, lengths: Tensor, active: Active, noise: Optional[Tensor] = None) -> Tensor:
+    def _sample(self, scores: Tensor, sel, lengths: Tensor, active: Active) -> Tensor:
         scores = scores / self.temperature[sel][:, None]
         neg = torch.full((), float("-inf"), device=scores.device)
         if active.top_k:
@@ -283,6 +275,4 @@ class RowSettings:
             drop = cum <= (1 - self.top_p[sel][:, None])
             drop[:, -1] = False
             scores = scores.scatter(1, order, torch.where(drop, neg, ordered))
-        if noise is None or noise.shape != scores.shape:
-            noise = gumbel(self.seed[sel], lengths, scores.shape[1])
-        return (scores + noise).argmax(-1)
+        return (scores + gumbel(self.seed[sel], lengths, scores.shape[1])).argmax(-1)

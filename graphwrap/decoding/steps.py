@@ -50,13 +50,10 @@ def sampled(server, logits: torch.Tensor, n: int, live: List):
     """``(tokens, log-probabilities or None)`` of the first ``n`` rows from their logits. Where a
     live row has a grammar, every step queued before is read first (its matcher moves on by its
     last token) and the rows' allowed tokens are filled while this step's forward runs."""
-    noise = None
     if server.active.grammar:
-        if server.active.sample:  # (its launches queued now, not after the wait and the masks)
-            noise = server.settings.noise(n, server.store.lengths[:n])
         server._read(keep=0)
         before_sampling(server, live)
-    tokens = server.settings.next_tokens(logits, n, server.store.lengths[:n], server.active, noise)
+    tokens = server.settings.next_tokens(logits, n, server.store.lengths[:n], server.active)
     k = server.active.logprobs
     return tokens, (logprobs(logits, tokens, k) if k >= 0 else None)
 
