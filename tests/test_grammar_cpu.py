@@ -9,6 +9,7 @@ import json
 import os
 import re
 import sys
+import time
 
 import pytest
 import torch
@@ -172,3 +173,24 @@ def test_a_token_its_grammar_refuses_fails_that_call_alone(lm, device, monkeypat
     with pytest.raises(GrammarError, match="does not allow"):
         bad.result(timeout=120)
     assert torch.equal(plain.result(timeout=120).cpu(), want.cpu())
+
+
+def test_a_cancelled_constrained_call_frees_its_row_and_mask_and_inference_mode_is_served(lm, device):
+    """A constrained call cancelled mid-way gives its row back with every token allowed again (the
+    plain calls after it are generate's); a constrained call under torch.inference_mode() is
+    served as under no_grad()."""
+    model, tok, gm = lm
+    p = _prompt(tok, "the lazy dog", device)
+    with torch.no_grad():
+        want = model.generate(p, max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    long = gm.submit_generate(p, grammar=Grammar.regex("[a-z ]{300}"), tokenizer=tok, max_new_tokens=300)
+    deadline = time.monotonic() + 60
+    while gm.stats()["decode"]["steps"] < 5:
+        assert time.monotonic() < deadline, "the call did not start"
+        time.sleep(0.01)
+    assert long.cancel() or long.done()
+    for _ in range(2):
+        assert torch.equal(gm.generate(p, max_new_tokens=24, do_sample=False, min_new_tokens=24).cpu(), want.cpu())
+    with torch.inference_mode():
+        got = gm.generate(p, grammar=Grammar.json_schema(SCHEMA), tokenizer=tok, max_new_tokens=120, do_sample=True)
+    jsonschema.validate(json.loads(_text(tok, got, p)), SCHEMA)

@@ -126,9 +126,11 @@ def _result(call: Call) -> torch.Tensor:
     return torch.cat([call.plan.input_ids.long(), new], dim=1)
 
 
-def check_call(plan: CallPlan, max_len: int, positions: Optional[int], cache: CachePlan, vocab: int):
+def check_call(plan: CallPlan, max_len: int, positions: Optional[int], cache: CachePlan, vocab: int,
+               scores: Optional[int] = None):
     """GraphwrapError for a call a batch of ``max_len`` positions a sequence cannot hold, or with
-    token ids outside the model's ``vocab``."""
+    token ids outside the model's ``vocab`` (``scores``: the ids its logits score, where fewer:
+    a biased id must be one of them)."""
     longest = max(len(p) for p in plan.prompts)
     need = longest + plan.settings.max_new
     if need > max_len:
@@ -147,7 +149,7 @@ def check_call(plan: CallPlan, max_len: int, positions: Optional[int], cache: Ca
     bad = [t for p in plan.prompts for t in p if not 0 <= t < vocab]
     if bad:
         raise GraphwrapError(f"token id {bad[0]} is outside the model's vocabulary of {vocab}")
-    bad = [t for t, _ in plan.settings.bias if not 0 <= t < vocab]
+    bad = [t for t, _ in plan.settings.bias if not 0 <= t < min(vocab, scores or vocab)]
     if bad:
         raise GraphwrapError(f"sequence_bias names token id {bad[0]}, outside the model's vocabulary of {vocab}")
     pad = plan.settings.pad

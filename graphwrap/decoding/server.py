@@ -214,7 +214,7 @@ class DecodeServer:
 
     def check(self, plan: CallPlan):
         """GraphwrapError for a call the cache cannot hold or token ids the model has no row for."""
-        check_call(plan, self.max_len, self.positions, self.cache, self.vocab)
+        check_call(plan, self.max_len, self.positions, self.cache, self.vocab, self.settings.vocab)
 
     def _all_seqs(self):
         yield from self.sched.queue
