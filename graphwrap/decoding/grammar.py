@@ -234,9 +234,9 @@ class RowMasks:
 
     def fill(self, seqs: Sequence[Any]) -> List[Any]:
         """Each live constrained sequence's tokens read so far taken by its matcher (one call for
-        every row), then its bitmask for its next token filled in its row (threads of XGrammar's
-        own, outside the GIL), copied to the device (rows up to the highest): the sequences whose
-        tokens their grammar refused, left out."""
+        every row), then its bitmask for its next token filled in its row (one call of XGrammar's
+        for every row, on :data:`FILL_THREADS` threads), copied to the device (rows up to the
+        highest): the sequences whose tokens their grammar refused, left out."""
         live = [s for s in seqs if s.matcher is not None and not s.done and s.row is not None]
         broken = _take_pending(live)
         live = [s for s in live if s not in broken and not s.matcher.ended]
