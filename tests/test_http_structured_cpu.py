@@ -69,25 +69,43 @@ def test_json_object_is_json(srv):
         json.loads(c["message"]["content"])
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_named_tool_choice_comes_back_as_a_tool_call(srv, stream):
+def test_a_named_tool_choice_comes_back_as_a_tool_call_whole_or_streamed(srv):
+    """Streamed, the call's arguments come as they are made: its first delta carries its index, id,
+    type and name, the later ones more of its arguments, which add up to the whole answer's."""
     body = {"messages": ASK, "max_tokens": 100, "tools": [WEATHER, CLOCK], "temperature": 1.0, "seed": 1,
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
-    if not stream:
-        status, r, _ = post(srv.port, "/v1/chat/completions", body)
-        assert status == 200, r
-        choice = r["choices"][0]
-        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
-        (call,) = choice["message"]["tool_calls"]
-    else:
-        status, evs = events(srv.port, "/v1/chat/completions", body)
-        assert status == 200 and evs[-1] == "[DONE]", evs
-        deltas = [e["choices"][0] for e in evs[:-1] if e["choices"]]
-        assert deltas[-1]["finish_reason"] == "tool_calls"
-        (call,) = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
-        assert call.pop("index") == 0
-    assert call["function"]["name"] == "get_weather"
-    _args_of(call, [WEATHER, CLOCK])
+    status, r, _ = post(srv.port, "/v1/chat/completions", body)
+    assert status == 200, r
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (whole,) = choice["message"]["tool_calls"]
+    assert whole["function"]["name"] == "get_weather"
+    _args_of(whole, [WEATHER, CLOCK])
+    status, evs = events(srv.port, "/v1/chat/completions", body)
+    assert status == 200 and evs[-1] == "[DONE]", evs
+    deltas = [e["choices"][0] for e in evs[:-1] if e["choices"]]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    calls = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
+    assert len(calls) > 2 and {c["index"] for c in calls} == {0}  # (the arguments in several deltas)
+    first = calls[0]
+    assert first["id"].startswith("call_") and first["type"] == "function"
+    assert first["function"]["name"] == "get_weather"
+    assert all(set(c) == {"index", "function"} and set(c["function"]) == {"arguments"} for c in calls[1:])
+    assert "".join(c["function"]["arguments"] for c in calls) == whole["function"]["arguments"]
+
+
+def test_the_openai_client_s_stream_assembles_the_named_call(srv):
+    openai = pytest.importorskip("openai", reason="needs the openai client: pip install openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="none", max_retries=0)
+    with client.chat.completions.stream(model="tiny", messages=ASK, max_tokens=100, temperature=1.0, seed=1,
+                                        tools=[WEATHER], tool_choice={"type": "function",
+                                                                      "function": {"name": "get_weather"}}) as s:
+        for _ in s:
+            pass
+        done = s.get_final_completion()
+    (call,) = done.choices[0].message.tool_calls
+    assert done.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    _args_of(call.model_dump(), [WEATHER])
 
 
 def test_a_required_tool_choice_calls_one_of_the_tools_or_more(srv):

@@ -41,7 +41,7 @@ from .engines import EngineGone, Failed, Unservable
 from .guard import MAX_BODY, Guard
 from .metrics import LAG_EVERY, Metrics
 from .schemas import MAX_CHOICES, ChatRequest, CompletionRequest, Sampling, settings
-from .tools import Shape, message, shape_of, template_tools
+from .tools import Shape, call, message, shape_of, template_tools
 
 logger = logging.getLogger("graphwrap.serve")
 MAX_NEW_DEFAULT = 2048  # a chat request without max_tokens: the context left, at most this
@@ -477,6 +477,18 @@ class _Chunks:
         self.offsets = [len(job.echo[i // body.n]) for i in range(len(job.prompts) * body.n)]  # (text_offset)
         self.last: Dict[int, Piece] = {}
         self.held: Dict[int, str] = {}  # a choice's text so far, where its message goes whole (tool calls)
+        self.named: set = set()  # choices whose named tool call has been begun
+
+    def arguments(self, index: int, text: str, finish: Optional[str]) -> str:
+        """More of a named tool call's arguments: the first time a choice's, the call's index,
+        id, type and name with them; at its end, its finish (``tool_calls`` where it ended)."""
+        if index in self.named:
+            delta: Dict[str, Any] = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        else:
+            self.named.add(index)
+            delta = {"tool_calls": [dict(call(self.job.shape.name or "", text), index=0)]}
+        end = "tool_calls" if finish == "stop" else finish
+        return self.before + _json({"index": index, "delta": delta, "logprobs": None, "finish_reason": end}) + self.after
 
     def whole(self, index: int, text: str, finish: str) -> str:
         """A choice's whole message as one chunk's delta, with its finish (tool calls' deltas carry
@@ -529,7 +541,9 @@ async def _events(served: Served, metrics: Metrics, job: Job, body: Sampling, fi
             last[p.index] = p
             if p.finish is not None:
                 ends.append(p)
-            if job.shape.calls:  # (tool calls: the message goes whole at the choice's end)
+            if job.shape.kind == "named":  # (its arguments as they come, in the call's deltas)
+                yield c.arguments(p.index, p.text, p.finish)
+            elif job.shape.whole:  # (tool calls found in the text: the message goes whole at the choice's end)
                 c.held[p.index] = c.held.get(p.index, "") + p.text
                 if p.finish is not None:
                     yield c.whole(p.index, c.held.pop(p.index), p.finish)

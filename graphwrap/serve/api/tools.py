@@ -7,7 +7,8 @@ text becomes the answer's message.
 - ``tool_choice`` ``required`` or a named function: the output is constrained to the call(s)'
   JSON (a named function: its arguments; required: a list of ``{"name", "parameters"}``, one of
   the tools each, one alone where ``parallel_tool_calls`` is false), and the message carries them
-  as ``tool_calls`` (finish ``tool_calls``).
+  as ``tool_calls`` (finish ``tool_calls``); streamed, a named call's arguments come as they are
+  made.
 - ``tool_choice`` ``auto`` (or left out, with tools): the model's own format is parsed, by the
   parser ``--tool-call-parser`` names or the one its chat template shows: ``hermes`` (``<tool_call>``
   blocks of JSON, Qwen's and Hermes' templates) or ``llama3_json`` (a JSON object with ``name``
@@ -40,8 +41,14 @@ class Shape:
 
     @property
     def calls(self) -> bool:
-        """Whether the output may hold tool calls (a stream then sends the message whole at its end)."""
+        """Whether the output may hold tool calls."""
         return self.kind != "content"
+
+    @property
+    def whole(self) -> bool:
+        """Whether a stream sends each choice's message whole at its end: its tool calls are known
+        only then (a named call's arguments are the text itself, streamed as it comes)."""
+        return self.kind in ("required", "parsed")
 
 
 def parser_for(tokenizer, asked: str = "auto") -> Optional[str]:
@@ -106,8 +113,12 @@ def message(text: str, shape: Shape) -> Tuple[Dict[str, Any], bool]:
 
 def _with_calls(content: Optional[str], calls: List[Tuple[str, str]]) -> Dict[str, Any]:
     return {"role": "assistant", "content": content or None,
-            "tool_calls": [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                            "function": {"name": name, "arguments": arguments}} for name, arguments in calls]}
+            "tool_calls": [call(name, arguments) for name, arguments in calls]}
+
+
+def call(name: str, arguments: str) -> Dict[str, Any]:
+    """A tool call in the API's shape, with an id of its own."""
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _parsed_list(text: str) -> Optional[List[Tuple[str, str]]]:
