@@ -187,3 +187,22 @@ def test_the_parser_is_the_one_the_chat_template_shows():
     t.chat_template = "{{- '<|python_tag|>' }}"
     assert parser_for(t) == "llama3_json"
     assert parser_for(t, "none") is None and parser_for(t, "hermes") == "hermes"
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"],
+                         ids=["named", "required"])
+def test_a_streamed_tool_call_carries_its_tokens_log_probabilities(srv, choice):
+    """Asked for, every token's log-probability comes with the call's stream (a named call's with
+    its arguments as they come, a required call's with the message at the end), as in the whole
+    answer."""
+    body = {"messages": ASK, "max_tokens": 100, "tools": [WEATHER], "temperature": 1.0, "seed": 1,
+            "tool_choice": choice, "logprobs": True, "top_logprobs": 2,
+            "stream_options": {"include_usage": True}}
+    status, r, _ = post(srv.port, "/v1/chat/completions", dict(body, stream_options=None))
+    assert status == 200, r
+    want = [t["token"] for t in r["choices"][0]["logprobs"]["content"]]
+    status, evs = events(srv.port, "/v1/chat/completions", body)
+    assert status == 200 and evs[-1] == "[DONE]", evs
+    got = [t for e in evs[:-1] for ch in e["choices"] for t in (ch["logprobs"] or {}).get("content") or []]
+    assert [t["token"] for t in got] == want
+    assert len(want) == evs[-2]["usage"]["completion_tokens"] and all(len(t["top_logprobs"]) == 2 for t in got)

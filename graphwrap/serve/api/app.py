@@ -476,28 +476,32 @@ class _Chunks:
         self.running_usage = body.usage_in_chunks()
         self.offsets = [len(job.echo[i // body.n]) for i in range(len(job.prompts) * body.n)]  # (text_offset)
         self.last: Dict[int, Piece] = {}
-        self.held: Dict[int, str] = {}  # a choice's text so far, where its message goes whole (tool calls)
+        self.held: Dict[int, tuple] = {}  # a choice's text and scores so far, where its message goes whole
         self.named: set = set()  # choices whose named tool call has been begun
 
-    def arguments(self, index: int, text: str, finish: Optional[str]) -> str:
+    def arguments(self, index: int, text: str, finish: Optional[str], scored: Optional[List[TokenLogprob]]) -> str:
         """More of a named tool call's arguments: the first time a choice's, the call's index,
-        id, type and name with them; at its end, its finish (``tool_calls`` where it ended)."""
+        id, type and name with them; at its end, its finish (``tool_calls`` where it ended); their
+        tokens' log-probabilities where asked for."""
         if index in self.named:
             delta: Dict[str, Any] = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
         else:
             self.named.add(index)
             delta = {"tool_calls": [dict(call(self.job.shape.name or "", text), index=0)]}
         end = "tool_calls" if finish == "stop" else finish
-        return self.before + _json({"index": index, "delta": delta, "logprobs": None, "finish_reason": end}) + self.after
+        choice = {"index": index, "delta": delta, "logprobs": logprobs.chat(scored) if scored else None,
+                  "finish_reason": end}
+        return self.before + _json(choice) + self.after
 
-    def whole(self, index: int, text: str, finish: str) -> str:
+    def whole(self, index: int, text: str, finish: str, scored: List[TokenLogprob]) -> str:
         """A choice's whole message as one chunk's delta, with its finish (tool calls' deltas carry
-        their index, id, name and all their arguments)."""
+        their index, id, name and all their arguments) and its tokens' log-probabilities where
+        asked for."""
         m, called = message(text, self.job.shape)
         delta: Dict[str, Any] = {"content": m["content"]}
         if called:
-            delta["tool_calls"] = [dict(call, index=k) for k, call in enumerate(m["tool_calls"])]
-        choice = {"index": index, "delta": delta, "logprobs": None,
+            delta["tool_calls"] = [dict(c, index=k) for k, c in enumerate(m["tool_calls"])]
+        choice = {"index": index, "delta": delta, "logprobs": logprobs.chat(scored) if scored else None,
                   "finish_reason": "tool_calls" if called and finish == "stop" else finish}
         return self.before + _json(choice) + self.after
 
@@ -542,11 +546,13 @@ async def _events(served: Served, metrics: Metrics, job: Job, body: Sampling, fi
             if p.finish is not None:
                 ends.append(p)
             if job.shape.kind == "named":  # (its arguments as they come, in the call's deltas)
-                yield c.arguments(p.index, p.text, p.finish)
+                yield c.arguments(p.index, p.text, p.finish, p.logprobs)
             elif job.shape.whole:  # (tool calls found in the text: the message goes whole at the choice's end)
-                c.held[p.index] = c.held.get(p.index, "") + p.text
+                text, scored = c.held.get(p.index, ("", []))
+                c.held[p.index] = (text + p.text, scored + list(p.logprobs or ()))
                 if p.finish is not None:
-                    yield c.whole(p.index, c.held.pop(p.index), p.finish)
+                    text, scored = c.held.pop(p.index)
+                    yield c.whole(p.index, text, p.finish, scored)
             elif p.text or p.finish is not None or p.logprobs:
                 yield chunk(p.index, p.text, p.finish, scored=p.logprobs)
         if body.usage_in_stream():
