@@ -194,3 +194,30 @@ def test_a_cancelled_constrained_call_frees_its_row_and_mask_and_inference_mode_
     with torch.inference_mode():
         got = gm.generate(p, grammar=Grammar.json_schema(SCHEMA), tokenizer=tok, max_new_tokens=120, do_sample=True)
     jsonschema.validate(json.loads(_text(tok, got, p)), SCHEMA)
+
+
+def test_a_grammar_the_vocabulary_cannot_write_fails_that_call_alone_saying_so(device):
+    """A word-level vocabulary (``w0`` ... ``w99``) has no token that starts JSON: the grammar allows
+    none, and the call fails with that reason (not a wrong token, not a bug's message); the call
+    beside it keeps generate's tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(100)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = tr.PreTrainedTokenizerFast(tokenizer_object=words, eos_token="w99", unk_token="w0")
+    torch.manual_seed(0)
+    model = tr.GPT2LMHeadModel(tr.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
+                                             eos_token_id=99, bos_token_id=99)).to(device).eval()
+    gm = GraphedModule(model)
+    p = torch.tensor([[5, 6, 7]], device=device)
+    with torch.no_grad():
+        want = model.generate(p, max_new_tokens=10, do_sample=False, min_new_tokens=10, pad_token_id=0)
+    bad = gm.submit_generate(p, grammar=Grammar.json(), tokenizer=tok, max_new_tokens=10)
+    plain = gm.submit_generate(p, max_new_tokens=10, do_sample=False, min_new_tokens=10, pad_token_id=0)
+    with pytest.raises(GrammarError, match="cannot be written in this vocabulary"):
+        bad.result(timeout=120)
+    assert torch.equal(plain.result(timeout=120).cpu(), want.cpu())
+    # (a grammar of words it has: served; the tokens' texts join without spaces)
+    got = gm.generate(p, grammar=Grammar.regex("w[1-9](w[1-9])*"), tokenizer=tok, max_new_tokens=10)
+    new = got[0, 3:].tolist()
+    assert new and all(1 <= t <= 9 for t in new if t != 99)

@@ -5,6 +5,8 @@ a schema or tool choice that cannot be served is a 400 naming its field. The par
 tool-call formats are checked on their text."""
 
 import json
+import os
+import sys
 
 import pytest
 
@@ -206,3 +208,23 @@ def test_a_streamed_tool_call_carries_its_tokens_log_probabilities(srv, choice):
     got = [t for e in evs[:-1] for ch in e["choices"] for t in (ch["logprobs"] or {}).get("content") or []]
     assert [t["token"] for t in got] == want
     assert len(want) == evs[-2]["usage"]["completion_tokens"] and all(len(t["top_logprobs"]) == 2 for t in got)
+
+
+def test_a_grammar_the_vocabulary_cannot_write_is_a_400(tmp_path):
+    """A word-level vocabulary (serve_openai.py's ``w0``, ``w1``, ...) cannot write JSON: the request
+    is answered 400 saying so, in this process's batch and in an engine process of its own."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import serve_openai
+
+    d = serve_openai.make_model("tiny", str(tmp_path / "words"), "cpu")
+    for engine in ("thread", "process"):
+        r = Running(cli.load(_args(d, served_model_name="w", rows=2, device="cpu", engine=engine)))
+        try:
+            status, body, _ = post(r.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "w5 w6"}],
+                                                                   "max_tokens": 8,
+                                                                   "response_format": {"type": "json_object"}})
+            assert status == 400 and "cannot be written" in body["error"]["message"], (engine, body)
+            status, body, _ = post(r.port, "/v1/completions", {"prompt": "w5 w6", "max_tokens": 4})
+            assert status == 200, body
+        finally:
+            r.stop()

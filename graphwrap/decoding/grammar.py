@@ -20,7 +20,7 @@ import json
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -204,10 +204,17 @@ def matchers(seqs: Sequence[Any], compiled, eos: Sequence[int]) -> None:
 
 def before_sampling(server, seqs: Sequence[Any]) -> None:
     """The allowed tokens of each live constrained sequence of ``seqs`` ready for the sampling
-    queued next; a sequence whose token its grammar refused fails alone (a bug of the masks)."""
-    for s in server.settings.constrain(seqs):
+    queued next. A sequence whose token its grammar refused fails alone (a bug of the masks), and
+    so does one whose grammar allows no token of the vocabulary where it stands (what the grammar
+    asks for cannot be written in the tokenizer's tokens)."""
+    broken, stuck = server.settings.constrain(seqs)
+    for s in broken:
         server._end_call(s.call, GrammarError("a token the call's grammar does not allow was sampled "
                                               "(a bug of the batch's masks: please report it)"))
+    for s in stuck:
+        server._end_call(s.call, GrammarError(
+            f"the call's grammar allows no token of the tokenizer after {len(s.tokens)} tokens: what it asks "
+            f"for cannot be written in this vocabulary"))
 
 
 class RowMasks:
@@ -232,25 +239,28 @@ class RowMasks:
         if self.copied is not None:
             self.copied.synchronize()  # (the last copy read the host rows about to be written)
 
-    def fill(self, seqs: Sequence[Any]) -> List[Any]:
+    def fill(self, seqs: Sequence[Any]) -> Tuple[List[Any], List[Any]]:
         """Each live constrained sequence's tokens read so far taken by its matcher (one call for
         every row), then its bitmask for its next token filled in its row (one call of XGrammar's
         for every row, on :data:`FILL_THREADS` threads), copied to the device (rows up to the
-        highest): the sequences whose tokens their grammar refused, left out."""
+        highest): ``(the sequences whose tokens their grammar refused, those it allows no token)``,
+        both left out."""
         live = [s for s in seqs if s.matcher is not None and not s.done and s.row is not None]
         broken = _take_pending(live)
         live = [s for s in live if s not in broken and not s.matcher.ended]
         if not live:
-            return broken
+            return broken, []
         self._wait()
         rows = [s.row for s in live]
         self.batch.batch_fill_next_token_bitmask([s.matcher.m for s in live], self.host, rows)
         self.constrained.update(rows)
+        some = self.host[rows].ne(0).any(1).tolist()
+        stuck = [s for s, ok in zip(live, some) if not ok]
         if self.copied is not None:
             top = max(rows) + 1
             self.table[:top].copy_(self.host[:top], non_blocking=True)
             self.copied.record()
-        return broken
+        return broken, stuck
 
     def release(self, rows: List[int]) -> None:
         """Rows given back allow every token again."""

@@ -192,10 +192,10 @@ class RowSettings:
         if self.masks is not None:
             self.masks.release(list(host))
 
-    def constrain(self, seqs: Sequence) -> list:
+    def constrain(self, seqs: Sequence) -> tuple:
         """The allowed tokens of each constrained sequence of ``seqs`` (their matchers moved on by
         every token read), ready for the sampling queued next: the sequences whose grammar refused
-        a token (:meth:`RowMasks.fill`)."""
+        a token, and those it allows none (:meth:`RowMasks.fill`)."""
         if self.masks is None:
             self.masks = RowMasks(self.floats.shape[0], self.vocab, self.device)
         return self.masks.fill(seqs)

@@ -115,6 +115,8 @@ def as_refusal(e: BaseException) -> Refused:
     if isinstance(e, Cut):
         return Refused(503, str(e), "service_unavailable")
     kind = e.kind if isinstance(e, Failed) else type(e).__name__
+    if kind == GrammarError.__name__:  # (a grammar its vocabulary cannot write: the request's, not the server's)
+        return Refused(400, str(e), param="response_format")
     return Refused(500, f"the model failed on this request ({kind}: {e})", "server_error")
 
 
