@@ -86,11 +86,16 @@ def check(grammar: Grammar) -> None:
     """GrammarError where ``grammar`` cannot compile, found without a tokenizer (a request's
     schema checked where it arrives)."""
     xgr = xgrammar()
+    _compiling(grammar, lambda: _parse(xgr, grammar))
+
+
+def _compiling(grammar: Grammar, make):
+    """``make()``, XGrammar's own errors (RuntimeError, ValueError, ...) raised as GrammarError."""
     try:
-        _parse(xgr, grammar)
+        return make()
     except GrammarError:
         raise
-    except Exception as e:  # noqa: BLE001 - XGrammar's own errors (RuntimeError, ValueError, ...)
+    except Exception as e:  # noqa: BLE001 - whatever XGrammar raises for a grammar it cannot read
         raise GrammarError(f"the {grammar.kind} does not compile: {_first_line(e)}") from e
 
 
@@ -127,13 +132,7 @@ def compile_for(grammar: Grammar, tokenizer, vocab: int):
         raise GrammarError("grammar= needs the tokenizer of the model's tokens: generate(..., tokenizer=tok)")
     xgr = xgrammar()
     compiler = _compiler(xgr, tokenizer, vocab)
-    try:
-        g = compiler.compile_grammar(_parse(xgr, grammar))
-    except GrammarError:
-        raise
-    except Exception as e:  # noqa: BLE001 - XGrammar's own errors
-        raise GrammarError(f"the {grammar.kind} does not compile: {_first_line(e)}") from e
-    return g
+    return _compiling(grammar, lambda: compiler.compile_grammar(_parse(xgr, grammar)))
 
 
 def _compiler(xgr, tokenizer, vocab: int):
