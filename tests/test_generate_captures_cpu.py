@@ -502,3 +502,36 @@ def test_under_inference_mode_a_long_prompts_pieces_replay_and_give_the_models_t
     d = gm.stats()["decode"]
     assert d["capture_failed"] == {} and d["eager_forwards"].get("piece", 0) == 0
     gm.close()
+
+
+def test_a_delivery_waiting_while_a_compile_job_starts_is_let_go_once_the_job_stands_apart(monkeypatch):
+    """settle() (a call's delivery) waits while a capture runs; a compile job that begins meanwhile
+    stands apart (no caller waits for it) and must wake the delivery. It set its flag without a
+    notify: a delivery that began to wait between the job's start and its flag slept for good, and
+    its caller with it (seen once in a CI run under load)."""
+    import types
+
+    from graphwrap.decoding import captures as captures_mod
+
+    server = types.SimpleNamespace(device=torch.device("cpu"), compiled_engines={"step": object()})
+    caps = captures_mod.Captures(server)
+    twin_go = threading.Event()
+    monkeypatch.setattr(captures_mod.Captures, "_twin", lambda self, shape: twin_go.wait(10))
+    monkeypatch.setattr(captures_mod.Captures, "_inputs", lambda self, shape, twin: ((), {}))
+    monkeypatch.setattr(captures_mod, "precompile", lambda *a: None)
+    shape = ("step", 4, 64)
+    caps.running = (captures_mod.COMPILE, shape)
+    job = threading.Thread(target=caps._compile, args=(shape,), daemon=True)
+    job.start()
+    settled = threading.Thread(target=caps.settle, daemon=True)
+    settled.start()
+    time.sleep(0.2)
+    assert settled.is_alive(), "a capture runs and stands with calls: the delivery waits"
+    twin_go.set()
+    settled.join(10)
+    assert not settled.is_alive(), "the job stood apart and the delivery still waited"
+    with caps.cond:
+        caps.stopped = True
+        caps.cond.notify_all()
+    job.join(10)
+    assert not job.is_alive()

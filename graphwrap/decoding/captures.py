@@ -297,6 +297,7 @@ class Captures:
         twin = self._twin(shape)
         with self.cond:
             self.apart = True
+            self.cond.notify_all()  # (a delivery that began to wait in settle() meanwhile goes on)
         try:
             precompile(engine, self.stream, server, *self._inputs(shape, twin))
         except Exception as e:  # noqa: BLE001 - the capture compiles it then (as where nothing compiled ahead)
