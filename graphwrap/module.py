@@ -198,7 +198,8 @@ class GraphedModule(nn.Module):
         state = {k: v for k, v in self.__dict__.items()
                  if k not in ("_gw_engine", "_gw_finalizer", "_parameters", "_buffers", "_modules",
                               "_non_persistent_buffers_set", "_gw_caches", "_gw_loop_notes",
-                              "_gw_decode", "_gw_decode_why")}
+                              "_gw_decode", "_gw_decode_why", "_gw_queueing", "_gw_decode_closing",
+                              "_gw_decode_finalizer")}
         state["_gw_options"] = self.__dict__["_gw_options"].as_kwargs()
         return state
 

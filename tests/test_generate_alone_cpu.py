@@ -292,14 +292,33 @@ def test_a_dropped_graphed_module_lets_go_of_its_batch_thread_and_cache():
     model = _model()
     gm = GraphedModule(model)
     gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
+    fut = gm.submit_generate(torch.tensor([[5, 6]]), max_new_tokens=4, do_sample=False)
+    fut.result(timeout=60)
     server = weakref.ref(gm.__dict__["_gw_decode"])
+    pool = weakref.ref(server().store.keys[0])
     thread = server().thread
-    del gm
-    gc.collect()
-    thread.join(10)
-    assert not thread.is_alive(), "the decode thread outlived its GraphedModule"
-    gc.collect()
-    assert server() is None, "the batch (its cache and the model) outlived its GraphedModule"
+    gc.disable()  # without the collector: a cycle through the batch would keep it (and its pool) until it ran
+    try:
+        del gm
+        thread.join(10)
+        assert not thread.is_alive(), "the decode thread outlived its GraphedModule"
+        assert pool() is None, "the cache's pool outlived the batch's thread"
+        assert server() is None, "the batch (its cache and the model) outlived its GraphedModule"
+        assert torch.equal(fut.result(), _alone(model, [5, 6], max_new_tokens=4)), "a call's result outlives its batch"
+    finally:
+        gc.enable()
+
+
+def test_a_closed_batch_gives_back_its_pool_when_its_thread_ends():
+    model = _model()
+    gm = GraphedModule(model)
+    gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
+    server = gm.__dict__["_gw_decode"]
+    pool = weakref.ref(server.store.keys[0])
+    assert gm.close(timeout=10)
+    assert pool() is None and server.store.nbytes() == 0
+    assert torch.equal(gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False),
+                       _alone(model, [5, 6, 7], max_new_tokens=4)), "the next call makes a new batch"
 
 
 def test_a_call_racing_close_goes_to_the_next_batch(monkeypatch):
@@ -333,9 +352,10 @@ def test_a_call_racing_close_goes_to_the_next_batch(monkeypatch):
     threads = [threading.Thread(target=caller) for _ in range(3)]
     for t in threads:
         t.start()
-    for _ in range(20):
+    until = time.monotonic() + 2.0  # a tight loop of closes (3 at once had failed a call: "closed three times")
+    while time.monotonic() < until:
         gm.close()
-        time.sleep(0.01)
+        time.sleep(0.001)
     stop.set()
     for t in threads:
         t.join(60)

@@ -10,7 +10,7 @@ from helpers import thread_results
 
 from graphwrap import GraphedModule, GraphwrapError
 from graphwrap.decoding import server as server_mod
-from graphwrap.decoding.pool import BLOCK, PIECE_ALONE, Blocks, plan_cache, rows_possible, scratch_blocks
+from graphwrap.decoding.pool import BLOCK, PIECE_ALONE, Blocks, plan_cache, rows_for, rows_possible, scratch_blocks
 from graphwrap.decoding.scheduler import Scheduler, Seq
 from graphwrap.decoding.settings import SeqSettings
 
@@ -99,12 +99,33 @@ def test_the_rows_layout_is_probed_only_where_the_plan_may_choose_it():
     assert not plan_cache(4, 64, 1000, 10**12, in_place=False).paged
 
 
-def test_a_cpu_pool_starts_small_and_may_grow_to_every_row_whole():
+def test_a_cpu_pool_starts_with_a_few_blocks_and_may_grow_to_every_row_whole():
     p = plan_cache(rows=64, max_len=1024, token_bytes=1000, free=None)
     assert p.paged and p.budget is None
     scratch = 65 + 5 + PIECE_ALONE // BLOCK  # a block per row and the padding prompts', the capture blocks (65 positions), the widest piece's
-    assert p.blocks == 64 * (256 // BLOCK) + scratch and p.most == 64 * (1024 // BLOCK) + scratch
+    assert p.blocks == 512 // BLOCK + scratch and p.most == 64 * (1024 // BLOCK) + scratch
     assert p.scratch == scratch
+
+
+def test_rows_by_default_follow_what_the_pool_holds():
+    llama3 = 32 * 8 * 128 * 2 * 2  # a Llama-3-8B position's keys and values, fp16: 128 KiB
+    assert rows_for(llama3, 124 * 2**30) == 1024, "an H200 after the weights: capped"
+    assert rows_for(llama3, 60 * 2**30) == 640, "0.7 x 60 GiB / 128 KiB / 512 positions, in steps of 64"
+    assert rows_for(llama3, 6 * 2**30) == 64, "a small card: no fewer than 64"
+    assert rows_for(llama3, None) == 64, "a CPU"
+    assert rows_for(llama3, 60 * 2**30, fraction=0.35) == 320
+
+
+def test_a_batch_made_without_rows_holds_the_default_and_says_so():
+    model = _model()
+    gm = GraphedModule(model)
+    gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+    assert gm.stats()["decode"]["rows"] == 64, "a CPU's"
+    gm.close()
+    gm = GraphedModule(model, decode={"rows": 3})
+    gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+    assert gm.stats()["decode"]["rows"] == 3
+    gm.close()
 
 
 def test_blocks_are_handed_out_lowest_first_and_the_scratch_blocks_never():
@@ -269,7 +290,7 @@ def test_a_request_larger_than_the_whole_pool_fails_alone_with_the_sizes(monkeyp
 
 
 def test_the_cpu_pool_grows_on_demand_and_keeps_what_rows_hold(monkeypatch, gw_log):
-    monkeypatch.setattr("graphwrap.decoding.pool.CPU_START", 16)  # one block a row at first
+    monkeypatch.setattr("graphwrap.decoding.pool.CPU_START", 16)  # one block at first
     model = _model()
     gm = GraphedModule(model, decode={"rows": 4})
     prompts = _prompts([3, 40, 7, 25])

@@ -388,6 +388,7 @@ class Engine:
             held = self.store.detach()
             self.epoch = self.store.epoch
             self.watch.clear()
+            self.decl.forget()
             self.last_stream = self.last_sid = None
             self.where = None
         drop(held, self.backend.sync)

@@ -126,6 +126,12 @@ class Declarations:
         self._stateful: Dict[tuple, bool] = {}  # spec -> whether it holds a state input
         self.dims_checked = False
 
+    def forget(self):
+        """Drop what was remembered per spec: a spec of a call with state holds that state (a
+        decode batch's windows, and through them its cache), which an engine reset lets go of."""
+        self._declared.clear()
+        self._stateful.clear()
+
     def check_unkeyed(self, args, kwargs):
         """Where calls get no key (training mode, no CUDA), the dims are checked against the first
         call all the same: a dim no input has raises, as a keyed call would; a call they do not fit

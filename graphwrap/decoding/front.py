@@ -25,13 +25,13 @@ from ..loops.positions import check_positions
 from . import turns
 from .attention import without_cudnn
 from .grammar import GrammarError
-from .pool import CACHE_MEMORY
+from .pool import CACHE_MEMORY, MIN_ROWS
 from .scheduler import buckets_upto
 from .settings import PENALTY_KWARGS, CallPlan, plan_call
 
 logger = logging.getLogger("graphwrap")
 SHARED = "graphwrap's shared decode batch"
-ROWS, MAX_LEN = 64, 2048  # defaults: sequences decoded at once; positions each may hold where the model does not say
+MAX_LEN = 2048  # positions a sequence may hold where the model does not say
 _MAKING = threading.Lock()
 
 
@@ -43,7 +43,7 @@ def decode_options(given, config) -> Optional[dict]:
         return None
     d = dict(given) if isinstance(given, dict) else {}
     positions = model_positions(config)
-    d.setdefault("rows", ROWS)
+    d.setdefault("rows", None)  # (None: from the pool's memory, pool.rows_for)
     d.setdefault("max_len", positions or MAX_LEN)
     if positions and d["max_len"] > positions:
         logger.warning("decode max_len=%d is above the model's %d positions; the decode cache holds %d",
@@ -137,7 +137,7 @@ def _make(held: dict, module):
         return None, why
     if in_place and mixed_why is not None:
         logger.info("a long prompt's pieces run apart from the decode steps of %s: %s", type(module).__name__, mixed_why)
-    rows = cfg["rows"]
+    rows = cfg["rows"] or _default_rows(module, device, cfg.get("cache_memory", CACHE_MEMORY))
     # Each shape's graph is a key of its own (over its own twin of the cache, see captures.py):
     # the reference run warms it up, and one warm-up more does (cuBLAS, Triton) where nothing is
     # compiled; a compiled forward keeps the caller's warm-ups.
@@ -162,6 +162,20 @@ def _make(held: dict, module):
     return DecodeServer(module, engines["step"], engines["prefill"], rows, cfg["max_len"], cfg["max_queue"],
                         cfg["positions"], cfg.get("cache_memory", CACHE_MEMORY), cfg.get("paged"), engines["piece"],
                         engines.get("mixed"), compiled), None
+
+
+def _default_rows(module, device: torch.device, fraction: float) -> int:
+    """Rows a step may hold where the caller did not say: what the pool would hold (pool.rows_for)."""
+    from .pool import rows_for
+    from .server import _free_memory, _token_bytes
+    from .step import cache_layout
+
+    free = _free_memory(device)
+    if free is None:
+        return rows_for(0, None)
+    with without_cudnn(device):
+        keys, values = cache_layout(module, device)
+    return rows_for(_token_bytes(keys, values), free, fraction)
 
 
 def _shapes(rows: int, max_len: int) -> int:
@@ -220,9 +234,21 @@ def stats(held: dict, module) -> dict:
     return out
 
 
+def _queueing(held: dict) -> "threading.RLock":
+    """The lock under which a call takes this GraphedModule's batch and is queued on it, and
+    ``close()`` takes the batch away: a call is queued on a batch before it closes (which then
+    serves it), or finds the next one. Reentrant: a close from the thread that holds it (a
+    callback's, say) goes on, and the call then finds the next batch."""
+    lock = held.get("_gw_queueing")
+    return lock if lock is not None else held.setdefault("_gw_queueing", threading.RLock())
+
+
 def close(held: dict, cancel: bool = False, timeout: Optional[float] = None) -> bool:
-    server = held.pop("_gw_decode", None)
-    held.pop("_gw_decode_why", None)
+    with _queueing(held):
+        server = held.pop("_gw_decode", None)
+        held.pop("_gw_decode_why", None)
+        if server is not None:
+            server.close(cancel=cancel, timeout=0)  # (no new call from now on; the wait is below)
     if server is None:
         return True
     done = server.close(cancel=cancel, timeout=timeout)
@@ -247,35 +273,61 @@ def _close_dropped(held: dict):
 
 def _queued(gm, args, kwargs, block: bool = True, seed: Optional[int] = None):
     """``(server, plan, call)`` with the call queued on the shared batch, or ``(None, why, None)``.
-    A batch closed between taking it and queueing (``gm.close()`` from another thread) is taken
-    again: the call goes to the next one."""
+    The call is planned first (its grammar compiled, say), then taken by the batch under the
+    lock that ``close()`` takes: a batch closed meanwhile (``gm.close()`` from another thread)
+    is replaced there, and the call goes to the next one."""
+    held = gm.__dict__
+    server, p = plan(held, gm.module, args, kwargs)
+    for _ in range(3):
+        if server is not None:
+            server, p, call = _take(gm, server, p, seed, block)
+            if call is not None:
+                return server, p, call
+            if server is not None:
+                continue
+        if getattr(kwargs.get("streamer"), "logprobs", None) is not None:  # (no loop but the batch's gives them)
+            raise GraphwrapError(f"log-probabilities come from the shared batch only, which does not serve this "
+                                 f"call: {p}")
+        if kwargs.get("grammar") is not None:  # (nor applies a grammar)
+            raise GrammarError(f"a grammar is applied by the shared batch only, which does not serve this call: {p}")
+        if any(kwargs.get(k) for k in PENALTY_KWARGS):  # (nor these penalties)
+            raise GraphwrapError(f"presence_penalty and frequency_penalty are applied by the shared batch only, "
+                                 f"which does not serve this call: {p}")
+        return None, p, None
+    raise GraphwrapError("this GraphedModule's decode batch was closed three times while a call was being queued")
+
+
+def _take(gm, server, p, seed: Optional[int], block: bool):
+    """``(server, plan, call)``: the call of ``p`` queued on ``server``, or on the batch that
+    replaced it where it closed meanwhile (made here if need be; ``(None, why, None)`` where
+    none serves now); the call None where the batch closed before taking it (the caller tries
+    again). Where the queue is full, it waits for room outside the lock (``block``), or raises
+    QueueFull carrying the call (agenerate waits for room with it)."""
     from .calls import Closed, QueueFull
 
     held = gm.__dict__
-    for _ in range(3):
-        server, p = plan(held, gm.module, args, kwargs)
-        if server is None:
-            if getattr(kwargs.get("streamer"), "logprobs", None) is not None:  # (no loop but the batch's gives them)
-                raise GraphwrapError(f"log-probabilities come from the shared batch only, which does not serve this "
-                                     f"call: {p}")
-            if kwargs.get("grammar") is not None:  # (nor applies a grammar)
-                raise GrammarError(f"a grammar is applied by the shared batch only, which does not serve this call: {p}")
-            if any(kwargs.get(k) for k in PENALTY_KWARGS):  # (nor these penalties)
-                raise GraphwrapError(f"presence_penalty and frequency_penalty are applied by the shared batch only, "
-                                     f"which does not serve this call: {p}")
-            return None, p, None
+    with _queueing(held):
+        if held.get("_gw_decode") is not server:  # closed meanwhile: the next batch
+            server, why = server_of(held, gm.module)
+            if server is None:
+                return None, why, None
         if "_gw_decode_finalizer" not in held:
             held["_gw_decode_finalizer"] = weakref.finalize(gm, _close_dropped, held)
         call = server.prepare(p, seed)
         try:
-            server.enqueue(call, block)
-        except Closed:
-            continue
+            server.enqueue(call, block=False)
+            return server, p, call
+        except Closed:  # (closed by its own thread: broken, or the process exiting)
+            return server, p, None
         except QueueFull as full:
-            full.server, full.call = server, call  # (agenerate waits for room with this call)
-            raise
-        return server, p, call
-    raise GraphwrapError("this GraphedModule's decode batch was closed three times while a call was being queued")
+            if not block:
+                full.server, full.call = server, call
+                raise
+    try:
+        server.enqueue(call, block=True)
+    except Closed:
+        return server, p, None
+    return server, p, call
 
 
 def capture_generate(gm, timeout: Optional[float] = None) -> bool:
@@ -339,7 +391,8 @@ def alone(gm, why: str, args, kwargs):
         decode.check_ids(module, args, kwargs)
         check_positions(module, args, kwargs)
         me = turns.waiter(module, args, kwargs) if joins else turns.Waiter(args, kwargs)
-        return turns.take(cast(turns.Turns, turns.turns_of(module)), me, cfg["rows"] if cfg is not None else 1, run)
+        most = (cfg["rows"] or MIN_ROWS) if cfg is not None else 1
+        return turns.take(cast(turns.Turns, turns.turns_of(module)), me, most, run)
     except BaseException:
         streamer = kwargs.get("streamer")
         if streamer is not None:
@@ -366,7 +419,7 @@ def submit(gm, args, kwargs, block: bool = True, seed: Optional[int] = None) -> 
         except Exception as e:  # noqa: BLE001 - handed to the caller through the future
             out.set_exception(e)
         return out
-    fut = call.future
+    fut, engine = call.future, gm.engine  # (not gm: a future held must not keep the GraphedModule)
 
     def done(f):  # (on a delivery worker: never the decode thread)
         if f.cancelled():
@@ -374,7 +427,7 @@ def submit(gm, args, kwargs, block: bool = True, seed: Optional[int] = None) -> 
         elif f.exception() is not None:
             out.set_exception(f.exception())
         else:
-            count(gm.engine, SHARED)
+            count(engine, SHARED)
             out.set_result(output(f.result(), p))
 
     fut.add_done_callback(done)

@@ -161,6 +161,14 @@ class PagedStore(Store):
         self.table.index_copy_(0, rows, rows[:, None].expand(-1, self.per_row))
         self.version += 1
 
+    def free(self):
+        for s in [self] + self.twins:  # (the twins share the lists of pools)
+            super(PagedStore, s).free()
+            s.direct_keys = []
+            s.piece_windows.clear()
+            s.mixed_windows.clear()
+        self.twins.clear()
+
     def grow(self, blocks: int):
         """The pool holds ``blocks`` blocks now (a CPU's pool; the old ones keep their place)."""
         for t in (self.keys, self.values):

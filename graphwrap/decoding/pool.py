@@ -16,8 +16,8 @@ layouts of the same cache (see :mod:`.rows` and :mod:`.pages`):
 
 The budget, on a GPU, is a fraction (``cache_memory``, default :data:`CACHE_MEMORY`) of the
 memory free when the batch is made (after the weights); the rest is the graphs' and the
-forwards' working memory. On a CPU the pool starts small and grows on demand up to the whole
-context of every row.
+forwards' working memory. On a CPU the pool starts with a few blocks and doubles on demand up to
+the whole context of every row, so that its memory follows the rows in use.
 """
 
 from dataclasses import dataclass
@@ -25,9 +25,12 @@ from typing import List, Optional
 
 BLOCK = 16  # positions per block of the paged pool
 CACHE_MEMORY = 0.7  # default share of the GPU memory free at the batch's making that the cache may take
-CPU_START = 256  # positions per row the CPU pool holds at first (it doubles when a sequence needs more)
+CPU_START = 512  # positions the CPU pool holds at first beside its scratch blocks (it doubles when sequences need more)
 PIECE = 128  # positions of a long prompt's piece in the paged pool beside decoding rows (a replay a turn, pieces.py)
 PIECE_ALONE = 512  # ... with no row decoding beside it (its weights read a quarter as often)
+MAX_ROWS = 1024  # rows a step may hold by default, at most (where the pool holds ROW_POSITIONS for each)
+MIN_ROWS = 64  # ... at least (and a CPU's, whose pool follows the rows in use)
+ROW_POSITIONS = 512  # positions per row, on average, that the default row count leaves each in the pool
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ def plan_cache(rows: int, max_len: int, token_bytes: int, free: Optional[int], f
     if free is None:  # a CPU: no budget to keep to
         if paged is False:
             return CachePlan(False, max_len, 0, 0, 0, token_bytes, None, "rows (asked for)")
-        start = min(most, rows * -(-min(CPU_START, max_len) // BLOCK) + scratch)
+        start = min(most, blocks_for(CPU_START, BLOCK) + scratch)  # memory follows the rows in use
         return CachePlan(True, BLOCK, start, most, scratch, token_bytes, None,
                          f"paged, growing on demand from {start - scratch} blocks of {BLOCK} positions")
     budget = int(fraction * free)
@@ -112,6 +115,18 @@ class Blocks:
     @property
     def used(self) -> int:
         return self.total - self.scratch - len(self.free)
+
+
+def rows_for(token_bytes: int, free: Optional[int], fraction: float = CACHE_MEMORY) -> int:
+    """How many rows a step may hold where ``decode={"rows": ...}`` is not given: as many as the
+    pool (``fraction`` of ``free`` bytes, ``token_bytes`` a position) holds :data:`ROW_POSITIONS`
+    positions for, in steps of 64, between :data:`MIN_ROWS` and :data:`MAX_ROWS`; on a CPU
+    (``free`` None) :data:`MIN_ROWS`. Rows beyond those in use cost a scratch block each and
+    nothing else: a step's graph covers the live rows' bucket, and the pool is shared."""
+    if free is None:
+        return MIN_ROWS
+    rows = int(fraction * free) // max(token_bytes, 1) // ROW_POSITIONS
+    return max(MIN_ROWS, min(MAX_ROWS, rows // 64 * 64))
 
 
 def rows_possible(paged: Optional[bool], on_gpu: bool, in_place: bool) -> bool:

@@ -48,6 +48,13 @@ class Store:
     def allocated(self) -> bool:
         return bool(self.keys)
 
+    def free(self):
+        """Let go of the cache's tensors, and of the windows over them (its batch has ended)."""
+        self.keys.clear()
+        self.values.clear()
+        self.windows.clear()
+        self.prompt_windows.clear()
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 

@@ -130,7 +130,7 @@ class DecodeServer:
         self.tpot: Deque[float] = collections.deque(maxlen=KEEP)
         self.turns = Turns(KEEP)  # the working turns' seconds (a stall shows here)
         self.lag: Deque[float] = collections.deque(maxlen=KEEP)  # a token's made-to-streamer seconds
-        self.sinks = Sinks(self.lag, self.abort)
+        self.sinks = Sinks(self.lag, _weak_abort(self))  # (a bound method would make the batch a cycle)
         self.waits: Deque[float] = collections.deque(maxlen=KEEP)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.shapes = Shapes(self.stream is not None)
@@ -161,7 +161,8 @@ class DecodeServer:
         before a call makes it repeat); GraphwrapError where the batch cannot hold it."""
         self.check(plan)
         fut: Future = Future()
-        call = Call(plan, fut, Mailbox(lambda e: self.abort(call, e)))
+        abort = _weak_abort(self)  # (a call outlives its batch's thread in its caller's hands)
+        call = Call(plan, fut, Mailbox(lambda e: abort(call, e)))
         n = len(plan.prompts)
         g = None if seed is None else torch.Generator().manual_seed(seed)
         seeds = torch.randint(0, 1 << 31, (n,), generator=g).tolist() if plan.settings.sample else [0] * n
@@ -169,7 +170,7 @@ class DecodeServer:
         if plan.settings.grammar is not None:
             matchers(call.seqs, plan.settings.grammar, self.settings.eos_of(plan.settings))
         call.left = len(call.seqs)
-        fut.add_done_callback(lambda f: self.abort(call, None) if f.cancelled() else None)
+        fut.add_done_callback(lambda f: abort(call, None) if f.cancelled() else None)
         return call
 
     def enqueue(self, call: Call, block: bool = True):
@@ -198,7 +199,7 @@ class DecodeServer:
             self.counts["calls"] += 1
             self.counts["sequences"] += n
             if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="graphwrap-decode", daemon=True)
+                self.thread = threading.Thread(target=_decode_thread, args=(self,), name="graphwrap-decode", daemon=True)
                 self.thread.start()
                 _RUNNING.add(self)
             self.cond.notify_all()
@@ -508,6 +509,44 @@ def _write_settings(server: DecodeServer, seqs: List[Seq]) -> Tuple[torch.Tensor
         kept += ok
         index.append(got)
     return torch.cat(index), kept
+
+
+def _weak_abort(server: DecodeServer):
+    """``server.abort`` without a reference to the batch: a no-op once the batch is gone."""
+    ref = weakref.ref(server)
+
+    def abort(call: Call, error: Optional[BaseException]):
+        s = ref()
+        if s is not None:
+            s.abort(call, error)
+    return abort
+
+
+def _decode_thread(server: DecodeServer):
+    try:
+        server._run()
+    finally:
+        let_go(server)
+
+
+def let_go(server: DecodeServer):
+    """At the decode thread's end (closed, stopped or broken): the capturing thread is waited
+    for, then the cache's pools and every engine's graphs are given back, and the capturer's
+    reference to the batch dropped (a cycle), so that its memory returns
+    when the thread ends, not when the garbage collector next finds the batch (a dropped
+    GraphedModule's, say: on a GPU the pool is most of the device)."""
+    try:
+        if server.captures is not None:
+            server.captures.stop(None)
+            server.captures.server = None  # (its thread has ended)
+        server.twins.clear()
+        server.compiled.clear()
+        for engine in {id(e): e for e in (server.engine, server.prefill_engine, server.piece_engine,
+                                          server.mixed_engine, *server.compiled_engines.values()) if e is not None}.values():
+            engine.reset()
+    except Exception:  # noqa: BLE001 - (after a CUDA error, say): what is left goes with the batch
+        logger.exception("the shared batch's graphs could not all be given back at its end")
+    server.store.free()
 
 
 def _admitted(server: DecodeServer) -> List[Seq]:

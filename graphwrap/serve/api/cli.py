@@ -23,7 +23,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"),
                     help="auto: the checkpoint's dtype on a GPU, float32 on a CPU")
     ap.add_argument("--device", default=None, help="default: cuda where there is one, else cpu")
-    ap.add_argument("--rows", type=int, default=None, help="sequences decoded at once (default 64)")
+    ap.add_argument("--rows", type=int, default=None, help="sequences a decode step may hold (default: as many as the cache holds 512 positions for, 64 to 1,024, on a GPU; 64 on a CPU)")
     ap.add_argument("--max-len", type=int, default=None, help="positions a sequence may hold (default: the model's)")
     ap.add_argument("--max-queue", type=int, default=None, help="sequences waiting for a row before 429 (default 4096)")
     ap.add_argument("--cache-memory", type=float, default=None,
