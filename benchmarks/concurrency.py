@@ -65,6 +65,11 @@ def one_setting(model, label: str, decode, levels, repeats: int, device) -> dict
     out["rows"], out["cache_bytes"] = d["rows"], d["cache_bytes"]
     out["rows_per_step"], out["preempted"] = round(d["rows_per_step"], 1), d["preempted"]
     out["captures"] = d["captures"]
+    out["decode_thread_s"], out["steps"], out["prefills"] = d["thread_s"], d["steps"], d["prefills"]
+    out["rows_per_prefill"], out["turn_ms"], out["tpot_ms"] = round(d["rows_per_prefill"], 1), d["turn_ms"], d["tpot_ms"]
+    print(f"{label}: the decode thread's seconds by part {d['thread_s']}; {d['steps']} steps, {d['prefills']} prompt "
+          f"forwards of {d['rows_per_prefill']:.1f} prompts; turn p50 {d['turn_ms']['p50']:.2f} ms, time per output "
+          f"token p50 {d['tpot_ms']['p50']:.2f} ms", flush=True)
     print(f"{label}: rows {d['rows']}, cache {d['cache_bytes'] / 2**30:.1f} GiB, rows a step {d['rows_per_step']:.1f}, "
           f"preempted {d['preempted']}, captures {d['captures']}", flush=True)
     held = torch.cuda.memory_allocated()
