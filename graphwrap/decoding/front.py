@@ -248,7 +248,7 @@ def close(held: dict, cancel: bool = False, timeout: Optional[float] = None) -> 
         server = held.pop("_gw_decode", None)
         held.pop("_gw_decode_why", None)
         if server is not None:
-            server.close(cancel=cancel, timeout=0)  # (no new call from now on; the wait is below)
+            server.close(timeout=0)  # (no new call from now on; the cancels, and their callbacks, and the wait below)
     if server is None:
         return True
     done = server.close(cancel=cancel, timeout=timeout)
