@@ -4,7 +4,7 @@ N requests of 128 random prompt tokens and 128 new tokens (greedy, no end-of-seq
 are submitted at once (``gm.submit_generate``, one thread), for each N of ``--concurrency``.
 Each batch setting in turn, in this one process, on one model: ``decode={"rows": 64}`` (the
 default before rows followed memory) and the default (rows from the pool's memory, see
-``graphwrap/decoding/pool.py``). For each: the first burst of each N, timed apart (it captures
+``graphwrap/decoding/cache/pool.py``). For each: the first burst of each N, timed apart (it captures
 the shapes it needs), then the median of ``--repeats`` warm bursts, with their spread, in
 output tokens/s. Between settings the batch is closed and dropped, and the GPU memory the
 process holds is read without the garbage collector running (the pool must be back then).

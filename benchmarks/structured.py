@@ -166,10 +166,10 @@ class HostClock:
     (DecodeServer._token, per token)."""
 
     def __init__(self):
-        from graphwrap.decoding import captures, server
-        from graphwrap.decoding.grammar import RowMasks
-        from graphwrap.decoding.inflight import Tokens
-        from graphwrap.decoding.sampling import RowSettings
+        from graphwrap.decoding.engine import captures, server
+        from graphwrap.decoding.engine.grammar import RowMasks
+        from graphwrap.decoding.engine.inflight import Tokens
+        from graphwrap.decoding.engine.sampling import RowSettings
 
         places = {"fill": RowMasks, "apply": RowMasks, "next_tokens": RowSettings, "queue": Tokens,
                   "_token": server.DecodeServer, "forward": captures}
@@ -281,7 +281,7 @@ def main(argv=None):
         masks = gm.__dict__["_gw_decode"].settings.masks
         import xgrammar
 
-        from graphwrap.decoding.grammar import FILL_THREADS
+        from graphwrap.decoding.engine.grammar import FILL_THREADS
 
         runs: Dict[str, List[dict]] = {"none": [], "quarter": [], "quarter-8-threads": []}
         for r in range(a.repeats):

@@ -20,7 +20,7 @@ from .core.buckets import (
     fit_buckets,
     padded_rows,
 )
-from .decoding.grammar import Grammar, GrammarError
+from .decoding.engine.grammar import Grammar, GrammarError
 from .errors import GraphwrapError
 from .loops.batcher import Batcher
 from .loops.pipeline import Inputs

@@ -16,7 +16,7 @@ from torch.nn.modules import module as _nn_module
 from .core.engine import Engine
 from .core.reasons import Eager, Kind
 from .core.records import release_store
-from .decoding import front
+from .decoding.callers import front
 from .errors import GraphwrapError
 from .options import Buckets, CompileArg, DecodeArg, Dims, Options, PadValues, SeqBuckets, StateArg
 

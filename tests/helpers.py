@@ -508,7 +508,7 @@ def same_or_near_tie(model, ids, out, k: int):
     assert top2[0] - top2[1] <= 4 * 2 ** -10 * top2[0].abs().clamp(min=1), (at, top2)
 
 
-# ------------------------------------------------------------------ joined turns (graphwrap/decoding/turns.py)
+# ------------------------------------------------------------------ joined turns (graphwrap/decoding/callers/turns.py)
 
 
 def hold_turn(t):

@@ -1,4 +1,4 @@
-"""The decode step's grouped-query attention without repeated keys (graphwrap/decoding/attention.py):
+"""The decode step's grouped-query attention without repeated keys (graphwrap/decoding/kernels/attention.py):
 equal to transformers' sdpa where it folds, sdpa itself where it does not, set and restored on
 the model only around the batch's own calls, and used by the shared batch of a Llama whose
 tokens stay model.generate's. Needs transformers (skipped with the reason without it)."""
@@ -8,7 +8,7 @@ import torch
 from helpers import thread_results
 
 from graphwrap import GraphedModule
-from graphwrap.decoding import attention
+from graphwrap.decoding.kernels import attention
 
 tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402

@@ -350,11 +350,11 @@ def test_an_encoder_decoders_default_call_replays_with_generates_tokens(name, fp
 
 @pytest.mark.parametrize("name", ["t5", "bart", "whisper"])
 def test_concurrent_encoder_decoder_calls_share_a_turn_of_replays_with_generates_tokens(name, fp32_exact):
-    """Eight default calls waiting for the turn together (graphwrap/decoding/turns.py): one
+    """Eight default calls waiting for the turn together (graphwrap/decoding/callers/turns.py): one
     generate over their 16 rows (text prompts of 10, 13 and 16 tokens, padded), every step a
     replay, each call's tokens its own alone. (Rows ending at different places, and the split
     there: tests/test_generate_turns_cpu.py.)"""
-    from graphwrap.decoding import turns
+    from graphwrap.decoding.callers import turns
 
     model = varied_weights(_seq2seq(name))  # (each input its own tokens)
     gm = GraphedModule(model)

@@ -1,5 +1,5 @@
 """Llama-form RMSNorms, GPT-2's GELUs, Llama's gated MLPs and rotary embedding in one kernel
-inside the shared batch's forwards (graphwrap/decoding/fused.py): which classes are taken, the class's own forward everywhere but
+inside the shared batch's forwards (graphwrap/decoding/kernels/fused.py): which classes are taken, the class's own forward everywhere but
 inside the block on that thread, and the single kernel equal to the own forward to rounding
 (the condition is widened to the CPU here; on a GPU the norm's is torch's
 aten::_fused_rms_norm). Needs transformers."""
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from graphwrap.decoding import fused
+from graphwrap.decoding.kernels import fused
 
 tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
 from transformers.activations import GELUActivation, NewGELUActivation, PytorchGELUTanh  # noqa: E402
@@ -31,7 +31,7 @@ def patched(monkeypatch):
     the test; the rotary, gated MLP and projections kernels (Triton, on a GPU:
     tests/test_decode_rope_cuda.py, tests/test_decode_mlp_cuda.py) stood in for by their torch
     references, so that what is tested here is which calls reach them."""
-    from graphwrap.decoding import mlp, qkv, rope
+    from graphwrap.decoding.kernels import mlp, qkv, rope
 
     for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, NewGELUActivation, LlamaMLP, MistralMLP, Qwen2MLP,
                 GemmaMLP, LlamaAttention, MistralAttention, Qwen2Attention):
@@ -301,7 +301,7 @@ def test_the_attentions_projections_run_as_one_kernel_inside_the_block_and_the_l
 
 
 def test_a_given_module_is_the_module_but_for_its_projections_of_that_very_input():
-    from graphwrap.decoding import qkv
+    from graphwrap.decoding.kernels import qkv
 
     attn = LlamaAttention(tr.LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1), layer_idx=0)
     x, other = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
@@ -317,7 +317,7 @@ def test_a_given_module_is_the_module_but_for_its_projections_of_that_very_input
 
 def test_a_projection_is_taken_only_where_its_call_is_its_product_alone():
     """Hooks (an adapter's, an offloading's) or another class or device: the module's own call."""
-    from graphwrap.decoding import qkv
+    from graphwrap.decoding.kernels import qkv
 
     x = torch.randn(2, 8)
     assert qkv.plain(torch.nn.Linear(8, 4), x)

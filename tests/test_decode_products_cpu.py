@@ -1,4 +1,4 @@
-"""The shape of work of graphwrap's gated-MLP kernel by card (graphwrap/decoding/mlp.py): the
+"""The shape of work of graphwrap's gated-MLP kernel by card (graphwrap/decoding/kernels/mlp.py): the
 H100's row where the card's name holds it, else the rule tuned on an H200 (tiles of 64 outputs
 where they still make a program for each SM, else of 16); a shape given by the caller kept.
 The kernel itself runs on a GPU: tests/test_decode_products_cuda.py."""
@@ -6,7 +6,7 @@ The kernel itself runs on a GPU: tests/test_decode_products_cuda.py."""
 import pytest
 import torch
 
-from graphwrap.decoding import mlp, qkv
+from graphwrap.decoding.kernels import mlp, qkv
 
 DEV = torch.device("cuda", 0)
 
@@ -48,9 +48,9 @@ def test_a_shape_of_work_given_is_kept(card, monkeypatch):
     import sys
     import types
 
-    fake = types.ModuleType("graphwrap.decoding._mlp_triton")  # (the Triton kernel's module: a GPU's)
+    fake = types.ModuleType("graphwrap.decoding.kernels._mlp_triton")  # (the Triton kernel's module: a GPU's)
     fake.gate_up = Kernel()  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "graphwrap.decoding._mlp_triton", fake)
+    monkeypatch.setitem(sys.modules, "graphwrap.decoding.kernels._mlp_triton", fake)
     monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(cdiv=lambda a, b: -(-a // b)))
     x, w = torch.zeros(8, 1, 32), torch.zeros(96, 32)
     assert mlp.gate_up(x, w, w).shape == (8, 1, 96)

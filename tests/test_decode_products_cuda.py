@@ -1,9 +1,9 @@
 """A step's matrix products in graphwrap's kernels (Triton) on a GPU: Llama's gated MLP's first
-half in one (graphwrap/decoding/mlp.py) against transformers' LlamaMLP's own operations, and the
-attention's query, key and value projections in one (graphwrap/decoding/qkv.py) against three
+half in one (graphwrap/decoding/kernels/mlp.py) against transformers' LlamaMLP's own operations, and the
+attention's query, key and value projections in one (graphwrap/decoding/kernels/qkv.py) against three
 ``F.linear``, over a step's rows (1 to 64) and the widths of the models served (the 1.1B shape,
 a 7-8B shape, widths no tile divides, biases as Qwen2's); where they do not apply. The step's
-RMSNorm (graphwrap/decoding/norm.py) against transformers' LlamaRMSNorm the same way."""
+RMSNorm (graphwrap/decoding/kernels/norm.py) against transformers' LlamaRMSNorm the same way."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ pytest.importorskip("triton", reason="needs Triton (torch's CUDA wheels bring it
 
 
 def mlp_cards():
-    from graphwrap.decoding import mlp
+    from graphwrap.decoding.kernels import mlp
 
     return sorted(set(mlp.CARDS.values()))
 
@@ -23,7 +23,7 @@ def mlp_cards():
 @pytest.mark.parametrize("shape", [None, *mlp_cards()], ids=lambda s: "card's" if s is None else str(s))
 def test_the_gated_kernel_equals_transformers_operations_to_rounding(m, k, n, dtype, shape):
     """With this card's shape of work, and with each card's of graphwrap's table."""
-    from graphwrap.decoding import mlp
+    from graphwrap.decoding.kernels import mlp
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, 1, k, generator=g, device="cuda").to(dtype)
@@ -40,7 +40,7 @@ def test_the_gated_kernel_equals_transformers_operations_to_rounding(m, k, n, dt
 
 
 def test_where_the_gated_kernel_does_not_apply():
-    from graphwrap.decoding import mlp
+    from graphwrap.decoding.kernels import mlp
 
     def lin(bias=False, dtype=torch.float16):
         return torch.nn.Linear(64, 96, bias=bias, device="cuda", dtype=dtype)
@@ -61,7 +61,7 @@ def test_where_the_gated_kernel_does_not_apply():
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("split", [None, 1, 4])
 def test_the_projections_kernel_equals_its_linears_to_rounding(m, k, ns, dtype, bias, split):
-    from graphwrap.decoding import qkv
+    from graphwrap.decoding.kernels import qkv
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, 1, k, generator=g, device="cuda").to(dtype)
@@ -81,7 +81,7 @@ def test_the_projections_kernel_equals_its_linears_to_rounding(m, k, ns, dtype, 
 
 
 def test_where_the_projections_kernel_does_not_apply():
-    from graphwrap.decoding import qkv
+    from graphwrap.decoding.kernels import qkv
 
     def lin(n=32, bias=False, dtype=torch.float16):
         return torch.nn.Linear(64, n, bias=bias, device="cuda", dtype=dtype)
@@ -104,7 +104,7 @@ def test_the_shared_batch_runs_both_kernels_in_its_graphs_and_gives_the_models_t
     from helpers import same_or_near_tie, thread_results
 
     from graphwrap import GraphedModule
-    from graphwrap.decoding import mlp, norm, qkv
+    from graphwrap.decoding.kernels import mlp, norm, qkv
 
     tr = pytest.importorskip("transformers", reason="needs transformers")
     torch.manual_seed(0)
@@ -141,7 +141,7 @@ def test_the_shared_batch_runs_both_kernels_in_its_graphs_and_gives_the_models_t
 @pytest.mark.parametrize("m,n", [(64, 2048), (1, 2048), (37, 4096), (5, 300), (64, 8192)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_norm_kernel_equals_transformers_rmsnorm_to_rounding(m, n, dtype):
-    from graphwrap.decoding import norm
+    from graphwrap.decoding.kernels import norm
 
     tr = pytest.importorskip("transformers", reason="needs transformers")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -163,7 +163,7 @@ def test_the_norm_kernel_equals_transformers_rmsnorm_to_rounding(m, n, dtype):
 
 
 def test_where_the_norm_kernel_does_not_apply():
-    from graphwrap.decoding import norm
+    from graphwrap.decoding.kernels import norm
 
     x = torch.randn(8, 1, 256, device="cuda").half()
     w = torch.ones(256, device="cuda").half()

@@ -1,4 +1,4 @@
-"""Writes into the paged pool while torch.compile traces (graphwrap/decoding/step_write.py's
+"""Writes into the paged pool while torch.compile traces (graphwrap/decoding/kernels/step_write.py's
 ``put``, torch's operator ``graphwrap::put_slots``): Inductor's code on the CPU writes into the
 pools in place and the attention after it reads what was written. Traced as an indexed
 assignment beside the attention's view of the same pool, Inductor copied the whole pool to a
@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from graphwrap.decoding import paged_attention, step_write
+from graphwrap.decoding.kernels import paged_attention, step_write
 
 pytest.importorskip("torch._inductor", reason="needs torch's Inductor")
 

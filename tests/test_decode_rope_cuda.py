@@ -1,4 +1,4 @@
-"""Llama's rotary embedding in one kernel (graphwrap/decoding/rope.py, Triton) on a GPU: against
+"""Llama's rotary embedding in one kernel (graphwrap/decoding/kernels/rope.py, Triton) on a GPU: against
 transformers' own function and a torch reference in fp32, over the layouts the batch hands it
 (a decode step's transposed views, a piece's positions, grouped key heads, ``cos`` of one
 sequence for many)."""
@@ -23,7 +23,7 @@ def _cos_sin(b, s, d, dtype, generator):
 def test_the_rotary_kernel_equals_transformers_function_to_rounding(b, hq, hk, s, d, dtype):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from graphwrap.decoding import fused, rope
+    from graphwrap.decoding.kernels import fused, rope
 
     own = getattr(apply_rotary_pos_emb, "_gw_own", apply_rotary_pos_emb)
     g = torch.Generator(device="cuda").manual_seed(0)

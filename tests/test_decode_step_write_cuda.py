@@ -1,5 +1,5 @@
 """A decode step's keys and values written into the paged pool in one kernel a layer
-(graphwrap/decoding/step_write.py, Triton) on a GPU: the same pools as indexed assignment, over
+(graphwrap/decoding/kernels/step_write.py, Triton) on a GPU: the same pools as indexed assignment, over
 the layouts a step hands it (views of transposed projections, grouped key heads, 80-wide heads,
 rows sharing a block); and where it does not apply."""
 
@@ -13,7 +13,7 @@ pytest.importorskip("triton", reason="needs Triton (torch's CUDA wheels bring it
 @pytest.mark.parametrize("n,h,d", [(64, 4, 64), (1, 8, 128), (7, 3, 80), (33, 1, 16), (5, 16, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_step_write_equals_indexed_assignment(n, h, d, dtype):
-    from graphwrap.decoding import step_write
+    from graphwrap.decoding.kernels import step_write
 
     g = torch.Generator(device="cuda").manual_seed(0)
     keys = torch.randn(40, 16, h, d, generator=g, device="cuda").to(dtype)
@@ -31,7 +31,7 @@ def test_the_step_write_equals_indexed_assignment(n, h, d, dtype):
 
 
 def test_where_the_step_write_does_not_apply_the_assignment_runs():
-    from graphwrap.decoding import step_write
+    from graphwrap.decoding.kernels import step_write
 
     keys = torch.zeros(4, 16, 2, 64, device="cuda", dtype=torch.float16)
     k = torch.zeros(3, 2, 64, device="cuda", dtype=torch.float16)

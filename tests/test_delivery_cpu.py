@@ -1,4 +1,4 @@
-"""Deliveries off the decode thread (graphwrap/decoding/delivery.py): a slow or stuck streamer
+"""Deliveries off the decode thread (graphwrap/decoding/callers/delivery.py): a slow or stuck streamer
 holds up its own call only, however many there are and whenever the others' deliveries come."""
 
 import threading
@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from graphwrap.decoding.delivery import Mailbox, Outbox
+from graphwrap.decoding.callers.delivery import Mailbox, Outbox
 
 
 def _stuck_then_quick(stuck: int, posts: int = 20):

@@ -18,8 +18,8 @@ import torch
 from helpers import thread_results
 
 from graphwrap import GraphedModule, GraphwrapError
-from graphwrap.decoding import settings as settings_mod
-from graphwrap.decoding.settings import CallPlan, plan_call
+from graphwrap.decoding.callers import settings as settings_mod
+from graphwrap.decoding.callers.settings import CallPlan, plan_call
 
 tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
 SHARED = "graphwrap's shared decode batch"
@@ -164,7 +164,7 @@ def test_a_slow_streamer_holds_up_only_its_own_call():
 
 
 def test_the_decode_thread_failing_ends_every_call_and_wakes_callers_waiting_for_room(monkeypatch):
-    from graphwrap.decoding.server import DecodeServer
+    from graphwrap.decoding.engine.server import DecodeServer
 
     model = _model()
     gm = GraphedModule(model, decode={"rows": 1, "max_queue": 1})
@@ -322,7 +322,7 @@ def test_a_closed_batch_gives_back_its_pool_when_its_thread_ends():
 
 
 def test_a_call_racing_close_goes_to_the_next_batch(monkeypatch):
-    from graphwrap.decoding.server import DecodeServer
+    from graphwrap.decoding.engine.server import DecodeServer
 
     model = _model()
     gm = GraphedModule(model)
@@ -364,7 +364,7 @@ def test_a_call_racing_close_goes_to_the_next_batch(monkeypatch):
 
 
 def test_close_that_times_out_leaves_one_batch_at_a_time(monkeypatch):
-    from graphwrap.decoding import front
+    from graphwrap.decoding.callers import front
 
     model = _model()
     gm = GraphedModule(model)
@@ -517,7 +517,7 @@ def test_merged_settings_are_safe_from_many_threads(monkeypatch):
 
 
 def test_a_cache_that_cannot_be_allocated_sends_calls_to_the_one_call_loop_once_decided(monkeypatch, gw_log):
-    from graphwrap.decoding.pages import PagedStore
+    from graphwrap.decoding.cache.pages import PagedStore
 
     tries = []
 

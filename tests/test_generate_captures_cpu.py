@@ -13,10 +13,10 @@ import torch
 from helpers import CpuBackend, thread_results
 
 from graphwrap import GraphedModule
-from graphwrap.decoding.captures import AHEAD, Captures
-from graphwrap.decoding.pages import PagedStore
-from graphwrap.decoding.pool import BLOCK, scratch_blocks
-from graphwrap.decoding.shapes import CAPTURE_AFTER, COVERED, EAGER, GRAPH, INLINE, NEEDED, Shapes
+from graphwrap.decoding.cache.pages import PagedStore
+from graphwrap.decoding.cache.pool import BLOCK, scratch_blocks
+from graphwrap.decoding.engine.captures import AHEAD, Captures
+from graphwrap.decoding.engine.shapes import CAPTURE_AFTER, COVERED, EAGER, GRAPH, INLINE, NEEDED, Shapes
 
 tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
 
@@ -78,7 +78,7 @@ def test_a_twin_points_every_row_at_the_capture_blocks_one_position_each():
 
 
 def test_a_piece_twin_writes_only_the_pieces_capture_blocks():
-    from graphwrap.decoding.pool import PIECE, blocks_for
+    from graphwrap.decoding.cache.pool import PIECE, blocks_for
 
     store = PagedStore(20, 256, "cpu", BLOCK, scratch_blocks(20, BLOCK) + 12)
     store.allocate([torch.zeros(1, 2, 1, 8)], [torch.zeros(1, 2, 1, 8)])
@@ -189,7 +189,7 @@ def test_a_long_prompts_pieces_are_captured_beside_and_then_replayed_with_the_mo
     """Pieces of a long prompt (8 positions here) go to graphs of their (width, span) shape,
     captured over a twin whose row writes only the piece's capture blocks, then replayed over the
     cache's own table (the piece's place read from the device); tokens as model.generate's."""
-    from graphwrap.decoding import server as server_mod
+    from graphwrap.decoding.engine import server as server_mod
 
     monkeypatch.setattr(server_mod, "CHUNK", 8)
     model = _model(kind)
@@ -325,7 +325,7 @@ def test_with_compile_a_lone_call_never_waits_for_a_compile_and_its_capture_wait
     """Inductor's compile of a shape runs while no caller waits for it; the capture after it
     starts only while a call is in flight (a caller done with the batch may synchronize the
     device), so a lone call returns during the compile, and the capture waits for the next."""
-    from graphwrap.decoding import captures as captures_mod
+    from graphwrap.decoding.engine import captures as captures_mod
 
     compiling, release = threading.Event(), threading.Event()
 
@@ -357,7 +357,7 @@ def test_with_compile_a_lone_call_never_waits_for_a_compile_and_its_capture_wait
 
 
 def test_with_compile_a_shape_whose_compile_ahead_fails_is_compiled_by_its_capture(monkeypatch, caplog):
-    from graphwrap.decoding import captures as captures_mod
+    from graphwrap.decoding.engine import captures as captures_mod
 
     def failing(engine, stream, server, args, kwargs):
         raise RuntimeError("dynamo could not trace it")
@@ -400,7 +400,7 @@ def test_a_compile_ahead_of_a_capture_marks_its_graph_compiled_though_the_warm_u
 
     from graphwrap.capture import work
     from graphwrap.core.records import Bucket, Key
-    from graphwrap.decoding import captures as captures_mod
+    from graphwrap.decoding.engine import captures as captures_mod
 
     cf = _CountingCompile()
     monkeypatch.setattr(work, "compiled_forward", lambda engine: cf)
@@ -485,7 +485,7 @@ def test_under_inference_mode_a_long_prompts_pieces_replay_and_give_the_models_t
     """Pieces captured ahead and beside with the caller in torch.inference_mode(), a long prompt
     beside short ones from threads: the piece twins are made outside it, the tokens are the
     model's."""
-    from graphwrap.decoding import server as server_mod
+    from graphwrap.decoding.engine import server as server_mod
 
     monkeypatch.setattr(server_mod, "CHUNK", 8)
     model = _model("llama")
@@ -511,7 +511,7 @@ def test_a_delivery_waiting_while_a_compile_job_starts_is_let_go_once_the_job_st
     its caller with it (seen once in a CI run under load)."""
     import types
 
-    from graphwrap.decoding import captures as captures_mod
+    from graphwrap.decoding.engine import captures as captures_mod
 
     server = types.SimpleNamespace(device=torch.device("cpu"), compiled_engines={"step": object()})
     caps = captures_mod.Captures(server)

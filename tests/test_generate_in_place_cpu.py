@@ -2,7 +2,7 @@
 attention kernels (each row read to its own length, no mask), here with the kernels' torch
 references, which the operators run off a GPU. Tokens against ``model.generate`` alone, what a
 step hands the model and the attention, and a long prompt's piece inside the decoding rows' step
-forward (graphwrap/decoding/steps.py, step.MixedStep): the probe, a mixed forward that fails,
+forward (graphwrap/decoding/engine/steps.py, step.MixedStep): the probe, a mixed forward that fails,
 the capture's layout. Needs transformers (skipped with the reason without it)."""
 
 import threading
@@ -12,9 +12,10 @@ import torch
 from helpers import thread_results
 
 from graphwrap import GraphedModule
-from graphwrap.decoding import attention, paged_attention, probe
-from graphwrap.decoding import server as server_mod
-from graphwrap.decoding.attention import sdpa_model
+from graphwrap.decoding.engine import probe
+from graphwrap.decoding.engine import server as server_mod
+from graphwrap.decoding.kernels import attention, paged_attention
+from graphwrap.decoding.kernels.attention import sdpa_model
 
 tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
 SHARED = "graphwrap's shared decode batch"
@@ -128,7 +129,7 @@ def test_steps_over_rows_past_split_from_go_through_the_whole_rows_window_split(
 
 
 def test_a_step_that_gathers_still_hands_the_model_its_whole_window():
-    from graphwrap.decoding.pages import PagedStore
+    from graphwrap.decoding.cache.pages import PagedStore
 
     store = PagedStore(4, 64, "cpu", 16, 20)
     store.allocate([torch.zeros(1, 2, 1, 8)], [torch.zeros(1, 2, 1, 8)])
@@ -253,8 +254,8 @@ def test_a_prompt_the_model_refuses_fails_alone_beside_mixed_steps(in_place):
 
 
 def test_a_mixed_capture_puts_the_piece_in_the_scratch_row_over_its_own_blocks():
-    from graphwrap.decoding.pages import PagedStore
-    from graphwrap.decoding.pool import blocks_for
+    from graphwrap.decoding.cache.pages import PagedStore
+    from graphwrap.decoding.cache.pool import blocks_for
 
     store = PagedStore(4, 64, "cpu", 16, 40, kernel=True)
     twin = store.mixed_twin(16)
@@ -271,7 +272,7 @@ def test_rows_preempted_beside_mixed_steps_are_recomputed_with_generates_tokens(
     (ahead of the long prompt, queued last), while the long prompt's pieces go inside the steps
     of the rows left. Every call is queued, the short ones first, before the first is admitted:
     which rows run together does not hang on when the callers' threads get to queue."""
-    from graphwrap.decoding.pool import BLOCK, scratch_blocks
+    from graphwrap.decoding.cache.pool import BLOCK, scratch_blocks
 
     model = _model("llama")
     token_bytes = 2 * 2 * 2 * 16 * 4  # layers x (keys, values) x key heads x head width x fp32

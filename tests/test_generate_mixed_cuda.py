@@ -1,4 +1,4 @@
-"""A long prompt's piece inside the decoding rows' step forward on a GPU (graphwrap/decoding/steps.py):
+"""A long prompt's piece inside the decoding rows' step forward on a GPU (graphwrap/decoding/engine/steps.py):
 the probe with the Triton kernels, and long prompts beside decoding rows through the mixed
 shapes' graphs (captured ahead), against ``model.generate`` alone."""
 
@@ -31,7 +31,7 @@ def _model(kind, dtype):
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "mistral"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_mixed_probe_passes_with_the_kernels(kind, dtype):
-    from graphwrap.decoding.probe import probe_mixed
+    from graphwrap.decoding.engine.probe import probe_mixed
 
     assert probe_mixed(_model(kind, dtype), "cuda") is None
 

@@ -9,10 +9,18 @@ import torch
 from helpers import thread_results
 
 from graphwrap import GraphedModule, GraphwrapError
-from graphwrap.decoding import server as server_mod
-from graphwrap.decoding.pool import BLOCK, PIECE_ALONE, Blocks, plan_cache, rows_for, rows_possible, scratch_blocks
-from graphwrap.decoding.scheduler import Scheduler, Seq
-from graphwrap.decoding.settings import SeqSettings
+from graphwrap.decoding.cache.pool import (
+    BLOCK,
+    PIECE_ALONE,
+    Blocks,
+    plan_cache,
+    rows_for,
+    rows_possible,
+    scratch_blocks,
+)
+from graphwrap.decoding.callers.settings import SeqSettings
+from graphwrap.decoding.engine import server as server_mod
+from graphwrap.decoding.engine.scheduler import Scheduler, Seq
 
 tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
 SHARED = "graphwrap's shared decode batch"
@@ -290,7 +298,7 @@ def test_a_request_larger_than_the_whole_pool_fails_alone_with_the_sizes(monkeyp
 
 
 def test_the_cpu_pool_grows_on_demand_and_keeps_what_rows_hold(monkeypatch, gw_log):
-    monkeypatch.setattr("graphwrap.decoding.pool.CPU_START", 16)  # one block at first
+    monkeypatch.setattr("graphwrap.decoding.cache.pool.CPU_START", 16)  # one block at first
     model = _model()
     gm = GraphedModule(model, decode={"rows": 4})
     prompts = _prompts([3, 40, 7, 25])
@@ -330,7 +338,7 @@ def test_no_piece_starts_while_the_last_one_runs(monkeypatch):
     """At most one piece on the device (IN_FLIGHT 1 here): a turn that finds the last piece
     still running (an event here that says so once per piece) steps the rows beside it alone,
     or waits for the piece where there is none; the tokens are model.generate's."""
-    from graphwrap.decoding import pieces
+    from graphwrap.decoding.engine import pieces
 
     class Running:
         def __init__(self):
@@ -362,7 +370,7 @@ def test_pieces_on_the_device_never_pass_in_flight(monkeypatch):
     """Pieces that end only when waited for (events here): two start, then the turns step the
     short rows alone until none is left, then wait for the oldest piece; never more than
     IN_FLIGHT (2) at once, and the tokens are model.generate's."""
-    from graphwrap.decoding import pieces
+    from graphwrap.decoding.engine import pieces
 
     class Endless:
         def __init__(self):
@@ -393,7 +401,7 @@ def test_pieces_on_the_device_never_pass_in_flight(monkeypatch):
 
 @pytest.mark.parametrize("paged", [True, False])
 def test_a_failing_piece_fails_its_call_alone(monkeypatch, paged):
-    from graphwrap.decoding.step import ChunkStep, PieceStep
+    from graphwrap.decoding.engine.step import ChunkStep, PieceStep
 
     monkeypatch.setattr(server_mod, "CHUNK", 8)
     chunk, piece = ChunkStep.forward, PieceStep.forward
@@ -479,7 +487,7 @@ def test_a_capture_puts_back_the_rows_lengths_and_leaves_the_cache_itself():
 
 
 def test_each_row_writes_its_own_scratch_block_until_it_takes_blocks_and_after():
-    from graphwrap.decoding.pages import PagedStore
+    from graphwrap.decoding.cache.pages import PagedStore
 
     store = PagedStore(4, 64, "cpu", BLOCK, 20)
     assert store.table.tolist() == [[r] * 4 for r in range(5)]
@@ -508,8 +516,8 @@ def test_sliding_windows_share_the_batch_with_generates_tokens(monkeypatch, kind
 
 
 def test_the_masks_follow_each_kind_of_layer():
-    from graphwrap.decoding.rows import row_mask
-    from graphwrap.decoding.step import Masks, layer_windows
+    from graphwrap.decoding.cache.rows import row_mask
+    from graphwrap.decoding.engine.step import Masks, layer_windows
 
     assert layer_windows(_windowed("mistral")) == [4, 4]
     assert layer_windows(_windowed("gemma2")) == [4, None]
@@ -530,7 +538,7 @@ def test_the_paged_kernel_is_an_operator_of_torch_with_its_output_shape_for_trac
     shape of its output, without running it, is what the kernel makes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from graphwrap.decoding import paged_attention
+    from graphwrap.decoding.kernels import paged_attention
 
     assert torch.ops.graphwrap.paged_attend.default is not None
     with FakeTensorMode():
@@ -546,8 +554,8 @@ def test_a_joined_prompt_forward_and_a_piece_run_the_head_over_the_positions_the
     """The joined forward of prompts runs the model's head over each prompt's last position (in
     every row: k x k, not k x width), and a piece over its last valid one; each logit is the
     model's own for that prompt alone."""
-    from graphwrap.decoding.pages import PagedStore
-    from graphwrap.decoding.step import PieceStep, PrefillStep, Prompts, cache_layout
+    from graphwrap.decoding.cache.pages import PagedStore
+    from graphwrap.decoding.engine.step import PieceStep, PrefillStep, Prompts, cache_layout
 
     model = _model(kind)
     head = model.get_output_embeddings()

@@ -8,8 +8,8 @@ import torch
 from helpers import thread_results
 
 from graphwrap import GraphedModule
-from graphwrap.decoding import server as server_mod
-from graphwrap.decoding.pool import BLOCK, scratch_blocks
+from graphwrap.decoding.cache.pool import BLOCK, scratch_blocks
+from graphwrap.decoding.engine import server as server_mod
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fp32_exact")]
 DEV = "cuda"
@@ -47,7 +47,7 @@ def _requests(n, seed=0, lens=(3, 60), news=(5, 40)):
 def test_the_paged_attention_kernel_reads_each_rows_own_blocks(dtype, hq, hkv, d, window, softcap, splits):
     """Each row over its own positions, in one program a row and key head or split between up
     to ``splits`` (rows of one tile to rows of 63), joined."""
-    from graphwrap.decoding import paged_attention
+    from graphwrap.decoding.kernels import paged_attention
 
     assert paged_attention.available(), "Triton comes with PyTorch's CUDA wheels"
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -72,7 +72,7 @@ def test_the_paged_attention_kernel_reads_each_rows_own_blocks(dtype, hq, hkv, d
     (torch.bfloat16, 8, 4, 256, 128, 700, 128, 100, 50.0), (torch.float16, 16, 16, 256, 128, 300, 90, None, None)])
 def test_the_piece_attention_kernel_reads_its_rows_blocks_up_to_each_querys_position(dtype, hq, hkv, d, width, start,
                                                                                       valid, window, softcap):
-    from graphwrap.decoding import piece_attention
+    from graphwrap.decoding.kernels import piece_attention
 
     g = torch.Generator(device=DEV).manual_seed(0)
     blocks, block = 500, 16
@@ -177,7 +177,7 @@ def test_pieces_and_shapes_not_yet_captured_run_without_cudnn_attention(monkeypa
     """The batch's eager forwards (a long prompt's pieces, here) run with torch's cuDNN attention
     off (a cuDNN graph built per new shape cost 40-45 ms each on an H200), and the switch is
     back on once the batch is idle."""
-    from graphwrap.decoding.step import ChunkStep, PieceStep
+    from graphwrap.decoding.engine.step import ChunkStep, PieceStep
 
     monkeypatch.setattr(server_mod, "CHUNK", 32)
     seen = []
@@ -235,7 +235,7 @@ def _device_waits(fn) -> list:
 
     def show(message, category, filename, lineno, file=None, line=None):
         stack = "".join(traceback.format_stack(limit=12)[:-2])
-        if "decoding/server.py" in stack:
+        if "decoding/engine/server.py" in stack:
             stacks.append(f"{message}\n{stack}")
 
     with warnings.catch_warnings():
@@ -321,7 +321,7 @@ def _graph_bytes(gm) -> int:
 def test_steps_over_long_rows_replay_a_graph_whose_kernel_splits_each_rows_positions(monkeypatch, kind):
     """Past ``SPLIT_FROM`` positions (made 64 here) the step's graph is the whole row's, its
     attention split between programs; tokens as ``model.generate``'s both sides of it."""
-    from graphwrap.decoding import paged_attention
+    from graphwrap.decoding.kernels import paged_attention
 
     monkeypatch.setattr(paged_attention, "SPLIT_FROM", 64)
     monkeypatch.setattr(server_mod, "CHUNK", 32)

@@ -11,8 +11,8 @@ from helpers import IdsStreamer as Asks
 from helpers import thread_results
 
 from graphwrap import GraphedModule, GraphwrapError
-from graphwrap.decoding.scheduler import Scheduler, Seq, bucket_of, buckets_upto
-from graphwrap.decoding.settings import CallPlan, SeqSettings, plan_call
+from graphwrap.decoding.callers.settings import CallPlan, SeqSettings, plan_call
+from graphwrap.decoding.engine.scheduler import Scheduler, Seq, bucket_of, buckets_upto
 
 tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
 SHARED = "graphwrap's shared decode batch"
@@ -124,7 +124,7 @@ def test_sampling_with_a_seed_repeats_alone_and_batched_and_top_k_1_is_greedy():
 
 def test_sampled_tokens_follow_the_softmax():
     # One step's draws from fixed logits: the Gumbel noise gives softmax's frequencies.
-    from graphwrap.decoding.sampling import Active, RowSettings
+    from graphwrap.decoding.engine.sampling import Active, RowSettings
 
     rs = RowSettings(2000, 4, "cpu", 4)
     rs.write(list(range(2000)), [SeqSettings(max_new=1, sample=True)] * 2000, [[1]] * 2000, list(range(2000)))
@@ -365,7 +365,7 @@ def test_a_sliding_window_model_shares_the_batch():
 
 
 def test_many_prompts_at_once_are_joined_in_forwards_of_at_most_16_and_served():
-    from graphwrap.decoding.step import Prompts
+    from graphwrap.decoding.engine.step import Prompts
 
     pr = Prompts(64, 512, 64)
     prompts = [[1] * n for n in range(1, 41)]
@@ -425,7 +425,7 @@ def test_the_scheduler_admits_prompts_within_a_budget_of_tokens_and_always_one()
 
 
 def test_prompts_arriving_beside_decoding_rows_join_a_turn_at_a_time_within_the_budget(monkeypatch):
-    from graphwrap.decoding import server as server_mod
+    from graphwrap.decoding.engine import server as server_mod
 
     monkeypatch.setattr(server_mod, "PREFILL_BESIDE", 8)  # one prompt of 6 a turn while a row decodes
     model = _model("llama")
@@ -463,7 +463,7 @@ def test_a_read_hands_out_each_steps_tokens_before_it_waits_for_the_next():
     """A turn that reads two steps (a prompt's first token queued beside the rows' step) hands
     out the first step's tokens before it waits for the second: held to the turn's end, the
     rows' gap between tokens was two steps long (20 ms on a Llama-3-8B shape, against 9)."""
-    from graphwrap.decoding.inflight import InFlight, Tokens
+    from graphwrap.decoding.engine.inflight import InFlight, Tokens
 
     log = []
 
@@ -492,7 +492,7 @@ def test_every_forward_of_the_probe_passes_an_attention_mask(kind):
     """The probe decodes through the model's own cache as generate does, with a mask: without
     one, a model whose pad id is a token it generates (GPT-2 here: pad 0 of 101) warns its
     user of padding, on the README's first call."""
-    from graphwrap.decoding.probe import probe
+    from graphwrap.decoding.engine.probe import probe
 
     model = _model(kind)
     bare = []

@@ -171,7 +171,7 @@ def test_a_lone_call_cancelled_mid_stream_gives_its_row_and_blocks_back_without_
 def test_compile_true_serves_the_shared_batch_with_plain_graphs_first_then_compiled_steps():
     """compile=True: the first calls are served by plain graphs (captured in a moment), each
     shape's compiled graph replaces its plain one once Inductor has compiled it beside the
-    decode thread (graphwrap/decoding/captures.py); tokens as model.generate's both times."""
+    decode thread (graphwrap/decoding/engine/captures.py); tokens as model.generate's both times."""
     model = _model()
     gm = GraphedModule(model, compile=True)
     reqs = _requests(8, seed=4)

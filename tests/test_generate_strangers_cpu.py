@@ -10,8 +10,8 @@ import torch
 from helpers import thread_results
 
 from graphwrap import GraphedModule, GraphwrapError
-from graphwrap.decoding import server as server_mod
-from graphwrap.decoding.sampling import RowSettings
+from graphwrap.decoding.engine import server as server_mod
+from graphwrap.decoding.engine.sampling import RowSettings
 
 tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
 BIG = 2 ** 63  # one past int64

@@ -1,5 +1,5 @@
 """Calls the shared batch does not serve, waiting for their turn on the model together, run as
-one batch (graphwrap/decoding/turns.py): which calls may be joined, the join, where each call's
+one batch (graphwrap/decoding/callers/turns.py): which calls may be joined, the join, where each call's
 output is cut, the turn itself, and tokens against ``model.generate`` alone for T5, BART,
 Whisper and a decoder-only call of a setting the shared batch leaves to the one-call loop."""
 
@@ -11,7 +11,7 @@ import torch
 from helpers import ending_eos, generate_alone, held_turn, hold_turn, release_turn, varied_weights
 
 from graphwrap import GraphedModule, GraphwrapError
-from graphwrap.decoding import turns
+from graphwrap.decoding.callers import turns
 
 tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
 

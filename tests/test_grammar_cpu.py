@@ -1,4 +1,4 @@
-"""Structured output in the shared batch (graphwrap/decoding/grammar.py): a call with a grammar
+"""Structured output in the shared batch (graphwrap/decoding/engine/grammar.py): a call with a grammar
 makes only what the grammar allows, in any batch, and the calls beside it keep
 ``model.generate``'s own tokens; a grammar that cannot be served is a clear error, never the
 one-call loop (which would not apply it). A tiny GPT-2 of random weights over a byte-level BPE
@@ -21,7 +21,7 @@ jsonschema = pytest.importorskip("jsonschema", reason="needs jsonschema: pip ins
 import tiny_lm  # noqa: E402
 
 from graphwrap import Grammar, GrammarError, GraphedModule  # noqa: E402
-from graphwrap.decoding.grammar import RowMasks, check  # noqa: E402
+from graphwrap.decoding.engine.grammar import RowMasks, check  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import structured  # noqa: E402

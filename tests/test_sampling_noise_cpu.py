@@ -1,11 +1,11 @@
-"""The shared batch's sampling noise (graphwrap/decoding/sampling.py): Gumbel noise from a hash of
+"""The shared batch's sampling noise (graphwrap/decoding/engine/sampling.py): Gumbel noise from a hash of
 each row's seed, position and token id. It must be finite for every hash: an infinite draw makes
 its token the sample whatever its score, and turns a token top-k, top-p or a grammar removed
 (-inf) into NaN, which argmax takes."""
 
 import torch
 
-from graphwrap.decoding.sampling import Active, RowSettings, SeqSettings, gumbel, uniform
+from graphwrap.decoding.engine.sampling import Active, RowSettings, SeqSettings, gumbel, uniform
 
 
 def test_uniform_is_strictly_inside_zero_and_one_for_every_32_bit_value():

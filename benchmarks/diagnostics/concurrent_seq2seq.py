@@ -1,7 +1,7 @@
 """Concurrent default calls of an encoder-decoder: Whisper's base shape (fp16, random weights, 30 s
 of audio features a request, 64 new tokens each), ``gm.generate`` with no ``cache_implementation``
 from 32 threads at once (the one-call loop: each call's steps replay; calls that wait together
-share a turn, graphwrap/decoding/turns.py), the same with ``decode=False`` (each call its own
+share a turn, graphwrap/decoding/callers/turns.py), the same with ``decode=False`` (each call its own
 turn), against ``model.generate`` one request after another (every step eager: what these calls
 ran when graphwrap left them to transformers), and ``gm.generate`` one after another; tokens/s of
 each (the median of 3 warm rounds; 2 for the eager one), and whether each request's tokens are

@@ -1,7 +1,7 @@
 """Why a streamer's tokens fell behind the decode steps: the interpreter's lock, on any machine.
 
 The shared batch hands each token to its streamer on a delivery worker
-(``graphwrap/decoding/delivery.py``) through ``calls.put_token``. This runs that path with no
+(``graphwrap/decoding/callers/delivery.py``) through ``calls.put_token``. This runs that path with no
 model: one thread stands in for the decode thread (Python work for ``--step-ms`` a step, then
 one token for each of ``--rows`` calls, posted as the batch posts them), for ``--seconds``, and
 reports each token's wait from its post to its streamer, p50/p99/max, and how many arrived. Two
@@ -35,8 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 def run(mode: str, rows: int, step_s: float, seconds: float):
     import torch
 
-    from graphwrap.decoding.calls import put_token
-    from graphwrap.decoding.delivery import OUTBOX, Mailbox
+    from graphwrap.decoding.callers.calls import put_token
+    from graphwrap.decoding.callers.delivery import OUTBOX, Mailbox
 
     class Tensors:  # generate's streamer protocol, as the server's streamer had it
         def put(self, value):

@@ -10,11 +10,11 @@ the paged pool's piece for the whole run (its capture blocks sized for it); ``--
 1,2,3`` runs each width with each bound on the pieces queued on the device at once.
 
 ``--apart`` runs each width twice: with the piece inside the rows' step forward where the
-batch does so (``graphwrap/decoding/steps.py``), then with the two apart (the batch's mixed
+batch does so (``graphwrap/decoding/engine/steps.py``), then with the two apart (the batch's mixed
 engine set aside for the run).
 
 ``--prefill-beside 0,512`` runs each width once for each bound on the prompt tokens a turn
-admits while rows decode (``graphwrap.decoding.server.PREFILL_BESIDE``; 0: none).
+admits while rows decode (``graphwrap.decoding.engine.server.PREFILL_BESIDE``; 0: none).
 
 ``--trace PREFIX`` runs each under torch's profiler and writes its trace.
 
@@ -58,7 +58,7 @@ def main():
     ap.add_argument("--widths", default="128")
     ap.add_argument("--ahead", action="store_true", help="gm.capture_generate() before the runs")
     ap.add_argument("--model", default="llama3-8b")
-    ap.add_argument("--piece", type=int, default=0, help="the paged pool's piece (graphwrap.decoding.pool.PIECE) for this run")
+    ap.add_argument("--piece", type=int, default=0, help="the paged pool's piece (graphwrap.decoding.cache.pool.PIECE) for this run")
     ap.add_argument("--in-flight", default="", help="pieces on the device at most, each in turn (e.g. 1,2,3)")
     ap.add_argument("--prefill-beside", default="", help="prompt tokens a turn admits beside decoding rows, each "
                     "in turn (0: no bound; e.g. 0,512)")
@@ -83,7 +83,7 @@ def main():
     print(f"long_prompt_beside: {torch.cuda.get_device_name()}, torch {torch.__version__}, switch interval "
           f"{1e3 * sys.getswitchinterval():.2f} ms, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     if a.piece:
-        from graphwrap.decoding import pool
+        from graphwrap.decoding.cache import pool
 
         pool.PIECE = server_mod.PIECE = a.piece
     model = big_model(a.model, DEV)

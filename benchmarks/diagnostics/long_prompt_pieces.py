@@ -15,7 +15,7 @@ sys.path.insert(0, "benchmarks")
 from generate_large import big_model  # noqa: E402
 
 from graphwrap import GraphedModule  # noqa: E402
-from graphwrap.decoding.step import ChunkStep  # noqa: E402
+from graphwrap.decoding.engine.step import ChunkStep  # noqa: E402
 
 DEV = torch.device("cuda")
 

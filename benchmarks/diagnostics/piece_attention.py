@@ -23,8 +23,8 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from graphwrap.decoding import piece_attention
-from graphwrap.decoding.piece_attention import attend_piece
+from graphwrap.decoding.kernels import piece_attention
+from graphwrap.decoding.kernels.piece_attention import attend_piece
 
 DEV = torch.device("cuda")
 H, KV, D, W = 32, 8, 128, 128

@@ -16,7 +16,7 @@ import time
 import torch
 from piece_attention import graph_ms
 
-from graphwrap.decoding import paged_attention
+from graphwrap.decoding.kernels import paged_attention
 
 DEV = torch.device("cuda")
 SHAPES = {"1.1B": (32, 4, 64), "7-8B": (32, 8, 128)}

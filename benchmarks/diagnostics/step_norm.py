@@ -1,5 +1,5 @@
 """A decode step's RMSNorm by kernel: PyTorch's fused ``rms_norm`` (what the batch ran before)
-against graphwrap's (``graphwrap/decoding/norm.py``), at the widths of the 1.1B Llama shape
+against graphwrap's (``graphwrap/decoding/kernels/norm.py``), at the widths of the 1.1B Llama shape
 (2,048) and a 7-8B shape (4,096), fp16, 64 and 8 rows; each timed over ten calls in a CUDA
 graph (as the step's graph runs them), median of 20, with the largest difference from the fp32
 reference. ``--tune`` times 1, 2, 4, 8 and 16 warps too.
@@ -14,7 +14,7 @@ import torch
 from piece_attention import graph_ms
 from torch.nn import functional as F
 
-from graphwrap.decoding import norm
+from graphwrap.decoding.kernels import norm
 
 DEV = torch.device("cuda")
 

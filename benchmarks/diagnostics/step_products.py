@@ -4,9 +4,9 @@ calls in a CUDA graph (as the step's graph runs them), median of 20, with the we
 over the time (at these rows the products are bound by reading the weights):
 
 - the gated MLP's first half, ``silu(x @ gate.T) * (x @ up.T)``: two products, SiLU and their
-  product, against one kernel (``graphwrap/decoding/mlp.py``);
+  product, against one kernel (``graphwrap/decoding/kernels/mlp.py``);
 - the attention's query, key and value projections: three products against one kernel
-  (``graphwrap/decoding/qkv.py``);
+  (``graphwrap/decoding/kernels/qkv.py``);
 - the attention's output projection and the MLP's down projection, one product each, against
   the same kernel with one product (``--tune`` only).
 
@@ -27,7 +27,7 @@ from typing import List
 import torch
 from piece_attention import graph_ms
 
-from graphwrap.decoding import mlp, qkv
+from graphwrap.decoding.kernels import mlp, qkv
 
 DEV = torch.device("cuda")
 SHAPES = {"1.1B": (2048, 5632, (2048, 256, 256)), "7-8B": (4096, 14336, (4096, 1024, 1024))}

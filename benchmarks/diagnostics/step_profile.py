@@ -123,7 +123,7 @@ def main():
           f"{1e3 * floor:.3f} ms: {floor / replay:.0%} of the roofline; 64 rows / replay = "
           f"{64 / replay:,.0f} tokens/s", flush=True)
     if a.cards:
-        from graphwrap.decoding import mlp
+        from graphwrap.decoding.kernels import mlp
 
         cards = mlp.CARDS
         for named in (True, False, True, False):

@@ -37,7 +37,7 @@ import generate as g  # noqa: E402
 
 from graphwrap import GraphedModule  # noqa: E402
 from graphwrap.decoding import server as decode_server  # noqa: E402
-from graphwrap.decoding.report import Turns  # noqa: E402
+from graphwrap.decoding.engine.report import Turns  # noqa: E402
 from graphwrap.serve.api.engines import submit  # noqa: E402
 
 

@@ -1,23 +1,16 @@
 """Many generations at once: concurrent ``gm.generate`` calls share one decode step.
 
-- :mod:`.settings`: what a ``generate`` call asks for, per sequence, or why the batch cannot serve it.
-- :mod:`.scheduler`: which sequence holds which row of the cache, what is queued, when each ends
-  (plain Python: no tensors).
-- :mod:`.pool`: the cache's size and layout (from the memory free) and its blocks (plain Python).
-- :mod:`.rows`, :mod:`.pages`: the KV cache, one row per sequence each with its own length, as
-  whole rows or as blocks of a pool; :mod:`.layers`: the windows of it the model reads through;
-  :mod:`.paged_attention`: a step's attention read straight from the pool (Triton).
-- :mod:`.sampling`: each row's next token under its own settings.
-- :mod:`.step`: the prompts' forward (prefill, long prompts in pieces) and the decode step,
-  through graphwrap's engine; :mod:`.inflight`: the steps' tokens on their way to the host.
-- :mod:`.server`: the thread that runs the steps (admit, step, read, retire) and ends each call;
-  :mod:`.report`: its ``stats()``.
-- :mod:`.calls`: a call's record, its ending (streamer, result) and the errors of a full or
-  closed batch.
-- :mod:`.delivery`: the workers that hand each call its tokens and result, off the decode thread.
-- :mod:`.shapes`: which captured shape serves a forward, and how; :mod:`.captures`: the thread
-  that captures new shapes beside the decode thread, over twins of the paged cache;
-  :mod:`.pieces`: a long prompt prefilled a piece a turn; :mod:`.weights`: whether the model's
-  weights moved since the batch was made.
-- :mod:`.front`: ``gm.generate``'s way in: which batch, made when, and the one-call loop's turn.
+- :mod:`.callers`: ``gm.generate``'s way in (``front``), what a call asks for (``settings``),
+  a call's record and ending (``calls``), delivery off the decode thread (``delivery``), and the
+  turns of calls the batch does not serve (``turns``).
+- :mod:`.engine`: the decode thread (``server``: admit, step, read, retire), the rows and the
+  queue (``scheduler``, plain Python), the forwards over the cache (``step``, ``steps``,
+  ``pieces``), sampling and grammars (``sampling``, ``grammar``), the tokens in flight
+  (``inflight``), the shapes and their captures (``shapes``, ``captures``), the pool's growth
+  and preemption (``growth``), the probe (``probe``), the weights watched (``weights``) and
+  ``stats()`` (``report``).
+- :mod:`.cache`: the KV cache's size and blocks (``pool``, plain Python), its tensors as whole
+  rows or paged (``rows``, ``pages``) and the windows the model reads through (``layers``).
+- :mod:`.kernels`: attention read from the paged pool, the model's attention folded onto it,
+  and the step's fused products, norms, rotary and writes (Triton, on a GPU).
 """

@@ -11,7 +11,7 @@ step's few tokens that gather reads what the step reads anyway, once per token a
 :class:`batched_experts` sets the models' experts to ``batched_mm`` around decode steps only
 (a prompt's forward of thousands of tokens keeps the model's own: gathering weights per token
 there would cost memory in proportion to the prompt). The name is written into each config's
-own field, as :mod:`graphwrap.decoding.attention` does for attention, so graphwrap's watch of
+own field, as :mod:`graphwrap.decoding.kernels.attention` does for attention, so graphwrap's watch of
 the module sees the same value at every step.
 """
 

@@ -33,8 +33,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ...decoding.calls import Closed, QueueFull
-from ...decoding.grammar import GrammarError, check
+from ...decoding.callers.calls import Closed, QueueFull
+from ...decoding.engine.grammar import GrammarError, check
 from . import logprobs
 from .client import Client, Cut, Piece, TokenLogprob
 from .engines import EngineGone, Failed, Unservable

@@ -15,7 +15,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Set, Tuple
 
-from ...decoding.calls import Logprobs
+from ...decoding.callers.calls import Logprobs
 from .metrics import Metrics
 from .text import Detokenizer, StopText, decoder
 
@@ -88,7 +88,7 @@ class _Inbox:
 
     def put_step(self, feeds: List["_Feed"], tokens: List[int], logprobs: Optional[List[Any]] = None):
         """A decode turn's tokens, one for each of ``feeds``, and their log-probabilities where a
-        sequence asked: the shared batch's sink (:class:`~graphwrap.decoding.calls.Sinks`), called
+        sequence asked: the shared batch's sink (:class:`~graphwrap.decoding.callers.calls.Sinks`), called
         on its decode thread once a turn for every sequence of this loop, so that no token takes
         a delivery of its own on the batch's workers."""
         if logprobs is None:

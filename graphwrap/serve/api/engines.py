@@ -13,8 +13,8 @@ from typing import Any, Dict, List, Optional, Protocol
 
 import torch
 
-from ...decoding import front
-from ...decoding.calls import Closed, QueueFull
+from ...decoding.callers import front
+from ...decoding.callers.calls import Closed, QueueFull
 from ...errors import GraphwrapError
 
 SUBMITTERS = 8  # threads that queue calls (a call the batch cannot serve runs whole in one)
@@ -109,7 +109,7 @@ def batch_stats(gm) -> dict:
 class _Streamer:
     """``generate``'s streamer onto a :class:`Feed` (the prompt, which comes first, left out).
     A feed with a ``sink`` and a ``key`` (the engine process's) lends them to the shared batch,
-    which then hands the sink each turn's tokens at once (:class:`~graphwrap.decoding.calls.Sinks`)."""
+    which then hands the sink each turn's tokens at once (:class:`~graphwrap.decoding.callers.calls.Sinks`)."""
 
     __slots__ = ("feed", "prompt", "sink", "key", "logprobs")
 

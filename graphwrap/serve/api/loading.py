@@ -13,7 +13,7 @@ def load_here(a: argparse.Namespace):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ...decoding.front import MAX_LEN, model_positions
+    from ...decoding.callers.front import MAX_LEN, model_positions
     from ...module import GraphedModule
     from .app import MAX_NEW_DEFAULT, Served
     from .engines import Local

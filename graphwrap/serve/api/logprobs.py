@@ -3,7 +3,7 @@
 with their bytes and their step's most likely tokens).
 
 The log-probabilities are the model's own: its logits' log-softmax, before temperature, top-k,
-top-p and penalties (what the batch computes in ``graphwrap.decoding.sampling.logprobs``). A
+top-p and penalties (what the batch computes in ``graphwrap.decoding.engine.sampling.logprobs``). A
 log-probability of minus infinity is written as -9999.0 (JSON has no infinity).
 """
 

@@ -17,9 +17,9 @@ from typing import List, Optional
 
 import torch
 
+from ..cache.rows import to_device
 from . import captures, growth, pieces
 from .grammar import before_sampling
-from .rows import to_device
 from .sampling import logprobs
 from .shapes import EAGER
 

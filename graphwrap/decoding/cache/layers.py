@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import step_write
+from ..kernels import step_write
 from .pool import blocks_for
 
 Tensor = torch.Tensor

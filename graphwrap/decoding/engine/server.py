@@ -35,22 +35,23 @@ from typing import Counter, DefaultDict, Deque, Dict, List, Optional, Tuple, cas
 
 import torch
 
-from ..core.engine import Engine
-from ..errors import GraphwrapError
-from . import captures, growth, paged_attention, pieces, steps
-from .attention import folding, sdpa_model, without_cudnn
-from .calls import Call, Closed, Logprobs, QueueFull, Sinks, check_call, finish, put_token
+from ...core.engine import Engine
+from ...errors import GraphwrapError
+from ..cache.pages import PagedStore
+from ..cache.pool import CACHE_MEMORY, PIECE, PIECE_ALONE, Blocks, plan_cache
+from ..cache.rows import RowStore, to_device
+from ..callers.calls import Call, Closed, Logprobs, QueueFull, Sinks, check_call, finish, put_token
+from ..callers.delivery import OUTBOX, Mailbox, on_worker
+from ..callers.settings import CallPlan, in_vocab, out_vocab
+from ..kernels import paged_attention
+from ..kernels.attention import folding, sdpa_model, without_cudnn
+from . import captures, growth, pieces, steps
 from .captures import Captures, on_stream
-from .delivery import OUTBOX, Mailbox, on_worker
 from .grammar import before_sampling, matchers
 from .inflight import Tokens
-from .pages import PagedStore
-from .pool import CACHE_MEMORY, PIECE, PIECE_ALONE, Blocks, plan_cache
 from .report import Turns, report
-from .rows import RowStore, to_device
 from .sampling import Active, RowSettings, logprobs
 from .scheduler import Scheduler, Seq, buckets_upto
-from .settings import CallPlan, in_vocab, out_vocab
 from .shapes import Shapes
 from .step import CHUNK, ChunkStep, Prompts, cache_layout, layer_windows
 from .weights import Weights

@@ -1,7 +1,7 @@
 """The model's weights as a decode batch was made with them (plain Python over tensors' addresses)."""
 
-from ..core.watch import follow
-from ..process import GENERATION
+from ...core.watch import follow
+from ...process import GENERATION
 
 
 class Weights:

@@ -24,8 +24,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, List, Optional, Sequence, Tuple, cast
 
-from .pool import Blocks, blocks_for
-from .settings import SeqSettings
+from ..cache.pool import Blocks, blocks_for
+from ..callers.settings import SeqSettings
 
 GRANT = 8  # blocks a growing row takes at once where the pool has room (one table write per 8 blocks, not per block)
 

@@ -11,10 +11,10 @@ from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from ..errors import GraphwrapError
+from ...errors import GraphwrapError
+from ..cache.pool import CachePlan, blocks_for
+from ..engine.scheduler import Seq
 from .delivery import Mailbox
-from .pool import CachePlan, blocks_for
-from .scheduler import Seq
 from .settings import CallPlan
 
 logger = logging.getLogger("graphwrap")

@@ -11,8 +11,8 @@ recomputed once admitted again. The blocks taken are written into the table in o
 import logging
 from typing import List, cast
 
-from .pages import PagedStore
-from .pool import Blocks
+from ..cache.pages import PagedStore
+from ..cache.pool import Blocks
 from .scheduler import Seq
 
 logger = logging.getLogger("graphwrap")

@@ -12,10 +12,10 @@ from typing import Optional
 
 import torch
 
-from . import paged_attention
-from .attention import folding
-from .pages import PagedStore
-from .rows import RowStore
+from ..cache.pages import PagedStore
+from ..cache.rows import RowStore
+from ..kernels import paged_attention
+from ..kernels.attention import folding
 from .step import (
     ChunkStep,
     DecodeStep,

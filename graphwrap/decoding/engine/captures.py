@@ -31,9 +31,9 @@ from typing import Deque, List, Optional, Set, Tuple
 
 import torch
 
-from ..capture.cuda import first_line
-from ..core.reasons import Eager
-from .attention import without_cudnn
+from ...capture.cuda import first_line
+from ...core.reasons import Eager
+from ..kernels.attention import without_cudnn
 from .shapes import COVERED, EAGER, GRAPH, NEEDED, Shapes
 
 logger = logging.getLogger("graphwrap")
@@ -321,7 +321,7 @@ def precompile(engine, stream, server, args: tuple, kwargs: dict):
     """Run ``engine``'s compiled forward once on a capture's inputs (over a twin: nothing of a
     row is touched), so that Inductor compiles it before the capture, which then finds it
     compiled; nothing where ``compile=`` is given up."""
-    from ..capture.work import compiled_forward
+    from ...capture.work import compiled_forward
 
     with engine.lock:
         cf = compiled_forward(engine)

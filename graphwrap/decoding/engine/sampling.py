@@ -16,9 +16,9 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ..cache.rows import to_device
+from ..callers.settings import SeqSettings
 from .grammar import RowMasks
-from .rows import to_device
-from .settings import SeqSettings
 
 Tensor = torch.Tensor
 M32 = 0xFFFFFFFF

@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import paged_attention
+from ..kernels import paged_attention
 from .pool import blocks_for
 from .rows import Store, _layers, to_device
 

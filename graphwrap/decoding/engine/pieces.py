@@ -22,10 +22,10 @@ from typing import Optional, cast
 
 import torch
 
+from ..cache.pages import PagedStore
+from ..cache.rows import to_device
+from ..kernels.attention import without_cudnn
 from . import captures
-from .attention import without_cudnn
-from .pages import PagedStore
-from .rows import to_device
 from .scheduler import bucket_of
 
 IN_FLIGHT = 3  # pieces queued on the device at most (benchmarks/diagnostics/long_prompt_beside.py --in-flight)

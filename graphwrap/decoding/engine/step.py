@@ -21,8 +21,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..loops.decode import cache_keyword
-from .rows import row_mask, to_device
+from ...loops.decode import cache_keyword
+from ..cache.rows import row_mask, to_device
 from .scheduler import bucket_of, buckets_upto
 
 Tensor = torch.Tensor

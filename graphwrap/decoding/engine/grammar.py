@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..errors import GraphwrapError
+from ...errors import GraphwrapError
 
 Tensor = torch.Tensor
 KINDS = ("json", "json_schema", "regex", "choice", "ebnf")

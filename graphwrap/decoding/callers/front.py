@@ -18,15 +18,15 @@ from typing import Optional, Tuple, cast
 
 import torch
 
-from ..core.engine import Engine
-from ..errors import GraphwrapError
-from ..loops import decode
-from ..loops.positions import check_positions
+from ...core.engine import Engine
+from ...errors import GraphwrapError
+from ...loops import decode
+from ...loops.positions import check_positions
+from ..cache.pool import CACHE_MEMORY, MIN_ROWS
+from ..engine.grammar import GrammarError
+from ..engine.scheduler import buckets_upto
+from ..kernels.attention import without_cudnn
 from . import turns
-from .attention import without_cudnn
-from .grammar import GrammarError
-from .pool import CACHE_MEMORY, MIN_ROWS
-from .scheduler import buckets_upto
 from .settings import PENALTY_KWARGS, CallPlan, plan_call
 
 logger = logging.getLogger("graphwrap")
@@ -123,10 +123,10 @@ def _make(held: dict, module):
         return None, why
     if getattr(module.config, "is_encoder_decoder", False):
         return None, "an encoder-decoder model (the shared batch serves decoder-only models)"
-    from .pool import rows_possible
-    from .probe import probe, probe_mixed
-    from .server import DecodeServer, reads_in_place
-    from .step import DecodeStep, MixedStep, PieceStep, PrefillStep
+    from ..cache.pool import rows_possible
+    from ..engine.probe import probe, probe_mixed
+    from ..engine.server import DecodeServer, reads_in_place
+    from ..engine.step import DecodeStep, MixedStep, PieceStep, PrefillStep
 
     device = next(module.parameters()).device
     in_place = reads_in_place(module, device)
@@ -166,9 +166,9 @@ def _make(held: dict, module):
 
 def _default_rows(module, device: torch.device, fraction: float) -> int:
     """Rows a step may hold where the caller did not say: what the pool would hold (pool.rows_for)."""
-    from .pool import rows_for
-    from .server import _free_memory, _token_bytes
-    from .step import cache_layout
+    from ..cache.pool import rows_for
+    from ..engine.server import _free_memory, _token_bytes
+    from ..engine.step import cache_layout
 
     free = _free_memory(device)
     if free is None:
@@ -182,7 +182,7 @@ def _shapes(rows: int, max_len: int) -> int:
     """Keys an engine of the batch may need: a graph of each step shape (row and span buckets),
     prompt shape (row and width buckets) or piece shape (span buckets), each over a twin of its
     own, twice over."""
-    from .step import CHUNK, Prompts
+    from ..engine.step import CHUNK, Prompts
 
     prompts = Prompts(rows, min(max_len, CHUNK), rows)
     spans = len(buckets_upto(max_len, (64, 128, 256)))
@@ -334,7 +334,7 @@ def capture_generate(gm, timeout: Optional[float] = None) -> bool:
     """``gm.capture_generate``: the shared batch made, and the graphs of every shape its buckets
     make captured (beside the decode thread, which serves meanwhile); whether every capture
     ended within ``timeout``. GraphwrapError where the batch cannot serve this model."""
-    from .captures import every_shape
+    from ..engine.captures import every_shape
 
     held = gm.__dict__
     if not callable(getattr(gm.module, "generate", None)):
