@@ -20,7 +20,8 @@ import tiny_lm  # noqa: E402
 from test_http_cpu import Running, _args, events, post  # noqa: E402
 
 from graphwrap.serve.api import cli  # noqa: E402
-from graphwrap.serve.api.tools import Shape, message, parse, parser_for  # noqa: E402
+from graphwrap.serve.api.tool_stream import message  # noqa: E402
+from graphwrap.serve.api.tools import Shape, parse, parser_for  # noqa: E402
 
 PERSON = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
                                            "mood": {"enum": ["happy", "sad"]}, "pets": {"type": "boolean"}},
@@ -119,6 +120,35 @@ def test_a_required_tool_choice_calls_one_of_the_tools_or_more(srv):
         assert choice["finish_reason"] == "tool_calls", choice
         (call,) = choice["message"]["tool_calls"]  # (parallel_tool_calls false: one)
         _args_of(call, [WEATHER, CLOCK])
+
+
+def test_a_required_call_streams_from_its_name_on_and_adds_up_to_the_whole_answer(srv):
+    """Streamed, a required list's calls begin (index, id, type, name) as soon as each name is
+    written and their arguments follow as they are made; assembled, the stream is the whole
+    answer of the same seed."""
+    body = {"messages": ASK, "max_tokens": 150, "tools": [WEATHER, CLOCK], "tool_choice": "required",
+            "temperature": 1.0, "seed": 5, "parallel_tool_calls": False}
+    status, r, _ = post(srv.port, "/v1/chat/completions", body)
+    assert status == 200 and r["choices"][0]["finish_reason"] == "tool_calls", r
+    whole = [(c["function"]["name"], c["function"]["arguments"]) for c in r["choices"][0]["message"]["tool_calls"]]
+    status, evs = events(srv.port, "/v1/chat/completions", body)
+    assert status == 200 and evs[-1] == "[DONE]", evs
+    deltas = [e["choices"][0] for e in evs[:-1] if e["choices"]]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    calls: dict = {}
+    carrying = [i for i, d in enumerate(deltas) if d["delta"].get("tool_calls")]
+    for d in deltas:
+        for c in d["delta"].get("tool_calls") or []:
+            if "id" in c:
+                assert c["index"] not in calls and c["type"] == "function"
+                calls[c["index"]] = [c["function"]["name"], c["function"]["arguments"]]
+            else:
+                calls[c["index"]][1] += c["function"]["arguments"]
+    assert [tuple(calls[k]) for k in sorted(calls)] == whole
+    assert len(carrying) > 2 and carrying[0] < len(deltas) - 1, "the calls came in several deltas, before the end"
+    for name, arguments in whole:
+        _args_of({"type": "function", "id": "call_x", "function": {"name": name, "arguments": arguments}},
+                 [WEATHER, CLOCK])
 
 
 def test_the_openai_client_s_parse_gets_its_model(srv):

@@ -41,7 +41,8 @@ from .engines import EngineGone, Failed, Unservable
 from .guard import MAX_BODY, Guard
 from .metrics import LAG_EVERY, Metrics
 from .schemas import MAX_CHOICES, ChatRequest, CompletionRequest, Sampling, settings
-from .tools import Shape, call, message, shape_of, template_tools
+from .tool_stream import CallStream, call_stream, deltas, message
+from .tools import Shape, call, shape_of, template_tools
 
 logger = logging.getLogger("graphwrap.serve")
 MAX_NEW_DEFAULT = 2048  # a chat request without max_tokens: the context left, at most this
@@ -478,7 +479,7 @@ class _Chunks:
         self.running_usage = body.usage_in_chunks()
         self.offsets = [len(job.echo[i // body.n]) for i in range(len(job.prompts) * body.n)]  # (text_offset)
         self.last: Dict[int, Piece] = {}
-        self.held: Dict[int, tuple] = {}  # a choice's text and scores so far, where its message goes whole
+        self.streams: Dict[int, CallStream] = {}  # each choice's tool calls found as its text comes
         self.named: set = set()  # choices whose named tool call has been begun
 
     def arguments(self, index: int, text: str, finish: Optional[str], scored: Optional[List[TokenLogprob]]) -> str:
@@ -495,16 +496,22 @@ class _Chunks:
                   "finish_reason": end}
         return self.before + _json(choice) + self.after
 
-    def whole(self, index: int, text: str, finish: str, scored: List[TokenLogprob]) -> str:
-        """A choice's whole message as one chunk's delta, with its finish (tool calls' deltas carry
-        their index, id, name and all their arguments) and its tokens' log-probabilities where
-        asked for."""
-        m, called = message(text, self.job.shape)
-        delta: Dict[str, Any] = {"content": m["content"]}
-        if called:
-            delta["tool_calls"] = [dict(c, index=k) for k, c in enumerate(m["tool_calls"])]
+    def scanned(self, index: int, text: str, finish: Optional[str], scored: Optional[List[TokenLogprob]]) -> str:
+        """What a piece of a choice's text adds where its tool calls are found in it (tool_stream.py):
+        content, calls begun (their index, id, type and name) and their arguments as they are made,
+        with the piece's log-probabilities where asked for; "" where it adds nothing."""
+        stream = self.streams.get(index)
+        if stream is None:
+            stream = self.streams[index] = call_stream(self.job.shape)
+        events = stream.feed(text) + (stream.end() if finish is not None else [])
+        if not events and not scored and finish is None:
+            return ""
+        content, calls = deltas(events)
+        delta: Dict[str, Any] = {"content": content} if content is not None or not calls else {}
+        if calls:
+            delta["tool_calls"] = calls
         choice = {"index": index, "delta": delta, "logprobs": logprobs.chat(scored) if scored else None,
-                  "finish_reason": "tool_calls" if called and finish == "stop" else finish}
+                  "finish_reason": "tool_calls" if stream.called and finish == "stop" else finish}
         return self.before + _json(choice) + self.after
 
     def scores(self, index: int, scored: Optional[List[TokenLogprob]]) -> str:
@@ -549,12 +556,10 @@ async def _events(served: Served, metrics: Metrics, job: Job, body: Sampling, fi
                 ends.append(p)
             if job.shape.kind == "named":  # (its arguments as they come, in the call's deltas)
                 yield c.arguments(p.index, p.text, p.finish, p.logprobs)
-            elif job.shape.whole:  # (tool calls found in the text: the message goes whole at the choice's end)
-                text, scored = c.held.get(p.index, ("", []))
-                c.held[p.index] = (text + p.text, scored + list(p.logprobs or ()))
-                if p.finish is not None:
-                    text, scored = c.held.pop(p.index)
-                    yield c.whole(p.index, text, p.finish, scored)
+            elif job.shape.scanned:  # (tool calls found in the text as it comes)
+                event = c.scanned(p.index, p.text, p.finish, p.logprobs)
+                if event:
+                    yield event
             elif p.text or p.finish is not None or p.logprobs:
                 yield chunk(p.index, p.text, p.finish, scored=p.logprobs)
         if body.usage_in_stream():

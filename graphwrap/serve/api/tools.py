@@ -7,8 +7,8 @@ text becomes the answer's message.
 - ``tool_choice`` ``required`` or a named function: the output is constrained to the call(s)'
   JSON (a named function: its arguments; required: a list of ``{"name", "parameters"}``, one of
   the tools each, one alone where ``parallel_tool_calls`` is false), and the message carries them
-  as ``tool_calls`` (finish ``tool_calls``); streamed, a named call's arguments come as they are
-  made.
+  as ``tool_calls`` (finish ``tool_calls``); streamed, a call's arguments come as they are
+  made (``tool_stream.py``).
 - ``tool_choice`` ``auto`` (or left out, with tools): the model's own format is parsed, by the
   parser ``--tool-call-parser`` names or the one its chat template shows: ``hermes`` (``<tool_call>``
   blocks of JSON, Qwen's and Hermes' templates) or ``llama3_json`` (a JSON object with ``name``
@@ -45,9 +45,9 @@ class Shape:
         return self.kind != "content"
 
     @property
-    def whole(self) -> bool:
-        """Whether a stream sends each choice's message whole at its end: its tool calls are known
-        only then (a named call's arguments are the text itself, streamed as it comes)."""
+    def scanned(self) -> bool:
+        """Whether a stream's tool calls are found in its text as it comes (``tool_stream.py``; a
+        named call's arguments are the text itself)."""
         return self.kind in ("required", "parsed")
 
 
@@ -96,37 +96,9 @@ def _parameters(tool) -> Dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
-def message(text: str, shape: Shape) -> Tuple[Dict[str, Any], bool]:
-    """``(the assistant's message, whether it calls tools)`` of a choice's whole text."""
-    if shape.kind == "named":
-        return _with_calls(None, [(shape.name or "", text)]), True
-    if shape.kind == "required":
-        calls = _parsed_list(text)
-        if calls is not None:
-            return _with_calls(None, calls), True
-    if shape.kind == "parsed":
-        content, calls = parse(text, shape.parser or "")
-        if calls:
-            return _with_calls(content, calls), True
-    return {"role": "assistant", "content": text}, False
-
-
-def _with_calls(content: Optional[str], calls: List[Tuple[str, str]]) -> Dict[str, Any]:
-    return {"role": "assistant", "content": content or None,
-            "tool_calls": [call(name, arguments) for name, arguments in calls]}
-
-
 def call(name: str, arguments: str) -> Dict[str, Any]:
     """A tool call in the API's shape, with an id of its own."""
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def _parsed_list(text: str) -> Optional[List[Tuple[str, str]]]:
-    try:
-        got = json.loads(text)
-    except ValueError:
-        return None  # (cut by max_tokens: the text is the content, finish "length")
-    return [(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in got]
 
 
 def parse(text: str, parser: str) -> Tuple[Optional[str], List[Tuple[str, str]]]:
@@ -136,7 +108,7 @@ def parse(text: str, parser: str) -> Tuple[Optional[str], List[Tuple[str, str]]]
         calls, kept = [], []
         last = 0
         for m in _HERMES.finditer(text):
-            call = _call(m.group(1), "arguments")
+            call = read_call(m.group(1), "arguments")
             if call is None:
                 continue
             kept.append(text[last:m.start()])
@@ -147,13 +119,15 @@ def parse(text: str, parser: str) -> Tuple[Optional[str], List[Tuple[str, str]]]
     if parser == "llama3_json":
         body = text.strip()
         body = body[len("<|python_tag|>"):].strip() if body.startswith("<|python_tag|>") else body
-        calls = [c for c in (_call(part, "parameters") for part in _split_json(body)) if c is not None]
+        calls = [c for c in (read_call(part, "parameters") for part in _split_json(body)) if c is not None]
         if calls and len(calls) == len(_split_json(body)):
             return None, calls
     return text, []
 
 
-def _call(raw: str, key: str) -> Optional[Tuple[str, str]]:
+def read_call(raw: str, key: str) -> Optional[Tuple[str, str]]:
+    """``(name, arguments JSON)`` of one call's JSON object (its arguments under ``key``, or the
+    other name), or None where it is none."""
     try:
         got = json.loads(raw)
     except ValueError:
