@@ -111,6 +111,23 @@ def test_the_openai_client_s_stream_assembles_the_named_call(srv):
     _args_of(call.model_dump(), [WEATHER])
 
 
+def test_the_openai_client_s_stream_assembles_a_required_call(srv):
+    openai = pytest.importorskip("openai", reason="needs the openai client: pip install openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="none", max_retries=0)
+    kw = dict(model="tiny", messages=ASK, max_tokens=150, temperature=1.0, seed=5, tools=[WEATHER, CLOCK],
+              tool_choice="required", parallel_tool_calls=False)
+    with client.chat.completions.stream(**kw) as s:
+        for _ in s:
+            pass
+        done = s.get_final_completion()
+    whole = client.chat.completions.create(**kw)
+    (call,) = done.choices[0].message.tool_calls
+    assert done.choices[0].finish_reason == "tool_calls"
+    assert (call.function.name, call.function.arguments) == (whole.choices[0].message.tool_calls[0].function.name,
+                                                              whole.choices[0].message.tool_calls[0].function.arguments)
+    _args_of(call.model_dump(), [WEATHER, CLOCK])
+
+
 def test_a_required_tool_choice_calls_one_of_the_tools_or_more(srv):
     status, r, _ = post(srv.port, "/v1/chat/completions", {
         "messages": ASK, "max_tokens": 150, "tools": [WEATHER, CLOCK], "tool_choice": "required", "n": 2,
