@@ -114,10 +114,10 @@ def _sizes(b) -> bool:
 def _check_decode(value):
     if value is None or value is True or value is False:
         return
-    keys = {"rows", "max_len", "max_queue", "cache_memory", "paged"}
+    keys = {"rows", "max_len", "max_queue", "cache_memory", "paged", "prefix_caching"}
     if not isinstance(value, dict) or set(value) - keys:
         raise GraphwrapError("decode must be True, False or a dict of rows=, max_len=, max_queue=, cache_memory=, "
-                             f"paged=; got {value!r}")
+                             f"paged=, prefix_caching=; got {value!r}")
     for k, v in value.items():
         if k == "cache_memory":
             if not isinstance(v, numbers.Real) or isinstance(v, bool) or not 0 < float(v) <= 1:
@@ -125,5 +125,8 @@ def _check_decode(value):
         elif k == "paged":
             if v is not None and not isinstance(v, bool):
                 raise GraphwrapError(f"decode['paged'] must be True, False or None, got {v!r}")
+        elif k == "prefix_caching":
+            if not isinstance(v, bool):
+                raise GraphwrapError(f"decode['prefix_caching'] must be True or False, got {v!r}")
         elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise GraphwrapError(f"decode[{k!r}] must be an int >= 1, got {v!r}")

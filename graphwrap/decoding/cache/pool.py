@@ -20,8 +20,9 @@ forwards' working memory. On a CPU the pool starts with a few blocks and doubles
 the whole context of every row, so that its memory follows the rows in use.
 """
 
+import collections
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple, cast
 
 BLOCK = 16  # positions per block of the paged pool
 CACHE_MEMORY = 0.7  # default share of the GPU memory free at the batch's making that the cache may take
@@ -90,22 +91,32 @@ def plan_cache(rows: int, max_len: int, token_bytes: int, free: Optional[int], f
 class Blocks:
     """The pool's free blocks. Blocks ``0 .. scratch - 1`` are the rows' scratch blocks (where a
     released or padding row writes, each its own, so that what one writes never depends on
-    another), never handed out."""
+    another), never handed out. With ``prefixes`` (a :class:`Prefixes`), full blocks known by
+    their content stay cached when their sequences give them back, and are taken again, least
+    recently used first, when no block is free."""
 
-    def __init__(self, total: int, scratch: int = 1):
+    def __init__(self, total: int, scratch: int = 1, prefixes: Optional["Prefixes"] = None):
         self.total, self.scratch = total, scratch
         self.free: List[int] = list(range(total - 1, scratch - 1, -1))  # popped from the end: lowest first
+        self.prefixes = prefixes
+
+    @property
+    def available(self) -> int:
+        """Blocks a sequence may take: the free ones and the cached ones no sequence holds."""
+        return len(self.free) + (len(self.prefixes.idle) if self.prefixes is not None else 0)
 
     def take(self, n: int) -> Optional[List[int]]:
-        """``n`` blocks, or None (nothing taken) where fewer are free."""
-        if n > len(self.free):
+        """``n`` blocks, or None (nothing taken) where fewer are available."""
+        if n > self.available:
             return None
+        while len(self.free) < n:
+            self.free.extend(cast(Prefixes, self.prefixes).evict())
         out = self.free[-n:][::-1] if n else []
         del self.free[len(self.free) - n:]
         return out
 
     def give(self, blocks: List[int]):
-        self.free.extend(blocks)
+        self.free.extend(blocks if self.prefixes is None else self.prefixes.release(blocks))
 
     def grow(self, total: int):
         """The pool now has ``total`` blocks: the new ones are free."""
@@ -114,7 +125,94 @@ class Blocks:
 
     @property
     def used(self) -> int:
-        return self.total - self.scratch - len(self.free)
+        """Blocks sequences hold."""
+        return self.total - self.scratch - self.available
+
+
+class Prefixes:
+    """Full blocks of the pool known by their content (plain Python, no tensors): a block's key
+    is the block before it (-1 for a sequence's first) and its ``block`` tokens, so a key names
+    its whole prefix exactly (no hash to collide). A block is cached once the forward that writes
+    it is queued, held by each sequence that took it (``refs``), and kept when the last gives it
+    back (``idle``, least recently used first) until the pool needs it; a block taken for other
+    content drops its key, and with it the keys of the cached blocks that follow it. Cached
+    blocks are full and a sequence writes only past them, so none is written while shared."""
+
+    def __init__(self, block: int):
+        self.block = block
+        self.by_key: Dict[Tuple[int, Tuple[int, ...]], int] = {}
+        self.key_of: Dict[int, Tuple[int, Tuple[int, ...]]] = {}
+        self.after: Dict[int, List[int]] = {}  # block -> cached blocks keyed after it
+        self.refs: Dict[int, int] = {}  # cached block -> sequences holding it
+        self.idle: "collections.OrderedDict[int, None]" = collections.OrderedDict()
+        self.queries = self.hits = 0  # prompt tokens looked up, and found
+
+    def match(self, tokens: Sequence[int], most: int) -> List[int]:
+        """The cached blocks that hold ``tokens``' first full blocks, at most ``most`` of them."""
+        chain: List[int] = []
+        parent, b = -1, self.block
+        for i in range(most):
+            got = self.by_key.get((parent, tuple(tokens[i * b:(i + 1) * b])))
+            if got is None:
+                break
+            chain.append(got)
+            parent = got
+        return chain
+
+    def share(self, chain: List[int]):
+        """A sequence takes ``chain`` (cached blocks, from :meth:`match`)."""
+        for b in chain:
+            self.refs[b] = self.refs.get(b, 0) + 1
+            self.idle.pop(b, None)
+
+    def register(self, blocks: Sequence[int], tokens: Sequence[int]):
+        """``blocks`` (a sequence's, in order) now hold ``tokens`` (its forward is queued): its
+        full blocks become known by their content, up to the first whose content another block
+        holds already (that one and those after it stay the sequence's own: a cached block's
+        prefix is always held with it)."""
+        parent, b = -1, self.block
+        for i in range(min(len(tokens) // b, len(blocks))):
+            key = (parent, tuple(tokens[i * b:(i + 1) * b]))
+            got, block = self.by_key.get(key), blocks[i]
+            if got is None and block not in self.key_of:
+                self.by_key[key], self.key_of[block] = block, key
+                self.refs[block] = self.refs.get(block, 0) + 1
+                self.after.setdefault(parent, []).append(block)
+            elif got != block:
+                return
+            parent = block
+
+    def release(self, blocks: List[int]) -> List[int]:
+        """A sequence gives ``blocks`` back: the cached ones it held last go idle (its last
+        block first, so that a prefix outlives what follows it); the others, returned, are free."""
+        free = []
+        for b in reversed(blocks):
+            if b not in self.key_of:
+                free.append(b)
+                continue
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                del self.refs[b]
+                self.idle[b] = None
+        return free
+
+    def evict(self) -> List[int]:
+        """The least recently used idle block, its key dropped with those keyed after it (all
+        idle: a sequence holding one holds its prefix); every block so freed."""
+        out = [self.idle.popitem(last=False)[0]]
+        for b in out:  # (grows as it goes)
+            parent = b
+            self.by_key.pop(self.key_of.pop(b))
+            for child in self.after.pop(parent, []):
+                if self.key_of.get(child, (None,))[0] == parent:
+                    assert child not in self.refs, "a cached block held while its prefix went"
+                    self.idle.pop(child, None)
+                    out.append(child)
+        return out
+
+    @property
+    def cached(self) -> int:
+        return len(self.key_of)
 
 
 def rows_for(token_bytes: int, free: Optional[int], fraction: float = CACHE_MEMORY) -> int:

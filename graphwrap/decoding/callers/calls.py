@@ -44,9 +44,11 @@ class Call:
     ended: bool = False  # set once, by _end_call (the decode thread)
     queued: bool = False  # set once, when enqueued: counted among the batch's calls in flight until it ends
     sink: Any = None  # its streamer's sink, where it has one (:class:`Sinks`)
+    cached_to: Any = None  # its streamer's ``put_cached(n)``, where it has one: prompt tokens found cached
 
     def __post_init__(self):
         self.sink = getattr(self.plan.streamer, "sink", None)
+        self.cached_to = getattr(self.plan.streamer, "put_cached", None)
 
 
 class Logprobs(NamedTuple):

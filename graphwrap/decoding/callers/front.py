@@ -25,6 +25,7 @@ from ...loops.positions import check_positions
 from ..cache.pool import CACHE_MEMORY, MIN_ROWS
 from ..engine.grammar import GrammarError
 from ..engine.scheduler import buckets_upto
+from ..engine.step import model_positions
 from ..kernels.attention import without_cudnn
 from . import turns
 from .settings import PENALTY_KWARGS, CallPlan, plan_call
@@ -52,12 +53,6 @@ def decode_options(given, config) -> Optional[dict]:
     d.setdefault("max_queue", 4096)
     d["positions"] = positions
     return d
-
-
-def model_positions(config) -> Optional[int]:
-    """How many positions the model has, where its config says."""
-    return next((getattr(config, a) for a in ("max_position_embeddings", "n_positions", "max_sequence_length")
-                 if isinstance(getattr(config, a, None), int)), None)
 
 
 def _usable(server) -> bool:
@@ -161,7 +156,7 @@ def _make(held: dict, module):
         engine.logged = held["_gw_engine"].logged
     return DecodeServer(module, engines["step"], engines["prefill"], rows, cfg["max_len"], cfg["max_queue"],
                         cfg["positions"], cfg.get("cache_memory", CACHE_MEMORY), cfg.get("paged"), engines["piece"],
-                        engines.get("mixed"), compiled), None
+                        engines.get("mixed"), compiled, cfg.get("prefix_caching", False)), None
 
 
 def _default_rows(module, device: torch.device, fraction: float) -> int:

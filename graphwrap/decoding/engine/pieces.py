@@ -18,17 +18,40 @@ piece waited behind them: beside 32 decoding rows on a Llama-3-8B shape the 6,00
 took 2.10 s against 1.32 with three, the others' gaps p99 about the same (30-34 ms).
 """
 
+import functools
 from typing import Optional, cast
 
 import torch
 
 from ..cache.pages import PagedStore
 from ..cache.rows import to_device
+from ..callers.delivery import OUTBOX
 from ..kernels.attention import without_cudnn
 from . import captures
 from .scheduler import bucket_of
 
 IN_FLIGHT = 3  # pieces queued on the device at most (benchmarks/diagnostics/long_prompt_beside.py --in-flight)
+
+
+def route(server, seqs):
+    """Of sequences just admitted, those whose feed is prefilled whole now; the others go in
+    pieces: a feed longer than the chunk from its start, and one whose leading blocks were found
+    cached from where they end (its row's length set there first: a step's write for the row,
+    which the next piece writes over, then lands in a block of its own, never a shared one)."""
+    whole = []
+    for s in seqs:
+        if s.cached:
+            server.store.lengths[s.row:s.row + 1].fill_(s.cached)
+            s.prefilled = s.cached
+            server.sched.chunking.append(s)
+            if s.call.cached_to is not None:  # (graphwrap's server counts them: its usage's cached_tokens)
+                OUTBOX.post(s.call.box, functools.partial(s.call.cached_to, s.cached))
+        elif len(s.feed) > server.chunk:
+            s.prefilled = 0
+            server.sched.chunking.append(s)
+        else:
+            whole.append(s)
+    return whole
 
 
 def oldest(server):

@@ -12,11 +12,14 @@ def report(server) -> dict:
     with server.lock:
         queued, busy = len(server.sched.queue), server.sched.busy
         pool = server.sched.pool
-        blocks = {"block": server.cache.block, "used": pool.used, "free": len(pool.free)} if pool else None
+        blocks = {"block": server.cache.block, "used": pool.used, "free": pool.available} if pool else None
+        prefixes = pool.prefixes if pool else None
+        cached = None if prefixes is None else {"prefix_cache_queries": prefixes.queries,
+                                                "prefix_cache_hits": prefixes.hits, "blocks": prefixes.cached}
     return {
         "rows": server.rows, "max_len": server.max_len, "device": str(server.device), "cache_bytes": server.store.nbytes(),
         "cache": "paged" if server.cache.paged else "rows", "cache_budget_bytes": server.cache.budget,
-        "cache_blocks": blocks,
+        "cache_blocks": blocks, "prefix_cache": cached,
         "calls": c["calls"], "sequences": c["sequences"], "done": c["done"], "failed": c["failed"],
         "cancelled": c["cancelled"], "queued": queued, "rows_busy": busy, "preempted": c["preempted"],
         "steps": c["steps"], "rows_per_step": c["step_rows"] / c["steps"] if c["steps"] else 0.0,

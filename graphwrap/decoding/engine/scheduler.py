@@ -45,6 +45,7 @@ class Seq:
     order: int = 0  # when it was last admitted (the one admitted last is preempted first)
     preempted: int = 0  # times it was preempted
     prefilled: Optional[int] = None  # a long prompt being prefilled in pieces: positions written so far
+    cached: int = 0  # positions of its feed found in the pool's cached blocks when it was admitted
     length: int = 0  # positions of the cache written (host's mirror of the row's length)
     launched: int = 0  # tokens whose computation has been queued on the device
     done: bool = False
@@ -133,15 +134,23 @@ class Scheduler:
                 break
             taken += len(s.feed)
             if self.pool is not None:
-                need, whole = self.needs(s), self.whole(s)
+                prefixes = self.pool.prefixes
+                # Its leading full blocks found cached (never its last token: its logits are wanted)
+                chain = prefixes.match(s.feed, (len(s.feed) - 1) // self.block) if prefixes is not None else []
+                need, whole = self.needs(s) - len(chain), self.whole(s) - len(chain)
                 spare = self.rows - len(self.free)  # a block left for each running row to grow into
-                free = len(self.pool.free)
+                free = self.pool.available - (sum(b in prefixes.idle for b in chain) if prefixes is not None else 0)
                 if need + spare > free:
                     self.short = need + spare - free
                     break
+                if prefixes is not None:
+                    prefixes.share(chain)
+                    prefixes.queries += len(s.feed)
+                    prefixes.hits += len(chain) * self.block
                 # Its whole length where the pool has room for it (its row never waits for a
                 # block), else its prompt's blocks (it takes more as it grows)
-                s.blocks = cast(List[int], self.pool.take(whole if whole + spare <= free else need))
+                s.blocks = chain + cast(List[int], self.pool.take(whole if whole + spare <= free else need))
+                s.cached = len(chain) * self.block
             self.queue.popleft()
             s.row = heapq.heappop(self.free)
             self.holders[s.row] = s
@@ -150,6 +159,14 @@ class Scheduler:
             s.order = self.admitted
             out.append(s)
         return out
+
+    def written(self, seqs: Sequence[Seq]):
+        """The forwards that write ``seqs``' feeds are queued: their full blocks are cached (where
+        the pool caches prefixes)."""
+        prefixes = self.pool.prefixes if self.pool is not None else None
+        if prefixes is not None:
+            for s in seqs:
+                prefixes.register(s.blocks, s.feed)
 
     def short_of(self, s: Seq) -> bool:
         """Whether ``s``'s row needs another block before its next step writes."""
@@ -161,7 +178,7 @@ class Scheduler:
         row; at least one."""
         assert self.pool is not None
         spare = self.rows - len(self.free)
-        return max(1, min(GRANT, self.whole(s) - len(s.blocks), len(self.pool.free) - spare))
+        return max(1, min(GRANT, self.whole(s) - len(s.blocks), self.pool.available - spare))
 
     def newest(self) -> Optional[Seq]:
         """The running sequence admitted last (the first to be preempted)."""

@@ -38,7 +38,7 @@ import torch
 from ...core.engine import Engine
 from ...errors import GraphwrapError
 from ..cache.pages import PagedStore
-from ..cache.pool import CACHE_MEMORY, PIECE, PIECE_ALONE, Blocks, plan_cache
+from ..cache.pool import CACHE_MEMORY, PIECE, PIECE_ALONE, Blocks, Prefixes, plan_cache
 from ..cache.rows import RowStore, to_device
 from ..callers.calls import Call, Closed, Logprobs, QueueFull, Sinks, check_call, finish, put_token
 from ..callers.delivery import OUTBOX, Mailbox, on_worker
@@ -94,7 +94,8 @@ class DecodeServer:
 
     def __init__(self, model, step_engine, prefill_engine, rows: int, max_len: int, max_queue: int,
                  positions: Optional[int] = None, cache_memory: float = CACHE_MEMORY, paged: Optional[bool] = None,
-                 piece_engine=None, mixed_engine=None, compiled: Optional[Dict[str, Engine]] = None):
+                 piece_engine=None, mixed_engine=None, compiled: Optional[Dict[str, Engine]] = None,
+                 prefix_caching: bool = False):
         self.model, self.engine, self.prefill_engine = model, step_engine, prefill_engine
         self.piece_engine = piece_engine  # a long prompt's pieces, in the paged pool (see pieces.py)
         p = next(model.parameters())
@@ -102,7 +103,8 @@ class DecodeServer:
         self.rows, self.max_len, self.max_queue, self.positions = rows, max_len, max_queue, positions
         self.cache, self.store, self.fold = make_cache(model, rows, max_len, self.device, cache_memory, paged)
         self.sched = Scheduler(rows, max_len, buckets_upto(rows, (1, 2, 4, 8, 16)), buckets_upto(max_len, (64, 128, 256)),
-                               Blocks(self.cache.blocks, self.cache.scratch) if self.cache.paged else None, self.cache.block)
+                               Blocks(self.cache.blocks, self.cache.scratch, Prefixes(self.cache.block) if prefix_caching
+                                      else None) if self.cache.paged else None, self.cache.block)
         self.vocab = in_vocab(model)
         self.settings = RowSettings(rows, max_len, self.device, out_vocab(model))
         self.chunk, self.piece, self.piece_alone = CHUNK, min(PIECE, CHUNK), min(PIECE_ALONE, CHUNK)  # (pieces.py)
@@ -360,11 +362,7 @@ class DecodeServer:
     def _admit(self, seqs: List[Seq]):
         if isinstance(self.store, PagedStore):
             self.store.assign(_rows(seqs), [s.blocks for s in seqs])
-        for s in seqs:
-            if len(s.feed) > self.chunk:
-                s.prefilled = 0
-                self.sched.chunking.append(s)
-        seqs = [s for s in seqs if s.prefilled is None]
+        seqs = pieces.route(self, seqs)
         for group in self.prompts.groups([s.feed for s in seqs]):
             batch = [seqs[i] for i in group]
             try:
@@ -399,6 +397,7 @@ class DecodeServer:
                 return
             at = torch.tensor([i for i, s in enumerate(seqs) if s in kept], device=logits.device)
             seqs, logits, lengths = kept, logits[at], lengths[at]
+        self.sched.written(seqs)
         self.active = Active.of([s.settings for s in self.sched.holders if s is not None])
         if self.active.grammar:
             before_sampling(self, seqs)

@@ -29,9 +29,15 @@ Tensor = torch.Tensor
 CHUNK = 512  # positions of a prompt's piece: longer prompts are prefilled a piece a turn
 
 
+def model_positions(config) -> Optional[int]:
+    """How many positions the model has, where its config says."""
+    return next((getattr(config, a) for a in ("max_position_embeddings", "n_positions", "max_sequence_length")
+                 if isinstance(getattr(config, a, None), int)), None)
+
+
 class ModelForward(nn.Module):
     """What the batch's forwards of the model share: the model, the keyword it takes its cache
-    by, and the masks its kinds of layer take."""
+    by, the masks its kinds of layer take, and its last position."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -39,6 +45,13 @@ class ModelForward(nn.Module):
         self.cache_name = cache_keyword(model)
         self.masks = Masks(layer_windows(model))
         self.training = model.training  # not train(): that would set the model's own flags
+        positions = model_positions(getattr(model, "config", None))
+        self.last_position = positions - 1 if positions else None
+
+    def within(self, pos: Tensor) -> Tensor:
+        """A piece's positions, its padding's held to the model's last (a table of positions,
+        GPT-2's, has no row past it; a padded position's key goes to a scratch block, unread)."""
+        return pos.clamp(max=self.last_position) if self.last_position is not None else pos
 
 
 class DecodeStep(ModelForward):
@@ -124,7 +137,7 @@ class PieceStep(ModelForward):
         span = rows.layers[0].span
         start = rows.at[0]
         mask = self.masks(piece_mask, start, width, span, _mask_dtype(self.model))
-        pos = (start + torch.arange(width, device=input_ids.device))[None]
+        pos = self.within(start + torch.arange(width, device=input_ids.device))[None]
         last = rows.at[1:2] - 1
         extra = {"logits_to_keep": last} if self.keeps else {}
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True, return_dict=True,
@@ -153,7 +166,7 @@ class MixedStep(ModelForward):
         rows.at.copy_(at)
         device = input_ids.device
         steps = torch.arange(width, device=device)
-        pos = torch.cat([rows.lengths[:n], rows.at[0] + steps])[None]
+        pos = torch.cat([rows.lengths[:n], self.within(rows.at[0] + steps)])[None]
         mask = self.masks(one_position, total, _mask_dtype(self.model), device)  # (read in place: no mask is read)
         keep = torch.cat([torch.arange(n, device=device), n + rows.at[1:2] - 1])
         extra = {"logits_to_keep": keep} if self.keeps else {}

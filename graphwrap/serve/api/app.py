@@ -243,6 +243,7 @@ class Job:
     echo: List[str]  # per prompt, the text a choice starts with (completions' echo)
     arrived: float
     shape: Shape = Shape()  # a chat's output: text, JSON, tool calls (tools.py)
+    draws: int = 1  # choices drawn per prompt (choice i is prompt i // draws's)
 
 
 async def _answer(served: Served, client: Client, metrics: Metrics, request: Request,
@@ -334,7 +335,8 @@ def _job(served: Served, body: Union[CompletionRequest, ChatRequest], arrived: f
     if shape.grammar is not None:
         kwargs["grammar"] = shape.grammar
     prefix = "chatcmpl-" if isinstance(body, ChatRequest) else "cmpl-"
-    return Job(prefix + uuid.uuid4().hex, isinstance(body, ChatRequest), prompts, kwargs, echo, arrived, shape)
+    return Job(prefix + uuid.uuid4().hex, isinstance(body, ChatRequest), prompts, kwargs, echo, arrived, shape,
+               body.drawn())
 
 
 def _shape(served: Served, body: ChatRequest) -> Shape:
@@ -397,9 +399,12 @@ def _usage(job: Job, pieces) -> Dict[str, int]:
     """The usage of a request whose choices' last pieces so far are ``pieces``."""
     prompt = sum(len(p) for p in job.prompts)
     made = sum(p.made for p in pieces)
-    # (no prompt token is read from a cache yet: every one is computed)
+    cached: Dict[int, int] = {}  # per prompt, the most any of its choices found in the prefix cache
+    for p in pieces:
+        at = p.index // job.draws
+        cached[at] = max(cached.get(at, 0), p.cached)
     return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made,
-            "prompt_tokens_details": {"cached_tokens": 0}}
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 def _head(served: Served, job: Job) -> Dict[str, Any]:

@@ -44,6 +44,7 @@ class Piece:
     tokens: int = 0
     logprobs: Optional[List[TokenLogprob]] = None
     made: int = 0
+    cached: int = 0  # at the end: tokens of its prompt the batch found in the prefix cache
 
 
 class Cut(Exception):
@@ -109,10 +110,11 @@ class _Feed:
     Its ``sink`` and ``key`` (its inbox and itself) let a batch in this process hand a turn's
     tokens for every feed of the loop over at once (:meth:`_Inbox.put_step`)."""
 
-    __slots__ = ("inbox", "queue", "logprobs")
+    __slots__ = ("inbox", "queue", "logprobs", "hits")
 
     def __init__(self, inbox: _Inbox, queue: "asyncio.Queue[Any]", logprobs: Optional[int] = None):
         self.inbox, self.queue, self.logprobs = inbox, queue, logprobs
+        self.hits = 0  # prompt tokens the batch found cached
 
     @property
     def sink(self) -> _Inbox:
@@ -127,6 +129,9 @@ class _Feed:
 
     def end(self):
         self.inbox.post(self.queue, _END)
+
+    def cached(self, n: int):  # (before its end: the batch tells it when the sequence is admitted)
+        self.hits = n
 
 
 def _taken(queue: "asyncio.Queue[Any]", got: Any) -> Tuple[List[int], List[Any], bool]:
@@ -218,7 +223,8 @@ class Client:
         queue: "asyncio.Queue[Any]" = asyncio.Queue()
         self.live.add(queue)
         try:
-            future = await self.engine.queue(ids, kwargs, seed, _Feed(self._inbox(), queue, logprobs))
+            feed = _Feed(self._inbox(), queue, logprobs)
+            future = await self.engine.queue(ids, kwargs, seed, feed)
         except BaseException:
             self.live.discard(queue)
             raise
@@ -255,7 +261,7 @@ class Client:
             else:
                 tail = ""
             self._count(count, first, last, arrived)
-            yield Piece(index, tail, finish, count, made=count)
+            yield Piece(index, tail, finish, count, made=count, cached=feed.hits)
         finally:
             self.live.discard(queue)
             if not future.done():

@@ -18,6 +18,7 @@ came meanwhile in one message (a decode step's tokens for every row, usually):
     ("t", rid, tokens[, logprobs])       new tokens of a sequence
     ("T", rids, tokens[, logprobs])      a decode turn's tokens: one for each of rids
                                          (logprobs: each token's, None where not asked)
+    ("c", rid, n)                        n tokens of its prompt found in the prefix cache
     ("e", rid, count, last, error)       its end: new tokens' count and the last, or its error
     ("s", qid, stats)                    an answer to "stats"
     ("closed", done)                     the batch closed (done: its thread ended in time)
@@ -128,6 +129,9 @@ class _Tap:
 
     def end(self):  # (its end goes with the call's result: ("e", ...))
         pass
+
+    def cached(self, n: int):
+        self.out.post(("c", self.rid, n))
 
 
 class Worker:

@@ -130,6 +130,11 @@ class _Streamer:
     def end(self):
         self.feed.end()
 
+    def put_cached(self, n: int):  # (the shared batch's, with prefix caching: prompt tokens found cached)
+        cached = getattr(self.feed, "cached", None)
+        if cached is not None:
+            cached(n)
+
 
 def submit(gm, ids: List[int], kwargs: Dict[str, Any], seed: Optional[int], feed: Feed,
            tokenizer: Any = None) -> concurrent.futures.Future:

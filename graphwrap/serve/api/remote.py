@@ -198,6 +198,11 @@ class Remote:
             seq = self.seqs.get(item[1])
             if seq is not None:
                 seq.feed.add(item[2]) if len(item) < 4 else seq.feed.add(item[2], item[3])
+        elif op == "c":
+            seq = self.seqs.get(item[1])
+            cached = getattr(seq.feed, "cached", None) if seq is not None else None
+            if cached is not None:
+                cached(item[2])
         elif op == "e":
             with self.lock:
                 seq = self.seqs.pop(item[1], None)

@@ -1,0 +1,317 @@
+"""Prefix caching in the shared batch (``decode={"prefix_caching": True}``), on a CPU, eagerly:
+full blocks known by their content, kept when their sequences end and taken again least
+recently used first, never written while shared; greedy tokens equal ``model.generate``'s alone
+(and so caching off's) for shared system prompts, a conversation's turns, evicted and reused
+blocks, preemption, a request cancelled mid-prefill, seeded sampling, sliding windows, a prompt
+shorter than a block and one prompt 64 times at once."""
+
+import threading
+import time
+
+import pytest
+import torch
+from helpers import thread_results
+from test_generate_paged_cpu import _alone, _fixed_pool, _model, _prompts, _windowed
+
+from graphwrap import GraphedModule
+from graphwrap.decoding.cache.pool import BLOCK, Blocks, Prefixes
+from graphwrap.decoding.callers.settings import SeqSettings
+from graphwrap.decoding.engine.scheduler import Scheduler, Seq
+
+ON = {"prefix_caching": True}
+
+
+# ------------------------------------------------------------------ the blocks (plain Python)
+
+def _pool(total=40, scratch=2):
+    return Blocks(total, scratch, Prefixes(4))
+
+
+def test_full_blocks_are_found_by_their_whole_prefix_and_only_so():
+    pool = _pool()
+    p = pool.prefixes
+    a = pool.take(3)
+    p.register(a, list(range(12)) + [99])  # 3 full blocks of 4 (and a token past them)
+    assert p.match(list(range(12)), 3) == a and p.match(list(range(8)) + [0, 0, 0, 0], 3) == a[:2]
+    assert p.match([1, 0, 2, 3], 3) == [], "a block's key holds every token of its prefix"
+    assert p.match(list(range(12)), 1) == a[:1], "at most as many as asked"
+    b = pool.take(2)
+    p.register(b, [7, 7, 7, 7] + list(range(4, 8)))
+    assert p.match([7, 7, 7, 7, 4, 5, 6, 7], 2) == b, "the same tokens after another prefix: another block"
+    assert p.match(list(range(8)), 2) == a[:2]
+
+
+def test_blocks_given_back_stay_cached_until_taken_least_recently_used_first_with_what_follows_them():
+    pool = _pool(total=10, scratch=2)  # 8 usable
+    p = pool.prefixes
+    first, second = pool.take(2), pool.take(2)
+    p.register(first, [1] * 8)
+    p.register(second, [2] * 8)
+    pool.give(first)
+    pool.give(second)
+    assert pool.available == 8 and pool.used == 0 and p.cached == 4 and len(pool.free) == 4
+    again = p.match([1] * 8, 2)
+    p.share(again)
+    assert again == first and pool.available == 6, "taken again, the cached blocks are no longer available"
+    got = pool.take(5)  # 4 free, then the least recently used idle block: second's last (given back first)
+    assert got is not None and p.match([2] * 8, 2) == second[:1] and p.cached == 3, "the prefix outlives its tail"
+    assert second[1] in got and not set(got) & set(first), "the shared ones are never taken"
+    p.register(got[:1], [9] * 4)
+    pool.give(got)
+    assert p.match([9] * 4, 1) == got[:1]
+    assert pool.take(6) is not None and p.cached == 2, "second's first went, and everything given back"
+    assert pool.take(1) is None and pool.available == 0
+
+
+def test_a_block_whose_content_is_cached_already_ends_what_a_sequence_registers():
+    pool = _pool()
+    p = pool.prefixes
+    a, b = pool.take(2), pool.take(2)
+    p.register(a, [5] * 8)
+    p.register(b, [5] * 8)  # (two prompts written at once, before either was cached)
+    assert p.match([5] * 8, 2) == a and p.cached == 2
+    pool.give(b)
+    assert len(pool.free) == 40 - 2 - 2, "the duplicates went back free, not cached"
+
+
+# ------------------------------------------------------------------ the scheduler
+
+def _seq(prompt, new=4):
+    return Seq(None, 0, list(prompt), SeqSettings(max_new=new))
+
+
+def test_admission_takes_the_cached_blocks_and_always_runs_the_last_prompt_token():
+    pool = _pool()
+    sched = Scheduler(4, 64, [1, 2, 4], [16, 32, 64], pool, 4)
+    one = _seq(range(12))
+    assert sched.admit() == [] or True
+    sched.enqueue([one])
+    (got,) = sched.admit()
+    sched.written([got])
+    assert got.cached == 0 and pool.prefixes.cached == 3
+    two = _seq(range(12))  # the same 12 tokens: 2 blocks from the cache, the last block's tokens run
+    three = _seq(list(range(8)) + [50, 51, 52])
+    sched.enqueue([two, three])
+    two, three = sched.admit()
+    assert two.cached == 8 and two.blocks[:2] == one.blocks[:2] and two.blocks[2] not in one.blocks
+    assert three.cached == 8 and three.blocks[:2] == one.blocks[:2]
+    assert pool.prefixes.queries == 12 + 12 + 11 and pool.prefixes.hits == 16
+
+
+# ------------------------------------------------------------------ the batch, against model.generate
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_shared_system_prompt_is_computed_once_and_every_answer_is_generates(kind):
+    model = _model(kind)
+    system = _prompts([40])[0]
+    questions = _prompts([3, 7, 12, 1, 5], seed=2)
+    gm = GraphedModule(model, decode=ON)
+    first = gm.generate(torch.tensor([system + questions[0]]), max_new_tokens=10, do_sample=False)
+    assert torch.equal(first, _alone(model, system + questions[0], max_new_tokens=10))
+    got = thread_results(lambda i: gm.generate(torch.tensor([system + questions[i]]), max_new_tokens=12,
+                                               do_sample=False), len(questions))
+    for q, out in zip(questions, got):
+        assert torch.equal(out, _alone(model, system + q, max_new_tokens=12))
+    c = gm.stats()["decode"]["prefix_cache"]
+    assert c["prefix_cache_hits"] >= len(questions) * (40 // BLOCK) * BLOCK, c
+    assert c["prefix_cache_queries"] == sum(len(system) + len(q) for q in questions[:1] + questions)
+    gm.close()
+
+
+def test_caching_is_off_unless_asked_and_its_tokens_are_the_same():
+    model = _model("llama")
+    prompt = _prompts([37])[0]
+    off = GraphedModule(model)
+    outs = [off.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False) for _ in range(2)]
+    assert off.stats()["decode"]["prefix_cache"] is None
+    on = GraphedModule(model, decode=ON)
+    assert all(torch.equal(on.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False), o) for o in outs)
+    assert on.stats()["decode"]["prefix_cache"]["prefix_cache_hits"] == 32, "the second call: its 2 full blocks"
+    off.close()
+    on.close()
+
+
+def test_a_conversation_s_turns_reuse_what_came_before():
+    model = _model("llama")
+    gm = GraphedModule(model, decode=ON)
+    history = _prompts([20])[0]
+    for turn in range(4):
+        out = gm.generate(torch.tensor([history]), max_new_tokens=6, do_sample=False)
+        assert torch.equal(out, _alone(model, history, max_new_tokens=6))
+        history = out[0].tolist() + _prompts([5], seed=turn + 10)[0]
+    assert gm.stats()["decode"]["prefix_cache"]["prefix_cache_hits"] >= 3 * 16
+    gm.close()
+
+
+def test_evicted_blocks_are_taken_for_other_prompts_and_a_prefix_found_again_is_right(monkeypatch):
+    _fixed_pool(monkeypatch, 12)  # 12 blocks of 16: a few prompts' worth
+    model = _model("llama")
+    gm = GraphedModule(model, decode=ON)
+    prompts = _prompts([50, 45, 60, 50], seed=3)
+    for rnd in range(3):
+        for p in prompts:
+            assert torch.equal(gm.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False),
+                               _alone(model, p, max_new_tokens=5)), (rnd, len(p))
+    d = gm.stats()["decode"]
+    assert d["cache_blocks"]["used"] == 0 and d["cache_blocks"]["free"] == 12
+    assert 0 < d["prefix_cache"]["blocks"] <= 12
+    gm.close()
+
+
+def test_preempted_sequences_resume_from_cached_blocks_with_generates_tokens(monkeypatch):
+    _fixed_pool(monkeypatch, 10)
+    model = _model("llama")
+    gm = GraphedModule(model, decode=ON)
+    system = _prompts([33])[0]
+    gm.generate(torch.tensor([system + [3]]), max_new_tokens=1, do_sample=False)  # (the system prompt cached)
+    prompts = [system + q for q in _prompts([4, 6, 2, 5], seed=4)]
+    futs = [gm.submit_generate(torch.tensor([p]), max_new_tokens=80, do_sample=False) for p in prompts]
+    for p, f in zip(prompts, futs):  # (two rows of 8 blocks, 2 of them shared, outgrow 10)
+        assert torch.equal(f.result(timeout=120), _alone(model, p, max_new_tokens=80))
+    d = gm.stats()["decode"]
+    assert d["preempted"] > 0 and d["cache_blocks"]["used"] == 0, d
+    gm.close()
+
+
+def test_a_call_cancelled_mid_prefill_leaves_nothing_wrong_behind(monkeypatch):
+    from graphwrap.decoding.engine import server as server_mod
+
+    monkeypatch.setattr(server_mod, "CHUNK", 8)  # its long prompt in pieces, a turn each
+    model = _model("llama")
+    gm = GraphedModule(model, decode=ON)
+    long = _prompts([100])[0]
+    beside = gm.submit_generate(torch.tensor([[5, 6, 7]]), max_new_tokens=60, do_sample=False)
+    fut = gm.submit_generate(torch.tensor([long]), max_new_tokens=5, do_sample=False)
+    time.sleep(0.05)
+    fut.cancel()
+    assert torch.equal(beside.result(timeout=60), _alone(model, [5, 6, 7], max_new_tokens=60))
+    for _ in range(2):
+        assert torch.equal(gm.generate(torch.tensor([long]), max_new_tokens=5, do_sample=False),
+                           _alone(model, long, max_new_tokens=5))
+    gm.close()
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_a_cached_prefix():
+    model = _model("llama")
+    prompt = _prompts([45])[0]
+    kw = dict(max_new_tokens=12, do_sample=True, top_k=20, temperature=0.9)
+    off = GraphedModule(model)
+    on = GraphedModule(model, decode=ON)
+    torch.manual_seed(3)
+    want = off.generate(torch.tensor([prompt]), **kw)
+    on.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False)  # (its blocks cached)
+    torch.manual_seed(3)
+    got = on.generate(torch.tensor([prompt]), **kw)
+    assert on.stats()["decode"]["prefix_cache"]["prefix_cache_hits"] > 0
+    assert torch.equal(got, want)
+    off.close()
+    on.close()
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_sliding_window_models_reuse_blocks_for_the_same_positions(kind):
+    model = _windowed(kind)
+    gm = GraphedModule(model, decode=ON)
+    system = _prompts([35])[0]
+    for q in _prompts([3, 9], seed=5):
+        assert torch.equal(gm.generate(torch.tensor([system + q]), max_new_tokens=10, do_sample=False),
+                           _alone(model, system + q, max_new_tokens=10))
+    assert gm.stats()["decode"]["prefix_cache"]["prefix_cache_hits"] == 32
+    gm.close()
+
+
+def test_a_prompt_shorter_than_a_block_and_one_prompt_64_times_at_once():
+    model = _model("gpt2")
+    gm = GraphedModule(model, decode=ON)
+    short = [5, 6, 7]
+    for _ in range(2):
+        assert torch.equal(gm.generate(torch.tensor([short]), max_new_tokens=4, do_sample=False),
+                           _alone(model, short, max_new_tokens=4))
+    assert gm.stats()["decode"]["prefix_cache"]["prefix_cache_hits"] == 0
+    same = _prompts([40])[0]
+    want = _alone(model, same, max_new_tokens=8)
+    for _ in range(2):  # (at once: none finds the others' blocks; then every one finds them)
+        got = thread_results(lambda i: gm.generate(torch.tensor([same]), max_new_tokens=8, do_sample=False), 64)
+        assert all(torch.equal(g, want) for g in got)
+    d = gm.stats()["decode"]
+    assert d["prefix_cache"]["prefix_cache_hits"] >= 64 * 32 and d["cache_blocks"]["used"] == 0
+    gm.close()
+
+
+def test_the_decode_option_is_checked():
+    from graphwrap import GraphwrapError
+
+    with pytest.raises(GraphwrapError, match="prefix_caching"):
+        GraphedModule(_model(), decode={"prefix_caching": "yes"})
+
+
+def test_threads_calling_with_caching_on_all_get_generates_tokens():
+    model = _model("llama")
+    gm = GraphedModule(model, decode=ON)
+    systems = _prompts([20, 34], seed=6)
+    prompts = [systems[i % 2] + q for i, q in enumerate(_prompts([1, 2, 3, 4, 5, 6, 7, 8], seed=7))]
+    errors = []
+
+    def caller(i):
+        try:
+            for _ in range(3):
+                out = gm.generate(torch.tensor([prompts[i]]), max_new_tokens=6, do_sample=False)
+                assert torch.equal(out, _alone(model, prompts[i], max_new_tokens=6))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:1]
+    gm.close()
+
+
+# ------------------------------------------------------------------ over HTTP
+
+@pytest.mark.parametrize("engine", ["thread", "process"])
+def test_the_server_reports_the_prompt_tokens_found_cached(tmp_path, engine):
+    """``serve --prefix-caching``: a prompt sent again reports its cached full blocks in the usage's
+    ``prompt_tokens_details.cached_tokens``, whole and streamed, with the same text; without the
+    flag, none."""
+    pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+    pytest.importorskip("uvicorn", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+    import tiny_lm
+    from test_http_cpu import Running, _args, events, post
+    from test_http_engine_cpu import Running as InProcess
+
+    d = tiny_lm.make(str(tmp_path))
+    start = (lambda **kw: Running(_load(_args(d, served_model_name="tiny", **kw)))) if engine == "thread" else \
+        (lambda **kw: InProcess(d, **kw))
+    body = {"model": "tiny", "prompt": "the quick brown fox jumps over the lazy dog " * 6, "max_tokens": 8,
+            "temperature": 0}
+    r = start(prefix_caching=True)
+    try:
+        status, first, _ = post(r.port, "/v1/completions", body)
+        assert status == 200 and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, first
+        prompt = first["usage"]["prompt_tokens"]
+        status, again, _ = post(r.port, "/v1/completions", body)
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (prompt - 1) // BLOCK * BLOCK and cached > 0, again["usage"]
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        status, evs = events(r.port, "/v1/completions", dict(body, stream_options={"include_usage": True}))
+        assert evs[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+        assert "".join(e["choices"][0]["text"] for e in evs[:-2] if e["choices"]) == first["choices"][0]["text"]
+    finally:
+        r.stop()
+    if engine == "thread":
+        r = start()
+        try:
+            for _ in range(2):
+                status, got, _ = post(r.port, "/v1/completions", body)
+                assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        finally:
+            r.stop()
+
+
+def _load(args):
+    from graphwrap.serve.api import cli
+
+    return cli.load(args)
