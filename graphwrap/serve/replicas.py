@@ -20,6 +20,7 @@ from ..core.tree import map_tensors
 from ..errors import GraphwrapError
 from ..loops.batcher import Batcher
 from ..module import GraphedModule, options_of
+from .routing import PrefixRouter
 
 
 class _Replica:
@@ -41,7 +42,9 @@ class Replicas:
         **graphed: keyword arguments of each :class:`GraphedModule` (``compile``, ...).
 
     ``replicas(*args, **kwargs)``, ``submit(...)`` and ``await acall(...)`` are the Batcher's
-    calls, on the replica with the fewest requests in flight.
+    calls, on the replica with the fewest requests in flight. ``generate`` and
+    ``submit_generate`` go to the replica that served a prompt starting alike, where its prefix
+    cache may hold it (:mod:`.routing`), else to the least loaded.
     """
 
     def __init__(self, model: Union[nn.Module, Callable[[torch.device], nn.Module]],
@@ -73,6 +76,7 @@ class Replicas:
             self._replicas.append(_Replica(d, gm, Batcher(gm, **(batcher or {}))))
         self._lock = threading.Lock()
         self._turn = itertools.count()
+        self._router = PrefixRouter(len(self._replicas))  # (generate calls: routing.py)
         self._closed = False
 
     @property
@@ -132,6 +136,34 @@ class Replicas:
         finally:
             self._done(r)
 
+    def submit_generate(self, input_ids: torch.Tensor, **kwargs: Any) -> "concurrent.futures.Future[Any]":
+        """``submit_generate`` on the replica that served a prompt starting alike (its first row's
+        leading blocks, :mod:`.routing`), else on the one with the fewest calls in flight; the
+        output is on that replica's device."""
+        r = self._pick_for(input_ids)
+        try:
+            ids, kwargs = self._moved(r, (input_ids,), kwargs)
+            fut = r.gm.submit_generate(ids[0].to(r.device), **kwargs)
+        except BaseException:
+            self._done(r)
+            raise
+        fut.add_done_callback(lambda _f: self._done(r))
+        return fut
+
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """``generate``, routed as :meth:`submit_generate` routes."""
+        return self.submit_generate(input_ids, **kwargs).result()
+
+    def _pick_for(self, input_ids: torch.Tensor) -> _Replica:
+        tokens = input_ids[0].tolist() if input_ids.dim() == 2 else input_ids.tolist()
+        with self._lock:
+            if self._closed:
+                raise GraphwrapError("these Replicas are closed: make new ones to serve more requests")
+            reps = self._replicas
+            r = reps[self._router.pick(tokens, [x.inflight for x in reps], next(self._turn) % len(reps))]
+            r.inflight += 1
+            return r
+
     def capture(self, *args: Any, **kwargs: Any) -> List[dict]:
         """``capture`` on every replica (each with the sample moved to its device)."""
         out = []
@@ -144,6 +176,13 @@ class Replicas:
         """Per device: the Batcher's stats, the GraphedModule's, and the requests in flight."""
         return {str(r.device): {"batcher": r.batcher.stats(), "graphs": r.gm.stats(), "inflight": r.inflight}
                 for r in self._replicas}
+
+    @property
+    def routed(self) -> dict:
+        """generate calls routed so far: ``prefix`` (to a replica that matched their prompt's
+        leading blocks) and ``load`` (to the least loaded)."""
+        with self._lock:
+            return dict(self._router.routed)
 
     def close(self) -> None:
         with self._lock:

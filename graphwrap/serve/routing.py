@@ -1,0 +1,59 @@
+"""Which replica takes a generate call: the one that served a prompt starting alike, where its
+prefix cache may still hold it, else the one with the fewest calls in flight (plain Python).
+
+A prompt is known by chained hashes of its leading full blocks (16 tokens each, the paged
+pool's block): block ``i``'s hash covers every token before it, so a match of ``k`` hashes is a
+shared prefix of ``k`` blocks (a collision costs a routing choice, never an answer: each replica
+checks its own blocks' tokens). Each replica remembers the hashes of the prompts it was given,
+the most recently seen last, up to ``remembered``; a call goes to the replica that matches the
+most of its blocks, unless that replica has more than ``slack`` calls in flight beyond the least
+loaded one (then to the least loaded: affinity must not pile every call on one device).
+"""
+
+import collections
+from typing import List, Sequence
+
+BLOCK = 16  # tokens per block (the paged pool's: graphwrap.decoding.cache.pool.BLOCK)
+REMEMBERED = 100_000  # block hashes each replica keeps
+SLACK = 8  # calls in flight a replica may have beyond the least loaded one and still take a match
+
+
+def block_hashes(tokens: Sequence[int], block: int = BLOCK) -> List[int]:
+    """The chained hashes of ``tokens``' full blocks."""
+    out: List[int] = []
+    h = 0
+    for i in range(len(tokens) // block):
+        h = hash((h, tuple(tokens[i * block:(i + 1) * block])))
+        out.append(h)
+    return out
+
+
+class PrefixRouter:
+    """Picks a replica for a prompt; ``pick`` returns its index and remembers the prompt there."""
+
+    def __init__(self, replicas: int, remembered: int = REMEMBERED, slack: int = SLACK, block: int = BLOCK):
+        self.seen: List["collections.OrderedDict[int, None]"] = [collections.OrderedDict() for _ in range(replicas)]
+        self.remembered, self.slack, self.block = remembered, slack, block
+        self.routed: "collections.Counter[str]" = collections.Counter()  # "prefix" (a match chose it) or "load"
+
+    def pick(self, tokens: Sequence[int], inflight: Sequence[int], start: int = 0) -> int:
+        """The replica for ``tokens``, given each one's calls in flight (ties to the least loaded
+        go round from ``start``)."""
+        n = len(self.seen)
+        least = min(range(n), key=lambda i: (inflight[i], (i - start) % n))
+        hashes = block_hashes(tokens, self.block)
+        best, matched = least, 0
+        for i, seen in enumerate(self.seen):
+            k = 0
+            while k < len(hashes) and hashes[k] in seen:
+                k += 1
+            if k > matched and inflight[i] <= inflight[least] + self.slack:
+                best, matched = i, k
+        self.routed["prefix" if matched else "load"] += 1
+        seen = self.seen[best]
+        for h in hashes:
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > self.remembered:
+            seen.popitem(last=False)
+        return best
