@@ -334,6 +334,18 @@ def test_with_compile_a_lone_call_never_waits_for_a_compile_and_its_capture_wait
         release.wait(30)
 
     monkeypatch.setattr(captures_mod, "precompile", slow_compile)
+    # The first call's plain captures wait for its end (else, on a slow host, the last of them
+    # could end while it is in flight, and its compile begin then, as it may).
+    ended = threading.Event()
+    plain, counted = captures_mod.Captures._capture, captures_mod.Captures.calls
+
+    def calls(self, change):
+        counted(self, change)
+        if self.serving == 0:
+            ended.set()
+
+    monkeypatch.setattr(captures_mod.Captures, "calls", calls)
+    monkeypatch.setattr(captures_mod.Captures, "_capture", lambda self, shape: (ended.wait(30), plain(self, shape))[1])
     model = _model("gpt2")
     gm, server = _captured_beside(model, compile=True, rows=4)
     ids = torch.tensor([[4, 9, 13, 2, 7]])
