@@ -82,6 +82,7 @@ def _close_at_exit():
 KEEP = 10_000  # latencies kept for the percentiles in stats()
 AHEAD = 2  # steps queued on the device before the host reads the oldest
 EXIT_WAIT = 5.0  # seconds the process waits at exit for every decode thread to stop
+LET_GO_WAIT = 60.0  # seconds an ended batch waits for its capturing thread before it gives its memory back
 
 
 def _rows(seqs: List[Seq]) -> List[int]:
@@ -535,10 +536,15 @@ def let_go(server: DecodeServer):
     reference to the batch dropped (a cycle), so that its memory returns
     when the thread ends, not when the garbage collector next finds the batch (a dropped
     GraphedModule's, say: on a GPU the pool is most of the device)."""
+    if server.stopping is not None:  # (the process is exiting: torch may be torn down under a reset)
+        return
+    if server.captures is not None:
+        if not server.captures.stop(LET_GO_WAIT):  # (a capture under way still reads the cache: left to the collector)
+            logger.warning("the shared batch's capturing thread did not stop in %.0f s: its memory goes when the "
+                           "batch is collected", LET_GO_WAIT)
+            return
+        server.captures.server = None  # (its thread has ended)
     try:
-        if server.captures is not None:
-            server.captures.stop(None)
-            server.captures.server = None  # (its thread has ended)
         server.twins.clear()
         server.compiled.clear()
         for engine in {id(e): e for e in (server.engine, server.prefill_engine, server.piece_engine,
