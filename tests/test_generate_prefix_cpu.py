@@ -238,6 +238,27 @@ def test_a_prompt_shorter_than_a_block_and_one_prompt_64_times_at_once():
     gm.close()
 
 
+@pytest.mark.parametrize("system_len", [40, 300], ids=["prefilled-whole", "in-pieces"])
+def test_requests_sent_at_once_wait_a_turn_for_a_prefix_being_written_and_then_take_it(monkeypatch, system_len):
+    """A burst of prompts sharing a system prompt, all at once: the first writes it (whole, or a
+    piece a turn: its blocks are cached piece by piece), the others wait for the blocks it writes
+    instead of writing them again, then take them; every answer is generate's."""
+    from graphwrap.decoding.engine import server as server_mod
+
+    monkeypatch.setattr(server_mod, "CHUNK", 64)  # (300 tokens: pieces)
+    model = _model("llama", positions=512)
+    gm = GraphedModule(model, decode=ON)
+    system = _prompts([system_len])[0]
+    prompts = [system + q for q in _prompts([3, 5, 7, 9, 11, 13], seed=8)]
+    futs = [gm.submit_generate(torch.tensor([p]), max_new_tokens=6, do_sample=False) for p in prompts]
+    for p, f in zip(prompts, futs):
+        assert torch.equal(f.result(timeout=120), _alone(model, p, max_new_tokens=6))
+    c = gm.stats()["decode"]["prefix_cache"]
+    assert c["prefix_cache_hits"] == 5 * (system_len // BLOCK) * BLOCK, c
+    assert not gm.__dict__["_gw_decode"].sched.writing, "nothing is left waited on"
+    gm.close()
+
+
 def test_the_decode_option_is_checked():
     from graphwrap import GraphwrapError
 

@@ -13,6 +13,8 @@ loaded one (then to the least loaded: affinity must not pile every call on one d
 import collections
 from typing import List, Sequence
 
+from ..decoding.cache.pool import chain_hashes
+
 BLOCK = 16  # tokens per block (the paged pool's: graphwrap.decoding.cache.pool.BLOCK)
 REMEMBERED = 100_000  # block hashes each replica keeps
 SLACK = 8  # calls in flight a replica may have beyond the least loaded one and still take a match
@@ -20,12 +22,7 @@ SLACK = 8  # calls in flight a replica may have beyond the least loaded one and 
 
 def block_hashes(tokens: Sequence[int], block: int = BLOCK) -> List[int]:
     """The chained hashes of ``tokens``' full blocks."""
-    out: List[int] = []
-    h = 0
-    for i in range(len(tokens) // block):
-        h = hash((h, tuple(tokens[i * block:(i + 1) * block])))
-        out.append(h)
-    return out
+    return chain_hashes(tokens, block, len(tokens) // block)
 
 
 class PrefixRouter:

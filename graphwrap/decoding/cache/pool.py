@@ -129,6 +129,18 @@ class Blocks:
         return self.total - self.scratch - self.available
 
 
+def chain_hashes(tokens: Sequence[int], block: int, n: int) -> List[int]:
+    """Chained hashes of ``tokens``' first ``n`` full blocks: block ``i``'s covers every token up to
+    its end (for what waits on a block being written and for routing: a collision costs a wait
+    or a routing choice, never an answer, which :class:`Prefixes`' exact keys decide)."""
+    out: List[int] = []
+    h = 0
+    for i in range(min(n, len(tokens) // block)):
+        h = hash((h, tuple(tokens[i * block:(i + 1) * block])))
+        out.append(h)
+    return out
+
+
 class Prefixes:
     """Full blocks of the pool known by their content (plain Python, no tensors): a block's key
     is the block before it (-1 for a sequence's first) and its ``block`` tokens, so a key names

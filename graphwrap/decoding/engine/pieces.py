@@ -108,6 +108,7 @@ def ran(server, s, end: int, logits: torch.Tensor):
     s.prefilled = end
     server.counts["prefill_pieces"] += 1
     if end < len(s.feed):
+        server.sched.written([s], end)  # (its blocks so far: cached for the prompts that wait on them)
         return
     server.sched.chunking.remove(s)
     s.prefilled = None

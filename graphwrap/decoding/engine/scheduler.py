@@ -18,13 +18,14 @@ with its prompt and the tokens it made so far as the prompt it prefills (recompu
 tokens are those it would have made, since a step's sampling noise depends on the position).
 """
 
+import collections
 import heapq
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, List, Optional, Sequence, Tuple, cast
+from typing import Any, Counter, Deque, List, Optional, Sequence, Tuple, cast
 
-from ..cache.pool import Blocks, blocks_for
+from ..cache.pool import Blocks, blocks_for, chain_hashes
 from ..callers.settings import SeqSettings
 
 GRANT = 8  # blocks a growing row takes at once where the pool has room (one table write per 8 blocks, not per block)
@@ -46,6 +47,7 @@ class Seq:
     preempted: int = 0  # times it was preempted
     prefilled: Optional[int] = None  # a long prompt being prefilled in pieces: positions written so far
     cached: int = 0  # positions of its feed found in the pool's cached blocks when it was admitted
+    writes: List[Tuple[int, int]] = field(default_factory=list)  # (block index, chained hash) its feed writes, not yet cached
     length: int = 0  # positions of the cache written (host's mirror of the row's length)
     launched: int = 0  # tokens whose computation has been queued on the device
     done: bool = False
@@ -102,6 +104,7 @@ class Scheduler:
         self.queue: Deque[Seq] = deque()
         self.holders: List[Optional[Seq]] = [None] * rows
         self.chunking: Deque[Seq] = deque()  # admitted long prompts, prefilled a piece a turn, oldest first
+        self.writing: Counter[int] = collections.Counter()  # chained hashes of full blocks admitted feeds write
         self.admitted = 0  # admissions so far (each sequence's ``order``)
 
     def enqueue(self, seqs: Sequence[Seq]):
@@ -136,7 +139,11 @@ class Scheduler:
             if self.pool is not None:
                 prefixes = self.pool.prefixes
                 # Its leading full blocks found cached (never its last token: its logits are wanted)
-                chain = prefixes.match(s.feed, (len(s.feed) - 1) // self.block) if prefixes is not None else []
+                most = (len(s.feed) - 1) // self.block
+                chain = prefixes.match(s.feed, most) if prefixes is not None else []
+                hashes = chain_hashes(s.feed, self.block, len(s.feed) // self.block) if prefixes is not None else []
+                if prefixes is not None and len(chain) < most and hashes[len(chain)] in self.writing:
+                    break  # (a sequence admitted before it writes its next block: it takes it cached, a turn on)
                 need, whole = self.needs(s) - len(chain), self.whole(s) - len(chain)
                 spare = self.rows - len(self.free)  # a block left for each running row to grow into
                 free = self.pool.available - (sum(b in prefixes.idle for b in chain) if prefixes is not None else 0)
@@ -151,6 +158,8 @@ class Scheduler:
                 # block), else its prompt's blocks (it takes more as it grows)
                 s.blocks = chain + cast(List[int], self.pool.take(whole if whole + spare <= free else need))
                 s.cached = len(chain) * self.block
+                s.writes = list(enumerate(hashes))[len(chain):]
+                self.writing.update(h for _, h in s.writes)
             self.queue.popleft()
             s.row = heapq.heappop(self.free)
             self.holders[s.row] = s
@@ -160,13 +169,25 @@ class Scheduler:
             out.append(s)
         return out
 
-    def written(self, seqs: Sequence[Seq]):
-        """The forwards that write ``seqs``' feeds are queued: their full blocks are cached (where
-        the pool caches prefixes)."""
+    def written(self, seqs: Sequence[Seq], upto: Optional[int] = None):
+        """The forwards that write ``seqs``' feeds (up to position ``upto``: a long prompt's pieces
+        so far) are queued: their full blocks are cached, where the pool caches prefixes (readers
+        come later on the same stream)."""
         prefixes = self.pool.prefixes if self.pool is not None else None
-        if prefixes is not None:
-            for s in seqs:
-                prefixes.register(s.blocks, s.feed)
+        if prefixes is None:
+            return
+        for s in seqs:
+            feed = s.feed if upto is None else s.feed[:upto]
+            prefixes.register(s.blocks, feed)
+            self._unwrite(s, len(feed) // self.block)
+
+    def _unwrite(self, s: Seq, below: Optional[int] = None):
+        """``s`` no longer writes its full blocks before index ``below`` (all: it wrote them, or left)."""
+        gone = [w for w in s.writes if below is None or w[0] < below]
+        if gone:
+            s.writes = [w for w in s.writes if below is not None and w[0] >= below]
+            self.writing.subtract(h for _, h in gone)
+            self.writing += collections.Counter()  # (drops the hashes no sequence writes now)
 
     def short_of(self, s: Seq) -> bool:
         """Whether ``s``'s row needs another block before its next step writes."""
@@ -194,6 +215,7 @@ class Scheduler:
         heapq.heappush(self.free, row)
         if self.pool is not None:
             self.pool.give(s.blocks)
+        self._unwrite(s)
         s.blocks, s.row = [], None
         if s in self.chunking:
             self.chunking.remove(s)
@@ -236,6 +258,7 @@ class Scheduler:
                 if self.pool is not None:
                     self.pool.give(s.blocks)
                     s.blocks = []
+                    self._unwrite(s)
                 heapq.heappush(self.free, r)
                 out.append(r)
         return out
