@@ -259,6 +259,18 @@ def test_requests_sent_at_once_wait_a_turn_for_a_prefix_being_written_and_then_t
     gm.close()
 
 
+def test_whole_rows_asked_for_say_that_prefixes_are_not_cached(gw_log):
+    model = _model("llama")
+    gm = GraphedModule(model, decode={"prefix_caching": True, "paged": False})
+    prompt = _prompts([40])[0]
+    for _ in range(2):
+        assert torch.equal(gm.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False),
+                           _alone(model, prompt, max_new_tokens=4))
+    assert gm.stats()["decode"]["prefix_cache"] is None
+    assert "prefix caching needs the paged cache" in gw_log.text
+    gm.close()
+
+
 def test_the_decode_option_is_checked():
     from graphwrap import GraphwrapError
 

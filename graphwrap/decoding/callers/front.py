@@ -154,9 +154,13 @@ def _make(held: dict, module):
     # What the GraphedModule has logged once (no CUDA, say) is not logged again by the batch's engines.
     for engine in [*engines.values(), *(compiled or {}).values()]:
         engine.logged = held["_gw_engine"].logged
-    return DecodeServer(module, engines["step"], engines["prefill"], rows, cfg["max_len"], cfg["max_queue"],
-                        cfg["positions"], cfg.get("cache_memory", CACHE_MEMORY), cfg.get("paged"), engines["piece"],
-                        engines.get("mixed"), compiled, cfg.get("prefix_caching", False)), None
+    server = DecodeServer(module, engines["step"], engines["prefill"], rows, cfg["max_len"], cfg["max_queue"],
+                          cfg["positions"], cfg.get("cache_memory", CACHE_MEMORY), cfg.get("paged"), engines["piece"],
+                          engines.get("mixed"), compiled, cfg.get("prefix_caching", False))
+    if cfg.get("prefix_caching") and server.sched.pool is None:
+        logger.warning("prefix caching needs the paged cache, and this batch's cache is whole rows (%s): every "
+                       "prompt is computed whole", server.cache.why)
+    return server, None
 
 
 def _default_rows(module, device: torch.device, fraction: float) -> int:
