@@ -13,10 +13,11 @@ notes its first token's time:
 - ``random``: as many prompts of ``--prefix-len`` + ``--question-len`` random tokens, nothing
   shared (what caching costs where it finds nothing).
 
-Each setting runs its workload once to warm up (its first run reported apart), then
-``--repeats`` times; the cache is emptied between runs (a new batch), so every run starts cold
-for the prefixes. Output tokens/s and time to first token p50, medians with their spread, and
-the hits ``stats()`` reports. Greedy, no end-of-sequence token; the first requests' tokens are
+Each setting is one GraphedModule that runs its workload once to warm up (its first run,
+captures included, reported apart), then ``--repeats`` times; each run draws prompts of its own
+(run ``i`` from seed ``i``, the same in both settings), so no run finds an earlier run's
+prefixes: what it hits, it wrote itself. Output tokens/s and time to first token p50, medians
+with their spread, and the hits ``stats()`` reports. Greedy, no end-of-sequence token; the first requests' tokens are
 compared between the settings.
 
 ``python3 benchmarks/prefix.py [--model llama3-8b] [--workloads shared,turns,random]`` on a GPU;
@@ -72,7 +73,7 @@ def _ids(g, n, vocab):
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
-def shared(a, vocab, seed=0):
+def shared(a, vocab, seed):
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(a.groups):
@@ -81,8 +82,8 @@ def shared(a, vocab, seed=0):
     return out
 
 
-def unshared(a, vocab, seed=1):
-    g = torch.Generator().manual_seed(seed)
+def unshared(a, vocab, seed):
+    g = torch.Generator().manual_seed(1000 + seed)
     return [_ids(g, a.prefix_len + a.question_len, vocab) for _ in range(a.groups * a.per_group)]
 
 
@@ -99,9 +100,9 @@ def burst(gm, prompts, new, device):
     return dt, [c.at - t0 for c in clocks if c.at is not None], outs
 
 
-def run_turns(gm, a, vocab, device):
+def run_turns(gm, a, vocab, device, seed):
     """The conversations' turns one after another: (seconds, first-token times, tokens made)."""
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(2000 + seed)
     prompts = [_ids(g, a.prefix_len, vocab) for _ in range(a.conversations)]
     seconds, ttft, made, first = 0.0, [], 0, None
     for _ in range(a.turns):
@@ -116,23 +117,24 @@ def one(model, a, workload: str, caching: bool, device) -> dict:
     vocab = model.config.vocab_size
     runs = []
     first_outs = None
+    gm = GraphedModule(model, decode={"prefix_caching": caching})
     for i in range(1 + a.repeats):
-        gm = GraphedModule(model, decode={"prefix_caching": caching})
         if workload == "turns":
-            seconds, ttft, made, outs = run_turns(gm, a, vocab, device)
+            seconds, ttft, made, outs = run_turns(gm, a, vocab, device, i)
         else:
-            prompts = shared(a, vocab) if workload == "shared" else unshared(a, vocab)
+            prompts = shared(a, vocab, i) if workload == "shared" else unshared(a, vocab, i)
             seconds, ttft, outs = burst(gm, prompts, a.new, device)
             made = a.new * len(prompts)
         c = (gm.stats()["decode"] or {}).get("prefix_cache") or {}
+        hits, queries = c.get("prefix_cache_hits", 0), c.get("prefix_cache_queries", 0)
         runs.append({"seconds": seconds, "tokens_s": made / seconds, "ttft_p50_ms": 1e3 * statistics.median(ttft),
-                     "hits": c.get("prefix_cache_hits", 0), "queries": c.get("prefix_cache_queries", 0)})
+                     "hits": hits - sum(r["hits"] for r in runs), "queries": queries - sum(r["queries"] for r in runs)})
         first_outs = first_outs if first_outs is not None else [o.cpu() for o in outs[:4]]
-        gm.close()
-        del gm
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    gm.close()
+    del gm
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     warm = runs[1:]
     out = {"workload": workload, "caching": caching, "first_run": runs[0], "runs": warm,
            "tokens_s": statistics.median(r["tokens_s"] for r in warm),

@@ -143,6 +143,50 @@ def test_a_conversation_s_turns_reuse_what_came_before():
     gm.close()
 
 
+def test_the_next_turn_finds_the_answer_s_blocks_too():
+    """The blocks a call's steps wrote are cached when it ends: the next turn (its prompt, its
+    answer and a new question) prefills only the last block and the question."""
+    model = _model("llama")
+    gm = GraphedModule(model, decode=ON)
+    prompt = _prompts([20])[0]
+    out = gm.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)  # 60 tokens: 59 written
+    assert gm.stats()["decode"]["prefix_cache"]["blocks"] == 3
+    turn = out[0].tolist() + _prompts([5], seed=9)[0]
+    assert torch.equal(gm.generate(torch.tensor([turn]), max_new_tokens=6, do_sample=False),
+                       _alone(model, turn, max_new_tokens=6))
+    assert gm.stats()["decode"]["prefix_cache"]["prefix_cache_hits"] == 48, "its prompt's block and two of its answer"
+    gm.close()
+
+
+def test_a_failed_call_s_written_blocks_are_not_cached():
+    from graphwrap.decoding.engine.scheduler import Scheduler as Sched
+
+    sched = Sched(4, 256, [4], [256], pool=_pool(), block=4)
+    call = type("Call", (), {"error": None})()
+    s = Seq(call, 0, list(range(3, 9)), SeqSettings(max_new=10))  # 6 tokens: one full block of 4
+    sched.enqueue([s])
+    sched.admit()
+    sched.written([s])
+    s.tokens = [20, 21, 22, 23, 24]
+    sched.launched([s] * 4)
+    for _ in range(4):
+        sched.advanced([s])  # positions 6..9 written: 10 positions known, 2 full blocks
+    call.error = RuntimeError("a step failed")
+    s.done = True
+    sched.retire()
+    assert sched.pool.prefixes.cached == 1, "only the prompt's block, cached when its forward was queued"
+    ok = Seq(type("Call", (), {"error": None})(), 0, list(range(3, 9)), SeqSettings(max_new=10))
+    sched.enqueue([ok])
+    sched.admit()
+    sched.written([ok])
+    ok.tokens = [20, 21, 22, 23, 24]
+    for _ in range(4):
+        sched.advanced([ok])
+    ok.done = True
+    sched.retire()
+    assert sched.pool.prefixes.cached == 2, "the block of its prompt's last tokens and its first answers"
+
+
 def test_evicted_blocks_are_taken_for_other_prompts_and_a_prefix_found_again_is_right(monkeypatch):
     _fixed_pool(monkeypatch, 12)  # 12 blocks of 16: a few prompts' worth
     model = _model("llama")

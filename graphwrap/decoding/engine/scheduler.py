@@ -49,6 +49,7 @@ class Seq:
     cached: int = 0  # positions of its feed found in the pool's cached blocks when it was admitted
     writes: List[Tuple[int, int]] = field(default_factory=list)  # (block index, chained hash) its feed writes, not yet cached
     length: int = 0  # positions of the cache written (host's mirror of the row's length)
+    wrote: int = 0  # positions whose forward is queued, known to hold its prompt's and tokens' keys
     launched: int = 0  # tokens whose computation has been queued on the device
     done: bool = False
     seed: int = 0  # of its sampling noise
@@ -178,8 +179,20 @@ class Scheduler:
             return
         for s in seqs:
             feed = s.feed if upto is None else s.feed[:upto]
+            s.wrote = len(feed)
             prefixes.register(s.blocks, feed)
             self._unwrite(s, len(feed) // self.block)
+
+    def _keep(self, s: Seq):
+        """``s`` gives its blocks back: the full blocks its steps wrote (the tokens it made, read
+        so far) are cached too, after its prompt's, so that a conversation's next turn or its own
+        resumption finds them. Not where its call failed (a failed step may have left them half
+        written)."""
+        prefixes = self.pool.prefixes if self.pool is not None else None
+        if prefixes is None or getattr(s.call, "error", None) is not None:
+            return
+        known = s.prompt + s.tokens  # (position p holds the keys of token p: a resumed feed is a prefix of it)
+        prefixes.register(s.blocks, known[:min(s.wrote, len(known))])
 
     def _unwrite(self, s: Seq, below: Optional[int] = None):
         """``s`` no longer writes its full blocks before index ``below`` (all: it wrote them, or left)."""
@@ -214,6 +227,7 @@ class Scheduler:
         self.holders[row] = None
         heapq.heappush(self.free, row)
         if self.pool is not None:
+            self._keep(s)
             self.pool.give(s.blocks)
         self._unwrite(s)
         s.blocks, s.row = [], None
@@ -221,7 +235,7 @@ class Scheduler:
             self.chunking.remove(s)
         s.prefilled = None
         s.resume = s.prompt + s.tokens
-        s.length = 0
+        s.length = s.wrote = 0
         s.preempted += 1
         self.queue.appendleft(s)
         return row
@@ -245,6 +259,8 @@ class Scheduler:
     def advanced(self, seqs: Sequence[Seq]):
         """The step wrote one position of each of ``seqs``' rows."""
         for s in seqs:
+            if s.wrote == s.length:
+                s.wrote += 1
             s.length += 1
 
     def retire(self) -> List[int]:
@@ -256,6 +272,7 @@ class Scheduler:
                 self.holders[r] = None
                 s.row = None
                 if self.pool is not None:
+                    self._keep(s)
                     self.pool.give(s.blocks)
                     s.blocks = []
                     self._unwrite(s)
