@@ -87,6 +87,13 @@ def unshared(a, vocab, seed):
     return [_ids(g, a.prefix_len + a.question_len, vocab) for _ in range(a.groups * a.per_group)]
 
 
+def _agree(x: torch.Tensor, y: torch.Tensor, new: int) -> int:
+    """How many of the ``new`` tokens that end two outputs of one prompt agree before they part."""
+    x, y = x.flatten().tolist(), y.flatten().tolist()
+    parted = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+    return max(0, parted - (len(x) - new))
+
+
 def burst(gm, prompts, new, device):
     """Every prompt at once: (seconds, time to first token of each, outputs)."""
     clocks = [First() for _ in prompts]
@@ -172,10 +179,11 @@ def main():
         off, want = one(model, a, w, False, device)
         on, got = one(model, a, w, True, device)
         same = all(torch.equal(x, y) for x, y in zip(want, got))
+        agree = [_agree(x, y, a.new) for x, y in zip(want, got)]
         print(f"{w}: caching on against off: {on['tokens_s'] / off['tokens_s']:.2f}x tokens/s, time to first token "
-              f"{off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f}x lower; the first requests' tokens "
-              f"{'the same' if same else 'DIFFER'}", flush=True)
-        results.append({"off": off, "on": on, "same_tokens": same})
+              f"{off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f}x lower; the first {len(agree)} requests' new tokens "
+              f"agree for {agree} (of {a.new}; fp16 near-ties part them, caching on or not)", flush=True)
+        results.append({"off": off, "on": on, "same_tokens": same, "new_tokens_agreeing": agree})
     if a.out:
         with open(a.out, "w") as f:
             json.dump({**head, "results": results}, f, indent=1, default=str)

@@ -118,13 +118,13 @@ def test_a_shared_system_prompt_is_computed_once_and_every_answer_is_generates(k
     gm.close()
 
 
-def test_caching_is_off_unless_asked_and_its_tokens_are_the_same():
+def test_caching_is_on_unless_turned_off_and_its_tokens_are_the_same():
     model = _model("llama")
     prompt = _prompts([37])[0]
-    off = GraphedModule(model)
+    off = GraphedModule(model, decode={"prefix_caching": False})
     outs = [off.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False) for _ in range(2)]
     assert off.stats()["decode"]["prefix_cache"] is None
-    on = GraphedModule(model, decode=ON)
+    on = GraphedModule(model)
     assert all(torch.equal(on.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False), o) for o in outs)
     assert on.stats()["decode"]["prefix_cache"]["prefix_cache_hits"] == 32, "the second call: its 2 full blocks"
     off.close()
@@ -313,6 +313,11 @@ def test_whole_rows_asked_for_say_that_prefixes_are_not_cached(gw_log):
     assert gm.stats()["decode"]["prefix_cache"] is None
     assert "prefix caching needs the paged cache" in gw_log.text
     gm.close()
+    gw_log.clear()
+    quiet = GraphedModule(model, decode={"paged": False})  # (on by default: where it cannot be, nothing is said)
+    quiet.generate(torch.tensor([prompt]), max_new_tokens=2, do_sample=False)
+    assert quiet.stats()["decode"]["prefix_cache"] is None and "prefix caching" not in gw_log.text
+    quiet.close()
 
 
 def test_the_decode_option_is_checked():
@@ -350,9 +355,9 @@ def test_threads_calling_with_caching_on_all_get_generates_tokens():
 
 @pytest.mark.parametrize("engine", ["thread", "process"])
 def test_the_server_reports_the_prompt_tokens_found_cached(tmp_path, engine):
-    """``serve --prefix-caching``: a prompt sent again reports its cached full blocks in the usage's
-    ``prompt_tokens_details.cached_tokens``, whole and streamed, with the same text; without the
-    flag, none."""
+    """``serve`` (prefix caching on by default): a prompt sent again reports its cached full blocks
+    in the usage's ``prompt_tokens_details.cached_tokens``, whole and streamed, with the same text;
+    with ``--no-prefix-caching``, none."""
     pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
     pytest.importorskip("uvicorn", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
     import tiny_lm
@@ -360,11 +365,15 @@ def test_the_server_reports_the_prompt_tokens_found_cached(tmp_path, engine):
     from test_http_engine_cpu import Running as InProcess
 
     d = tiny_lm.make(str(tmp_path))
+    from graphwrap.serve.api import cli
+
+    assert cli.parser().parse_args([d]).prefix_caching is None  # (the batch's default: on)
+    assert cli.parser().parse_args([d, "--no-prefix-caching"]).prefix_caching is False
     start = (lambda **kw: Running(_load(_args(d, served_model_name="tiny", **kw)))) if engine == "thread" else \
         (lambda **kw: InProcess(d, **kw))
     body = {"model": "tiny", "prompt": "the quick brown fox jumps over the lazy dog " * 6, "max_tokens": 8,
             "temperature": 0}
-    r = start(prefix_caching=True)
+    r = start()
     try:
         status, first, _ = post(r.port, "/v1/completions", body)
         assert status == 200 and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, first
@@ -379,7 +388,7 @@ def test_the_server_reports_the_prompt_tokens_found_cached(tmp_path, engine):
     finally:
         r.stop()
     if engine == "thread":
-        r = start()
+        r = start(prefix_caching=False)
         try:
             for _ in range(2):
                 status, got, _ = post(r.port, "/v1/completions", body)

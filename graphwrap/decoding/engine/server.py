@@ -96,7 +96,7 @@ class DecodeServer:
     def __init__(self, model, step_engine, prefill_engine, rows: int, max_len: int, max_queue: int,
                  positions: Optional[int] = None, cache_memory: float = CACHE_MEMORY, paged: Optional[bool] = None,
                  piece_engine=None, mixed_engine=None, compiled: Optional[Dict[str, Engine]] = None,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = True):
         self.model, self.engine, self.prefill_engine = model, step_engine, prefill_engine
         self.piece_engine = piece_engine  # a long prompt's pieces, in the paged pool (see pieces.py)
         p = next(model.parameters())

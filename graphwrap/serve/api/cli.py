@@ -28,9 +28,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-queue", type=int, default=None, help="sequences waiting for a row before 429 (default 4096)")
     ap.add_argument("--cache-memory", type=float, default=None,
                     help="share of the GPU memory free after the weights that the KV cache takes (default 0.7)")
-    ap.add_argument("--prefix-caching", action="store_true",
+    ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="keep the KV cache's full blocks by their content and reuse them for prompts that start "
-                         "alike (off by default until measured on a GPU; docs/serving.md)")
+                         "alike (on by default; docs/serving.md)")
     ap.add_argument("--max-tokens-default", type=int, default=None,
                     help="new tokens of a chat request without max_tokens: the context left, at most this (default 2048)")
     ap.add_argument("--capture", default="ahead", choices=("ahead", "lazy"),

@@ -24,8 +24,8 @@ def load_here(a: argparse.Namespace):
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, local_files_only=True).to(device).eval()
     decode = {k: v for k, v in (("rows", a.rows), ("max_len", a.max_len), ("max_queue", a.max_queue),
                                 ("cache_memory", a.cache_memory)) if v is not None}
-    if getattr(a, "prefix_caching", False):
-        decode["prefix_caching"] = True
+    if getattr(a, "prefix_caching", None) is not None:
+        decode["prefix_caching"] = a.prefix_caching
     gm = GraphedModule(model, decode=decode)
     context = min([x for x in (a.max_len, model_positions(model.config)) if x] or [MAX_LEN])
     # The batch is made now (its cache, its probe of the model), not on the first request; with
