@@ -320,6 +320,19 @@ def test_whole_rows_asked_for_say_that_prefixes_are_not_cached(gw_log):
     quiet.close()
 
 
+def test_pieces_are_never_wider_than_a_row():
+    """A cached prompt's rest goes in a piece whatever the model's positions; a piece's graph is
+    captured writing and reading its whole width, so no piece is wider than a row (a GPT-2 of
+    256 positions had met an illegal memory access on the GPU capturing a piece of 512)."""
+    for positions in (40, 128, 1024):
+        gm = GraphedModule(_model("gpt2", positions=positions))
+        gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+        server = gm.__dict__["_gw_decode"]
+        assert server.piece <= positions and server.piece_alone <= positions, (positions, server.piece_alone)
+        assert server.piece_alone == min(512, positions)
+        gm.close()
+
+
 def test_the_decode_option_is_checked():
     from graphwrap import GraphwrapError
 

@@ -71,7 +71,8 @@ def every_shape(server, timeout: Optional[float] = None) -> bool:
     for k in server.prompts.row_buckets:
         for width in server.prompts.width_buckets:
             caps.want(("prefill", k, width), AHEAD)
-    if server.piece_engine is not None and server.max_len > server.chunk:
+    cached = server.sched.pool is not None and server.sched.pool.prefixes is not None
+    if server.piece_engine is not None and (server.max_len > server.chunk or cached):  # (a cached prompt's rest: a piece)
         for width in sorted({server.piece, server.piece_alone}):
             for span in sorted({store.piece_span(b) for b in server.sched.span_buckets if b >= width}):
                 caps.want(("piece", width, span), AHEAD)
