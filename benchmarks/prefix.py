@@ -20,6 +20,9 @@ prefixes: what it hits, it wrote itself. Output tokens/s and time to first token
 with their spread, and the hits ``stats()`` reports. Greedy, no end-of-sequence token; the first requests' tokens are
 compared between the settings.
 
+``--piece-budgets 0,2048`` runs each workload with one piece a turn and again with a turn's
+pieces up to 2,048 positions (``pieces.BUDGET``), in the same process.
+
 ``python3 benchmarks/prefix.py [--model llama3-8b] [--workloads shared,turns,random]`` on a GPU;
 ``--model tiny`` with small sizes runs on a CPU (a smoke run: its times say nothing).
 """
@@ -38,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from graphwrap import GraphedModule  # noqa: E402
+from graphwrap.decoding.engine import pieces  # noqa: E402
 
 
 class First:
@@ -167,6 +171,8 @@ def main():
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--piece-budgets", default="0",
+                    help="comma-separated pieces.BUDGET values, each run with caching off and on (0: one piece a turn)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -175,7 +181,9 @@ def main():
             "date": str(datetime.date.today()), "args": vars(a)}
     print(head, flush=True)
     results = []
-    for w in a.workloads.split(","):
+    for w, budget in [(w, int(b)) for w in a.workloads.split(",") for b in a.piece_budgets.split(",")]:
+        pieces.BUDGET = budget or None
+        print(f"{w}: pieces.BUDGET {pieces.BUDGET}", flush=True)
         off, want = one(model, a, w, False, device)
         on, got = one(model, a, w, True, device)
         same = all(torch.equal(x, y) for x, y in zip(want, got))
@@ -183,7 +191,8 @@ def main():
         print(f"{w}: caching on against off: {on['tokens_s'] / off['tokens_s']:.2f}x tokens/s, time to first token "
               f"{off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f}x lower; the first {len(agree)} requests' new tokens "
               f"agree for {agree} (of {a.new}; fp16 near-ties part them, caching on or not)", flush=True)
-        results.append({"off": off, "on": on, "same_tokens": same, "new_tokens_agreeing": agree})
+        results.append({"piece_budget": budget, "off": off, "on": on, "same_tokens": same,
+                        "new_tokens_agreeing": agree})
     if a.out:
         with open(a.out, "w") as f:
             json.dump({**head, "results": results}, f, indent=1, default=str)

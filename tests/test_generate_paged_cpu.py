@@ -584,3 +584,28 @@ def test_a_joined_prompt_forward_and_a_piece_run_the_head_over_the_positions_the
                                        rtol=1e-4, atol=1e-4)
     finally:
         hook.remove()
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["caching-off", "caching-on"])
+def test_a_turns_piece_budget_takes_pieces_of_several_long_prompts(monkeypatch, caching):
+    """``pieces.BUDGET``: beyond a turn's first piece, the waiting long prompts' pieces, oldest
+    first, up to the budget's positions; every answer is generate's (decoding rows beside them,
+    cached prefixes too), and without a budget none is taken."""
+    from graphwrap.decoding.engine import pieces
+
+    monkeypatch.setattr(server_mod, "CHUNK", 32)  # pieces of 32
+    model = _model("llama", positions=512)
+    system = _prompts([70], seed=11)[0]
+    prompts = [system + q for q in _prompts([60, 90, 120, 150, 45, 30], seed=12)] + _prompts([5, 9], seed=13)
+    news = [6, 8, 5, 7, 9, 4, 60, 70]  # (the short two decode beside the pieces)
+    for budget in (None, 128):
+        monkeypatch.setattr(pieces, "BUDGET", budget)
+        gm = GraphedModule(model, decode={"prefix_caching": caching})
+        got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i],
+                                                   do_sample=False), len(prompts))
+        for p, n, out in zip(prompts, news, got):
+            assert torch.equal(out, _alone(model, p, max_new_tokens=n)), (budget, len(p))
+        d = gm.stats()["decode"]
+        assert (d["budget_pieces"] > 0) == (budget is not None), d["budget_pieces"]
+        assert d["cache_blocks"]["used"] == 0
+        gm.close()

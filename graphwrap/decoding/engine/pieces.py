@@ -31,6 +31,7 @@ from . import captures
 from .scheduler import bucket_of
 
 IN_FLIGHT = 3  # pieces queued on the device at most (benchmarks/diagnostics/long_prompt_beside.py --in-flight)
+BUDGET: Optional[int] = None  # positions a turn's pieces may take in all, beyond its first (None: one piece a turn)
 
 
 def route(server, seqs):
@@ -62,25 +63,55 @@ def oldest(server):
     return chunking[0] if chunking else None
 
 
-def next_piece(server):
+def next_piece(server) -> int:
     """One piece of the oldest long prompt (a failure is its call's own); after its last, the
-    sequence's first token, and it joins the steps."""
-    chunking = server.sched.chunking
+    sequence's first token, and it joins the steps. Its width (0: none this turn)."""
     if oldest(server) is None:
-        return
+        return 0
     running = server.pieces_running
     while running and running[0].query():
         running.popleft()
     if len(running) >= IN_FLIGHT:
         if server.sched.live():
             server.counts["piece_turns_skipped"] += 1  # (this turn steps alone)
-            return
+            return 0
         running.popleft().synchronize()  # (no row to step meanwhile)
-    s = chunking[0]
+    width = (server.piece if server.sched.live() else server.piece_alone) if _graphs(server) else server.chunk
+    piece(server, server.sched.chunking[0], width)
+    return width
+
+
+def more_pieces(server, spent: int):
+    """Where :data:`BUDGET` is set: after the turn's first piece (``spent`` positions, its
+    padding included), pieces of the waiting long prompts, oldest first, each
+    :attr:`piece_alone <.server.DecodeServer.piece_alone>` wide, while the turn's pieces stay
+    within the budget and at most :data:`IN_FLIGHT` more than the budget's are on the device:
+    several prompts' pieces a turn, at the price of the decoding rows' next step waiting for
+    them."""
+    if not BUDGET or not _graphs(server):
+        return
+    width, running = server.piece_alone, server.pieces_running
+    most = IN_FLIGHT + BUDGET // width
+    while spent + width <= BUDGET and oldest(server) is not None:
+        while running and running[0].query():
+            running.popleft()
+        if len(running) >= most:
+            return
+        piece(server, server.sched.chunking[0], width)
+        server.counts["budget_pieces"] += 1
+        spent += width
+
+
+def _graphs(server) -> bool:
+    return server.piece_engine is not None and isinstance(server.store, PagedStore)
+
+
+def piece(server, s, width: int):
+    """The piece of ``s`` from where its prefill stands, ``width`` positions at most."""
+    chunking = server.sched.chunking
     row, start = cast(int, s.row), cast(int, s.prefilled)
     feed = s.feed
-    graphs = server.piece_engine is not None and isinstance(server.store, PagedStore)
-    width = (server.piece if server.sched.live() else server.piece_alone) if graphs else server.chunk
+    graphs = _graphs(server)
     end = min(start + width, len(feed))
     try:
         if graphs:
@@ -90,7 +121,7 @@ def next_piece(server):
             with server.fold, without_cudnn(server.device):
                 logits = server.chunker(ids, start, server.store.chunk_window(row, start, end - start))
     except Exception as e:  # noqa: BLE001 - a prompt that makes the model raise fails alone
-        chunking.popleft()
+        chunking.remove(s)
         server._end_call(s.call, e)
         return
     event = _ended(server)

@@ -332,12 +332,12 @@ class DecodeServer:
         if admitted:
             self._admit(admitted)
         together = bool(self.sched.chunking) and steps.together(self)  # (a piece inside the step's forward)
-        if self.sched.chunking and not together:
-            pieces.next_piece(self)
+        first = self.piece if together else pieces.next_piece(self) if self.sched.chunking else 0
         t1 = clock()
         live = self.sched.live() if not together else []
         if live:
             self._step(live)
+        pieces.more_pieces(self, first)  # (where pieces.BUDGET is set: other prompts' pieces too)
         t2 = clock()
         self._read(keep=AHEAD if live or together else 0)  # (a mixed step queued the rows' tokens too)
         t3 = clock()
