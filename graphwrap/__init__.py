@@ -25,9 +25,11 @@ from .errors import GraphwrapError
 from .loops.batcher import Batcher
 from .loops.pipeline import Inputs
 from .module import GraphedModule
+from .quantized import quantize
 from .serve.replicas import Replicas
 
 __all__ = [
     "GraphedModule", "Batcher", "Replicas", "GraphwrapError", "Grammar", "GrammarError", "Inputs", "save_compile_cache", "load_compile_cache",
+    "quantize",
     "Adaptive", "BucketTable", "default_buckets", "exact_buckets", "fit_buckets", "padded_rows", "__version__",
 ]

@@ -15,6 +15,7 @@ def load_here(a: argparse.Namespace):
 
     from ...decoding.callers.front import MAX_LEN, model_positions
     from ...module import GraphedModule
+    from ...quantized import quantize
     from .app import MAX_NEW_DEFAULT, Served
     from .engines import Local
 
@@ -22,6 +23,8 @@ def load_here(a: argparse.Namespace):
     dtype = getattr(torch, a.dtype) if a.dtype != "auto" else ("auto" if device.type == "cuda" else torch.float32)
     tok = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, local_files_only=True).to(device).eval()
+    if getattr(a, "quantization", None):
+        quantize(model, a.quantization)
     decode = {k: v for k, v in (("rows", a.rows), ("max_len", a.max_len), ("max_queue", a.max_queue),
                                 ("cache_memory", a.cache_memory)) if v is not None}
     if getattr(a, "prefix_caching", None) is not None:

@@ -1,0 +1,141 @@
+"""Scenario "quantized": FP8 weights (``graphwrap.quantize``) beside fp16, in one process.
+
+One model of ``--model``'s shape (random weights, fp16, seed 0) and its twin quantized to FP8
+(a deep copy, then ``graphwrap.quantize(..., "fp8")``), each through its own GraphedModule:
+
+- **agreement**, teacher-forced: ``--agree-seqs`` random sequences of ``--agree-len`` tokens
+  through both eager models; at each position, whether FP8's argmax is fp16's, or within 0.01
+  of the fp16 logits' spread (max - min) of fp16's best;
+- **batch 1**: one call of ``--prompt`` random tokens and ``--new`` new tokens at a time
+  (greedy, no end-of-sequence), a first call apart, then the median of ``--repeats``, as
+  milliseconds per new token;
+- **at once**: ``--concurrency`` such calls submitted together, output tokens/s, a first burst
+  apart, then the median of ``--repeats``.
+
+The ratios are FP8's against fp16's, measured side by side. ``python3 benchmarks/quantized.py
+[--model llama3-8b]`` on a GPU of compute capability 8.9 or later; ``--model tiny`` runs on a
+CPU (torch's own FP8 product: a smoke run, its times say nothing).
+"""
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import graphwrap  # noqa: E402
+from graphwrap import GraphedModule  # noqa: E402
+
+
+def model_of(name: str, device):
+    if name == "tiny":
+        import transformers
+
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                                       max_position_embeddings=1024, eos_token_id=None, pad_token_id=0)
+        return transformers.LlamaForCausalLM(cfg).to(device).eval()
+    from generate_large import big_model
+
+    return big_model(name, device)
+
+
+def agreement(full, fp8, vocab: int, seqs: int, length: int, device) -> dict:
+    """Teacher-forced: the share of positions where FP8's argmax is fp16's, exactly or within
+    0.01 of the fp16 logits' spread."""
+    g = torch.Generator().manual_seed(5)
+    same = near = total = 0
+    with torch.no_grad():
+        for _ in range(seqs):
+            ids = torch.randint(3, vocab, (1, length), generator=g).to(device)
+            a, b = full(ids).logits[0].float(), fp8(ids).logits[0].float()
+            best, got = a.argmax(-1), b.argmax(-1)
+            spread = a.max(-1).values - a.min(-1).values
+            gap = a.max(-1).values - a.gather(-1, got[:, None])[:, 0]
+            same += int((best == got).sum())
+            near += int((gap <= 0.01 * spread).sum())
+            total += length
+    return {"argmax_same": same / total, "within_0.01_spread": near / total, "positions": total}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def calls(gm, prompts, new, device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    futs = [gm.submit_generate(p, max_new_tokens=new, do_sample=False) for p in prompts]
+    for f in futs:
+        f.result()
+    return time.perf_counter() - t0
+
+
+def one(model, label, a, device) -> dict:
+    gm = GraphedModule(model)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    single = [torch.randint(3, vocab, (1, a.prompt), generator=g).to(device)]
+    many = [torch.randint(3, vocab, (1, a.prompt), generator=g).to(device) for _ in range(a.concurrency)]
+    out = {"setting": label}
+    first = calls(gm, single, a.new, device)
+    warm = [calls(gm, single, a.new, device) for _ in range(a.repeats)]
+    out["batch1_first_ms_per_token"] = 1e3 * first / a.new
+    out["batch1_ms_per_token"] = 1e3 * statistics.median(warm) / a.new
+    out["batch1_spread"] = [1e3 * min(warm) / a.new, 1e3 * max(warm) / a.new]
+    first = calls(gm, many, a.new, device)
+    warm = [calls(gm, many, a.new, device) for _ in range(a.repeats)]
+    made = a.concurrency * a.new
+    out["at_once_first_tokens_s"] = made / first
+    out["at_once_tokens_s"] = made / statistics.median(warm)
+    out["at_once_spread"] = [made / max(warm), made / min(warm)]
+    print(f"{label}: batch 1 {out['batch1_ms_per_token']:.2f} ms a token ({out['batch1_spread'][0]:.2f}-"
+          f"{out['batch1_spread'][1]:.2f}; first call {out['batch1_first_ms_per_token']:.2f}); {a.concurrency} at once "
+          f"{out['at_once_tokens_s']:,.0f} tokens/s ({out['at_once_spread'][0]:,.0f}-{out['at_once_spread'][1]:,.0f}; "
+          f"first burst {out['at_once_first_tokens_s']:,.0f})", flush=True)
+    gm.close()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--agree-seqs", type=int, default=4)
+    ap.add_argument("--agree-len", type=int, default=512)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    full = model_of(a.model, device)
+    fp8 = graphwrap.quantize(copy.deepcopy(full), "fp8")
+    head = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+            "date": str(datetime.date.today()), "args": vars(a)}
+    print(head, flush=True)
+    agree = agreement(full, fp8, full.config.vocab_size, a.agree_seqs, a.agree_len, device)
+    print(f"teacher-forced over {agree['positions']} positions: FP8's argmax is fp16's at "
+          f"{100 * agree['argmax_same']:.1f}%, within 0.01 of the logits' spread at "
+          f"{100 * agree['within_0.01_spread']:.1f}%", flush=True)
+    rows = [one(full, "fp16", a, device), one(fp8, "fp8", a, device)]
+    ratio = {"batch1_speedup": rows[0]["batch1_ms_per_token"] / rows[1]["batch1_ms_per_token"],
+             "at_once_speedup": rows[1]["at_once_tokens_s"] / rows[0]["at_once_tokens_s"]}
+    print(f"FP8 against fp16: batch 1 {ratio['batch1_speedup']:.2f}x per token, {a.concurrency} at once "
+          f"{ratio['at_once_speedup']:.2f}x tokens/s", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({**head, "agreement": agree, "settings": rows, "ratios": ratio}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

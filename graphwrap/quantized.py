@@ -1,0 +1,125 @@
+"""FP8 weights for the graphs: a model's ``nn.Linear`` layers, in place, as :class:`Fp8Linear`.
+
+``graphwrap.quantize(model, "fp8")`` (``nn.Linear`` and transformers' ``Conv1D``) before the wrap (``GraphedModule(graphwrap.quantize(model,
+"fp8"))``, ``serve --quantization fp8``): each weight in FP8 E4M3 with a scale per output
+channel, each call's activations scaled per token (row), the product ``torch._scaled_mm``'s
+(row-wise scales; on a GPU its output in bfloat16, the cutlass kernel's, then the model's
+dtype). Every step of it is a device operation, so it is captured and replayed like any other;
+the shared batch's fused projections (``decoding/kernels/qkv.py``, ``mlp.py``) take only plain
+``nn.Linear`` and leave these to their own call.
+
+Left in their dtype: the output head (``lm_head``, or any module named in ``skip``), and
+layers whose sizes are not multiples of 16 (what ``_scaled_mm`` takes). A GPU below compute
+capability 8.9 has no FP8 products: refused with the reason. On a CPU, torch's own kernel
+runs it (slowly: for tests). A model quantized again is left as it is.
+"""
+
+import logging
+from typing import Dict, Iterable, Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from .errors import GraphwrapError
+
+logger = logging.getLogger("graphwrap")
+
+KINDS = ("fp8",)
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+TINY = 1e-12  # (a row of zeros: its scale, so that nothing divides by zero)
+
+
+class Fp8Linear(nn.Module):
+    """``nn.Linear``'s product from FP8: ``weight_fp8 [out, in]`` (E4M3) and ``weight_scale
+    [1, out]`` (float32, per output channel) made from the layer's weight; the input's rows
+    scaled to E4M3 each call by their largest magnitude; the bias, if any, added in the input's
+    dtype."""
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        w = _weight(linear)
+        self.out_features, self.in_features = w.shape
+        scale = w.float().abs().amax(dim=1).clamp(min=TINY) / FP8_MAX
+        self.register_buffer("weight_fp8", (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8))
+        self.register_buffer("weight_scale", scale[None, :].contiguous())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features)
+        scale = rows.float().abs().amax(dim=1, keepdim=True).clamp(min=TINY) / FP8_MAX
+        q = (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        # (row-wise scales on a GPU: the cutlass kernel writes bfloat16 only)
+        out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+        out = torch._scaled_mm(q, self.weight_fp8.t(), scale_a=scale, scale_b=self.weight_scale,
+                               out_dtype=out_dtype).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8"
+
+
+def _weight(layer: nn.Module) -> Tensor:
+    """A linear layer's weight as ``[out, in]`` (transformers' ``Conv1D``, GPT-2's, holds it
+    ``[in, out]``)."""
+    w = layer.weight.detach()
+    return w.t() if _conv1d(layer) else w
+
+
+def _conv1d(layer: nn.Module) -> bool:
+    return type(layer).__name__ == "Conv1D" and hasattr(layer, "nf") and layer.weight.dim() == 2
+
+
+def _linear(layer: nn.Module) -> bool:
+    return type(layer) is nn.Linear or _conv1d(layer)
+
+
+def fp8_supported(device: torch.device) -> Optional[str]:
+    """Why ``device`` cannot run FP8 products (None where it can)."""
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"FP8 products are served on CUDA GPUs (and, slowly, on CPUs), not on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (f"FP8 products need compute capability 8.9 or later (Ada, Hopper); "
+                f"{torch.cuda.get_device_name(device)} has {major}.{minor}")
+    return None
+
+
+def quantize(model: nn.Module, kind: str = "fp8", skip: Iterable[str] = ("lm_head",)) -> nn.Module:
+    """``model`` with its linear layers (``nn.Linear``, ``Conv1D``) in ``kind`` (``"fp8"``), in place, returned; the
+    modules named (last part of the name) in ``skip`` and layers of sizes not multiples of 16
+    are left as they are. The log says how many were quantized and how many left."""
+    if kind not in KINDS:
+        raise GraphwrapError(f"quantize: kind must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
+    skip = set(skip)
+    counts: Dict[str, int] = {"quantized": 0, "skipped": 0, "sizes": 0}
+    targets = []
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if not _linear(child):
+                continue
+            if child_name in skip:
+                counts["skipped"] += 1
+            elif any(n % 16 for n in child.weight.shape):
+                counts["sizes"] += 1
+            else:
+                targets.append((module, child_name, child))
+    for _, _, child in targets[:1]:
+        why = fp8_supported(child.weight.device)
+        if why is not None:
+            raise GraphwrapError(f"quantize(..., {kind!r}): {why}")
+    for module, child_name, child in targets:
+        setattr(module, child_name, Fp8Linear(child))
+        counts["quantized"] += 1
+    if not counts["quantized"]:
+        logger.warning("quantize %s: no linear layer of this model could be quantized (%d by name, %d by size): it "
+                       "runs as it was", kind, counts["skipped"], counts["sizes"])
+    logger.info("quantize %s: %d linear layers in FP8; %d left as they are by name (%s), %d whose sizes are not "
+                "multiples of 16", kind, counts["quantized"], counts["skipped"], ", ".join(sorted(skip)) or "none",
+                counts["sizes"])
+    return model

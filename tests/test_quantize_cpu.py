@@ -1,0 +1,113 @@
+"""``graphwrap.quantize(model, "fp8")`` on a CPU: each Linear's product from FP8 weights scaled
+per output channel and activations scaled per row, against the same arithmetic written out and
+against the full-precision product; which layers it takes and leaves; its refusals; and the
+shared decode batch over a quantized model gives that model's own greedy tokens."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphwrap
+from graphwrap import GraphedModule, GraphwrapError
+from graphwrap.quantized import FP8, FP8_MAX, Fp8Linear
+
+tr = pytest.importorskip("transformers", reason="needs transformers, which no extra installs: pip install transformers")
+
+
+def _by_hand(x, linear):
+    """The FP8 product written out: per-channel weight scales, per-row input scales."""
+    w = linear.weight.detach().float()
+    ws = w.abs().amax(dim=1) / FP8_MAX
+    wq = (w / ws[:, None]).to(FP8).float() * ws[:, None]
+    xs = x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    xq = (x.float() / xs).to(FP8).float() * xs
+    out = xq @ wq.t()
+    return out + linear.bias.float() if linear.bias is not None else out
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_an_fp8_linear_is_the_fp8_product_and_near_the_full_one(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=bias)
+    x = torch.randn(3, 5, 64)
+    q = Fp8Linear(linear)
+    got = q(x)
+    assert got.shape == (3, 5, 48) and got.dtype == x.dtype
+    assert q.weight_fp8.dtype == FP8 and q.weight_fp8.shape == (48, 64) and q.weight_scale.shape == (1, 48)
+    torch.testing.assert_close(got, _by_hand(x, linear), atol=1e-4, rtol=1e-4)
+    full = linear(x)
+    rel = (got - full).norm() / full.norm()
+    assert 0 < rel < 0.06, rel  # (E4M3 keeps 3 bits of mantissa: a few percent)
+    zero = q(torch.zeros(2, 64))  # (a row of zeros: no division by zero)
+    assert torch.isfinite(zero).all()
+
+
+def test_quantize_takes_the_linear_layers_but_the_head_and_odd_sizes_in_place(gw_log):
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Sequential(nn.Linear(64, 32)), nn.Linear(32, 10))
+    model.lm_head = nn.Linear(16, 16)
+    same = graphwrap.quantize(model, "fp8")
+    assert same is model
+    assert isinstance(model[0], Fp8Linear) and isinstance(model[2][0], Fp8Linear)
+    assert type(model[3]) is nn.Linear, "10 outputs: not a multiple of 16"
+    assert type(model.lm_head) is nn.Linear, "the output head stays in its dtype"
+    assert "2 linear layers in FP8; 1 left as they are by name (lm_head), 1 whose sizes" in gw_log.text
+    graphwrap.quantize(model, "fp8")  # (again: nothing left to take)
+    assert isinstance(model[0], Fp8Linear) and type(model[0].weight_fp8) is torch.Tensor
+
+
+def test_quantize_refuses_what_it_cannot_serve(monkeypatch):
+    with pytest.raises(GraphwrapError, match="kind must be one of 'fp8'"):
+        graphwrap.quantize(nn.Linear(16, 16), "int3")
+    from graphwrap import quantized as q
+
+    monkeypatch.setattr(q, "fp8_supported", lambda device: "FP8 products need compute capability 8.9 or later")
+    model = nn.Sequential(nn.Linear(16, 16))
+    with pytest.raises(GraphwrapError, match="compute capability 8.9"):
+        graphwrap.quantize(model, "fp8")
+    assert type(model[0]) is nn.Linear, "refused: nothing changed"
+
+
+def _llama():
+    torch.manual_seed(0)
+    cfg = tr.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=101, max_position_embeddings=256, bos_token_id=1,
+                         eos_token_id=None, pad_token_id=0)
+    return tr.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def test_the_shared_batch_over_a_quantized_model_gives_its_own_greedy_tokens():
+    model = graphwrap.quantize(_llama(), "fp8")
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Fp8Linear)
+    assert isinstance(model.model.layers[0].mlp.gate_proj, Fp8Linear) and type(model.lm_head) is nn.Linear
+    gm = GraphedModule(model)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 101, (1, n), generator=g) for n in (5, 17, 40)]
+    futs = [gm.submit_generate(p, max_new_tokens=12, do_sample=False) for p in prompts]
+    for p, f in zip(prompts, futs):
+        with torch.no_grad():
+            want = model.generate(input_ids=p, max_new_tokens=12, do_sample=False)
+        assert torch.equal(f.result(timeout=120), want)
+    assert gm.stats()["generate"] == {"graphwrap's shared decode batch": 3}
+    gm.close()
+
+
+def test_serve_quantization_fp8_serves_the_quantized_models_greedy_text(tmp_path):
+    pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+    pytest.importorskip("uvicorn", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+    import tiny_lm
+    from test_http_cpu import Running, _args, greedy, post
+
+    from graphwrap.serve.api import cli
+
+    d = tiny_lm.make(str(tmp_path))
+    r = Running(cli.load(_args(d, served_model_name="tiny", quantization="fp8")))
+    try:
+        model = r.served.gm.module
+        assert any(isinstance(m, Fp8Linear) for m in model.modules())
+        ids = r.served.tokenizer("the quick brown fox")["input_ids"]
+        status, body, _ = post(r.port, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 8,
+                                                           "temperature": 0})
+        assert status == 200 and body["choices"][0]["text"] == greedy(r, ids, 8)[1], body
+    finally:
+        r.stop()
+    assert cli.parser().parse_args([d, "--quantization", "fp8"]).quantization == "fp8"

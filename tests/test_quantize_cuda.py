@@ -1,0 +1,66 @@
+"""``graphwrap.quantize(model, "fp8")`` on a GPU of compute capability 8.9 or later: the FP8
+product (cutlass's row-wise kernel, its output in bfloat16) against the same arithmetic written
+out; a GraphedModule over a quantized MLP replays a graph and gives eager's output; the shared
+decode batch over a quantized model gives that model's own greedy tokens (fp32 around the
+products, TF32 off)."""
+
+import pytest
+import torch
+import torch.nn as nn
+from test_quantize_cpu import _by_hand, _llama
+
+import graphwrap
+from graphwrap import GraphedModule
+from graphwrap.quantized import Fp8Linear, fp8_supported
+
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fp32_exact")]
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _fp8_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    why = fp8_supported(torch.device(DEV))
+    if why is not None:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_an_fp8_linear_on_the_gpu_is_the_fp8_product(dtype):
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 512, bias=True).to(DEV, dtype)
+    x = torch.randn(7, 256, device=DEV, dtype=dtype)
+    got = Fp8Linear(linear)(x)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), _by_hand(x, linear).float(), atol=3e-2, rtol=2e-2)
+
+
+def test_a_graphed_quantized_mlp_replays_and_gives_eagers_output():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).to(DEV).half().eval()
+    graphwrap.quantize(model, "fp8")
+    gm = GraphedModule(model)
+    for n in (3, 17, 3):
+        x = torch.randn(n, 64, device=DEV, dtype=torch.float16)
+        with torch.no_grad():
+            assert torch.equal(gm(x), model(x))
+    s = gm.stats()
+    assert s["eager_calls"] == {} and sum(b["replays"] for b in s["keys"][0]["buckets"].values()) >= 2, s
+    gm.close()
+
+
+def test_the_shared_batch_over_a_quantized_model_gives_its_own_greedy_tokens_on_the_gpu():
+    model = graphwrap.quantize(_llama().to(DEV), "fp8")
+    gm = GraphedModule(model)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 101, (1, n), generator=g).to(DEV) for n in (5, 17, 40, 9)]
+    for _ in range(2):  # (the second round replays what the first captured)
+        futs = [gm.submit_generate(p, max_new_tokens=16, do_sample=False) for p in prompts]
+        for p, f in zip(prompts, futs):
+            with torch.no_grad():
+                want = model.generate(input_ids=p, max_new_tokens=16, do_sample=False)
+            assert torch.equal(f.result(timeout=300), want)
+    d = gm.stats()["decode"]
+    assert d["steps"] > 0 and any(k["status"] == "graphed" for k in d["step"]["keys"]), d["step"]["keys"]
+    gm.close()
