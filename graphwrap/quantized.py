@@ -15,7 +15,7 @@ runs it (slowly: for tests). A model quantized again is left as it is.
 """
 
 import logging
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Optional, cast
 
 import torch
 import torch.nn as nn
@@ -37,6 +37,9 @@ class Fp8Linear(nn.Module):
     scaled to E4M3 each call by their largest magnitude; the bias, if any, added in the input's
     dtype."""
 
+    weight_fp8: Tensor
+    weight_scale: Tensor
+
     def __init__(self, linear: nn.Module):
         super().__init__()
         w = _weight(linear)
@@ -44,7 +47,8 @@ class Fp8Linear(nn.Module):
         scale = w.float().abs().amax(dim=1).clamp(min=TINY) / FP8_MAX
         self.register_buffer("weight_fp8", (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8))
         self.register_buffer("weight_scale", scale[None, :].contiguous())
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        bias = cast(Optional[Tensor], linear.bias)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -65,12 +69,12 @@ class Fp8Linear(nn.Module):
 def _weight(layer: nn.Module) -> Tensor:
     """A linear layer's weight as ``[out, in]`` (transformers' ``Conv1D``, GPT-2's, holds it
     ``[in, out]``)."""
-    w = layer.weight.detach()
+    w = cast(Tensor, layer.weight).detach()
     return w.t() if _conv1d(layer) else w
 
 
 def _conv1d(layer: nn.Module) -> bool:
-    return type(layer).__name__ == "Conv1D" and hasattr(layer, "nf") and layer.weight.dim() == 2
+    return type(layer).__name__ == "Conv1D" and hasattr(layer, "nf") and cast(Tensor, layer.weight).dim() == 2
 
 
 def _linear(layer: nn.Module) -> bool:
