@@ -395,6 +395,9 @@ def test_the_server_reports_the_prompt_tokens_found_cached(tmp_path, engine):
         cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached == (prompt - 1) // BLOCK * BLOCK and cached > 0, again["usage"]
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        metrics = _metrics(r.port)  # (counters, as vLLM names them, and the blocks kept)
+        assert metrics["graphwrap_prefix_cache_hits"] >= cached and metrics["graphwrap_prefix_cache_blocks"] > 0
+        assert metrics["graphwrap_prefix_cache_queries"] >= 2 * prompt, metrics
         status, evs = events(r.port, "/v1/completions", dict(body, stream_options={"include_usage": True}))
         assert evs[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
         assert "".join(e["choices"][0]["text"] for e in evs[:-2] if e["choices"]) == first["choices"][0]["text"]
@@ -406,8 +409,19 @@ def test_the_server_reports_the_prompt_tokens_found_cached(tmp_path, engine):
             for _ in range(2):
                 status, got, _ = post(r.port, "/v1/completions", body)
                 assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert "graphwrap_prefix_cache_hits" not in _metrics(r.port)
         finally:
             r.stop()
+
+
+def _metrics(port) -> dict:
+    import http.client
+
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", "/metrics")
+    text = c.getresponse().read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
 
 
 def _load(args):

@@ -99,6 +99,8 @@ class Metrics:
         out += gauge("requests_running", "HTTP requests being answered (streams until their end).", running)
         for name, help, value in batch_gauges(stats):
             out += gauge(name, help, value)
+        for name, help, value in prefix_totals(stats):
+            out += total(name, help, value)
         pauses = stats.get("engine_gc")
         if pauses:
             out += gauge("engine_gc_pause_max_seconds", "The longest pause of the engine process's garbage collector.",
@@ -107,6 +109,26 @@ class Metrics:
             out += gauge("gpu_memory_allocated_bytes", "Bytes torch's allocator has handed out on the GPU.",
                          stats["gpu_memory_allocated"])
         return "\n".join(out) + "\n"
+
+
+def total(name: str, help: str, value: Optional[float]) -> List[str]:
+    """A count the batch keeps since it was made, read when scraped: a counter."""
+    if value is None:
+        return []
+    return [f"# HELP {PREFIX}{name} {help}", f"# TYPE {PREFIX}{name} counter", f"{PREFIX}{name} {_num(value)}"]
+
+
+def prefix_totals(stats: dict) -> Iterable[Tuple[str, str, Optional[float]]]:
+    """The prefix cache's counts (named as vLLM names them), where the batch caches prefixes."""
+    d = stats.get("decode")
+    c = d.get("prefix_cache") if isinstance(d, dict) else None
+    if not isinstance(c, dict):
+        return []
+    return [
+        ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", c.get("prefix_cache_queries")),
+        ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again).",
+         c.get("prefix_cache_hits")),
+    ]
 
 
 def batch_gauges(stats: dict) -> Iterable[Tuple[str, str, Optional[float]]]:
@@ -124,6 +146,8 @@ def batch_gauges(stats: dict) -> Iterable[Tuple[str, str, Optional[float]]]:
         ("cache_blocks_used", "Blocks of the paged KV cache in use.", blocks.get("used")),
         ("cache_blocks_free", "Blocks of the paged KV cache free.", blocks.get("free")),
         ("cache_bytes", "Bytes of the KV cache.", d.get("cache_bytes")),
+        ("prefix_cache_blocks", "Blocks of the paged KV cache known by their content (held or kept for reuse).",
+         (d.get("prefix_cache") or {}).get("blocks")),
         ("decode_steps", "Decode steps run (one for every live row at once).", d.get("steps")),
         ("step_replays", "Decode steps served by a CUDA graph's replay.", _sum(step, "replays")),
         ("step_eager_calls", "Decode steps run eagerly.", _eager(step)),
