@@ -561,7 +561,13 @@ def test_models_health_and_metrics(srv):
     assert values["graphwrap_rows"] == 4 and "graphwrap_sequences_running" in values
     assert "graphwrap_cache_blocks_used" in values and "graphwrap_step_eager_calls" in values
     assert values["graphwrap_decode_turn_max_seconds"] >= values["graphwrap_decode_turn_p99_seconds"] > 0
-    assert values["graphwrap_event_loop_lag_seconds_count"] >= 1  # sampled since the app started
+    deadline = time.monotonic() + 5  # (sampled every 50 ms since the app started: the first may be due)
+    while values["graphwrap_event_loop_lag_seconds_count"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.06)
+        c.request("GET", "/metrics")
+        values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                  for line in c.getresponse().read().decode().splitlines() if line and not line.startswith("#")}
+    assert values["graphwrap_event_loop_lag_seconds_count"] >= 1
     c.request("GET", "/health")
     r = c.getresponse()
     assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
