@@ -547,3 +547,24 @@ def test_a_delivery_waiting_while_a_compile_job_starts_is_let_go_once_the_job_st
         caps.cond.notify_all()
     job.join(10)
     assert not job.is_alive()
+
+
+def test_waiting_for_captures_says_how_far_it_is_and_how_long_is_left(monkeypatch, gw_log):
+    import types
+
+    from graphwrap.decoding.engine import captures as cap
+
+    assert cap.progress(0, 12, 3.0) == "capturing the shared batch's graphs: 0 of 12 shapes in 3 s"
+    assert cap.progress(3, 12, 6.0).endswith("3 of 12 shapes in 6 s, about 18 s left")
+    monkeypatch.setattr(cap, "PROGRESS_EVERY", 0.05)
+    server = types.SimpleNamespace(device=torch.device("cpu"), compiled_engines={},
+                                   shapes=types.SimpleNamespace(captured=lambda shape, why: None))
+    caps = cap.Captures(server)
+    monkeypatch.setattr(caps, "_capture", lambda shape: time.sleep(0.03))  # (a capture that takes its time)
+    for n in range(8):
+        caps.want(("step", n + 1, 64), cap.AHEAD)
+    assert caps.finish(timeout=30) and caps.done == 8
+    lines = [r.getMessage() for r in gw_log.records if "capturing the shared batch's graphs" in r.getMessage()]
+    assert lines and all(" of 8 shapes in " in line for line in lines), lines
+    assert any("s left" in line for line in lines), lines
+    caps.stop(5)

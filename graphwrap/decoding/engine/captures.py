@@ -39,6 +39,7 @@ from .shapes import COVERED, EAGER, GRAPH, NEEDED, Shapes
 logger = logging.getLogger("graphwrap")
 AHEAD = 1  # the queues, first to last: NEEDED (0), AHEAD, COVERED (2), LATER
 LATER = 3  # compile=: a shape's compiled graph, to replace its plain one
+PROGRESS_EVERY = 5.0  # seconds between the log's lines of progress while captures are waited for (finish)
 COMPILE = "compile"  # a job of LATER: (COMPILE, shape)
 
 
@@ -101,6 +102,16 @@ def forward(server, engine, shape: tuple, how: str, args: tuple, window):
             return engine.call(args, {"rows": window(server.store)})
 
 
+def progress(done: int, total: int, seconds: float) -> str:
+    """A log line of captures under way: how many of how many, and about how long is left (at
+    the pace so far)."""
+    if not done:
+        return f"capturing the shared batch's graphs: 0 of {total} shapes in {seconds:.0f} s"
+    left = seconds / done * (total - done)
+    return (f"capturing the shared batch's graphs: {done} of {total} shapes in {seconds:.0f} s, "
+            f"about {left:.0f} s left")
+
+
 class Captures:
     """The capturing thread of one shared batch (started on the first shape queued)."""
 
@@ -161,17 +172,28 @@ class Captures:
 
     def finish(self, timeout: Optional[float] = None) -> bool:
         """Capture what is queued now, calls in flight or not, and wait until nothing is queued or
-        being captured; whether that happened within ``timeout``."""
-        end = None if timeout is None else time.monotonic() + timeout
+        being captured; whether that happened within ``timeout``. Every :data:`PROGRESS_EVERY`
+        seconds meanwhile, the log says how far it is and about how long is left."""
+        t0 = time.monotonic()
+        end = None if timeout is None else t0 + timeout
         with self.cond:
             self.ahead_of_calls = bool(any(self.queues) or self.running)
             self.cond.notify_all()
+            first, total, said = self.done, self._left(), t0
             while (any(self.queues) or self.running is not None) and not self.stopped:
-                left = None if end is None else end - time.monotonic()
+                now = time.monotonic()
+                left = None if end is None else end - now
                 if left is not None and left <= 0:
                     return False
-                self.cond.wait(left)
+                if now - said >= PROGRESS_EVERY:
+                    said = now
+                    total = max(total, self.done - first + self._left())  # (captures queue compiles after them)
+                    logger.info("%s", progress(self.done - first, total, now - t0))
+                self.cond.wait(PROGRESS_EVERY if left is None else min(left, PROGRESS_EVERY))
             return not any(self.queues) and self.running is None
+
+    def _left(self) -> int:
+        return sum(len(q) for q in self.queues) + (self.running is not None)
 
     def stop(self, timeout: Optional[float] = None) -> bool:
         """Capture nothing more (a capture under way ends first); whether the thread ended in time."""
