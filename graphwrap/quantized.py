@@ -14,6 +14,7 @@ capability 8.9 has no FP8 products: refused with the reason. On a CPU, torch's o
 runs it (slowly: for tests). A model quantized again is left as it is.
 """
 
+import functools
 import logging
 from typing import Dict, Iterable, Optional, cast
 
@@ -81,10 +82,22 @@ def _linear(layer: nn.Module) -> bool:
     return type(layer) is nn.Linear or _conv1d(layer)
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_product() -> Optional[str]:
+    """Why this torch has no FP8 product on a CPU (None where a small one runs)."""
+    try:
+        one = torch.ones((16, 16), dtype=FP8)
+        torch._scaled_mm(one, one.t(), scale_a=torch.ones((16, 1)), scale_b=torch.ones((1, 16)),
+                         out_dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - older torch builds: said, not raised
+        return f"this torch ({torch.__version__}) has no FP8 product on a CPU ({type(e).__name__}: {e})"
+    return None
+
+
 def fp8_supported(device: torch.device) -> Optional[str]:
     """Why ``device`` cannot run FP8 products (None where it can)."""
     if device.type == "cpu":
-        return None
+        return _cpu_product()
     if device.type != "cuda":
         return f"FP8 products are served on CUDA GPUs (and, slowly, on CPUs), not on {device.type}"
     major, minor = torch.cuda.get_device_capability(device)

@@ -9,8 +9,10 @@ import torch.nn as nn
 
 import graphwrap
 from graphwrap import GraphedModule, GraphwrapError
-from graphwrap.quantized import FP8, FP8_MAX, Fp8Linear
+from graphwrap.quantized import FP8, FP8_MAX, Fp8Linear, fp8_supported
 
+NO_FP8 = fp8_supported(torch.device("cpu"))
+needs_fp8 = pytest.mark.skipif(NO_FP8 is not None, reason=str(NO_FP8))
 tr = pytest.importorskip("transformers", reason="needs transformers, which no extra installs: pip install transformers")
 
 
@@ -25,6 +27,7 @@ def _by_hand(x, linear):
     return out + linear.bias.float() if linear.bias is not None else out
 
 
+@needs_fp8
 @pytest.mark.parametrize("bias", [False, True])
 def test_an_fp8_linear_is_the_fp8_product_and_near_the_full_one(bias):
     torch.manual_seed(0)
@@ -42,6 +45,7 @@ def test_an_fp8_linear_is_the_fp8_product_and_near_the_full_one(bias):
     assert torch.isfinite(zero).all()
 
 
+@needs_fp8
 def test_quantize_takes_the_linear_layers_but_the_head_and_odd_sizes_in_place(gw_log):
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Sequential(nn.Linear(64, 32)), nn.Linear(32, 10))
     model.lm_head = nn.Linear(16, 16)
@@ -75,6 +79,7 @@ def _llama():
     return tr.AutoModelForCausalLM.from_config(cfg).eval()
 
 
+@needs_fp8
 def test_the_shared_batch_over_a_quantized_model_gives_its_own_greedy_tokens():
     model = graphwrap.quantize(_llama(), "fp8")
     assert isinstance(model.model.layers[0].self_attn.q_proj, Fp8Linear)
@@ -91,6 +96,7 @@ def test_the_shared_batch_over_a_quantized_model_gives_its_own_greedy_tokens():
     gm.close()
 
 
+@needs_fp8
 def test_serve_quantization_fp8_serves_the_quantized_models_greedy_text(tmp_path):
     pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
     pytest.importorskip("uvicorn", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
