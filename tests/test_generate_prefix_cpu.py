@@ -187,6 +187,34 @@ def test_a_failed_call_s_written_blocks_are_not_cached():
     assert sched.pool.prefixes.cached == 2, "the block of its prompt's last tokens and its first answers"
 
 
+def test_a_dropped_cache_frees_its_idle_blocks_and_caches_nothing_written_before_the_drop():
+    from graphwrap.decoding.engine.scheduler import Scheduler as Sched
+
+    sched = Sched(4, 256, [4], [256], pool=_pool(), block=4)
+    call = type("Call", (), {"error": None})()
+    done = Seq(call, 0, list(range(3, 12)), SeqSettings(max_new=1))
+    sched.enqueue([done])
+    sched.admit()
+    sched.written([done])
+    done.done = True
+    sched.retire()  # (its two full blocks idle, cached)
+    old = Seq(call, 0, list(range(20, 29)), SeqSettings(max_new=5))
+    sched.enqueue([old])
+    sched.admit()  # (admitted before the drop, written after it)
+    free = sched.pool.available
+    sched.drop_prefixes()
+    assert sched.pool.prefixes.cached == 0 and not sched.pool.prefixes.idle and sched.pool.available == free
+    assert not sched.writing
+    sched.written([old])
+    assert sched.pool.prefixes.cached == 0, "keys the old values made are not cached"
+    new = Seq(call, 0, list(range(3, 12)), SeqSettings(max_new=1))
+    sched.enqueue([new])
+    sched.admit()
+    assert new.cached == 0
+    sched.written([new])
+    assert sched.pool.prefixes.cached == 2
+
+
 def test_evicted_blocks_are_taken_for_other_prompts_and_a_prefix_found_again_is_right(monkeypatch):
     _fixed_pool(monkeypatch, 12)  # 12 blocks of 16: a few prompts' worth
     model = _model("llama")
@@ -318,6 +346,26 @@ def test_whole_rows_asked_for_say_that_prefixes_are_not_cached(gw_log):
     quiet.generate(torch.tensor([prompt]), max_new_tokens=2, do_sample=False)
     assert quiet.stats()["decode"]["prefix_cache"] is None and "prefix caching" not in gw_log.text
     quiet.close()
+
+
+def test_weights_changed_in_place_drop_the_cached_prefixes(gw_log):
+    """``load_state_dict`` copies new values into the same tensors: the graphs read them, but the
+    blocks cached for a prompt hold keys the old values made. The next call finds the cache
+    dropped (its tokens are the new model's), and caches again."""
+    model = _model("llama")
+    gm = GraphedModule(model)
+    prompt = _prompts([50])[0]
+    gm.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+    torch.manual_seed(5)
+    model.load_state_dict({k: v + 0.5 * torch.randn_like(v) for k, v in model.state_dict().items()})
+    hits = gm.stats()["decode"]["prefix_cache"]["prefix_cache_hits"]
+    for _ in range(2):  # (the first computes the prompt again; the second finds it, made by the new values)
+        assert torch.equal(gm.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False),
+                           _alone(model, prompt, max_new_tokens=6))
+    c = gm.stats()["decode"]["prefix_cache"]
+    assert c["prefix_cache_hits"] == hits + 48, c
+    assert "weights changed in place since the last call: the prefix cache is dropped" in gw_log.text
+    gm.close()
 
 
 def test_pieces_are_never_wider_than_a_row():

@@ -222,6 +222,14 @@ class Prefixes:
                     out.append(child)
         return out
 
+    def clear(self) -> List[int]:
+        """Forget every block's content (the model's values changed): the idle blocks, returned,
+        are free again; those held stay their holders' and are given back free."""
+        idle = list(self.idle)
+        for d in (self.by_key, self.key_of, self.after, self.refs, self.idle):
+            d.clear()
+        return idle
+
     @property
     def cached(self) -> int:
         return len(self.key_of)

@@ -26,6 +26,7 @@ from ..cache.pool import CACHE_MEMORY, MIN_ROWS
 from ..engine.grammar import GrammarError
 from ..engine.scheduler import buckets_upto
 from ..engine.step import model_positions
+from ..engine.weights import note_values
 from ..kernels.attention import without_cudnn
 from . import turns
 from .settings import PENALTY_KWARGS, CallPlan, plan_call
@@ -312,6 +313,7 @@ def _take(gm, server, p, seed: Optional[int], block: bool):
                 return None, why, None
         if "_gw_decode_finalizer" not in held:
             held["_gw_decode_finalizer"] = weakref.finalize(gm, _close_dropped, held)
+        note_values(server)
         call = server.prepare(p, seed)
         try:
             server.enqueue(call, block=False)

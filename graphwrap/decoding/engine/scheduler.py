@@ -50,6 +50,7 @@ class Seq:
     writes: List[Tuple[int, int]] = field(default_factory=list)  # (block index, chained hash) its feed writes, not yet cached
     length: int = 0  # positions of the cache written (host's mirror of the row's length)
     wrote: int = 0  # positions whose forward is queued, known to hold its prompt's and tokens' keys
+    epoch: int = 0  # the prefix cache's epoch when it was admitted (its blocks are cached only within it)
     launched: int = 0  # tokens whose computation has been queued on the device
     done: bool = False
     seed: int = 0  # of its sampling noise
@@ -107,6 +108,7 @@ class Scheduler:
         self.chunking: Deque[Seq] = deque()  # admitted long prompts, prefilled a piece a turn, oldest first
         self.writing: Counter[int] = collections.Counter()  # chained hashes of full blocks admitted feeds write
         self.admitted = 0  # admissions so far (each sequence's ``order``)
+        self.epoch = 0  # prefix caches dropped so far (drop_prefixes)
 
     def enqueue(self, seqs: Sequence[Seq]):
         self.queue.extend(seqs)
@@ -165,6 +167,7 @@ class Scheduler:
             s.row = heapq.heappop(self.free)
             self.holders[s.row] = s
             s.length = len(s.feed)
+            s.epoch = self.epoch
             self.admitted += 1
             s.order = self.admitted
             out.append(s)
@@ -180,8 +183,23 @@ class Scheduler:
         for s in seqs:
             feed = s.feed if upto is None else s.feed[:upto]
             s.wrote = len(feed)
-            prefixes.register(s.blocks, feed)
+            if s.epoch == self.epoch:
+                prefixes.register(s.blocks, feed)
             self._unwrite(s, len(feed) // self.block)
+
+    def drop_prefixes(self):
+        """Forget every cached block (the model's values changed in place): those no sequence
+        holds are free again, and what sequences admitted before now write is not cached (nor
+        waited on)."""
+        prefixes = self.pool.prefixes if self.pool is not None else None
+        if prefixes is None:
+            return
+        cast(Blocks, self.pool).free.extend(prefixes.clear())
+        self.epoch += 1
+        for s in self.holders:
+            if s is not None:
+                s.writes = []
+        self.writing.clear()
 
     def _keep(self, s: Seq):
         """``s`` gives its blocks back: the full blocks its steps wrote (the tokens it made, read
@@ -189,7 +207,7 @@ class Scheduler:
         resumption finds them. Not where its call failed (a failed step may have left them half
         written)."""
         prefixes = self.pool.prefixes if self.pool is not None else None
-        if prefixes is None or getattr(s.call, "error", None) is not None:
+        if prefixes is None or getattr(s.call, "error", None) is not None or s.epoch != self.epoch:
             return
         known = s.prompt + s.tokens  # (position p holds the keys of token p: a resumed feed is a prefix of it)
         prefixes.register(s.blocks, known[:min(s.wrote, len(known))])

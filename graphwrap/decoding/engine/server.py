@@ -117,6 +117,7 @@ class DecodeServer:
         self.chunker = ChunkStep(model)
         self.next_ids = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
         self.weights = Weights(model)
+        self.prefixes_stale = False  # (set by a caller that saw the weights' values change: the cache is dropped)
         self.lock = threading.RLock()  # a cancel under it calls back into it
         self.cond = threading.Condition(self.lock)
         self.closed = False
@@ -358,9 +359,6 @@ class DecodeServer:
                 self._end_call(call, call.error)
         self.cancelled.clear()
 
-    def _grow(self, short: int) -> bool:
-        return growth.grow_pool(self, short)
-
     def _admit(self, seqs: List[Seq]):
         if isinstance(self.store, PagedStore):
             self.store.assign(_rows(seqs), [s.blocks for s in seqs])
@@ -560,9 +558,12 @@ def _admitted(server: DecodeServer) -> List[Seq]:
     """Queued sequences given a row this turn, the pool grown first where they lack blocks and it
     can; beside decoding rows, prompts of :data:`PREFILL_BESIDE` tokens at most (where set: each
     token prefilled is time those rows wait)."""
+    if server.prefixes_stale:  # (the weights' values changed in place: weights.note_values)
+        server.prefixes_stale = False
+        server.sched.drop_prefixes()
     budget = PREFILL_BESIDE if PREFILL_BESIDE and server.sched.live() else None
     admitted = server.sched.admit(tokens=budget)
-    if server.sched.short and server._grow(server.sched.short):
+    if server.sched.short and growth.grow_pool(server, server.sched.short):
         admitted += server.sched.admit(tokens=budget)
     return admitted
 
