@@ -55,6 +55,6 @@ def note_values(server):
     batch drops its prefix cache before it admits again (its blocks hold keys and values the old
     weights made), and says so."""
     pool = server.sched.pool
-    if server.weights.values_changed() and pool is not None and pool.prefixes is not None:
+    if pool is not None and pool.prefixes is not None and server.weights.values_changed():
         server.prefixes_stale = True
         logger.info("the model's weights changed in place since the last call: the prefix cache is dropped")
