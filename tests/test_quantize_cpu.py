@@ -117,3 +117,21 @@ def test_serve_quantization_fp8_serves_the_quantized_models_greedy_text(tmp_path
     finally:
         r.stop()
     assert cli.parser().parse_args([d, "--quantization", "fp8"]).quantization == "fp8"
+
+
+@needs_fp8
+def test_a_model_quantized_behind_its_wrapper_is_served_quantized():
+    """quantize after the wrap (the batch made over the full model): the next call sees the new
+    layers and gives the quantized model's tokens, not the old batch's."""
+    model = _llama()
+    gm = GraphedModule(model)
+    prompt = torch.randint(2, 101, (1, 20), generator=torch.Generator().manual_seed(3))
+    before = gm.generate(prompt, max_new_tokens=10, do_sample=False)
+    graphwrap.quantize(model, "fp8")
+    with torch.inference_mode():
+        got = gm.generate(prompt, max_new_tokens=10, do_sample=False)
+        want = model.generate(input_ids=prompt, max_new_tokens=10, do_sample=False)
+    assert torch.equal(got, want)
+    assert gm.stats()["generate"] == {"graphwrap's shared decode batch": 2}
+    assert before.shape == got.shape
+    gm.close()
