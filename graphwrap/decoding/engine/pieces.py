@@ -2,8 +2,8 @@
 the other rows' steps, so that one long prompt does not stall them.
 
 In the paged pool a piece is :data:`~.pool.PIECE` positions beside decoding rows and
-:data:`~.pool.PIECE_ALONE` with none (its weights read a quarter as often; at most a chunk
-either way), through :class:`~.step.PieceStep`,
+:data:`~.pool.PIECE_ALONE` with none (its weights read a quarter as often; at most a chunk,
+and a row, either way: a piece's capture writes and reads its whole width), through :class:`~.step.PieceStep`,
 whose graphs (one per span bucket, captured beside the decode thread like the steps', served
 meanwhile by a larger one or eagerly) read the piece's place from the device: a piece then
 costs the rows beside it its time on the GPU, not an eager forward's host time (about 30 ms for

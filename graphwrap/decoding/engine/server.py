@@ -108,7 +108,6 @@ class DecodeServer:
                                       else None) if self.cache.paged else None, self.cache.block)
         self.vocab = in_vocab(model)
         self.settings = RowSettings(rows, max_len, self.device, out_vocab(model))
-        # (pieces.py; never wider than a row: a piece's capture writes and reads its whole width)
         self.chunk, self.piece, self.piece_alone = CHUNK, min(PIECE, CHUNK, max_len), min(PIECE_ALONE, CHUNK, max_len)
         self.pieces_running: Deque[torch.cuda.Event] = collections.deque()  # the pieces on the device (pieces.py)
         self.prompts = Prompts(rows, min(max_len, self.chunk), self.store.scratch)
