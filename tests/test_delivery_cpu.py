@@ -101,3 +101,15 @@ def test_a_call_without_a_streamer_ends_beside_streamers_that_are_never_read(dev
     for f in stuck:
         assert f.result(timeout=30).shape == (1, 33)
     gm.close()
+
+
+def test_waiting_for_the_outbox_to_be_idle():
+    """At exit the process waits for the workers to deliver and let go of every call (a daemon
+    worker freeing a call's tensors while the interpreter finalizes aborted the process)."""
+    outbox = Outbox()
+    box = Mailbox(lambda e: None)
+    done = []
+    outbox.post_many([(box, lambda: time.sleep(0.2)), (box, lambda: done.append(1))])
+    assert not outbox.wait_idle(0.05), "a delivery is still running"
+    assert outbox.wait_idle(5.0) and done == [1]
+    assert outbox.wait_idle(0.0), "nothing waits: at once"

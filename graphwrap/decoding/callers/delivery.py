@@ -82,6 +82,20 @@ class Outbox:
         if spawn:
             self._spawn()
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for no mailbox to wait and no worker to be delivering
+        (each worker then holds no call: what it delivered is freed); whether that came. At exit:
+        a daemon worker freeing a call's tensors while the interpreter finalizes aborts the
+        process (its thread is ended inside torch's deallocation)."""
+        end = time.monotonic() + timeout
+        while True:
+            with self.cond:
+                if not self.ready and not self.busy:
+                    return True
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.001)  # (polled: a wait on the condition could take a wake-up meant for a worker)
+
     def _stand_by(self) -> bool:
         """Whether a worker must be started to stand by (none does; the caller holds the lock)."""
         if self.idle or self.workers >= self.max_workers:

@@ -77,6 +77,7 @@ def _close_at_exit():
         for thread in (server.thread, server.captures.thread if server.captures is not None else None):
             if thread is not None:
                 thread.join(max(0.0, deadline - time.monotonic()))
+    OUTBOX.wait_idle(max(0.0, deadline - time.monotonic()))  # (the calls' ends delivered, and let go)
 
 
 KEEP = 10_000  # latencies kept for the percentiles in stats()
