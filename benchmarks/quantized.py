@@ -30,22 +30,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from prefix import model_of  # noqa: E402  (the same shapes: tiny, or generate_large's)
+
 import graphwrap  # noqa: E402
 from graphwrap import GraphedModule  # noqa: E402
-
-
-def model_of(name: str, device):
-    if name == "tiny":
-        import transformers
-
-        torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
-                                       max_position_embeddings=1024, eos_token_id=None, pad_token_id=0)
-        return transformers.LlamaForCausalLM(cfg).to(device).eval()
-    from generate_large import big_model
-
-    return big_model(name, device)
 
 
 def agreement(full, fp8, vocab: int, seqs: int, length: int, device) -> dict:
