@@ -50,6 +50,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", scale[None, :].contiguous())
         bias = cast(Optional[Tensor], linear.bias)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.train(linear.training)  # (an eval model's layer stays in eval: a training one runs eagerly)
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)

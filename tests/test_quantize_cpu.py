@@ -55,7 +55,11 @@ def test_quantize_takes_the_linear_layers_but_the_head_and_odd_sizes_in_place(gw
     assert type(model[3]) is nn.Linear, "10 outputs: not a multiple of 16"
     assert type(model.lm_head) is nn.Linear, "the output head stays in its dtype"
     assert "2 linear layers in FP8; 1 left as they are by name (lm_head), 1 whose sizes" in gw_log.text
-    graphwrap.quantize(model, "fp8")  # (again: nothing left to take)
+    assert model[0].training, "a training model's layers stay in training"
+    model.eval()
+    model[2][0] = nn.Linear(64, 32).eval()
+    graphwrap.quantize(model, "fp8")  # (again: only what is left to take)
+    assert isinstance(model[2][0], Fp8Linear) and not model[2][0].training, "an eval layer stays in eval (else: eager)"
     assert isinstance(model[0], Fp8Linear) and type(model[0].weight_fp8) is torch.Tensor
 
 
