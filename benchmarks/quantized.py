@@ -5,7 +5,9 @@ One model of ``--model``'s shape (random weights, fp16, seed 0) and its twin qua
 
 - **agreement**, teacher-forced: ``--agree-seqs`` random sequences of ``--agree-len`` tokens
   through both eager models; at each position, whether FP8's argmax is fp16's, or within 0.01
-  of the fp16 logits' spread (max - min) of fp16's best;
+  of the fp16 logits' spread (max - min) of fp16's best; and the logits' relative error. The
+  same for a bf16 copy, as the yardstick: random weights give flat logits (their top two a
+  small share of the spread apart), so a few percent of noise moves many argmaxes;
 - **batch 1**: one call of ``--prompt`` random tokens and ``--new`` new tokens at a time
   (greedy, no end-of-sequence), a first call apart, then the median of ``--repeats``, as
   milliseconds per new token;
@@ -41,6 +43,7 @@ def agreement(full, fp8, vocab: int, seqs: int, length: int, device) -> dict:
     0.01 of the fp16 logits' spread."""
     g = torch.Generator().manual_seed(5)
     same = near = total = 0
+    err, tops = [], []
     with torch.no_grad():
         for _ in range(seqs):
             ids = torch.randint(3, vocab, (1, length), generator=g).to(device)
@@ -51,7 +54,11 @@ def agreement(full, fp8, vocab: int, seqs: int, length: int, device) -> dict:
             same += int((best == got).sum())
             near += int((gap <= 0.01 * spread).sum())
             total += length
-    return {"argmax_same": same / total, "within_0.01_spread": near / total, "positions": total}
+            err.append(float((b - a).norm() / a.norm()))
+            top2 = a.topk(2, dim=-1).values
+            tops.append(float(((top2[:, 0] - top2[:, 1]) / spread).median()))
+    return {"argmax_same": same / total, "within_0.01_spread": near / total, "positions": total,
+            "logits_relative_error": statistics.median(err), "top_two_gap_of_spread": statistics.median(tops)}
 
 
 def _sync(device):
@@ -111,10 +118,15 @@ def main():
     head = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "date": str(datetime.date.today()), "args": vars(a)}
     print(head, flush=True)
-    agree = agreement(full, fp8, full.config.vocab_size, a.agree_seqs, a.agree_len, device)
-    print(f"teacher-forced over {agree['positions']} positions: FP8's argmax is fp16's at "
-          f"{100 * agree['argmax_same']:.1f}%, within 0.01 of the logits' spread at "
-          f"{100 * agree['within_0.01_spread']:.1f}%", flush=True)
+    agree = {"fp8": agreement(full, fp8, full.config.vocab_size, a.agree_seqs, a.agree_len, device)}
+    half = copy.deepcopy(full).to(torch.bfloat16)
+    agree["bf16"] = agreement(full, half, full.config.vocab_size, a.agree_seqs, a.agree_len, device)
+    del half
+    for name, got in agree.items():
+        print(f"teacher-forced over {got['positions']} positions: {name}'s argmax is fp16's at "
+              f"{100 * got['argmax_same']:.1f}%, within 0.01 of the logits' spread at "
+              f"{100 * got['within_0.01_spread']:.1f}%; logits' relative error {got['logits_relative_error']:.4f} "
+              f"(fp16's top two {100 * got['top_two_gap_of_spread']:.2f}% of the spread apart)", flush=True)
     rows = [one(full, "fp16", a, device), one(fp8, "fp8", a, device)]
     ratio = {"batch1_speedup": rows[0]["batch1_ms_per_token"] / rows[1]["batch1_ms_per_token"],
              "at_once_speedup": rows[1]["at_once_tokens_s"] / rows[0]["at_once_tokens_s"]}

@@ -1,6 +1,6 @@
 """``graphwrap.quantize(model, "fp8")`` on a GPU of compute capability 8.9 or later: the FP8
 product (cutlass's row-wise kernel, its output in bfloat16) against the same arithmetic written
-out; a GraphedModule over a quantized MLP replays a graph and gives eager's output; the shared
+out; graphwrap's kernel that scales rows to E4M3 against the torch steps it replaces, bit for bit; a GraphedModule over a quantized MLP replays a graph and gives eager's output; the shared
 decode batch over a quantized model gives that model's own greedy tokens (fp32 around the
 products, TF32 off)."""
 
@@ -11,7 +11,7 @@ from test_quantize_cpu import _by_hand, _llama
 
 import graphwrap
 from graphwrap import GraphedModule
-from graphwrap.quantized import Fp8Linear, fp8_supported
+from graphwrap.quantized import Fp8Linear, fp8_supported, rows_to_fp8, rows_to_fp8_reference
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fp32_exact")]
 DEV = "cuda"
@@ -34,6 +34,21 @@ def test_an_fp8_linear_on_the_gpu_is_the_fp8_product(dtype):
     got = Fp8Linear(linear)(x)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), _by_hand(x, linear).float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width", [16, 4096, 14336])
+def test_the_row_scaling_kernel_is_the_torch_steps_bit_for_bit(dtype, width):
+    torch.manual_seed(width)
+    x = torch.randn(37, width, device=DEV, dtype=dtype) * torch.logspace(-3, 2, 37, device=DEV, dtype=dtype)[:, None]
+    x[3] = 0  # (a row of zeros)
+    x[5, 7] = 1e4 if dtype != torch.float16 else 6e4  # (one large value: the rest of its row rounds small)
+    for rows in (x, x[:, :width // 2 * 2:2] if width > 16 else x, x[:0]):
+        q, scale = rows_to_fp8(rows)
+        want_q, want_scale = rows_to_fp8_reference(rows)
+        assert q.dtype == torch.float8_e4m3fn and scale.shape == (rows.shape[0], 1)
+        assert torch.equal(scale, want_scale)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
 def test_a_graphed_quantized_mlp_replays_and_gives_eagers_output():

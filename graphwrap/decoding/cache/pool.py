@@ -157,7 +157,7 @@ class Prefixes:
         self.after: Dict[int, List[int]] = {}  # block -> cached blocks keyed after it
         self.refs: Dict[int, int] = {}  # cached block -> sequences holding it
         self.idle: "collections.OrderedDict[int, None]" = collections.OrderedDict()
-        self.queries = self.hits = 0  # prompt tokens looked up, and found
+        self.queries = self.hits = 0  # prompt tokens admitted (looked up or not: Scheduler.cacheable), and found
 
     def match(self, tokens: Sequence[int], most: int) -> List[int]:
         """The cached blocks that hold ``tokens``' first full blocks, at most ``most`` of them."""

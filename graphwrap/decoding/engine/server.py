@@ -106,7 +106,7 @@ class DecodeServer:
         self.cache, self.store, self.fold = make_cache(model, rows, max_len, self.device, cache_memory, paged)
         self.sched = Scheduler(rows, max_len, buckets_upto(rows, (1, 2, 4, 8, 16)), buckets_upto(max_len, (64, 128, 256)),
                                Blocks(self.cache.blocks, self.cache.scratch, Prefixes(self.cache.block) if prefix_caching
-                                      else None) if self.cache.paged else None, self.cache.block)
+                                      else None) if self.cache.paged else None, self.cache.block, CHUNK)
         self.vocab = in_vocab(model)
         self.settings = RowSettings(rows, max_len, self.device, out_vocab(model))
         self.chunk, self.piece, self.piece_alone = CHUNK, min(PIECE, CHUNK, max_len), min(PIECE_ALONE, CHUNK, max_len)
