@@ -13,7 +13,9 @@ def rows_to_fp8(X, Q, S, sx, sq, N, FP8_MAX: tl.constexpr, TINY: tl.constexpr, B
     c = tl.arange(0, BLOCK)
     m = c < N
     x = tl.load(X + r * sx + c, mask=m, other=0.0).to(tl.float32)
-    s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), TINY), FP8_MAX)
+    zero = tl.zeros([BLOCK], tl.float32)
+    # (the scale as a row of equal values: division rounded as torch's, each operand a tensor)
+    s = tl.math.div_rn(zero + tl.maximum(tl.max(tl.abs(x), 0), TINY), zero + FP8_MAX)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FP8_MAX), FP8_MAX)
     tl.store(Q + r * sq + c, q.to(Q.dtype.element_ty), mask=m)
-    tl.store(S + r, s)
+    tl.store(S + r + c * 0, s, mask=c == 0)
