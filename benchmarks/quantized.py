@@ -7,7 +7,9 @@ One model of ``--model``'s shape (random weights, fp16, seed 0) and its twin qua
   through both eager models; at each position, whether FP8's argmax is fp16's, or within 0.01
   of the fp16 logits' spread (max - min) of fp16's best; and the logits' relative error. The
   same for a bf16 copy, as the yardstick: random weights give flat logits (their top two a
-  small share of the spread apart), so a few percent of noise moves many argmaxes;
+  small share of the spread apart), so a few percent of noise moves many argmaxes (and with
+  ``--scale-outputs``, the default, the output projections are scaled as GPT-2's
+  initialisation does: see :func:`scale_outputs`);
 - **batch 1**: one call of ``--prompt`` random tokens and ``--new`` new tokens at a time
   (greedy, no end-of-sequence), a first call apart, then the median of ``--repeats``, as
   milliseconds per new token;
@@ -61,6 +63,19 @@ def agreement(full, fp8, vocab: int, seqs: int, length: int, device) -> dict:
             "logits_relative_error": statistics.median(err), "top_two_gap_of_spread": statistics.median(tops)}
 
 
+def scale_outputs(model):
+    """The random weights of each layer's output projections (``o_proj``, ``down_proj``) times
+    ``1/sqrt(2 x layers)``, as GPT-2's initialisation scales them. At a normal std of 0.02 the
+    Llama-3-8B shape's 32 layers amplify noise: a bf16 copy's logits differed from fp16's by 49%
+    (argmax the same at 33% of positions), so no comparison of numerics means anything there,
+    and the shared batch's check of a quantized model against its own forward fails."""
+    layers = model.config.num_hidden_layers
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_((2 * layers) ** -0.5)
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -83,6 +98,12 @@ def one(model, label, a, device) -> dict:
     many = [torch.randint(3, vocab, (1, a.prompt), generator=g).to(device) for _ in range(a.concurrency)]
     out = {"setting": label}
     first = calls(gm, single, a.new, device)
+    off = gm.stats().get("decode", {}).get("off")
+    if off is not None:  # (generate's own loop, a call at a time: not what is compared here)
+        print(f"{label}: the shared batch does not serve it ({off}); first call {1e3 * first / a.new:.2f} ms a token",
+              flush=True)
+        gm.close()
+        return {**out, "off": off, "batch1_first_ms_per_token": 1e3 * first / a.new}
     warm = [calls(gm, single, a.new, device) for _ in range(a.repeats)]
     out["batch1_first_ms_per_token"] = 1e3 * first / a.new
     out["batch1_ms_per_token"] = 1e3 * statistics.median(warm) / a.new
@@ -110,10 +131,14 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--agree-seqs", type=int, default=4)
     ap.add_argument("--agree-len", type=int, default=512)
+    ap.add_argument("--scale-outputs", action=argparse.BooleanOptionalAction, default=True,
+                    help="scale the random weights of each layer's output projections by 1/sqrt(2 x layers)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     full = model_of(a.model, device)
+    if a.scale_outputs:
+        scale_outputs(full)
     fp8 = graphwrap.quantize(copy.deepcopy(full), "fp8")
     head = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "date": str(datetime.date.today()), "args": vars(a)}
@@ -128,10 +153,12 @@ def main():
               f"{100 * got['within_0.01_spread']:.1f}%; logits' relative error {got['logits_relative_error']:.4f} "
               f"(fp16's top two {100 * got['top_two_gap_of_spread']:.2f}% of the spread apart)", flush=True)
     rows = [one(full, "fp16", a, device), one(fp8, "fp8", a, device)]
-    ratio = {"batch1_speedup": rows[0]["batch1_ms_per_token"] / rows[1]["batch1_ms_per_token"],
-             "at_once_speedup": rows[1]["at_once_tokens_s"] / rows[0]["at_once_tokens_s"]}
-    print(f"FP8 against fp16: batch 1 {ratio['batch1_speedup']:.2f}x per token, {a.concurrency} at once "
-          f"{ratio['at_once_speedup']:.2f}x tokens/s", flush=True)
+    ratio = {}
+    if not any("off" in r for r in rows):
+        ratio = {"batch1_speedup": rows[0]["batch1_ms_per_token"] / rows[1]["batch1_ms_per_token"],
+                 "at_once_speedup": rows[1]["at_once_tokens_s"] / rows[0]["at_once_tokens_s"]}
+        print(f"FP8 against fp16: batch 1 {ratio['batch1_speedup']:.2f}x per token, {a.concurrency} at once "
+              f"{ratio['at_once_speedup']:.2f}x tokens/s", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({**head, "agreement": agree, "settings": rows, "ratios": ratio}, f, indent=1)

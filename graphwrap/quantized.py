@@ -30,6 +30,7 @@ KINDS = ("fp8",)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 TINY = 1e-12  # (a row of zeros: its scale, so that nothing divides by zero)
+INV_MAX = float(torch.tensor(1.0) / FP8_MAX)  # (float32's: torch divides by a number on a GPU so)
 WIDEST = 32768  # the widest row graphwrap's kernel takes in one program (rows_to_fp8)
 
 
@@ -85,7 +86,7 @@ def rows_to_fp8(rows: Tensor) -> Tuple[Tensor, Tensor]:
     scale = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=rows.device)
     if rows.shape[0]:
         block = 1 << max(4, (k - 1).bit_length())
-        kernel[(rows.shape[0],)](rows, q, scale, rows.stride(0), q.stride(0), k, FP8_MAX=FP8_MAX, TINY=TINY,
+        kernel[(rows.shape[0],)](rows, q, scale, rows.stride(0), q.stride(0), k, FP8_MAX=FP8_MAX, INV_MAX=INV_MAX, TINY=TINY,
                                  BLOCK=block, num_warps=max(1, min(8, block // 512)))
     return q, scale
 
