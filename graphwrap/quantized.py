@@ -14,8 +14,10 @@ capability 8.9 has no FP8 products: refused with the reason. On a CPU, torch's o
 runs it (slowly: for tests). A model quantized again is left as it is.
 """
 
+import contextlib
 import functools
 import logging
+import threading
 from typing import Dict, Iterable, Optional, Tuple, cast
 
 import torch
@@ -32,6 +34,7 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 TINY = 1e-12  # (a row of zeros: its scale, so that nothing divides by zero)
 INV_MAX = float(torch.tensor(1.0) / FP8_MAX)  # (float32's: torch divides by a number on a GPU so)
 WIDEST = 32768  # the widest row graphwrap's kernel takes in one program (rows_to_fp8)
+_HERE = threading.local()  # exact: this thread's Fp8Linear products unrounded (exact_products)
 
 
 class Fp8Linear(nn.Module):
@@ -55,6 +58,9 @@ class Fp8Linear(nn.Module):
         self.train(linear.training)  # (an eval model's layer stays in eval: a training one runs eagerly)
 
     def forward(self, x: Tensor) -> Tensor:
+        if getattr(_HERE, "exact", False):  # (see exact_products)
+            w = (self.weight_fp8.float() * self.weight_scale.t()).to(x.dtype)
+            return nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
         rows = x.reshape(-1, self.in_features)
         q, scale = rows_to_fp8(rows)
         # (row-wise scales on a GPU: the cutlass kernel writes bfloat16 only)
@@ -67,6 +73,24 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8"
+
+
+@contextlib.contextmanager
+def exact_products():
+    """On this thread, each :class:`Fp8Linear` multiplies by its FP8 weight in the input's dtype,
+    the input not rounded to FP8. For checks that compare two ways of running one model (the
+    shared batch's check of a model, ``decoding/engine/probe.py``): each call's activations are
+    rounded to FP8 row by row, so a difference at the rounding level of either way's attention
+    moves some of them a whole FP8 step, and on random weights the logits came 7-10% of their
+    scale apart (a 1.1B and an 8B Llama shape), past the check's 5%, though the two ways attend
+    alike. The products are the same module calls either way, row by row, so what is checked
+    (positions, masks, the cache) is checked as well without the rounding."""
+    before = getattr(_HERE, "exact", False)
+    _HERE.exact = True
+    try:
+        yield
+    finally:
+        _HERE.exact = before
 
 
 def rows_to_fp8(rows: Tensor) -> Tuple[Tensor, Tensor]:

@@ -139,3 +139,51 @@ def test_a_model_quantized_behind_its_wrapper_is_served_quantized():
     assert gm.stats()["generate"] == {"graphwrap's shared decode batch": 2}
     assert before.shape == got.shape
     gm.close()
+
+
+@needs_fp8
+def test_the_batchs_check_of_a_quantized_model_runs_its_products_unrounded(monkeypatch):
+    """The shared batch's check compares its rows with the model's own cache; FP8 rounding of
+    activations would magnify attention's rounding-level differences past its tolerance (random
+    8B and 1.1B shapes were refused so), so it runs under exact_products: the FP8 weight in the
+    input's dtype, on that thread only."""
+    import threading
+
+    from graphwrap.decoding.engine import probe as probe_mod
+    from graphwrap.quantized import exact_products
+
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    q = Fp8Linear(linear)
+    x = torch.randn(5, 64)
+    with exact_products():
+        w = q.weight_fp8.float() * q.weight_scale.t()
+        torch.testing.assert_close(q(x), x @ w.t() + linear.bias.detach(), atol=1e-5, rtol=1e-5)
+        other = []
+        t = threading.Thread(target=lambda: other.append(q(x)))
+        t.start()
+        t.join()
+        assert torch.equal(other[0], _plain(q, x)), "another thread's products stay FP8's"
+    assert torch.equal(q(x), _plain(q, x))
+    seen = []
+    real = probe_mod.probe
+
+    def probe(model, *a, **k):
+        seen.append(not torch.equal(model.model.layers[0].mlp.up_proj(torch.ones(1, 64)),
+                                    _plain(model.model.layers[0].mlp.up_proj, torch.ones(1, 64))))
+        return real(model, *a, **k)
+
+    monkeypatch.setattr(probe_mod, "probe", probe)
+    model = graphwrap.quantize(_llama(), "fp8")
+    gm = GraphedModule(model)
+    gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+    assert seen == [True] and gm.stats()["generate"] == {"graphwrap's shared decode batch": 1}
+    gm.close()
+
+
+def _plain(q, x):
+    from graphwrap.quantized import rows_to_fp8
+
+    a, s = rows_to_fp8(x.reshape(-1, q.in_features))
+    out = torch._scaled_mm(a, q.weight_fp8.t(), scale_a=s, scale_b=q.weight_scale, out_dtype=x.dtype)
+    return out + q.bias if q.bias is not None else out

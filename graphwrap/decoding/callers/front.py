@@ -119,6 +119,7 @@ def _make(held: dict, module):
         return None, why
     if getattr(module.config, "is_encoder_decoder", False):
         return None, "an encoder-decoder model (the shared batch serves decoder-only models)"
+    from ...quantized import exact_products
     from ..cache.pool import rows_possible
     from ..engine.probe import probe, probe_mixed
     from ..engine.server import DecodeServer, reads_in_place
@@ -126,7 +127,8 @@ def _make(held: dict, module):
 
     device = next(module.parameters()).device
     in_place = reads_in_place(module, device)
-    with without_cudnn(device):  # (its eager forwards meet new shapes: see attention.py)
+    # (its eager forwards meet new shapes: see attention.py; FP8 layers: see exact_products)
+    with without_cudnn(device), exact_products():
         why = probe(module, device, rows_possible(cfg.get("paged"), device.type == "cuda", in_place), in_place)
         mixed_why = probe_mixed(module, device) if why is None and in_place else "the pool is not read in place"
     if why is not None:
