@@ -7,9 +7,8 @@ One model of ``--model``'s shape (random weights, fp16, seed 0) and its twin qua
   through both eager models; at each position, whether FP8's argmax is fp16's, or within 0.01
   of the fp16 logits' spread (max - min) of fp16's best; and the logits' relative error. The
   same for a bf16 copy, as the yardstick: random weights give flat logits (their top two a
-  small share of the spread apart), so a few percent of noise moves many argmaxes (and with
-  ``--scale-outputs``, the default, the output projections are scaled as GPT-2's
-  initialisation does: see :func:`scale_outputs`);
+  small share of the spread apart), so a few percent of noise moves many argmaxes, and the
+  8B shape's 32 random layers magnify noise (see :func:`scale_outputs`);
 - **batch 1**: one call of ``--prompt`` random tokens and ``--new`` new tokens at a time
   (greedy, no end-of-sequence), a first call apart, then the median of ``--repeats``, as
   milliseconds per new token;
@@ -65,10 +64,10 @@ def agreement(full, fp8, vocab: int, seqs: int, length: int, device) -> dict:
 
 def scale_outputs(model):
     """The random weights of each layer's output projections (``o_proj``, ``down_proj``) times
-    ``1/sqrt(2 x layers)``, as GPT-2's initialisation scales them. At a normal std of 0.02 the
-    Llama-3-8B shape's 32 layers amplify noise: a bf16 copy's logits differed from fp16's by 49%
-    (argmax the same at 33% of positions), so no comparison of numerics means anything there,
-    and the shared batch's check of a quantized model against its own forward fails."""
+    ``1/sqrt(2 x layers)``, as GPT-2's initialisation scales them (off by default). Tried against
+    the Llama-3-8B shape's noise at a normal std of 0.02, where a bf16 copy's logits are 49% of
+    their norm from fp16's (argmax the same at 33% of positions): with it, 44% (35%), no
+    better. The 1.1B shape is calm either way (4%, 92%)."""
     layers = model.config.num_hidden_layers
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -128,10 +127,10 @@ def main():
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)  # (the first warm runs meet captures still under way)
     ap.add_argument("--agree-seqs", type=int, default=4)
     ap.add_argument("--agree-len", type=int, default=512)
-    ap.add_argument("--scale-outputs", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--scale-outputs", action=argparse.BooleanOptionalAction, default=False,
                     help="scale the random weights of each layer's output projections by 1/sqrt(2 x layers)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
