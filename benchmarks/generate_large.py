@@ -136,7 +136,7 @@ def _alone_rate(model, reqs, device) -> float:
     """tokens/s of ``model.generate`` over the first 2 requests one after another (64 new tokens
     each), the median of 3 passes after 2 untimed ones: a 7-8B model's first calls run at a
     quarter of its pace (on an H200: 13 and 10 tokens/s, then 44 and 36;
-    ``diagnostics/generate_alone.py``)."""
+    the generate_alone.py probe, in the history)."""
     rates = []
     with torch.no_grad():
         for i in range(5):

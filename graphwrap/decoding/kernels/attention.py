@@ -202,7 +202,7 @@ class without_cudnn:
 
     Where torch prefers cuDNN's attention (Hopper and later, with a recent cuDNN), the first call
     at each new shape builds a cuDNN graph on the host: 40-45 ms on an H200 with torch 2.11
-    (``benchmarks/diagnostics/sdpa_shapes.py``). The shared batch's first burst took 9.4 s with
+    (the sdpa_shapes.py probe, in graphwrap's history). The shared batch's first burst took 9.4 s with
     it against 2.3 s without (GPT-2, a fresh process), a 7B model's first ``model.generate``
     calls ran at a third of their pace, and each piece of a long prompt (a new key length every
     time) took 87 ms of the decode thread against 32. The batch's eager forwards (pieces, shapes not
