@@ -146,7 +146,7 @@ class Scheduler:
                 looks = prefixes is not None and self.cacheable(s, pieced)
                 # Its leading full blocks found cached (never its last token: its logits are wanted)
                 most = (len(s.feed) - 1) // self.block
-                chain = prefixes.match(s.feed, most) if looks else []
+                chain = prefixes.match(s.feed, most) if looks and prefixes is not None else []
                 hashes = chain_hashes(s.feed, self.block, len(s.feed) // self.block) if prefixes is not None else []
                 if looks and len(chain) < most and hashes[len(chain)] in self.writing and not self.fits(s):
                     break  # (a sequence admitted before it writes its next block: it takes it cached, a turn on)

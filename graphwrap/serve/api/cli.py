@@ -11,6 +11,9 @@ import os
 import sys
 from typing import List, Optional
 
+from .draining import CUT_GRACE, draining_server
+from .loading import limits, over
+
 logger = logging.getLogger("graphwrap.serve")
 
 
@@ -42,6 +45,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine", default="process", choices=("process", "thread"),
                     help="process: the decode batch in a child process, the HTTP side's Python apart from it (the "
                          "faster); thread: both in one process")
+    ap.add_argument("--api-servers", type=int, default=1,
+                    help="HTTP processes over the one engine process, each taking a share of the connections on "
+                         "the same port (Linux; with --engine process): for many streams, where one process's "
+                         "event loop falls behind the batch")
     ap.add_argument("--drain", type=float, default=30.0, help="seconds running requests get to finish at shutdown")
     ap.add_argument("--api-key", default=os.environ.get("GRAPHWRAP_API_KEY"),
                     help="every request must carry 'Authorization: Bearer KEY' (401 otherwise; default: the "
@@ -67,81 +74,13 @@ def load(a: argparse.Namespace, engine: Optional[str] = None):
     """The :class:`~.app.Served` of these arguments: the model loaded, wrapped and its decode
     batch made, in this process (``engine="thread"``) or in a child (``"process"``; default:
     ``a.engine``)."""
-    from transformers import AutoTokenizer
-
-    from .app import MAX_NEW_DEFAULT, Served
-    from .tools import parser_for
-
     if (engine or getattr(a, "engine", "thread")) == "process":
         from .remote import Remote
 
-        remote = Remote(a, a.log_level)
-        tok = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
-        served = Served(remote, tok, a.served_model_name or a.model, remote.context,
-                        a.max_tokens_default or MAX_NEW_DEFAULT)
-    else:
-        from .loading import load_here
+        return over(a, Remote(a, a.log_level))
+    from .loading import load_here
 
-        served = load_here(a)
-    served.api_key = getattr(a, "api_key", None)
-    served.key_everywhere = bool(getattr(a, "api_key_everywhere", False))
-    served.max_body = int(getattr(a, "max_body_mb", 16.0) * (1 << 20))
-    served.max_prompt_chars = getattr(a, "max_prompt_chars", None)
-    served.tool_parser = parser_for(served.tokenizer, getattr(a, "tool_call_parser", "auto"))
-    return served
-
-
-CUT_GRACE = 2.0  # seconds the streams cut at the drain's end get to send their last events
-
-
-def draining_server():
-    """uvicorn's Server, draining on the first SIGTERM or Ctrl-C: new requests get 503 while those
-    running (streams included) finish, then it stops, at the latest ``drain`` seconds later. What
-    still runs then is cut (:meth:`~.app.Served.cut`): each stream gets an error event and
-    ``[DONE]`` within ``CUT_GRACE`` seconds, then the server stops. A second signal cuts them at
-    once; a third is uvicorn's own (it stops at once). (uvicorn's own graceful shutdown may cut
-    streams short without a word: some of its versions end them at the first signal.)"""
-    import time
-
-    import uvicorn
-
-    class Draining(uvicorn.Server):
-        def __init__(self, config, served, drain: float):
-            super().__init__(config)
-            self.served, self.drain = served, drain
-            self.until: Optional[float] = None
-            self.cut_at: Optional[float] = None
-            self.signals = 0
-
-        def handle_exit(self, sig, frame):
-            self.signals += 1
-            if self.signals == 1:
-                logger.info("shutting down: no new requests; those running get %.0f s to finish", self.drain)
-                self.served.draining = True
-                self.until = time.monotonic() + self.drain
-            elif self.signals == 2:
-                logger.info("a second signal: the requests still running are cut now")
-                self.until = time.monotonic()
-            else:
-                super().handle_exit(sig, frame)
-
-        async def on_tick(self, counter: int) -> bool:
-            now = time.monotonic()
-            if self.until is not None and not self.should_exit:
-                if self.served.active == 0:
-                    self.should_exit = True
-                elif now >= self.until and self.cut_at is None:
-                    cut = self.served.cut("the server is shutting down: its drain ended before this request did")
-                    logger.warning("%d requests (%d sequences) were still running at the end of the drain: cut, "
-                                   "each with an error", self.served.active, cut)
-                    self.cut_at = now
-                elif self.cut_at is not None and now > self.cut_at + CUT_GRACE:
-                    logger.warning("%d requests did not end %.0f s after their cut: closed", self.served.active,
-                                   CUT_GRACE)
-                    self.should_exit = True
-            return await super().on_tick(counter)
-
-    return Draining
+    return limits(a, load_here(a))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -153,8 +92,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("python -m graphwrap serve needs FastAPI, uvicorn and transformers: from a clone, "
               "python3 -m pip install -e '.[http]'", file=sys.stderr)
         return 2
+    from . import fronts
     from .app import make_app
 
+    why = fronts.refused(a)
+    if why is not None:
+        print(f"python -m graphwrap serve: {why}", file=sys.stderr)
+        return 2
     Draining = draining_server()
     served = load(a)
     app = make_app(served)
@@ -165,8 +109,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=1,
                             http=a.http, loop=a.loop)
-    logger.info("serving %s at http://%s:%d/v1", served.name, a.host, a.port)
-    Draining(config, served, a.drain).run()
+    sock = fronts.listening(a.host, a.port) if a.api_servers > 1 else None
+    try:
+        others = fronts.start(a, served.engine.fronts, sock.getsockname()[1]) if sock is not None else []
+    except RuntimeError as e:
+        logger.error("%s", e)
+        served.engine.close(cancel=True, timeout=a.drain)
+        return 1
+    logger.info("serving %s at http://%s:%d/v1%s", served.name, a.host, sock.getsockname()[1] if sock else a.port,
+                f" from {a.api_servers} HTTP processes" if sock else "")
+    Draining(config, served, a.drain, others).run(sockets=[sock] if sock is not None else None)
+    fronts.wait(others, a.drain + CUT_GRACE + 5)
     done = served.engine.close(cancel=True, timeout=a.drain)
     logger.info("stopped%s", "" if done else " (the decode batch was still finishing)")
     return 0

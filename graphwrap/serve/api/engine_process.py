@@ -11,7 +11,8 @@ Messages on the pipe, parent to child (one tuple each):
                                          token's log-probability and the top k)
     ("cancel", rid)                      its row freed at the next step (or never queued)
     ("stats", qid)                       the batch's stats(), answered under ``qid``
-    ("close", cancel, timeout)           close the batch, answer, and exit
+    ("close", cancel, timeout)           close the batch, answer, and exit (another HTTP
+                                         process's connection: its calls cancelled, answered)
 Child to parent: first ("ready", info) or ("failed", traceback), then lists of items, all that
 came meanwhile in one message (a decode step's tokens for every row, usually):
     ("q", rid, error)                    queued (error None) or refused (error (kind, message))
@@ -135,11 +136,16 @@ class _Tap:
 
 
 class Worker:
-    """The child's side: calls queued on ``gm``'s batch as the parent asks, their tokens and ends
-    sent back."""
+    """The child's side of one connection: calls queued on ``gm``'s batch as the other end asks,
+    their tokens and ends sent back. The parent's connection (``main``) owns the batch: its
+    ``close``, or its end, closes it. Another HTTP process's (``--api-servers``, :mod:`.fronts`)
+    only detaches: its calls are cancelled and the batch serves on."""
 
-    def __init__(self, conn, gm, gc_clock: Optional[GcClock] = None, tokenizer: Any = None):
-        self.conn, self.gm, self.gc, self.tokenizer = conn, gm, gc_clock, tokenizer
+    def __init__(self, conn, gm, gc_clock: Optional[GcClock] = None, tokenizer: Any = None, main: bool = True,
+                 peers: Optional[List["Worker"]] = None):
+        self.conn, self.gm, self.gc, self.tokenizer, self.main = conn, gm, gc_clock, tokenizer, main
+        self.peers = peers if peers is not None else [self]  # every connection's worker (stats)
+        self.submitted = 0  # requests this connection sent
         self.out = Outbox(conn)
         self.lock = threading.Lock()  # guards calls, pending and cancelled
         self.calls: Dict[int, concurrent.futures.Future] = {}
@@ -153,11 +159,16 @@ class Worker:
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError):
+                if not self.main:
+                    logger.warning("an HTTP process went away: its %d requests in flight are cancelled",
+                                   self._detach())
+                    return
                 logger.warning("the server's process went away: the engine closes its batch and exits")
                 self.gm.close(cancel=True, timeout=10)
                 return
             op = msg[0]
             if op == "submit":
+                self.submitted += 1
                 with self.lock:
                     self.pending.add(msg[1])
                 self.pool.submit(self._submit, *msg[1:])
@@ -165,6 +176,11 @@ class Worker:
                 self._cancel(msg[1])
             elif op == "stats":
                 self.out.post(("s", msg[1], self._stats()))
+            elif op == "close" and not self.main:  # (another HTTP process stops: the batch serves on)
+                self._detach()
+                self.out.post(("closed", True))
+                self.out.close()
+                return
             elif op == "close":
                 d = self._stats().get("decode") or {}
                 logger.info("closing the batch after %s steps; the decode thread's seconds by part: %s; a token's "
@@ -183,6 +199,8 @@ class Worker:
         except Exception:  # noqa: BLE001 - the metrics go without it; the engine serves on
             logger.exception("the batch's stats could not be read")
             return {}
+        if len(self.peers) > 1:
+            stats["api_servers"] = [w.submitted for w in self.peers]  # (requests each HTTP process sent)
         if self.gc is not None:
             stats["engine_gc"] = self.gc.report()
             stats["engine_frozen_objects"] = gc.get_freeze_count()
@@ -221,6 +239,17 @@ class Worker:
             r: Ended = f.result()
             self.out.post(("e", rid, r.count, r.last, None))
 
+    def _detach(self) -> int:
+        """Every call of this connection cancelled (its rows freed at the batch's next step), and
+        no more queued: how many there were."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        with self.lock:
+            calls, self.calls = list(self.calls.values()), {}
+            self.cancelled |= self.pending
+        for fut in calls:
+            fut.cancel()
+        return len(calls)
+
     def _cancel(self, rid: int):
         with self.lock:
             fut = self.calls.get(rid)
@@ -254,6 +283,39 @@ def run(conn, args, log_level: str = "info"):
     gm = served.engine.gm
     freeze_startup()
     clock = GcClock()
-    conn.send(("ready", {"eos": model_eos(gm.module), "generation": _sampling(gm.module), "context": served.context,
-                         "vocab": model_vocab(gm.module)}))
-    Worker(conn, gm, clock, served.tokenizer).serve()
+    info = {"eos": model_eos(gm.module), "generation": _sampling(gm.module), "context": served.context,
+            "vocab": model_vocab(gm.module)}
+    peers: List[Worker] = []
+    main = Worker(conn, gm, clock, served.tokenizer, peers=peers)
+    peers.append(main)
+    if getattr(args, "api_servers", 1) > 1:
+        info["fronts"] = _listen(gm, clock, served.tokenizer, info, peers)
+    conn.send(("ready", info))
+    main.serve()
+
+
+def _listen(gm, clock: GcClock, tokenizer: Any, info: Dict[str, Any], peers: List[Worker]):
+    """A local socket for the other HTTP processes (``--api-servers``): ``(address, key)``. Each
+    that connects (with the key) gets ``("ready", info)`` and a worker of its own, on a thread."""
+    import os
+    from multiprocessing.connection import Listener
+
+    key = os.urandom(32)
+    listener = Listener(family="AF_UNIX", authkey=key)
+
+    def accept():
+        while True:
+            try:
+                conn = listener.accept()
+            except OSError:  # (closed)
+                return
+            except Exception:  # noqa: BLE001 - a stranger without the key: refused, the others served
+                logger.warning("a connection to the engine was refused", exc_info=True)
+                continue
+            conn.send(("ready", info))
+            worker = Worker(conn, gm, clock, tokenizer, main=False, peers=peers)
+            peers.append(worker)
+            threading.Thread(target=worker.serve, name="graphwrap-engine-front", daemon=True).start()
+
+    threading.Thread(target=accept, name="graphwrap-engine-accept", daemon=True).start()
+    return listener.address, key

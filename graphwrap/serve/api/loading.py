@@ -44,6 +44,30 @@ def load_here(a: argparse.Namespace):
     return Served(Local(gm, tok), tok, a.served_model_name or a.model, context, a.max_tokens_default or MAX_NEW_DEFAULT)
 
 
+def over(a: argparse.Namespace, remote):
+    """The :class:`~.app.Served` of these arguments over an engine process's ``remote`` (this
+    server's own, or, in another HTTP process, the one the server started)."""
+    from transformers import AutoTokenizer
+
+    from .app import MAX_NEW_DEFAULT, Served
+
+    tok = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
+    return limits(a, Served(remote, tok, a.served_model_name or a.model, remote.context,
+                            a.max_tokens_default or MAX_NEW_DEFAULT))
+
+
+def limits(a: argparse.Namespace, served):
+    """``served`` with the key, the limits and the tool-call parser these arguments ask for."""
+    from .tools import parser_for
+
+    served.api_key = getattr(a, "api_key", None)
+    served.key_everywhere = bool(getattr(a, "api_key_everywhere", False))
+    served.max_body = int(getattr(a, "max_body_mb", 16.0) * (1 << 20))
+    served.max_prompt_chars = getattr(a, "max_prompt_chars", None)
+    served.tool_parser = parser_for(served.tokenizer, getattr(a, "tool_call_parser", "auto"))
+    return served
+
+
 def _captured_ahead(gm) -> bool:
     """``gm.capture_generate()`` with a log line; False where the batch does not serve the model."""
     import time

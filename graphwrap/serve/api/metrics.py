@@ -101,6 +101,12 @@ class Metrics:
             out += gauge(name, help, value)
         for name, help, value in prefix_totals(stats):
             out += total(name, help, value)
+        servers = stats.get("api_servers")
+        if servers:  # (--api-servers: every HTTP process's share, whichever answers the scrape)
+            name = f"{PREFIX}engine_requests_total"
+            out += [f"# HELP {name} Requests the engine process took, by the HTTP process that sent them (0: the "
+                    "server's own, then the others in the order they connected).", f"# TYPE {name} counter"]
+            out += [f'{name}{{api_server="{i}"}} {n}' for i, n in enumerate(servers)]
         pauses = stats.get("engine_gc")
         if pauses:
             out += gauge("engine_gc_pause_max_seconds", "The longest pause of the engine process's garbage collector.",

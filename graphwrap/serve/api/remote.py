@@ -51,15 +51,35 @@ class Remote:
     is the child's code (:func:`.engine_process.run`, or a function of a module the child can
     import that ends in it)."""
 
+    attached = False  # (connect: another HTTP process's, over the engine's socket; it started no process)
+
     def __init__(self, args, log_level: str = "info", entry: Callable[..., None] = engine_process.run):
         ctx = multiprocessing.get_context("spawn")  # (CUDA cannot be forked; the parent never touches it)
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=entry, args=(child, args, log_level), name="graphwrap-engine")
+        self.proc: Any = ctx.Process(target=entry, args=(child, args, log_level), name="graphwrap-engine")
         self.proc.start()
         child.close()
-        ready = self._first()
+        self._attach(self._first())
+
+    @classmethod
+    def connect(cls, address: Any, key: bytes) -> "Remote":
+        """Another HTTP process's handle on the batch of an engine process that a server started
+        (``--api-servers``, :mod:`.fronts`): over the engine's local socket; its ``close()``
+        detaches (its calls cancelled), the batch serving on."""
+        from multiprocessing.connection import Client
+
+        self = cls.__new__(cls)
+        self.conn, self.proc, self.attached = Client(address, authkey=key), None, True
+        kind, what = self.conn.recv()
+        if kind != "ready":
+            raise GraphwrapError(f"the engine process refused this HTTP process:\n{what}")
+        self._attach(what)
+        return self
+
+    def _attach(self, ready: Dict[str, Any]):
         self.info = ModelInfo(ready["eos"], ready["generation"], ready.get("vocab"))
         self.context: int = ready["context"]
+        self.fronts: Optional[tuple] = ready.get("fronts")  # (address, key) for other HTTP processes
         self.send_lock = threading.Lock()  # one writer at a time on the pipe
         self.join_lock = threading.Lock()  # one thread at a time waits for the child (two would race to reap it)
         self.lock = threading.Lock()  # guards seqs, asks and dead
@@ -73,6 +93,7 @@ class Remote:
         self.thread.start()
 
     def _first(self) -> Dict[str, Any]:
+        assert self.proc is not None
         while not self.conn.poll(0.5):
             if not self.proc.is_alive():
                 raise GraphwrapError(f"the engine process exited (code {self.proc.exitcode}) before its batch was "
@@ -153,6 +174,9 @@ class Remote:
                 done = bool(self.closed.result(None if timeout is None else timeout + STATS_TIMEOUT))
             except (EngineGone, OSError, concurrent.futures.TimeoutError):
                 pass
+        if self.attached:  # (another HTTP process's: detached)
+            self.conn.close()
+            return done
         if self._join(STATS_TIMEOUT) is None:
             logger.warning("the engine process did not exit: killed")
             self.proc.kill()
@@ -161,7 +185,10 @@ class Remote:
         return done
 
     def _join(self, timeout: float) -> Optional[int]:
-        """The child's exit code once it has exited (None if it runs on after ``timeout``)."""
+        """The child's exit code once it has exited (None if it runs on after ``timeout``; 0 where
+        this process did not start it)."""
+        if self.attached or self.proc is None:
+            return 0
         with self.join_lock:
             self.proc.join(timeout)
             return self.proc.exitcode
@@ -228,7 +255,8 @@ class Remote:
             _settle(self.closed, item[1])
 
     def _died(self):
-        why = f"the engine process ended (exit code {self._join(STATS_TIMEOUT)})"
+        why = (f"the engine process ended (exit code {self._join(STATS_TIMEOUT)})" if not self.attached
+               else "the engine process's connection ended")
         with self.lock:
             self.dead = why
             seqs, self.seqs = self.seqs, {}

@@ -1,0 +1,121 @@
+"""Several HTTP processes over one engine process: ``python -m graphwrap serve --api-servers N``.
+
+Every token of every stream is an event and a socket write on an HTTP process's one event loop.
+With many streams that loop, not the batch, sets the pace (docs/serving.md has the figures). So
+the server can run N HTTP processes (Linux), each with its own event loop, all serving the one
+batch of the engine process:
+
+- **The server's own process** starts the engine process, as with one. It binds the port with
+  ``SO_REUSEPORT`` and starts N - 1 more HTTP processes (spawned: none holds CUDA), which bind
+  the same port. The kernel spreads new connections over the N sockets.
+- **Each other process** connects to the engine over a local socket, with a key made for this
+  start, and gets a worker of its own there (``engine_process._listen``). Its requests, tokens
+  and cancellations go over that connection alone.
+- **Shutdown.** A SIGTERM to the server is passed on to the others (Ctrl-C reaches every process
+  of the group). Each drains its own streams as one server would. The server waits for them,
+  then closes the batch.
+- **If one of the others ends,** the engine cancels its requests in flight, and the batch serves
+  the rest. Its socket is gone, so new connections go to the processes left.
+
+Each process answers ``/metrics`` with its own HTTP counters and the batch's figures.
+``graphwrap_requests_total`` therefore counts the requests of the process that answered the
+scrape. The batch's ``stats()`` has ``api_servers``: the requests each process sent.
+"""
+
+import argparse
+import logging
+import multiprocessing
+import socket
+import sys
+from typing import Any, List, Optional, Sequence
+
+logger = logging.getLogger("graphwrap.serve")
+START_TIMEOUT = 300.0  # seconds the other HTTP processes get to listen
+
+
+def refused(a: argparse.Namespace) -> Optional[str]:
+    """Why ``--api-servers`` cannot be as asked here (None where it can)."""
+    n = getattr(a, "api_servers", 1)
+    if n < 1:
+        return f"--api-servers must be at least 1, got {n}"
+    if n == 1:
+        return None
+    if a.engine != "process":
+        return "--api-servers above 1 needs --engine process (the HTTP processes share the engine process's batch)"
+    if not sys.platform.startswith("linux") or not hasattr(socket, "SO_REUSEPORT"):
+        return f"--api-servers above 1 needs Linux (SO_REUSEPORT spreads the connections), not {sys.platform}"
+    return None
+
+
+def listening(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` that other processes may bind too (``SO_REUSEPORT``);
+    port 0 takes a free one, which the others then bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def start(a: argparse.Namespace, engine: Any, port: int) -> List[Any]:
+    """The other ``a.api_servers - 1`` HTTP processes, started, over the engine process at
+    ``engine`` (its ``(address, key)``), on ``port``."""
+    if engine is None:
+        raise RuntimeError("the engine process opened no socket for other HTTP processes")
+    import time
+
+    ctx = multiprocessing.get_context("spawn")
+    procs, ready = [], []
+    for i in range(1, a.api_servers):
+        ready.append(ctx.Event())
+        p = ctx.Process(target=run, args=(i, a, engine[0], engine[1], port, ready[-1]), name=f"graphwrap-http-{i}")
+        p.start()
+        procs.append(p)
+    # Each listens before the server does: connections are spread over listening sockets only
+    t0 = time.monotonic()
+    for p, r in zip(procs, ready):
+        while not r.wait(0.5):
+            if not p.is_alive() or time.monotonic() - t0 > START_TIMEOUT:
+                wait(procs, 0)
+                raise RuntimeError(f"HTTP process {p.name} did not start (exit code {p.exitcode}): its log says why")
+    return procs
+
+
+def wait(procs: Sequence[Any], timeout: float):
+    """Wait up to ``timeout`` seconds in all for the other HTTP processes to end (they drain as
+    the server does); those still running then are killed."""
+    import time
+
+    end = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            logger.warning("HTTP process %s did not end in time: killed", p.name)
+            p.kill()
+            p.join(5)
+
+
+def run(index: int, a: argparse.Namespace, address: Any, key: bytes, port: int, ready: Any = None):
+    """Another HTTP process's entry: the same app, over the engine process's batch, on the
+    shared port, until a signal drains it (``ready`` set once it listens)."""
+    import uvicorn
+
+    from .app import make_app
+    from .draining import CUT_GRACE, draining_server
+    from .loading import over
+    from .remote import Remote
+
+    logging.basicConfig(level=a.log_level.upper(),
+                        format=f"%(asctime)s %(name)s[http {index}] %(levelname)s %(message)s")
+    served = over(a, Remote.connect(address, key))
+    config = uvicorn.Config(make_app(served), log_level=a.log_level, timeout_graceful_shutdown=1, http=a.http,
+                            loop=a.loop)
+    sock = listening(a.host, port)
+    sock.listen(config.backlog)
+    if ready is not None:
+        ready.set()
+    draining_server()(config, served, a.drain).run(sockets=[sock])
+    served.engine.close(cancel=True, timeout=CUT_GRACE)

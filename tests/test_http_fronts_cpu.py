@@ -1,0 +1,170 @@
+"""Several HTTP processes over one engine process (``serve --api-servers N``), on a CPU: the
+engine's side of more connections than its parent's (each a worker; one that closes or goes away
+detaches, its calls cancelled, and the batch serves on); ``--api-servers`` refused where it
+cannot run; and the command itself: two HTTP processes on one port, every answer greedy
+generate's, both serving, and one SIGTERM ending all three processes."""
+
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Client
+
+import pytest
+import torch
+
+tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+pytest.importorskip("uvicorn", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+
+import tiny_lm  # noqa: E402
+from helpers import free_port  # noqa: E402
+
+from graphwrap.serve.api import cli, engine_process, fronts  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEP = 0.01  # seconds each forward of the engine's model sleeps (so that a request is still running when its connection goes)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_lm.make(str(tmp_path_factory.mktemp("tiny_lm")))
+
+
+def _items(conn, want, seconds=60.0):
+    """What the engine sent on ``conn`` until ``want(items so far)`` holds."""
+    got = []
+    deadline = time.monotonic() + seconds
+    while not want(got):
+        assert conn.poll(max(0.0, deadline - time.monotonic())), f"timed out; got {got}"
+        got += conn.recv()
+    return got
+
+
+def _ends(got):
+    return {i[1]: i for i in got if i[0] == "e"}
+
+
+def test_other_connections_to_the_engine_are_served_and_detach_without_closing_the_batch(model_dir):
+    from graphwrap import GraphedModule
+
+    model = tr.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    hook = model.register_forward_pre_hook(lambda m, a: time.sleep(STEP))
+    gm = GraphedModule(model, decode={"rows": 4})
+    info = {"eos": [], "generation": None, "context": 128, "vocab": 100}
+    peers = []
+    address, key = engine_process._listen(gm, engine_process.GcClock(), None, info, peers)
+    kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        want = model.generate(torch.tensor([[5, 6, 7]]), **kw)[0, 3:].tolist()
+    try:
+        with pytest.raises(Exception):  # (a stranger without the key)
+            Client(address, authkey=b"wrong").recv()
+        a, b = Client(address, authkey=key), Client(address, authkey=key)
+        assert a.recv() == ("ready", info) and b.recv() == ("ready", info)
+        a.send(("submit", 1, [5, 6, 7], kw, None))
+        b.send(("submit", 1, [5, 6, 7], kw, None))  # (the same id on another connection: its own)
+        for conn in (a, b):
+            got = _items(conn, lambda g: 1 in _ends(g))
+            tokens = [t for i in got if i[0] == "T" for r, t in zip(i[1], i[2]) if r == 1]
+            assert tokens == want and _ends(got)[1][2:] == (6, want[-1], None)
+        b.send(("submit", 2, [5, 6, 7], dict(kw, max_new_tokens=100), None))  # (0.5 s or more)
+        _items(b, lambda g: any(i[0] == "q" and i[1] == 2 for i in g))
+        b.close()  # (an HTTP process gone: its request is cancelled, the batch serves on)
+        deadline = time.monotonic() + 30
+        while gm.stats()["decode"]["rows_busy"]:
+            assert time.monotonic() < deadline, "the gone connection's row was never freed"
+            time.sleep(0.05)
+        a.send(("stats", 7))
+        (stats,) = [i for i in _items(a, lambda g: any(i[0] == "s" for i in g)) if i[0] == "s"]
+        assert stats[2]["api_servers"] == [1, 2] and stats[2]["decode"]["cancelled"] >= 1
+        a.send(("close", True, 10))  # (another HTTP process's close: it detaches)
+        assert ("closed", True) in _items(a, lambda g: ("closed", True) in g)
+        assert not gm.__dict__["_gw_decode"].closed, "the batch is the server's to close"
+        c = Client(address, authkey=key)
+        assert c.recv()[0] == "ready"
+        c.send(("submit", 3, [5, 6, 7], kw, None))
+        assert _ends(_items(c, lambda g: 3 in _ends(g)))[3][2] == 6
+        c.close()
+    finally:
+        gm.close(cancel=True, timeout=30)
+        hook.remove()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--api-servers", "0"], "at least 1"),
+    (["--api-servers", "2", "--engine", "thread"], "--engine process"),
+])
+def test_api_servers_is_refused_where_it_cannot_run(model_dir, argv, words, capsys):
+    assert cli.main([model_dir] + argv) == 2
+    assert words in capsys.readouterr().err
+    assert fronts.refused(cli.parser().parse_args([model_dir])) is None
+
+
+def _get(port, path):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", path)
+    r = c.getresponse()
+    return r.status, r.read().decode()
+
+
+def _complete(port, prompt):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)  # (a connection each: spread by the kernel)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    return r.status, json.loads(r.read())
+
+
+@pytest.mark.skipif(fronts.refused(cli.parser().parse_args([".", "--api-servers", "2"])) is not None,
+                    reason="--api-servers above 1 needs Linux")
+def test_two_http_processes_share_one_port_and_one_batch_and_stop_at_one_sigterm(model_dir):
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "graphwrap", "serve", model_dir, "--served-model-name", "tiny",
+                             "--port", str(port), "--api-servers", "2", "--rows", "8", "--capture", "lazy",
+                             "--log-level", "warning"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    out = []
+    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, b"".join(out).decode()[-3000:]
+            try:
+                if _get(port, "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        tok = tr.AutoTokenizer.from_pretrained(model_dir)
+        model = tr.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        prompts = [" ".join(["the", "quick", "brown", "dog", "jumps"][: 1 + i % 5]) + f" {i}" for i in range(24)]
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            got = list(pool.map(lambda p: _complete(port, p), prompts))
+        for p, (status, body) in zip(prompts, got):
+            ids = tok(p)["input_ids"]
+            with torch.no_grad():
+                want = model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                      pad_token_id=tok.eos_token_id)
+            assert status == 200 and body["choices"][0]["text"] == tok.decode(want[0, len(ids):]), body
+        metrics = _get(port, "/metrics")[1]
+        shares = [float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith("graphwrap_engine_requests_total{")]
+        assert len(shares) == 2 and sum(shares) == len(prompts) and min(shares) > 0, shares
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    log = b"".join(out).decode()
+    assert code == 0, log[-3000:]
+    with pytest.raises(OSError):
+        _get(port, "/health")
