@@ -15,6 +15,10 @@ The model is made here with random weights (fp16 on a GPU) and saved with a word
 tokenizer over its whole vocabulary ("w0".."wN"), so any token id decodes and a prompt of k
 words is k tokens. Needs the ``openai`` package, FastAPI and uvicorn.
 
+The graphwrap servers: ``graphwrap`` (the defaults), ``graphwrap-thread`` (``--engine thread``),
+``graphwrap-h11`` (uvicorn's h11 parser and asyncio loop), ``graphwrap-2http`` and
+``graphwrap-4http`` (``--api-servers 2`` and ``4``: HTTP processes over one engine process).
+
 ``--client raw`` streams over bare sockets instead of the ``openai`` client, and ``--client-gc
 off`` keeps the client processes' collector off during bursts: both tell the clients' own
 pauses and costs from the server's.
@@ -52,6 +56,10 @@ SERVERS = {
                                          "--served-model-name", d, "--engine", "thread"],
     "graphwrap-h11": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
                                       "--served-model-name", d, "--http", "h11", "--loop", "asyncio"],
+    "graphwrap-2http": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
+                                        "--served-model-name", d, "--api-servers", "2"],
+    "graphwrap-4http": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
+                                        "--served-model-name", d, "--api-servers", "4"],
     "transformers-graphs": lambda d, port: ["transformers", "serve", d, "--continuous-batching",
                                             "--cb-use-cuda-graph", "--port", str(port), "--host", "127.0.0.1"],
     "transformers": lambda d, port: ["transformers", "serve", d, "--continuous-batching", "--no-cb-use-cuda-graph",
