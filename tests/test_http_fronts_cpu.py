@@ -121,10 +121,9 @@ def _complete(port, prompt):
     return r.status, json.loads(r.read())
 
 
-@pytest.mark.skipif(fronts.refused(cli.parser().parse_args([".", "--api-servers", "2"])) is not None,
-                    reason="--api-servers above 1 needs Linux")
-def test_two_http_processes_share_one_port_and_one_batch_and_stop_at_one_sigterm(model_dir):
-    port = free_port()
+def _serve(model_dir, port):
+    """``python -m graphwrap serve --api-servers 2`` started, and its output as it comes, once
+    ``/health`` answers 200."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-m", "graphwrap", "serve", model_dir, "--served-model-name", "tiny",
                              "--port", str(port), "--api-servers", "2", "--rows", "8", "--capture", "lazy",
@@ -132,16 +131,36 @@ def test_two_http_processes_share_one_port_and_one_batch_and_stop_at_one_sigterm
                             stderr=subprocess.STDOUT)
     out = []
     threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(b"".join(out).decode()[-3000:])
+        try:
+            if _get(port, "/health")[0] == 200:
+                return proc, out
+        except OSError:
+            pass
+        time.sleep(0.2)
+
+
+def _ended(pid):
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, b"".join(out).decode()[-3000:]
-            try:
-                if _get(port, "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.2)
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+needs_linux = pytest.mark.skipif(fronts.refused(cli.parser().parse_args([".", "--api-servers", "2"])) is not None,
+                                 reason="--api-servers above 1 needs Linux")
+
+
+@needs_linux
+def test_two_http_processes_share_one_port_and_one_batch_and_stop_at_one_sigterm(model_dir):
+    port = free_port()
+    proc, out = _serve(model_dir, port)
+    try:
         tok = tr.AutoTokenizer.from_pretrained(model_dir)
         model = tr.AutoModelForCausalLM.from_pretrained(model_dir).eval()
         prompts = [" ".join(["the", "quick", "brown", "dog", "jumps"][: 1 + i % 5]) + f" {i}" for i in range(24)]
@@ -166,5 +185,23 @@ def test_two_http_processes_share_one_port_and_one_batch_and_stop_at_one_sigterm
             raise
     log = b"".join(out).decode()
     assert code == 0, log[-3000:]
+    with pytest.raises(OSError):
+        _get(port, "/health")
+
+
+@needs_linux
+def test_the_server_killed_leaves_no_process_holding_the_port(model_dir):
+    """SIGKILL to the server's process: the engine process closes its batch and exits, and the
+    other HTTP process drains and exits (it must not keep answering on the port)."""
+    port = free_port()
+    proc, out = _serve(model_dir, port)
+    children = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+    assert len(children) >= 2, children  # (the engine process and the other HTTP process)
+    proc.kill()
+    proc.wait(10)
+    deadline = time.monotonic() + 60
+    while not all(_ended(c) for c in children):
+        assert time.monotonic() < deadline, [c for c in children if not _ended(c)]
+        time.sleep(0.2)
     with pytest.raises(OSError):
         _get(port, "/health")

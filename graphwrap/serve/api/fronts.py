@@ -15,7 +15,9 @@ batch of the engine process:
   of the group). Each drains its own streams as one server would. The server waits for them,
   then closes the batch.
 - **If one of the others ends,** the engine cancels its requests in flight, and the batch serves
-  the rest. Its socket is gone, so new connections go to the processes left.
+  the rest. Its socket is gone, so new connections go to the processes left. **If the server's
+  own process ends** (even killed), the engine process closes its batch and the others drain and
+  exit, so that none holds the port.
 
 Each process answers ``/metrics`` with its own HTTP counters and the batch's figures.
 ``graphwrap_requests_total`` therefore counts the requests of the process that answered the
@@ -115,7 +117,27 @@ def run(index: int, a: argparse.Namespace, address: Any, key: bytes, port: int, 
                             loop=a.loop)
     sock = listening(a.host, port)
     sock.listen(config.backlog)
+    _follow_parent()
     if ready is not None:
         ready.set()
     draining_server()(config, served, a.drain).run(sockets=[sock])
     served.engine.close(cancel=True, timeout=CUT_GRACE)
+
+
+def _follow_parent():
+    """A thread that drains this process (a SIGTERM to itself) once the server's process has
+    ended, however it ended: the others must not hold the port after it."""
+    import os
+    import signal
+    import threading
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch():
+        parent.join()
+        logger.warning("the server's process ended: this HTTP process stops")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="graphwrap-follow-parent", daemon=True).start()
