@@ -1,10 +1,12 @@
-"""Scenario "quantized": FP8 weights (``graphwrap.quantize``) beside fp16, in one process.
+"""Scenario "quantized": quantized weights (``graphwrap.quantize``) beside fp16, in one process.
 
-One model of ``--model``'s shape (random weights, fp16, seed 0) and its twin quantized to FP8
-(a deep copy, then ``graphwrap.quantize(..., "fp8")``), each through its own GraphedModule:
+One model of ``--model``'s shape (random weights, fp16, seed 0) and a twin of it for each of
+``--kinds`` (a deep copy, then ``graphwrap.quantize(..., kind)``: ``fp8``, ``int8`` weight-only,
+``int4`` weight-only from a bfloat16 copy; the last two need torchao), each through its own
+GraphedModule:
 
 - **agreement**, teacher-forced: ``--agree-seqs`` random sequences of ``--agree-len`` tokens
-  through both eager models; at each position, whether FP8's argmax is fp16's, or within 0.01
+  through both eager models; at each position, whether the twin's argmax is fp16's, or within 0.01
   of the fp16 logits' spread (max - min) of fp16's best; and the logits' relative error. The
   same for a bf16 copy, as the yardstick: random weights give flat logits (their top two a
   small share of the spread apart), so a few percent of noise moves many argmaxes, and the
@@ -15,7 +17,7 @@ One model of ``--model``'s shape (random weights, fp16, seed 0) and its twin qua
 - **at once**: ``--concurrency`` such calls submitted together, output tokens/s, a first burst
   apart, then the median of ``--repeats``.
 
-The ratios are FP8's against fp16's, measured side by side. ``python3 benchmarks/quantized.py
+The ratios are each kind's against fp16's, measured side by side. ``python3 benchmarks/quantized.py
 [--model llama3-8b]`` on a GPU of compute capability 8.9 or later; ``--model tiny`` runs on a
 CPU (torch's own FP8 product: a smoke run, its times say nothing).
 """
@@ -39,8 +41,8 @@ import graphwrap  # noqa: E402
 from graphwrap import GraphedModule  # noqa: E402
 
 
-def agreement(full, fp8, vocab: int, seqs: int, length: int, device) -> dict:
-    """Teacher-forced: the share of positions where FP8's argmax is fp16's, exactly or within
+def agreement(full, twin, vocab: int, seqs: int, length: int, device) -> dict:
+    """Teacher-forced: the share of positions where the twin's argmax is fp16's, exactly or within
     0.01 of the fp16 logits' spread."""
     g = torch.Generator().manual_seed(5)
     same = near = total = 0
@@ -48,7 +50,7 @@ def agreement(full, fp8, vocab: int, seqs: int, length: int, device) -> dict:
     with torch.no_grad():
         for _ in range(seqs):
             ids = torch.randint(3, vocab, (1, length), generator=g).to(device)
-            a, b = full(ids).logits[0].float(), fp8(ids).logits[0].float()
+            a, b = full(ids).logits[0].float(), twin(ids).logits[0].float()
             best, got = a.argmax(-1), b.argmax(-1)
             spread = a.max(-1).values - a.min(-1).values
             gap = a.max(-1).values - a.gather(-1, got[:, None])[:, 0]
@@ -132,35 +134,46 @@ def main():
     ap.add_argument("--agree-len", type=int, default=512)
     ap.add_argument("--scale-outputs", action=argparse.BooleanOptionalAction, default=False,
                     help="scale the random weights of each layer's output projections by 1/sqrt(2 x layers)")
+    ap.add_argument("--kinds", default="fp8", help="what graphwrap.quantize makes, each beside fp16: fp8, int8, int4")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     full = model_of(a.model, device)
     if a.scale_outputs:
         scale_outputs(full)
-    fp8 = graphwrap.quantize(copy.deepcopy(full), "fp8")
     head = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "date": str(datetime.date.today()), "args": vars(a)}
     print(head, flush=True)
-    agree = {"fp8": agreement(full, fp8, full.config.vocab_size, a.agree_seqs, a.agree_len, device)}
-    half = copy.deepcopy(full).to(torch.bfloat16)
-    agree["bf16"] = agreement(full, half, full.config.vocab_size, a.agree_seqs, a.agree_len, device)
-    del half
-    for name, got in agree.items():
-        print(f"teacher-forced over {got['positions']} positions: {name}'s argmax is fp16's at "
-              f"{100 * got['argmax_same']:.1f}%, within 0.01 of the logits' spread at "
-              f"{100 * got['within_0.01_spread']:.1f}%; logits' relative error {got['logits_relative_error']:.4f} "
-              f"(fp16's top two {100 * got['top_two_gap_of_spread']:.2f}% of the spread apart)", flush=True)
-    rows = [one(full, "fp16", a, device), one(fp8, "fp8", a, device)]
-    ratio = {}
-    if not any("off" in r for r in rows):
-        ratio = {"batch1_speedup": rows[0]["batch1_ms_per_token"] / rows[1]["batch1_ms_per_token"],
-                 "at_once_speedup": rows[1]["at_once_tokens_s"] / rows[0]["at_once_tokens_s"]}
-        print(f"FP8 against fp16: batch 1 {ratio['batch1_speedup']:.2f}x per token, {a.concurrency} at once "
-              f"{ratio['at_once_speedup']:.2f}x tokens/s", flush=True)
+    agree = {"bf16": _agree(full, "bf16", copy.deepcopy(full).to(torch.bfloat16), a, device)}
+    rows, ratio = [one(full, "fp16", a, device)], {}
+    for kind in a.kinds.split(","):
+        twin = twin_of(full, kind)
+        agree[kind] = _agree(full, kind, twin, a, device)
+        rows.append(one(twin, kind, a, device))
+        del twin
+        if "off" not in rows[0] and "off" not in rows[-1]:
+            ratio[kind] = {"batch1_speedup": rows[0]["batch1_ms_per_token"] / rows[-1]["batch1_ms_per_token"],
+                           "at_once_speedup": rows[-1]["at_once_tokens_s"] / rows[0]["at_once_tokens_s"]}
+            print(f"{kind} against fp16: batch 1 {ratio[kind]['batch1_speedup']:.2f}x per token, {a.concurrency} "
+                  f"at once {ratio[kind]['at_once_speedup']:.2f}x tokens/s", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({**head, "agreement": agree, "settings": rows, "ratios": ratio}, f, indent=1)
+
+
+def twin_of(full, kind: str):
+    """A copy of ``full`` in ``kind`` (int4: from a bfloat16 copy, the dtype torch's int4 kernel takes)."""
+    twin = copy.deepcopy(full)
+    return graphwrap.quantize(twin.to(torch.bfloat16) if kind == "int4" else twin, kind)
+
+
+def _agree(full, name: str, other, a, device) -> dict:
+    got = agreement(full, other, full.config.vocab_size, a.agree_seqs, a.agree_len, device)
+    print(f"teacher-forced over {got['positions']} positions: {name}'s argmax is fp16's at "
+          f"{100 * got['argmax_same']:.1f}%, within 0.01 of the logits' spread at "
+          f"{100 * got['within_0.01_spread']:.1f}%; logits' relative error {got['logits_relative_error']:.4f} "
+          f"(fp16's top two {100 * got['top_two_gap_of_spread']:.2f}% of the spread apart)", flush=True)
+    return got
 
 
 if __name__ == "__main__":

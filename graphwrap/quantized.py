@@ -28,7 +28,7 @@ from .errors import GraphwrapError
 
 logger = logging.getLogger("graphwrap")
 
-KINDS = ("fp8",)
+KINDS = ("fp8", "int8", "int4")  # (int8 and int4: weight-only, through torchao: weight_only.py)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 TINY = 1e-12  # (a row of zeros: its scale, so that nothing divides by zero)
@@ -172,11 +172,16 @@ def fp8_supported(device: torch.device) -> Optional[str]:
 
 
 def quantize(model: nn.Module, kind: str = "fp8", skip: Iterable[str] = ("lm_head",)) -> nn.Module:
-    """``model`` with its linear layers (``nn.Linear``, ``Conv1D``) in ``kind`` (``"fp8"``), in place, returned; the
-    modules named (last part of the name) in ``skip`` and layers of sizes not multiples of 16
-    are left as they are. The log says how many were quantized and how many left."""
+    """``model`` with its linear layers (``nn.Linear``, ``Conv1D``) in ``kind``, in place, returned:
+    ``"fp8"`` (here), or ``"int8"`` and ``"int4"`` weight-only (``nn.Linear``, through torchao:
+    :mod:`.weight_only`). The modules named (last part of the name) in ``skip`` are left as they
+    are, and in FP8 layers of sizes not multiples of 16. The log says how many were quantized."""
     if kind not in KINDS:
         raise GraphwrapError(f"quantize: kind must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
+    if kind != "fp8":
+        from . import weight_only
+
+        return weight_only.quantize(model, kind, skip)
     skip = set(skip)
     counts: Dict[str, int] = {"quantized": 0, "skipped": 0, "sizes": 0}
     targets = []

@@ -187,3 +187,60 @@ def _plain(q, x):
     a, s = rows_to_fp8(x.reshape(-1, q.in_features))
     out = torch._scaled_mm(a, q.weight_fp8.t(), scale_a=s, scale_b=q.weight_scale, out_dtype=x.dtype)
     return out + q.bias if q.bias is not None else out
+
+
+# ------------------------------------------------------------------ int8 and int4 weight-only (torchao)
+
+def _torchao():
+    return pytest.importorskip("torchao", reason="needs torchao (the quant extra): pip install 'graphwrap[quant]'")
+
+
+def test_int8_weight_only_layers_give_the_shared_batch_the_quantized_models_own_tokens():
+    _torchao()
+    model = graphwrap.quantize(_llama(), "int8")
+    q = model.model.layers[0].self_attn.q_proj
+    assert type(q) is nn.Linear and type(q.weight).__name__ != "Parameter", "torchao's weight, in its layer"
+    assert type(model.lm_head.weight) is nn.Parameter, "the head stays in its dtype"
+    gm = GraphedModule(model)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 101, (1, n), generator=g) for n in (4, 11, 23)]
+    futs = [gm.submit_generate(p, max_new_tokens=10, do_sample=False) for p in prompts]
+    for p, f in zip(prompts, futs):
+        with torch.no_grad():
+            want = model.generate(input_ids=p, max_new_tokens=10, do_sample=False)
+        assert torch.equal(f.result(timeout=120), want)
+    assert gm.stats()["generate"] == {"graphwrap's shared decode batch": 3}
+    x = torch.randint(2, 101, (2, 9), generator=g)
+    with torch.no_grad():
+        assert torch.equal(gm(x).logits, model(x).logits)
+    gm.close()
+
+
+def test_a_model_quantized_by_torchao_itself_wraps_and_decodes_in_the_shared_batch():
+    _torchao()
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    model = _llama()
+    quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False))  # (torchao's default sets Inductor's options)
+    gm = GraphedModule(model)
+    prompt = torch.randint(2, 101, (1, 13), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model.generate(input_ids=prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(gm.generate(prompt, max_new_tokens=12, do_sample=False), want)
+    assert gm.stats()["generate"] == {"graphwrap's shared decode batch": 1}
+    gm.close()
+
+
+def test_int4_and_a_missing_torchao_are_refused_with_the_reason(monkeypatch):
+    from graphwrap import weight_only
+
+    model = _llama()
+    if weight_only.refused(model, "int8") is None:  # (torchao here: int4 needs a CUDA GPU)
+        with pytest.raises(GraphwrapError, match="CUDA GPU"):
+            graphwrap.quantize(model, "int4")
+    monkeypatch.setitem(__import__("sys").modules, "torchao", None)  # (an import of it now fails)
+    with pytest.raises(GraphwrapError, match=r"torchao: pip install 'graphwrap\[quant\]'"):
+        graphwrap.quantize(model, "int8")
+    assert all(type(m) is not Fp8Linear for m in model.modules()) and type(model.lm_head.weight) is nn.Parameter
+    with pytest.raises(GraphwrapError, match="kind must be one of 'fp8', 'int8', 'int4'"):
+        graphwrap.quantize(model, "int2")

@@ -1,4 +1,5 @@
-"""``graphwrap.quantize(model, "fp8")`` on a GPU of compute capability 8.9 or later: the FP8
+"""``graphwrap.quantize(model, "fp8")`` on a GPU of compute capability 8.9 or later (and "int8" and
+"int4" weight-only, through torchao, where it is installed): the FP8
 product (cutlass's row-wise kernel, its output in bfloat16) against the same arithmetic written
 out; graphwrap's kernel that scales rows to E4M3 against the torch steps it replaces, bit for bit; a GraphedModule over a quantized MLP replays a graph and gives eager's output; the shared
 decode batch over a quantized model gives that model's own greedy tokens (fp32 around the
@@ -71,6 +72,37 @@ def test_the_shared_batch_over_a_quantized_model_gives_its_own_greedy_tokens_on_
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 101, (1, n), generator=g).to(DEV) for n in (5, 17, 40, 9)]
     for _ in range(2):  # (the second round replays what the first captured)
+        futs = [gm.submit_generate(p, max_new_tokens=16, do_sample=False) for p in prompts]
+        for p, f in zip(prompts, futs):
+            with torch.no_grad():
+                want = model.generate(input_ids=p, max_new_tokens=16, do_sample=False)
+            assert torch.equal(f.result(timeout=300), want)
+    d = gm.stats()["decode"]
+    assert d["steps"] > 0 and any(k["status"] == "graphed" for k in d["step"]["keys"]), d["step"]["keys"]
+    gm.close()
+
+
+# ------------------------------------------------------------------ int8 and int4 weight-only (torchao)
+
+@pytest.mark.parametrize("kind, dtype", [("int8", torch.float32), ("int4", torch.bfloat16)])
+def test_weight_only_layers_replay_in_graphs_and_the_shared_batch_gives_the_models_own_tokens(kind, dtype):
+    pytest.importorskip("torchao", reason="needs torchao (the quant extra): pip install 'graphwrap[quant]'")
+    torch.manual_seed(0)
+    mlp = graphwrap.quantize(nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).to(DEV, dtype).eval(),
+                             kind)
+    gm = GraphedModule(mlp)
+    for n in (3, 17, 3):
+        x = torch.randn(n, 256, device=DEV, dtype=dtype)
+        with torch.no_grad():
+            assert torch.equal(gm(x), mlp(x))
+    s = gm.stats()
+    assert s["eager_calls"] == {} and sum(b["replays"] for b in s["keys"][0]["buckets"].values()) >= 2, s
+    gm.close()
+    model = graphwrap.quantize(_llama().to(DEV, dtype), kind)
+    gm = GraphedModule(model)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 101, (1, n), generator=g).to(DEV) for n in (5, 17, 40, 9)]
+    for _ in range(2):
         futs = [gm.submit_generate(p, max_new_tokens=16, do_sample=False) for p in prompts]
         for p, f in zip(prompts, futs):
             with torch.no_grad():

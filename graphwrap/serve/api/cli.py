@@ -34,8 +34,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="keep the KV cache's full blocks by their content and reuse them for prompts that start "
                          "alike (on by default; docs/serving.md)")
-    ap.add_argument("--quantization", default=None, choices=("fp8",),
-                    help="the model's linear layers in FP8 (graphwrap.quantize; compute capability 8.9 or later)")
+    ap.add_argument("--quantization", default=None, choices=("fp8", "int8", "int4"),
+                    help="the model's linear layers in FP8 (compute capability 8.9 or later), or int8 or int4 "
+                         "weight-only (torchao; int4 on a GPU with --dtype bfloat16): graphwrap.quantize")
     ap.add_argument("--max-tokens-default", type=int, default=None,
                     help="new tokens of a chat request without max_tokens: the context left, at most this (default 2048)")
     ap.add_argument("--capture", default="ahead", choices=("ahead", "lazy"),
