@@ -342,7 +342,7 @@ def test_a_prompt_shorter_than_a_block_and_one_prompt_64_times_at_once():
         assert all(torch.equal(g, want) for g in got)
     d = gm.stats()["decode"]
     assert d["prefix_cache"]["prefix_cache_hits"] >= 32 and d["cache_blocks"]["used"] == 0
-    assert d["rows_per_prefill"] > 8, "the burst's prompts prefilled together, not one a turn"
+    assert d["prefill_pieces"] < 64, "the second burst prefilled together, not each prompt found cached, a piece a turn"
     gm.close()
 
 
@@ -357,9 +357,24 @@ def test_requests_sent_at_once_share_a_prefix_being_written_as_their_lengths_sui
     monkeypatch.setattr(server_mod, "CHUNK", 64)  # (300 tokens: pieces)
     model = _model("llama", positions=512)
     gm = GraphedModule(model, decode=ON)
+    gm.generate(torch.tensor([[3, 4]]), max_new_tokens=1, do_sample=False)  # (the batch made: its check ran)
+    # The decode thread held inside a forward while the burst is queued, so that one turn admits it all
+    gate, held = threading.Event(), threading.Event()
+
+    def hold(module, args):
+        if not held.is_set():
+            held.set()
+            gate.wait(60)
+
+    hook = model.register_forward_pre_hook(hold)
+    blocker = gm.submit_generate(torch.tensor([[5, 6]]), max_new_tokens=2, do_sample=False)
+    assert held.wait(60)
     system = _prompts([system_len])[0]
     prompts = [system + q for q in _prompts([3, 5, 7, 9, 11, 13], seed=8)]
     futs = [gm.submit_generate(torch.tensor([p]), max_new_tokens=6, do_sample=False) for p in prompts]
+    gate.set()
+    blocker.result(timeout=60)
+    hook.remove()
     for p, f in zip(prompts, futs):
         assert torch.equal(f.result(timeout=120), _alone(model, p, max_new_tokens=6))
     c = gm.stats()["decode"]["prefix_cache"]

@@ -83,19 +83,28 @@ def _llama():
     return tr.AutoModelForCausalLM.from_config(cfg).eval()
 
 
+def own_tokens(model, lengths, new: int, seed: int, device="cpu", rounds: int = 1):
+    """A GraphedModule over ``model`` (returned, open) whose shared batch, given random prompts of
+    ``lengths`` at once (each round again: the second replays what the first captured), gives
+    each ``model.generate``'s greedy tokens."""
+    gm = GraphedModule(model)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, 101, (1, n), generator=g).to(device) for n in lengths]
+    for _ in range(rounds):
+        futs = [gm.submit_generate(p, max_new_tokens=new, do_sample=False) for p in prompts]
+        for p, f in zip(prompts, futs):
+            with torch.no_grad():
+                want = model.generate(input_ids=p, max_new_tokens=new, do_sample=False)
+            assert torch.equal(f.result(timeout=300), want)
+    return gm
+
+
 @needs_fp8
 def test_the_shared_batch_over_a_quantized_model_gives_its_own_greedy_tokens():
     model = graphwrap.quantize(_llama(), "fp8")
     assert isinstance(model.model.layers[0].self_attn.q_proj, Fp8Linear)
     assert isinstance(model.model.layers[0].mlp.gate_proj, Fp8Linear) and type(model.lm_head) is nn.Linear
-    gm = GraphedModule(model)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, 101, (1, n), generator=g) for n in (5, 17, 40)]
-    futs = [gm.submit_generate(p, max_new_tokens=12, do_sample=False) for p in prompts]
-    for p, f in zip(prompts, futs):
-        with torch.no_grad():
-            want = model.generate(input_ids=p, max_new_tokens=12, do_sample=False)
-        assert torch.equal(f.result(timeout=120), want)
+    gm = own_tokens(model, (5, 17, 40), new=12, seed=1)
     assert gm.stats()["generate"] == {"graphwrap's shared decode batch": 3}
     gm.close()
 
@@ -201,16 +210,9 @@ def test_int8_weight_only_layers_give_the_shared_batch_the_quantized_models_own_
     q = model.model.layers[0].self_attn.q_proj
     assert type(q) is nn.Linear and type(q.weight).__name__ != "Parameter", "torchao's weight, in its layer"
     assert type(model.lm_head.weight) is nn.Parameter, "the head stays in its dtype"
-    gm = GraphedModule(model)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(2, 101, (1, n), generator=g) for n in (4, 11, 23)]
-    futs = [gm.submit_generate(p, max_new_tokens=10, do_sample=False) for p in prompts]
-    for p, f in zip(prompts, futs):
-        with torch.no_grad():
-            want = model.generate(input_ids=p, max_new_tokens=10, do_sample=False)
-        assert torch.equal(f.result(timeout=120), want)
+    gm = own_tokens(model, (4, 11, 23), new=10, seed=4)
     assert gm.stats()["generate"] == {"graphwrap's shared decode batch": 3}
-    x = torch.randint(2, 101, (2, 9), generator=g)
+    x = torch.randint(2, 101, (2, 9), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert torch.equal(gm(x).logits, model(x).logits)
     gm.close()

@@ -8,7 +8,7 @@ products, TF32 off)."""
 import pytest
 import torch
 import torch.nn as nn
-from test_quantize_cpu import _by_hand, _llama
+from test_quantize_cpu import _by_hand, _llama, own_tokens
 
 import graphwrap
 from graphwrap import GraphedModule
@@ -68,15 +68,7 @@ def test_a_graphed_quantized_mlp_replays_and_gives_eagers_output():
 
 def test_the_shared_batch_over_a_quantized_model_gives_its_own_greedy_tokens_on_the_gpu():
     model = graphwrap.quantize(_llama().to(DEV), "fp8")
-    gm = GraphedModule(model)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, 101, (1, n), generator=g).to(DEV) for n in (5, 17, 40, 9)]
-    for _ in range(2):  # (the second round replays what the first captured)
-        futs = [gm.submit_generate(p, max_new_tokens=16, do_sample=False) for p in prompts]
-        for p, f in zip(prompts, futs):
-            with torch.no_grad():
-                want = model.generate(input_ids=p, max_new_tokens=16, do_sample=False)
-            assert torch.equal(f.result(timeout=300), want)
+    gm = own_tokens(model, (5, 17, 40, 9), new=16, seed=1, device=DEV, rounds=2)
     d = gm.stats()["decode"]
     assert d["steps"] > 0 and any(k["status"] == "graphed" for k in d["step"]["keys"]), d["step"]["keys"]
     gm.close()
@@ -99,15 +91,7 @@ def test_weight_only_layers_replay_in_graphs_and_the_shared_batch_gives_the_mode
     assert s["eager_calls"] == {} and sum(b["replays"] for b in s["keys"][0]["buckets"].values()) >= 2, s
     gm.close()
     model = graphwrap.quantize(_llama().to(DEV, dtype), kind)
-    gm = GraphedModule(model)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, 101, (1, n), generator=g).to(DEV) for n in (5, 17, 40, 9)]
-    for _ in range(2):
-        futs = [gm.submit_generate(p, max_new_tokens=16, do_sample=False) for p in prompts]
-        for p, f in zip(prompts, futs):
-            with torch.no_grad():
-                want = model.generate(input_ids=p, max_new_tokens=16, do_sample=False)
-            assert torch.equal(f.result(timeout=300), want)
+    gm = own_tokens(model, (5, 17, 40, 9), new=16, seed=1, device=DEV, rounds=2)
     d = gm.stats()["decode"]
     assert d["steps"] > 0 and any(k["status"] == "graphed" for k in d["step"]["keys"]), d["step"]["keys"]
     gm.close()
