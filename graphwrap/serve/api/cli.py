@@ -101,7 +101,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"python -m graphwrap serve: {why}", file=sys.stderr)
         return 2
     Draining = draining_server()
-    served = load(a)
+    others = fronts.Others(a) if a.api_servers > 1 else None  # (they start while the engine loads)
+    try:
+        served = load(a)
+    except BaseException:
+        if others is not None:
+            others.stop(5)
+        raise
     app = make_app(served)
     if a.engine == "thread":  # (the engine process does the same for itself)
         from .loading import freeze_startup
@@ -110,17 +116,20 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=1,
                             http=a.http, loop=a.loop)
-    sock = fronts.listening(a.host, a.port) if a.api_servers > 1 else None
-    try:
-        others = fronts.start(a, served.engine.fronts, sock.getsockname()[1]) if sock is not None else []
-    except RuntimeError as e:
-        logger.error("%s", e)
-        served.engine.close(cancel=True, timeout=a.drain)
-        return 1
-    logger.info("serving %s at http://%s:%d/v1%s", served.name, a.host, sock.getsockname()[1] if sock else a.port,
-                f" from {a.api_servers} HTTP processes" if sock else "")
-    Draining(config, served, a.drain, others).run(sockets=[sock] if sock is not None else None)
-    fronts.wait(others, a.drain + CUT_GRACE + 5)
+    if others is not None:
+        try:
+            others.serve(served.engine.fronts)
+        except RuntimeError as e:
+            logger.error("%s", e)
+            others.stop(0)
+            served.engine.close(cancel=True, timeout=a.drain)
+            return 1
+    logger.info("serving %s at http://%s:%d/v1%s", served.name, a.host, others.port if others else a.port,
+                f" from {a.api_servers} HTTP processes" if others else "")
+    Draining(config, served, a.drain, others.procs if others else ()).run(
+        sockets=[others.sock] if others is not None else None)
+    if others is not None:
+        others.stop(a.drain + CUT_GRACE + 5)
     done = served.engine.close(cancel=True, timeout=a.drain)
     logger.info("stopped%s", "" if done else " (the decode batch was still finishing)")
     return 0

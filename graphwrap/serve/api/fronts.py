@@ -5,9 +5,11 @@ With many streams that loop, not the batch, sets the pace (docs/serving.md has t
 the server can run N HTTP processes (Linux), each with its own event loop, all serving the one
 batch of the engine process:
 
-- **The server's own process** starts the engine process, as with one. It binds the port with
-  ``SO_REUSEPORT`` and starts N - 1 more HTTP processes (spawned: none holds CUDA), which bind
-  the same port. The kernel spreads new connections over the N sockets.
+- **The server's own process** binds the port with ``SO_REUSEPORT``, starts N - 1 more HTTP
+  processes (spawned: none holds CUDA), and starts the engine process, as with one. The others
+  import what they serve with and load the tokenizer meanwhile. Once the engine is ready each
+  connects to it and binds the same port, and the server listens after them. The kernel spreads
+  new connections over the N sockets.
 - **Each other process** connects to the engine over a local socket, with a key made for this
   start, and gets a worker of its own there (``engine_process._listen``). Its requests, tokens
   and cancellations go over that connection alone.
@@ -61,28 +63,53 @@ def listening(host: str, port: int) -> socket.socket:
     return sock
 
 
-def start(a: argparse.Namespace, engine: Any, port: int) -> List[Any]:
-    """The other ``a.api_servers - 1`` HTTP processes, started, over the engine process at
-    ``engine`` (its ``(address, key)``), on ``port``."""
-    if engine is None:
-        raise RuntimeError("the engine process opened no socket for other HTTP processes")
-    import time
+class Others:
+    """The other ``a.api_servers - 1`` HTTP processes of a start, and the socket they share with
+    the server. They start at once, each importing what it serves with and loading the tokenizer
+    while the engine process loads the model; :meth:`serve` then hands them the engine's socket
+    and waits until each listens."""
 
-    ctx = multiprocessing.get_context("spawn")
-    procs, ready = [], []
-    for i in range(1, a.api_servers):
-        ready.append(ctx.Event())
-        p = ctx.Process(target=run, args=(i, a, engine[0], engine[1], port, ready[-1]), name=f"graphwrap-http-{i}")
-        p.start()
-        procs.append(p)
-    # Each listens before the server does: connections are spread over listening sockets only
-    t0 = time.monotonic()
-    for p, r in zip(procs, ready):
-        while not r.wait(0.5):
-            if not p.is_alive() or time.monotonic() - t0 > START_TIMEOUT:
-                wait(procs, 0)
-                raise RuntimeError(f"HTTP process {p.name} did not start (exit code {p.exitcode}): its log says why")
-    return procs
+    def __init__(self, a: argparse.Namespace):
+        self.sock = listening(a.host, a.port)
+        self.port = self.sock.getsockname()[1]
+        ctx = multiprocessing.get_context("spawn")
+        self.procs: List[Any] = []
+        self.conns: List[Any] = []
+        self.ready: List[Any] = []
+        for i in range(1, a.api_servers):
+            ours, theirs = ctx.Pipe()
+            self.ready.append(ctx.Event())
+            p = ctx.Process(target=run, args=(i, a, theirs, self.port, self.ready[-1]), name=f"graphwrap-http-{i}")
+            p.start()
+            theirs.close()
+            self.procs.append(p)
+            self.conns.append(ours)
+
+    def serve(self, engine: Any):
+        """Hand each the engine process's ``(address, key)`` and wait until each listens (the
+        server listens after them: connections are spread over listening sockets only)."""
+        import time
+
+        if engine is None:
+            raise RuntimeError("the engine process opened no socket for other HTTP processes")
+        for conn in self.conns:
+            conn.send(engine)
+        t0 = time.monotonic()
+        for p, r in zip(self.procs, self.ready):
+            while not r.wait(0.5):
+                if not p.is_alive() or time.monotonic() - t0 > START_TIMEOUT:
+                    raise RuntimeError(f"HTTP process {p.name} did not start (exit code {p.exitcode}): its log "
+                                       "says why")
+
+    def stop(self, timeout: float):
+        """Those still waiting for the engine told to go; all waited for up to ``timeout`` seconds
+        (they drain as the server does), then killed."""
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        wait(self.procs, timeout)
 
 
 def wait(procs: Sequence[Any], timeout: float):
@@ -100,10 +127,12 @@ def wait(procs: Sequence[Any], timeout: float):
             p.join(5)
 
 
-def run(index: int, a: argparse.Namespace, address: Any, key: bytes, port: int, ready: Any = None):
-    """Another HTTP process's entry: the same app, over the engine process's batch, on the
-    shared port, until a signal drains it (``ready`` set once it listens)."""
+def run(index: int, a: argparse.Namespace, conn: Any, port: int, ready: Any = None):
+    """Another HTTP process's entry: the same app, over the engine process's batch (its socket
+    sent on ``conn`` once the engine is ready; None: stop), on the shared port, until a signal
+    drains it (``ready`` set once it listens)."""
     import uvicorn
+    from transformers import AutoTokenizer
 
     from .app import make_app
     from .draining import CUT_GRACE, draining_server
@@ -112,12 +141,19 @@ def run(index: int, a: argparse.Namespace, address: Any, key: bytes, port: int, 
 
     logging.basicConfig(level=a.log_level.upper(),
                         format=f"%(asctime)s %(name)s[http {index}] %(levelname)s %(message)s")
-    served = over(a, Remote.connect(address, key))
+    _follow_parent()
+    tok = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
+    try:
+        engine = conn.recv()
+    except (EOFError, OSError):
+        return
+    if engine is None:
+        return
+    served = over(a, Remote.connect(*engine), tok)
     config = uvicorn.Config(make_app(served), log_level=a.log_level, timeout_graceful_shutdown=1, http=a.http,
                             loop=a.loop)
     sock = listening(a.host, port)
     sock.listen(config.backlog)
-    _follow_parent()
     if ready is not None:
         ready.set()
     draining_server()(config, served, a.drain).run(sockets=[sock])

@@ -44,14 +44,15 @@ def load_here(a: argparse.Namespace):
     return Served(Local(gm, tok), tok, a.served_model_name or a.model, context, a.max_tokens_default or MAX_NEW_DEFAULT)
 
 
-def over(a: argparse.Namespace, remote):
+def over(a: argparse.Namespace, remote, tok=None):
     """The :class:`~.app.Served` of these arguments over an engine process's ``remote`` (this
-    server's own, or, in another HTTP process, the one the server started)."""
+    server's own, or, in another HTTP process, the one the server started), with ``tok`` or the
+    model's tokenizer loaded here."""
     from transformers import AutoTokenizer
 
     from .app import MAX_NEW_DEFAULT, Served
 
-    tok = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
+    tok = tok if tok is not None else AutoTokenizer.from_pretrained(a.model, local_files_only=True)
     return limits(a, Served(remote, tok, a.served_model_name or a.model, remote.context,
                             a.max_tokens_default or MAX_NEW_DEFAULT))
 
