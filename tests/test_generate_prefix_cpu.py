@@ -115,6 +115,9 @@ def test_short_feeds_take_cached_blocks_only_where_no_other_goes_in_pieces():
     sched.chunking.clear()
     (e,) = _admit(sched, [_seq(range(12))])
     assert e.cached == 8
+    sched.written([e])
+    long, f = _admit(sched, [_seq([70] * 20), _seq(range(12))])
+    assert long.cached == 0 and f.cached == 0, "a long prompt admitted before it goes in pieces: f is prefilled whole"
 
 
 def test_short_feeds_never_wait_a_turn_for_blocks_another_writes():

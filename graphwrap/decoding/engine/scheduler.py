@@ -150,7 +150,7 @@ class Scheduler:
                 hashes = chain_hashes(s.feed, self.block, len(s.feed) // self.block) if prefixes is not None else []
                 if looks and len(chain) < most and hashes[len(chain)] in self.writing and not self.fits(s):
                     break  # (a sequence admitted before it writes its next block: it takes it cached, a turn on)
-                pieced = pieced or bool(chain)
+                pieced = pieced or bool(chain) or not self.fits(s)  # (a long feed goes in pieces either way)
                 need, whole = self.needs(s) - len(chain), self.whole(s) - len(chain)
                 spare = self.rows - len(self.free)  # a block left for each running row to grow into
                 free = self.pool.available - (sum(b in prefixes.idle for b in chain) if prefixes is not None else 0)
