@@ -39,7 +39,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 
 @dataclass
@@ -229,6 +229,8 @@ def print_report(r: dict, title: str):
           f"{r['output_tokens_per_s']:.1f} output tokens/s, {r['requests_per_s']:.2f} requests/s")
     for name in ("ttft", "tpot", "itl", "e2e"):
         print(_line(name.upper(), r[f"{name}_ms"]))
+    if r.get("prefix_cache_hit_rate") is not None:
+        print(f"  prefix cache: {100 * r['prefix_cache_hit_rate']:.1f}% of the prompt tokens found cached")
     for e in r["errors"][:5]:
         print(f"  failed: {e}")
 
@@ -238,6 +240,26 @@ def served_model(url: str, api_key: Optional[str]) -> dict:
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())["data"][0]
+
+
+def prefix_counts(url: str, api_key: Optional[str]) -> Optional[Tuple[float, float]]:
+    """The prompt tokens the server's prefix cache was asked for and found, from its ``/metrics``
+    (summed over its engines), where it reports them."""
+    req = urllib.request.Request(url.rstrip("/") + "/metrics",
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            text = r.read().decode()
+    except (OSError, ValueError):
+        return None
+    got = {"graphwrap_prefix_cache_queries": 0.0, "graphwrap_prefix_cache_hits": 0.0}
+    seen = False
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in got:
+            got[name] += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return (got["graphwrap_prefix_cache_queries"], got["graphwrap_prefix_cache_hits"]) if seen else None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -324,9 +346,13 @@ def _bench(a, extra: Optional[dict] = None) -> int:
         warm = dataset("random", a.warmup, a.seed + 7, vocab, context, min(a.input_len, 32), 8)
         asyncio.run(run(a.url, model, warm, text_of, float("inf"), a.concurrency, a.seed, True, a.timeout,
                         a.api_key))
+    before = prefix_counts(a.url, a.api_key)
     outcomes, wall = asyncio.run(run(a.url, model, reqs, text_of, a.request_rate, a.concurrency, a.seed, ignore_eos,
                                      a.timeout, a.api_key))
     r = report(outcomes, wall)
+    after = prefix_counts(a.url, a.api_key)
+    if before is not None and after is not None and after[0] > before[0]:
+        r["prefix_cache_hit_rate"] = (after[1] - before[1]) / (after[0] - before[0])
     r["settings"] = {k: v for k, v in vars(a).items() if k != "api_key"}
     r["settings"].update(requests=n, model=model, date=time.strftime("%Y-%m-%d"), **(extra or {}))
     print_report(r, f"{a.url} {model}: {a.dataset}, {n} requests, rate {a.request_rate}, concurrency {a.concurrency}")

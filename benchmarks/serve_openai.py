@@ -17,7 +17,9 @@ words is k tokens. Needs the ``openai`` package, FastAPI and uvicorn.
 
 The graphwrap servers: ``graphwrap`` (the defaults), ``graphwrap-thread`` (``--engine thread``),
 ``graphwrap-h11`` (uvicorn's h11 parser and asyncio loop), ``graphwrap-2http`` and
-``graphwrap-4http`` (``--api-servers 2`` and ``4``: HTTP processes over one engine process).
+``graphwrap-4http`` (``--api-servers 2`` and ``4``: HTTP processes over one engine process),
+``graphwrap-dp2`` and ``graphwrap-dp2-load`` (``--data-parallel 2``: an engine process on each
+of two GPUs, routed by prefix or to the least loaded).
 
 ``--client raw`` streams over bare sockets instead of the ``openai`` client, and ``--client-gc
 off`` keeps the client processes' collector off during bursts: both tell the clients' own
@@ -60,6 +62,10 @@ SERVERS = {
                                         "--served-model-name", d, "--api-servers", "2"],
     "graphwrap-4http": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
                                         "--served-model-name", d, "--api-servers", "4"],
+    "graphwrap-dp2": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
+                                      "--served-model-name", d, "--data-parallel", "2"],
+    "graphwrap-dp2-load": lambda d, port: [sys.executable, "-m", "graphwrap", "serve", d, "--port", str(port),
+                                           "--served-model-name", d, "--data-parallel", "2", "--routing", "load"],
     "transformers-graphs": lambda d, port: ["transformers", "serve", d, "--continuous-batching",
                                             "--cb-use-cuda-graph", "--port", str(port), "--host", "127.0.0.1"],
     "transformers": lambda d, port: ["transformers", "serve", d, "--continuous-batching", "--no-cb-use-cuda-graph",

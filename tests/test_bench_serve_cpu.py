@@ -57,6 +57,7 @@ def test_a_run_against_the_server_counts_every_request(tmp_path):
             assert rc == 0 and r["completed"] == n and r["failed"] == 0, r["errors"]
             if ds == "random":  # the end of sequence ignored: every answer its whole length
                 assert r["output_tokens"] == n * 12
+            assert 0 <= r["prefix_cache_hit_rate"] <= 1, r  # (read from the server's /metrics around the run)
             for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
                 assert r[k]["median"] is not None and r[k]["p99"] >= r[k]["median"] > 0
     finally:

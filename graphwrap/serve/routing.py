@@ -33,7 +33,7 @@ class PrefixRouter:
         self.remembered, self.slack, self.block = remembered, slack, block
         self.routed: "collections.Counter[str]" = collections.Counter()  # "prefix" (a match chose it) or "load"
 
-    def pick(self, tokens: Sequence[int], inflight: Sequence[int], start: int = 0) -> int:
+    def pick(self, tokens: Sequence[int], inflight: Sequence[float], start: int = 0) -> int:
         """The replica for ``tokens``, given each one's calls in flight (ties to the least loaded
         go round from ``start``)."""
         n = len(self.seen)

@@ -163,6 +163,9 @@ def make_app(served: Served) -> FastAPI:
         gone = served.engine.gone()
         if gone is not None:
             return JSONResponse({"status": "failed", "reason": gone}, status_code=503)
+        failed: Dict[int, str] = getattr(served.engine, "failed", dict)()  # (--data-parallel: the engines that ended)
+        if failed:
+            return {"status": "degraded", "failed_engines": {str(i): why for i, why in failed.items()}}
         return {"status": "ok"}
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])

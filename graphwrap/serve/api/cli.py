@@ -50,6 +50,13 @@ def parser() -> argparse.ArgumentParser:
                     help="HTTP processes over the one engine process, each taking a share of the connections on "
                          "the same port (Linux; with --engine process): for many streams, where one process's "
                          "event loop falls behind the batch")
+    ap.add_argument("--data-parallel", type=int, default=1,
+                    help="engine processes, each with the model and a decode batch of its own on its own GPU (engine "
+                         "i on cuda:i; all on the CPU with --device cpu), behind the one server (with --engine "
+                         "process)")
+    ap.add_argument("--routing", default="prefix", choices=("prefix", "load"),
+                    help="with --data-parallel, which engine takes a request: prefix: the one given a prompt that "
+                         "starts alike (its prefix cache may hold it), else the least loaded; load: the least loaded")
     ap.add_argument("--drain", type=float, default=30.0, help="seconds running requests get to finish at shutdown")
     ap.add_argument("--api-key", default=os.environ.get("GRAPHWRAP_API_KEY"),
                     help="every request must carry 'Authorization: Bearer KEY' (401 otherwise; default: the "
@@ -78,6 +85,10 @@ def load(a: argparse.Namespace, engine: Optional[str] = None):
     if (engine or getattr(a, "engine", "thread")) == "process":
         from .remote import Remote
 
+        if getattr(a, "data_parallel", 1) > 1:
+            from . import routed
+
+            return over(a, routed.start(a, lambda mine: Remote(mine, a.log_level)))
         return over(a, Remote(a, a.log_level))
     from .loading import load_here
 
@@ -93,10 +104,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("python -m graphwrap serve needs FastAPI, uvicorn and transformers: from a clone, "
               "python3 -m pip install -e '.[http]'", file=sys.stderr)
         return 2
-    from . import fronts
+    from . import fronts, routed
     from .app import make_app
 
-    why = fronts.refused(a)
+    why = fronts.refused(a) or routed.refused(a)
     if why is not None:
         print(f"python -m graphwrap serve: {why}", file=sys.stderr)
         return 2
@@ -124,8 +135,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             others.stop(0)
             served.engine.close(cancel=True, timeout=a.drain)
             return 1
-    logger.info("serving %s at http://%s:%d/v1%s", served.name, a.host, others.port if others else a.port,
-                f" from {a.api_servers} HTTP processes" if others else "")
+    logger.info("serving %s at http://%s:%d/v1%s%s", served.name, a.host, others.port if others else a.port,
+                f" from {a.api_servers} HTTP processes" if others else "",
+                f" over {a.data_parallel} engine processes ({a.routing} routing)" if a.data_parallel > 1 else "")
     Draining(config, served, a.drain, others.procs if others else ()).run(
         sockets=[others.sock] if others is not None else None)
     if others is not None:

@@ -272,7 +272,9 @@ def run(conn, args, log_level: str = "info"):
     graphwrap serve``'s), tell the parent, then serve it. Signals are the parent's to act on."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s[engine] %(levelname)s %(message)s")
+    index = getattr(args, "engine_index", None)  # (--data-parallel: which engine this is)
+    name = "engine" if index is None else f"engine {index}"
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(name)s[{name}] %(levelname)s %(message)s")
     from .loading import freeze_startup, load_here
 
     try:

@@ -148,7 +148,12 @@ def run(index: int, a: argparse.Namespace, conn: Any, port: int, ready: Any = No
         return
     if engine is None:
         return
-    served = over(a, Remote.connect(*engine), tok)
+    if isinstance(engine, list):  # (--data-parallel: each engine's socket; this process routes its own requests)
+        from .routed import Routed
+
+        served = over(a, Routed([Remote.connect(*e) for e in engine], a.routing), tok)
+    else:
+        served = over(a, Remote.connect(*engine), tok)
     config = uvicorn.Config(make_app(served), log_level=a.log_level, timeout_graceful_shutdown=1, http=a.http,
                             loop=a.loop)
     sock = listening(a.host, port)

@@ -19,7 +19,7 @@ def load_here(a: argparse.Namespace):
     from .app import MAX_NEW_DEFAULT, Served
     from .engines import Local
 
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_of(a)
     dtype = getattr(torch, a.dtype) if a.dtype != "auto" else ("auto" if device.type == "cuda" else torch.float32)
     tok = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, local_files_only=True).to(device).eval()
@@ -42,6 +42,24 @@ def load_here(a: argparse.Namespace):
     if d is None or "off" in d:
         logger.warning("the shared decode batch does not serve this model: requests take turns on it, one at a time")
     return Served(Local(gm, tok), tok, a.served_model_name or a.model, context, a.max_tokens_default or MAX_NEW_DEFAULT)
+
+
+def device_of(a: argparse.Namespace):
+    """The device ``--device`` names (default: a GPU where there is one, else the CPU); with
+    ``--data-parallel``, engine ``i``'s default is ``cuda:i``. GraphwrapError for a GPU this
+    machine does not have."""
+    import torch
+
+    from ...errors import GraphwrapError
+
+    index = getattr(a, "engine_index", None)
+    cuda = torch.cuda.is_available()
+    device = torch.device(a.device or ("cpu" if not cuda else "cuda" if index is None else f"cuda:{index}"))
+    count = torch.cuda.device_count() if cuda else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        more = f" (--data-parallel gives engine {index} the GPU cuda:{index})" if index is not None else ""
+        raise GraphwrapError(f"the device {device} is not here: this machine has {count} CUDA devices{more}")
+    return device
 
 
 def over(a: argparse.Namespace, remote, tok=None):

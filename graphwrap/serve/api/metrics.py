@@ -97,31 +97,59 @@ class Metrics:
             out += m.lines()
         out += self.loop_lag.lines()
         out += gauge("requests_running", "HTTP requests being answered (streams until their end).", running)
-        for name, help, value in batch_gauges(stats):
-            out += gauge(name, help, value)
-        for name, help, value in prefix_totals(stats):
-            out += total(name, help, value)
-        servers = stats.get("api_servers")
-        if servers:  # (--api-servers: every HTTP process's share, whichever answers the scrape)
-            name = f"{PREFIX}engine_requests_total"
-            out += [f"# HELP {name} Requests the engine process took, by the HTTP process that sent them (0: the "
-                    "server's own, then the others in the order they connected).", f"# TYPE {name} counter"]
-            out += [f'{name}{{api_server="{i}"}} {n}' for i, n in enumerate(servers)]
-        pauses = stats.get("engine_gc")
-        if pauses:
-            out += gauge("engine_gc_pause_max_seconds", "The longest pause of the engine process's garbage collector.",
-                         max(g["max_ms"] for g in pauses.values()) / 1e3)
-        if stats.get("gpu_memory_allocated") is not None:
-            out += gauge("gpu_memory_allocated_bytes", "Bytes torch's allocator has handed out on the GPU.",
-                         stats["gpu_memory_allocated"])
+        engines = stats.get("engines")
+        if engines is None:
+            out += families(batch_samples(stats, ()))
+        else:  # (--data-parallel: each engine's figures labelled with its index)
+            out += families([x for i, e in enumerate(engines) for x in batch_samples(e, (("engine", str(i)),))])
+            out += families(routed_samples(stats.get("routed") or {}))
         return "\n".join(out) + "\n"
 
 
-def total(name: str, help: str, value: Optional[float]) -> List[str]:
-    """A count the batch keeps since it was made, read when scraped: a counter."""
-    if value is None:
-        return []
-    return [f"# HELP {PREFIX}{name} {help}", f"# TYPE {PREFIX}{name} counter", f"{PREFIX}{name} {_num(value)}"]
+Sample = Tuple[str, str, str, Tuple[Tuple[str, str], ...], Optional[float]]  # name, help, type, labels, value
+
+
+def families(samples: Iterable[Sample]) -> List[str]:
+    """Samples as metric families: each name's HELP and TYPE once, then its samples (those with
+    no value left out), in the order the names first came."""
+    by: Dict[str, List[Sample]] = {}
+    for x in samples:
+        if x[4] is not None:
+            by.setdefault(x[0], []).append(x)
+    out: List[str] = []
+    for name, xs in by.items():
+        out += [f"# HELP {PREFIX}{name} {xs[0][1]}", f"# TYPE {PREFIX}{name} {xs[0][2]}"]
+        out += [f"{PREFIX}{name}{_labels(labels)} {_num(v)}" for _, _, _, labels, v in xs if v is not None]
+    return out
+
+
+def batch_samples(stats: dict, labels: Tuple[Tuple[str, str], ...]) -> List[Sample]:
+    """What one engine's ``stats()`` says, as samples labelled ``labels``."""
+    out: List[Sample] = [(n, h, "gauge", labels, v) for n, h, v in batch_gauges(stats)]
+    out += [(n, h, "counter", labels, v) for n, h, v in prefix_totals(stats)]
+    servers = stats.get("api_servers")
+    if servers:  # (--api-servers: every HTTP process's share, whichever answers the scrape)
+        out += [("engine_requests_total", "Requests the engine process took, by the HTTP process that sent them (0: "
+                 "the server's own, then the others in the order they connected).", "counter",
+                 labels + (("api_server", str(i)),), n) for i, n in enumerate(servers)]
+    pauses = stats.get("engine_gc")
+    if pauses:
+        out.append(("engine_gc_pause_max_seconds", "The longest pause of the engine process's garbage collector.",
+                    "gauge", labels, max(g["max_ms"] for g in pauses.values()) / 1e3))
+    out.append(("gpu_memory_allocated_bytes", "Bytes torch's allocator has handed out on the GPU.", "gauge", labels,
+                stats.get("gpu_memory_allocated")))
+    return out
+
+
+def routed_samples(routed: dict) -> List[Sample]:
+    """How ``--data-parallel``'s sequences were routed."""
+    out: List[Sample] = [("engine_sequences_total", "Sequences sent to each engine process.", "counter",
+                          (("engine", str(i)),), n) for i, n in enumerate(routed.get("sent") or [])]
+    out += [("engine_sequences_running", "Sequences in flight on each engine process.", "gauge",
+             (("engine", str(i)),), n) for i, n in enumerate(routed.get("inflight") or [])]
+    out += [("routed_sequences_total", "Sequences routed by a prefix match (prefix) or to the least loaded engine "
+             "(load).", "counter", (("by", by),), n) for by, n in sorted((routed.get("by") or {}).items())]
+    return out
 
 
 def prefix_totals(stats: dict) -> Iterable[Tuple[str, str, Optional[float]]]:

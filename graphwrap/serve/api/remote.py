@@ -52,6 +52,7 @@ class Remote:
     import that ends in it)."""
 
     attached = False  # (connect: another HTTP process's, over the engine's socket; it started no process)
+    shared = False  # (one of several engines behind the server, --data-parallel: the others serve on if it ends)
 
     def __init__(self, args, log_level: str = "info", entry: Callable[..., None] = engine_process.run):
         ctx = multiprocessing.get_context("spawn")  # (CUDA cannot be forked; the parent never touches it)
@@ -261,7 +262,9 @@ class Remote:
             self.dead = why
             seqs, self.seqs = self.seqs, {}
             asks, self.asks = self.asks, {}
-        if not self.closing:
+        if not self.closing and self.shared:
+            logger.error("%s: its %d sequences in flight fail", why, len(seqs))
+        elif not self.closing:
             logger.error("%s: the %d sequences in flight fail, and every new request is refused (503); restart the "
                          "server", why, len(seqs))
         gone = EngineGone(why)

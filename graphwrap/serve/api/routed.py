@@ -1,0 +1,161 @@
+"""Several engine processes behind one server: ``python -m graphwrap serve --data-parallel N``.
+
+Each engine process holds the model and a shared decode batch on a device of its own (``cuda:0``
+to ``cuda:N-1``, or the CPU for all of them with ``--device cpu``), started as with one engine
+(:class:`~.remote.Remote`), all at once. :class:`Routed` stands where one engine stands, so the
+HTTP app does not know how many there are:
+
+- **Routing.** A sequence goes to the engine that was given a prompt starting alike, where its
+  prefix cache may still hold those blocks, else to the one with the fewest sequences in flight
+  (``--routing prefix``, the default: :class:`~graphwrap.serve.routing.PrefixRouter`, which
+  ``Replicas`` uses too). ``--routing load`` always takes the least loaded (what prefix routing
+  is measured against).
+- **An engine that dies** fails its own sequences in flight (``EngineGone``, as with one engine);
+  new sequences go to the engines left, and ``/health`` says which failed. Only when every engine
+  is gone is every request refused (503).
+- **Counts.** ``stats()`` has each engine's own (``engines``, in order) and how sequences were
+  routed; ``/metrics`` labels each engine's figures ``engine="i"``.
+"""
+
+import argparse
+import concurrent.futures
+import copy
+import itertools
+import logging
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from ..routing import PrefixRouter
+from .engines import EngineGone, Feed
+
+logger = logging.getLogger("graphwrap.serve")
+ROUTINGS = ("prefix", "load")
+
+
+def refused(a: argparse.Namespace) -> Optional[str]:
+    """Why ``--data-parallel`` cannot be as asked (None where it can)."""
+    n = getattr(a, "data_parallel", 1)
+    if n < 1:
+        return f"--data-parallel must be at least 1, got {n}"
+    if n == 1:
+        return None
+    if a.engine != "process":
+        return "--data-parallel above 1 needs --engine process (each engine is a process of its own)"
+    if a.device not in (None, "cuda", "cpu"):
+        return (f"--data-parallel gives engine i the GPU cuda:i: leave --device out, or set it to cuda or cpu, "
+                f"not {a.device}")
+    return None
+
+
+def engine_args(a: argparse.Namespace) -> List[argparse.Namespace]:
+    """Each engine process's arguments: engine ``i`` on ``cuda:i`` (without ``--device``, where
+    its process finds a GPU: :func:`~.loading.device_of`), or on the CPU with ``--device cpu``;
+    named ``i`` in its log."""
+    out = []
+    for i in range(a.data_parallel):
+        mine = copy.copy(a)
+        mine.device = "cpu" if a.device == "cpu" else (f"cuda:{i}" if a.device == "cuda" else None)
+        mine.engine_index = i
+        out.append(mine)
+    return out
+
+
+def start(a: argparse.Namespace, make: Callable[[argparse.Namespace], Any]) -> "Routed":
+    """``a.data_parallel`` engines made at once by ``make`` (each from :func:`engine_args`); if
+    one fails, those made are closed and its error raised."""
+    args = engine_args(a)
+    with concurrent.futures.ThreadPoolExecutor(len(args), thread_name_prefix="graphwrap-engine-start") as pool:
+        futures = [pool.submit(make, mine) for mine in args]
+        concurrent.futures.wait(futures)
+    made = [f.result() for f in futures if f.exception() is None]
+    failed = [e for e in (f.exception() for f in futures) if e is not None]
+    if failed:
+        for engine in made:
+            engine.close(cancel=True, timeout=5)
+        raise failed[0]
+    return Routed(made, getattr(a, "routing", "prefix"))
+
+
+class Routed:
+    """Engines (each a :class:`~.remote.Remote` or :class:`~.engines.Local`) behind the app, each
+    sequence queued on the one that ``routing`` picks."""
+
+    def __init__(self, engines: Sequence[Any], routing: str = "prefix"):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+        self.engines = list(engines)
+        for e in self.engines:
+            e.shared = True  # (an engine that ends says its own sequences fail, not every request)
+        self.routing = routing
+        self.router = PrefixRouter(len(self.engines))
+        self.inflight = [0] * len(self.engines)  # sequences queued on each, not ended
+        self.sent = [0] * len(self.engines)  # sequences each was given
+        self.lock = threading.Lock()  # guards the router and the counts
+        self.turn = itertools.count()
+        self.told: set = set()  # engines whose death was logged
+        self.info = self.engines[0].info
+        self.context: int = min(e.context for e in self.engines)
+        fronts = [getattr(e, "fronts", None) for e in self.engines]
+        self.fronts: Optional[List[Any]] = fronts if all(f is not None for f in fronts) else None
+
+    def gone(self) -> Optional[str]:
+        """Why no engine can serve (None while one can)."""
+        why = [e.gone() for e in self.engines]
+        return None if any(w is None for w in why) else "every engine process ended: " + "; ".join(map(str, why))
+
+    def failed(self) -> Dict[int, str]:
+        """The engines that ended, with why (``/health``)."""
+        return {i: w for i, w in enumerate(e.gone() for e in self.engines) if w is not None}
+
+    def pick(self, ids: Sequence[int]) -> int:
+        """The engine for a prompt of ``ids`` (counted in flight there). Raises EngineGone where
+        none is left."""
+        failed = self.failed()
+        with self.lock:
+            for i in failed.keys() - self.told:
+                logger.error("engine %d ended (%s): the others take its share of new requests", i, failed[i])
+                self.told.add(i)
+            live = [i for i in range(len(self.engines)) if i not in failed]
+            if not live:
+                raise EngineGone(self.gone() or "every engine process ended")
+            start = next(self.turn) % len(self.engines)
+            if self.routing == "prefix":
+                load = [float("inf") if i in failed else self.inflight[i] for i in range(len(self.engines))]
+                best = self.router.pick(ids, load, start)
+            else:
+                best = min(live, key=lambda i: (self.inflight[i], (i - start) % len(self.engines)))
+            self.inflight[best] += 1
+            self.sent[best] += 1
+            return best
+
+    def _ended(self, i: int):
+        with self.lock:
+            self.inflight[i] -= 1
+
+    async def queue(self, ids: List[int], kwargs: Dict[str, Any], seed: Optional[int],
+                    feed: Feed) -> concurrent.futures.Future:
+        """The sequence queued on the engine :meth:`pick` chooses: its future, as that engine's
+        ``queue`` answers (and raises)."""
+        i = self.pick(ids)
+        try:
+            future = await self.engines[i].queue(ids, kwargs, seed, feed)
+        except BaseException:
+            self._ended(i)
+            raise
+        future.add_done_callback(lambda _f: self._ended(i))
+        return future
+
+    def stats(self) -> dict:
+        """Each engine's ``stats()`` (``{}`` for one that ended), and the routing's counts."""
+        with self.lock:
+            routed = {"routing": self.routing, "sent": list(self.sent), "inflight": list(self.inflight),
+                      "by": dict(self.router.routed)}
+        return {"engines": [e.stats() if e.gone() is None else {} for e in self.engines], "routed": routed}
+
+    def close(self, cancel: bool = True, timeout: Optional[float] = None) -> bool:
+        """Every engine closed at once; whether each ended within ``timeout``."""
+        with concurrent.futures.ThreadPoolExecutor(len(self.engines), thread_name_prefix="graphwrap-engine-close") \
+                as pool:
+            # (every result read: ``all`` stopping at a first False would cancel the closes not yet started)
+            done = list(pool.map(lambda e: e.close(cancel=cancel, timeout=timeout), self.engines))
+        return all(done)
