@@ -149,28 +149,50 @@ def test_starting_engines_that_fail_closes_those_made_and_raises_the_error():
     assert len(r.engines) == 3
 
 
-@pytest.mark.parametrize("device, want", [("cpu", ["cpu", "cpu"]), ("cuda", ["cuda:0", "cuda:1"]), (None, [None, None])])
-def test_each_engine_gets_its_own_device(device, want):
+@pytest.mark.parametrize("device, gpus, env, want", [
+    ("cpu", 4, {}, [("cpu", None)] * 2),
+    (None, 0, {}, [("cpu", None)] * 2),  # (no GPU here: the CPU, as one engine's default is)
+    (None, 2, {}, [("cuda", "0"), ("cuda", "1")]),
+    ("cuda", 3, {"CUDA_VISIBLE_DEVICES": "5, 2,7"}, [("cuda", "5"), ("cuda", "2")]),  # (the i-th of those shown)
+], ids=["cpu", "default-without-gpus", "default-with-gpus", "gpu-some-shown"])
+def test_each_engine_sees_its_own_gpu(device, gpus, env, want):
     a = argparse.Namespace(data_parallel=2, device=device, engine="process")
-    args = routed.engine_args(a)
-    assert [m.device for m in args] == want and [m.engine_index for m in args] == [0, 1]
+    args = routed.engine_args(a, gpus, env)
+    assert [(m.device, m.cuda_visible) for m in args] == want and [m.engine_index for m in args] == [0, 1]
     assert a.device == device and not hasattr(a, "engine_index")
+
+
+@pytest.mark.parametrize("device", ["cuda", None], ids=["gpu", "default"])  # (an id "cuda" marks a GPU test)
+def test_fewer_gpus_than_engines_is_refused(device):
+    with pytest.raises(GraphwrapError, match="--data-parallel 2 puts an engine on each of 2 GPUs: this machine shows 1"):
+        routed.engine_args(argparse.Namespace(data_parallel=2, device=device, engine="process"), 1, {})
+
+
+def test_an_engine_process_sees_only_its_gpu(monkeypatch):
+    from graphwrap.serve.api import engine_process
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    engine_process.own_gpu(argparse.Namespace(cuda_visible="2"))
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2"
+    engine_process.own_gpu(argparse.Namespace(device="cpu"))  # (one engine, or the CPU: left as it is)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2"
 
 
 def test_an_engine_finds_its_device_or_says_it_is_not_here():
     if torch.cuda.is_available():
         pytest.skip("the CPU case: this machine has a GPU")
-    assert loading.device_of(argparse.Namespace(device=None, engine_index=1)).type == "cpu"
-    with pytest.raises(GraphwrapError, match=r"cuda:1 is not here: this machine has 0 CUDA devices \(--data-parallel"):
-        loading.device_of(argparse.Namespace(device="cuda:1", engine_index=1))
-    with pytest.raises(GraphwrapError, match="the device cuda is not here"):
-        loading.device_of(argparse.Namespace(device="cuda"))
+    assert loading.device_of(argparse.Namespace(device=None)).type == "cpu"
+    with pytest.raises(GraphwrapError, match=r"the device cuda is not here: this process sees 0 CUDA devices "
+                                             r"\(engine 1 of --data-parallel sees GPU 1 alone\)"):
+        loading.device_of(argparse.Namespace(device="cuda", engine_index=1, cuda_visible="1"))
+    with pytest.raises(GraphwrapError, match="the device cuda:1 is not here"):
+        loading.device_of(argparse.Namespace(device="cuda:1"))
 
 
 @pytest.mark.parametrize("argv, words", [
     (["--data-parallel", "0"], "at least 1"),
     (["--data-parallel", "2", "--engine", "thread"], "--engine process"),
-    (["--data-parallel", "2", "--device", "cuda:1"], "engine i the GPU cuda:i"),
+    (["--data-parallel", "2", "--device", "cuda:1"], "engine i the i-th GPU"),
 ])
 def test_data_parallel_is_refused_where_it_cannot_run(argv, words, capsys):
     pytest.importorskip("uvicorn", reason='needs FastAPI and uvicorn: pip install -e ".[http]"')

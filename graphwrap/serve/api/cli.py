@@ -52,8 +52,8 @@ def parser() -> argparse.ArgumentParser:
                          "event loop falls behind the batch")
     ap.add_argument("--data-parallel", type=int, default=1,
                     help="engine processes, each with the model and a decode batch of its own on its own GPU (engine "
-                         "i on cuda:i; all on the CPU with --device cpu), behind the one server (with --engine "
-                         "process)")
+                         "i sees the i-th alone; all on the CPU with --device cpu), behind the one server (with "
+                         "--engine process)")
     ap.add_argument("--routing", default="prefix", choices=("prefix", "load"),
                     help="with --data-parallel, which engine takes a request: prefix: the one given a prompt that "
                          "starts alike (its prefix cache may hold it), else the least loaded; load: the least loaded")

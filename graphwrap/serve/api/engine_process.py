@@ -28,6 +28,7 @@ came meanwhile in one message (a decode step's tokens for every row, usually):
 import concurrent.futures
 import gc
 import logging
+import os
 import signal
 import threading
 import time
@@ -267,11 +268,20 @@ def _sampling(model) -> Any:
     return types.SimpleNamespace(**{k: getattr(gen, k, None) for k in ("do_sample", "temperature", "top_p", "top_k")})
 
 
+def own_gpu(args):
+    """With ``--data-parallel``, this engine process sees only its own GPU (``CUDA_VISIBLE_DEVICES``,
+    set before CUDA starts here), as ``cuda``: every thread of it, the batch's and Triton's, then
+    works on that GPU without a device guard of its own."""
+    if getattr(args, "cuda_visible", None) is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.cuda_visible
+
+
 def run(conn, args, log_level: str = "info"):
     """The child's entry: load the model and make its batch as ``args`` say (``python -m
     graphwrap serve``'s), tell the parent, then serve it. Signals are the parent's to act on."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    own_gpu(args)
     index = getattr(args, "engine_index", None)  # (--data-parallel: which engine this is)
     name = "engine" if index is None else f"engine {index}"
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(name)s[{name}] %(levelname)s %(message)s")

@@ -45,20 +45,19 @@ def load_here(a: argparse.Namespace):
 
 
 def device_of(a: argparse.Namespace):
-    """The device ``--device`` names (default: a GPU where there is one, else the CPU); with
-    ``--data-parallel``, engine ``i``'s default is ``cuda:i``. GraphwrapError for a GPU this
-    machine does not have."""
+    """The device ``--device`` names (default: a GPU where there is one, else the CPU).
+    GraphwrapError for a GPU this process does not see."""
     import torch
 
     from ...errors import GraphwrapError
 
-    index = getattr(a, "engine_index", None)
     cuda = torch.cuda.is_available()
-    device = torch.device(a.device or ("cpu" if not cuda else "cuda" if index is None else f"cuda:{index}"))
+    device = torch.device(a.device or ("cuda" if cuda else "cpu"))
     count = torch.cuda.device_count() if cuda else 0
     if device.type == "cuda" and (device.index or 0) >= count:
-        more = f" (--data-parallel gives engine {index} the GPU cuda:{index})" if index is not None else ""
-        raise GraphwrapError(f"the device {device} is not here: this machine has {count} CUDA devices{more}")
+        visible = getattr(a, "cuda_visible", None)  # (--data-parallel: engine i sees the i-th GPU alone)
+        more = f" (engine {a.engine_index} of --data-parallel sees GPU {visible} alone)" if visible is not None else ""
+        raise GraphwrapError(f"the device {device} is not here: this process sees {count} CUDA devices{more}")
     return device
 
 

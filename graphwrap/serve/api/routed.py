@@ -1,8 +1,8 @@
 """Several engine processes behind one server: ``python -m graphwrap serve --data-parallel N``.
 
-Each engine process holds the model and a shared decode batch on a device of its own (``cuda:0``
-to ``cuda:N-1``, or the CPU for all of them with ``--device cpu``), started as with one engine
-(:class:`~.remote.Remote`), all at once. :class:`Routed` stands where one engine stands, so the
+Each engine process holds the model and a shared decode batch on a GPU of its own (engine ``i``
+sees only the ``i``-th GPU, as ``cuda``), or all on the CPU with ``--device cpu``; they start as
+one engine does (:class:`~.remote.Remote`), all at once. :class:`Routed` stands where one engine stands, so the
 HTTP app does not know how many there are:
 
 - **Routing.** A sequence goes to the engine that was given a prompt starting alike, where its
@@ -22,9 +22,11 @@ import concurrent.futures
 import copy
 import itertools
 import logging
+import os
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
+from ...errors import GraphwrapError
 from ..routing import PrefixRouter
 from .engines import EngineGone, Feed
 
@@ -42,19 +44,29 @@ def refused(a: argparse.Namespace) -> Optional[str]:
     if a.engine != "process":
         return "--data-parallel above 1 needs --engine process (each engine is a process of its own)"
     if a.device not in (None, "cuda", "cpu"):
-        return (f"--data-parallel gives engine i the GPU cuda:i: leave --device out, or set it to cuda or cpu, "
+        return (f"--data-parallel gives engine i the i-th GPU: leave --device out, or set it to cuda or cpu, "
                 f"not {a.device}")
     return None
 
 
-def engine_args(a: argparse.Namespace) -> List[argparse.Namespace]:
-    """Each engine process's arguments: engine ``i`` on ``cuda:i`` (without ``--device``, where
-    its process finds a GPU: :func:`~.loading.device_of`), or on the CPU with ``--device cpu``;
-    named ``i`` in its log."""
+def engine_args(a: argparse.Namespace, gpus: int, env: Mapping[str, str]) -> List[argparse.Namespace]:
+    """Each engine process's arguments, given the ``gpus`` this process sees and its environment:
+    where the engines run on GPUs (``--device cuda``, or no ``--device`` and a GPU here), engine
+    ``i`` sees only the ``i``-th (its ``CUDA_VISIBLE_DEVICES``, :func:`~.engine_process.run`),
+    so that every thread of its process works on that GPU as ``cuda``. GraphwrapError where there
+    are fewer GPUs than engines."""
+    n = a.data_parallel
+    on_gpus = a.device == "cuda" or (a.device is None and gpus > 0)
+    if on_gpus and gpus < n:
+        raise GraphwrapError(f"--data-parallel {n} puts an engine on each of {n} GPUs: this machine shows {gpus}"
+                             " (--device cpu runs them all on the CPU)")
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    ids = [x.strip() for x in visible.split(",") if x.strip()] if visible is not None else [str(i) for i in range(n)]
     out = []
-    for i in range(a.data_parallel):
+    for i in range(n):
         mine = copy.copy(a)
-        mine.device = "cpu" if a.device == "cpu" else (f"cuda:{i}" if a.device == "cuda" else None)
+        mine.device = "cuda" if on_gpus else "cpu"
+        mine.cuda_visible = ids[i] if on_gpus else None
         mine.engine_index = i
         out.append(mine)
     return out
@@ -63,7 +75,7 @@ def engine_args(a: argparse.Namespace) -> List[argparse.Namespace]:
 def start(a: argparse.Namespace, make: Callable[[argparse.Namespace], Any]) -> "Routed":
     """``a.data_parallel`` engines made at once by ``make`` (each from :func:`engine_args`); if
     one fails, those made are closed and its error raised."""
-    args = engine_args(a)
+    args = engine_args(a, _gpus() if a.device != "cpu" else 0, os.environ)
     with concurrent.futures.ThreadPoolExecutor(len(args), thread_name_prefix="graphwrap-engine-start") as pool:
         futures = [pool.submit(make, mine) for mine in args]
         concurrent.futures.wait(futures)
@@ -73,7 +85,16 @@ def start(a: argparse.Namespace, make: Callable[[argparse.Namespace], Any]) -> "
         for engine in made:
             engine.close(cancel=True, timeout=5)
         raise failed[0]
+    logger.info("%d engine processes on %s", len(made), ", ".join(
+        "the CPU" if m.device == "cpu" else f"GPU {m.cuda_visible}" for m in args))
     return Routed(made, getattr(a, "routing", "prefix"))
+
+
+def _gpus() -> int:
+    """The CUDA devices this process sees (the count only: no context is made here)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 class Routed:
