@@ -392,6 +392,84 @@ def serve_cli(model_dir: str, *args: str, timeout: float = 120.0):
             time.sleep(0.2)
 
 
+class Served:
+    """``python -m graphwrap serve MODEL_DIR --served-model-name tiny --port P *args`` (``cwd``
+    the repository) started, its output gathered as it comes (so a talkative log never fills
+    the pipe), once ``/health`` answers 200. ``stop()`` sends SIGTERM and returns the log, once
+    it exited 0."""
+
+    def __init__(self, model_dir: str, *args: str, timeout: float = 180.0):
+        import os
+        import subprocess
+        import sys
+        import time
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.port = free_port()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen([sys.executable, "-m", "graphwrap", "serve", model_dir, "--served-model-name",
+                                      "tiny", "--port", str(self.port), *args], cwd=root, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.out: list = []
+        threading.Thread(target=lambda: self.out.extend(self.proc.stdout), daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise AssertionError(f"the server did not start:\n{self.log()[-3000:]}")
+            try:
+                if self.get("/health")[0] == 200:
+                    return
+            except OSError:  # (not listening yet)
+                time.sleep(0.2)
+
+    def log(self) -> str:
+        return b"".join(self.out).decode()
+
+    def get(self, path: str):
+        """``GET path``: (status, text)."""
+        import http.client
+
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        c.request("GET", path)
+        r = c.getresponse()
+        return r.status, r.read().decode()
+
+    def metric(self, name: str) -> dict:
+        """``{labels: value}`` of one labelled family of ``/metrics``."""
+        out = {}
+        for line in self.get("/metrics")[1].splitlines():
+            if line.startswith(name + "{"):
+                labels, value = line[len(name):].rsplit(" ", 1)
+                out[labels] = float(value)
+        return out
+
+    def complete(self, prompt, max_tokens: int):
+        """A greedy completion of ``prompt`` (text or ids), the end of sequence ignored, on a
+        connection of its own: (status, JSON answer)."""
+        import http.client
+        import json
+
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        return r.status, json.loads(r.read())
+
+    def stop(self, timeout: float = 90.0) -> str:
+        import signal
+        import subprocess
+
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"no exit {timeout:.0f} s after SIGTERM:\n{self.log()[-6000:]}") from None
+        assert code == 0, self.log()[-3000:]
+        return self.log()
+
+
 def post_json(port: int, body, route: str, timeout: float = 120):
     """POST ``body`` (an object sent as JSON, or bytes as they are) to ``/route``: (status, JSON answer)."""
     import json

@@ -9,13 +9,10 @@ all."""
 import argparse
 import asyncio
 import concurrent.futures
-import http.client
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -25,8 +22,6 @@ from graphwrap.errors import GraphwrapError
 from graphwrap.serve.api import cli, fronts, loading, routed
 from graphwrap.serve.api.engines import EngineGone, ModelInfo, QueueFull
 from graphwrap.serve.api.metrics import Metrics
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class FakeEngine:
@@ -231,151 +226,90 @@ def model_dir(tmp_path_factory):
     return tiny_lm.make(str(tmp_path_factory.mktemp("tiny_lm")))
 
 
-def _get(port, path):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    c.request("GET", path)
-    r = c.getresponse()
-    return r.status, r.read().decode()
-
-
-def _complete(port, ids):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    body = {"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    r = c.getresponse()
-    return r.status, json.loads(r.read())
-
-
-def _metric(port, name):
-    """``{labels: value}`` of one family in ``/metrics``."""
-    out = {}
-    for line in _get(port, "/metrics")[1].splitlines():
-        if line.startswith(name + "{"):
-            labels, value = line[len(name):].rsplit(" ", 1)
-            out[labels] = float(value)
-    return out
-
-
 def _engines(pid):
     """The server's engine processes (its spawned children, the resource tracker left out)."""
     children = [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
     return [c for c in children if b"resource_tracker" not in open(f"/proc/{c}/cmdline", "rb").read()]
 
 
-def _stop(proc, out):
-    """SIGTERM, and the server's log once it has exited (0)."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        code = proc.wait(90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError("no exit 90 s after SIGTERM:\n" + b"".join(out).decode()[-6000:]) from None
-    log = b"".join(out).decode()
-    assert code == 0, log[-3000:]
-    return log
+def _serve(model_dir, *more):
+    """``serve --data-parallel 2`` on the CPU, once ``/health`` answers 200."""
+    from helpers import Served
 
-
-def _serve(model_dir, port, *more):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "graphwrap", "serve", model_dir, "--served-model-name", "tiny",
-                             "--port", str(port), "--data-parallel", "2", "--device", "cpu", "--rows", "8",
-                             "--capture", "lazy", "--log-level", "info", *more], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out = []
-    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(b"".join(out).decode()[-3000:])
-        try:
-            if _get(port, "/health")[0] == 200:
-                return proc, out
-        except OSError:
-            pass
-        time.sleep(0.2)
+    return Served(model_dir, "--data-parallel", "2", "--device", "cpu", "--rows", "8", "--capture", "lazy",
+                  "--log-level", "info", *more)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the server's children from /proc (Linux)")
 def test_two_engine_processes_serve_one_port_route_by_prefix_and_outlive_one_of_them(model_dir):
     import transformers as tr
-    from helpers import free_port
 
-    port = free_port()
-    proc, out = _serve(model_dir, port)
+    srv = _serve(model_dir)
     model = tr.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tok = tr.AutoTokenizer.from_pretrained(model_dir)
 
-    def want(ids):
+    def check(ids, answer=None):
+        status, body = answer or srv.complete(ids, 6)
         with torch.no_grad():
-            t = model.generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                               pad_token_id=0)
-        return t[0, len(ids):].tolist()
-
-    def check(ids, got):
-        status, body = got
-        assert status == 200, body
-        text = body["choices"][0]["text"]
-        tok = tr.AutoTokenizer.from_pretrained(model_dir)
-        assert text == tok.decode(want(ids)), (ids, body)
+            want = model.generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                  pad_token_id=0)
+        assert status == 200 and body["choices"][0]["text"] == tok.decode(want[0, len(ids):]), (ids, body)
 
     try:
         system = [(7 * i) % 300 + 5 for i in range(48)]
         for i in range(4):  # (one after another: every one after the first goes where the first went)
-            ids = system + [10 + i, 11 + i]
-            check(ids, _complete(port, ids))
-        sent = _metric(port, "graphwrap_engine_sequences_total")
-        assert sorted(sent.values()) == [0.0, 4.0] or sorted(sent.values()) == [4.0], sent
-        hits = _metric(port, "graphwrap_prefix_cache_hits")
+            check(system + [10 + i, 11 + i])
+        sent = srv.metric("graphwrap_engine_sequences_total")
+        assert sorted(sent.values()) == [0.0, 4.0], sent
+        hits = srv.metric("graphwrap_prefix_cache_hits")
         assert max(hits.values()) >= 3 * 48, hits  # (the system prompt from one engine's cache, three times)
-        assert _metric(port, "graphwrap_routed_sequences_total")['{by="prefix"}'] == 3
+        assert srv.metric("graphwrap_routed_sequences_total")['{by="prefix"}'] == 3
         others = [[(13 * i + 3 * j) % 300 + 5 for j in range(20)] for i in range(8)]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(lambda ids: _complete(port, ids), others))
-        for ids, g in zip(others, got):
-            check(ids, g)
-        sent = _metric(port, "graphwrap_engine_sequences_total")
+            got = list(pool.map(lambda ids: srv.complete(ids, 6), others))
+        for ids, answer in zip(others, got):
+            check(ids, answer)
+        sent = srv.metric("graphwrap_engine_sequences_total")
         assert len(sent) == 2 and min(sent.values()) > 0, sent  # (at once: spread over both)
 
-        engines = _engines(proc.pid)
+        engines = _engines(srv.proc.pid)
         assert len(engines) == 2, engines
         os.kill(engines[1], signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while json.loads(_get(port, "/health")[1])["status"] != "degraded":
-            assert time.monotonic() < deadline, _get(port, "/health")
+        while json.loads(srv.get("/health")[1])["status"] != "degraded":
+            assert time.monotonic() < deadline, srv.get("/health")
             time.sleep(0.1)
-        status, body = _get(port, "/health")
+        status, body = srv.get("/health")
         assert status == 200 and list(json.loads(body)["failed_engines"]) in (["0"], ["1"]), body
         for ids in others[:4]:  # (the engine left serves every new request)
-            check(ids, _complete(port, ids))
+            check(ids)
     finally:
-        log = _stop(proc, out)
+        log = srv.stop()
     assert "over 2 engine processes (prefix routing)" in log
     assert "[engine 0]" in log and "[engine 1]" in log
     assert "the others take its share of new requests" in log, log[-3000:]
     with pytest.raises(OSError):
-        _get(port, "/health")
+        srv.get("/health")
 
 
 @pytest.mark.skipif(fronts.refused(cli.parser().parse_args([".", "--api-servers", "2"])) is not None,
                     reason="--api-servers above 1 needs Linux")
 def test_two_http_processes_over_two_engines_each_route_their_own_requests(model_dir):
     import transformers as tr
-    from helpers import free_port
 
-    port = free_port()
-    proc, out = _serve(model_dir, port, "--api-servers", "2")
+    srv = _serve(model_dir, "--api-servers", "2")
     try:
         tok = tr.AutoTokenizer.from_pretrained(model_dir)
         model = tr.AutoModelForCausalLM.from_pretrained(model_dir).eval()
         prompts = [[(11 * i + 5 * j) % 300 + 5 for j in range(12)] for i in range(24)]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(lambda ids: _complete(port, ids), prompts))
+            got = list(pool.map(lambda ids: srv.complete(ids, 6), prompts))
         for ids, (status, body) in zip(prompts, got):
             with torch.no_grad():
                 want = model.generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
                                       pad_token_id=0)
             assert status == 200 and body["choices"][0]["text"] == tok.decode(want[0, len(ids):]), body
-        shares = _metric(port, "graphwrap_engine_requests_total")  # (by engine and HTTP process)
+        shares = srv.metric("graphwrap_engine_requests_total")  # (by engine and HTTP process)
         assert len(shares) == 4 and sum(shares.values()) == len(prompts) and min(shares.values()) > 0, shares
     finally:
-        _stop(proc, out)
+        srv.stop()

@@ -5,13 +5,6 @@ cannot run; and the command itself: two HTTP processes on one port, every answer
 generate's, both serving, and one SIGTERM ending all three processes."""
 
 import concurrent.futures
-import http.client
-import json
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
 from multiprocessing.connection import Client
 
@@ -23,11 +16,10 @@ pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e
 pytest.importorskip("uvicorn", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
 
 import tiny_lm  # noqa: E402
-from helpers import free_port  # noqa: E402
+from helpers import Served  # noqa: E402
 
 from graphwrap.serve.api import cli, engine_process, fronts  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP = 0.01  # seconds each forward of the engine's model sleeps (so that a request is still running when its connection goes)
 
 
@@ -107,42 +99,9 @@ def test_api_servers_is_refused_where_it_cannot_run(model_dir, argv, words, caps
     assert fronts.refused(cli.parser().parse_args([model_dir])) is None
 
 
-def _get(port, path):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    c.request("GET", path)
-    r = c.getresponse()
-    return r.status, r.read().decode()
-
-
-def _complete(port, prompt):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)  # (a connection each: spread by the kernel)
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-    c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    r = c.getresponse()
-    return r.status, json.loads(r.read())
-
-
-def _serve(model_dir, port):
-    """``python -m graphwrap serve --api-servers 2`` started, and its output as it comes, once
-    ``/health`` answers 200."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "graphwrap", "serve", model_dir, "--served-model-name", "tiny",
-                             "--port", str(port), "--api-servers", "2", "--rows", "8", "--capture", "lazy",
-                             "--log-level", "warning"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    out = []
-    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(b"".join(out).decode()[-3000:])
-        try:
-            if _get(port, "/health")[0] == 200:
-                return proc, out
-        except OSError:
-            pass
-        time.sleep(0.2)
+def _serve(model_dir):
+    """``python -m graphwrap serve --api-servers 2`` started, once ``/health`` answers 200."""
+    return Served(model_dir, "--api-servers", "2", "--rows", "8", "--capture", "lazy", "--log-level", "warning")
 
 
 def _ended(pid):
@@ -159,43 +118,33 @@ needs_linux = pytest.mark.skipif(fronts.refused(cli.parser().parse_args([".", "-
 
 @needs_linux
 def test_two_http_processes_share_one_port_and_one_batch_and_stop_at_one_sigterm(model_dir):
-    port = free_port()
-    proc, out = _serve(model_dir, port)
+    srv = _serve(model_dir)
     try:
         tok = tr.AutoTokenizer.from_pretrained(model_dir)
         model = tr.AutoModelForCausalLM.from_pretrained(model_dir).eval()
         prompts = [" ".join(["the", "quick", "brown", "dog", "jumps"][: 1 + i % 5]) + f" {i}" for i in range(24)]
-        with concurrent.futures.ThreadPoolExecutor(12) as pool:
-            got = list(pool.map(lambda p: _complete(port, p), prompts))
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:  # (a connection each: spread by the kernel)
+            got = list(pool.map(lambda p: srv.complete(p, 8), prompts))
         for p, (status, body) in zip(prompts, got):
             ids = tok(p)["input_ids"]
             with torch.no_grad():
                 want = model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
                                       pad_token_id=tok.eos_token_id)
             assert status == 200 and body["choices"][0]["text"] == tok.decode(want[0, len(ids):]), body
-        metrics = _get(port, "/metrics")[1]
-        shares = [float(line.split()[-1]) for line in metrics.splitlines()
-                  if line.startswith("graphwrap_engine_requests_total{")]
-        assert len(shares) == 2 and sum(shares) == len(prompts) and min(shares) > 0, shares
+        shares = srv.metric("graphwrap_engine_requests_total")
+        assert len(shares) == 2 and sum(shares.values()) == len(prompts) and min(shares.values()) > 0, shares
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    log = b"".join(out).decode()
-    assert code == 0, log[-3000:]
+        srv.stop()
     with pytest.raises(OSError):
-        _get(port, "/health")
+        srv.get("/health")
 
 
 @needs_linux
 def test_the_server_killed_leaves_no_process_holding_the_port(model_dir):
     """SIGKILL to the server's process: the engine process closes its batch and exits, and the
     other HTTP process drains and exits (it must not keep answering on the port)."""
-    port = free_port()
-    proc, out = _serve(model_dir, port)
+    srv = _serve(model_dir)
+    proc = srv.proc
     children = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
     assert len(children) >= 2, children  # (the engine process and the other HTTP process)
     proc.kill()
@@ -205,4 +154,4 @@ def test_the_server_killed_leaves_no_process_holding_the_port(model_dir):
         assert time.monotonic() < deadline, [c for c in children if not _ended(c)]
         time.sleep(0.2)
     with pytest.raises(OSError):
-        _get(port, "/health")
+        srv.get("/health")
