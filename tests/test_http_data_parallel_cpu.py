@@ -86,12 +86,19 @@ def test_load_routing_takes_the_least_loaded_whatever_the_prompt():
         routed.Routed([a, b], "round-robin")
 
 
-def test_a_sequence_its_engine_refused_is_not_counted_in_flight_there():
-    a = FakeEngine(refuse=QueueFull("the queue is full"))
-    r = routed.Routed([a])
-    with pytest.raises(QueueFull):
-        _queue(r, [1, 2, 3])
-    assert r.stats()["routed"]["inflight"] == [0]
+def test_a_sequence_its_engine_refused_goes_to_another_and_is_not_counted_in_flight_there():
+    a, b = FakeEngine(refuse=QueueFull("the queue is full")), FakeEngine()
+    r = routed.Routed([a, b])
+    for _ in range(3):
+        _queue(r, SYSTEM)  # (a full queue, or ended between pick and queue: the other engine takes it)
+    assert len(b.queued) == 3 and r.stats()["routed"]["inflight"] == [0, 3]
+    b.refuse = QueueFull("this one too")
+    with pytest.raises(QueueFull, match="this one too"):
+        _queue(r, SYSTEM)
+    assert r.stats()["routed"]["inflight"] == [0, 3]
+    a.refuse, b.refuse = EngineGone("the engine process ended (exit code -9)"), None
+    _queue(r, [5] * 40)
+    assert len(b.queued) == 4 and r.stats()["routed"]["inflight"] == [0, 4]
 
 
 def test_an_engine_that_ended_is_passed_over_and_all_ended_refuse_with_why(caplog):

@@ -11,7 +11,7 @@ HTTP app does not know how many there are:
   ``Replicas`` uses too). ``--routing load`` always takes the least loaded (what prefix routing
   is measured against).
 - **An engine that dies** fails its own sequences in flight (``EngineGone``, as with one engine);
-  new sequences go to the engines left, and ``/health`` says which failed. Only when every engine
+  new sequences go to the engines left (as do those an engine refuses with a full queue), and ``/health`` says which failed. Only when every engine
   is gone is every request refused (503).
 - **Counts.** ``stats()`` has each engine's own (``engines``, in order) and how sequences were
   routed; ``/metrics`` labels each engine's figures ``engine="i"``.
@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ...errors import GraphwrapError
 from ..routing import PrefixRouter
-from .engines import EngineGone, Feed
+from .engines import EngineGone, Feed, QueueFull
 
 logger = logging.getLogger("graphwrap.serve")
 ROUTINGS = ("prefix", "load")
@@ -153,18 +153,42 @@ class Routed:
         with self.lock:
             self.inflight[i] -= 1
 
+    def other(self, tried: set) -> Optional[int]:
+        """The least loaded engine left that is not in ``tried`` (counted in flight there), or None."""
+        failed = self.failed()
+        with self.lock:
+            left = [i for i in range(len(self.engines)) if i not in tried and i not in failed]
+            if not left:
+                return None
+            best = min(left, key=lambda i: self.inflight[i])
+            self.inflight[best] += 1
+            self.sent[best] += 1
+            return best
+
     async def queue(self, ids: List[int], kwargs: Dict[str, Any], seed: Optional[int],
                     feed: Feed) -> concurrent.futures.Future:
-        """The sequence queued on the engine :meth:`pick` chooses: its future, as that engine's
-        ``queue`` answers (and raises)."""
-        i = self.pick(ids)
-        try:
-            future = await self.engines[i].queue(ids, kwargs, seed, feed)
-        except BaseException:
-            self._ended(i)
-            raise
-        future.add_done_callback(lambda _f: self._ended(i))
-        return future
+        """The sequence queued on the engine :meth:`pick` chooses: its future. Where that engine's
+        queue is full or it has just ended, the least loaded of the others is tried, and so on;
+        raises what the last one tried raised (as its ``queue`` does)."""
+        i: Optional[int] = self.pick(ids)
+        tried: set = set()
+        while True:
+            assert i is not None
+            tried.add(i)
+            try:
+                future = await self.engines[i].queue(ids, kwargs, seed, feed)
+            except (QueueFull, EngineGone):
+                self._ended(i)
+                i = self.other(tried)
+                if i is None:
+                    raise
+                continue
+            except BaseException:
+                self._ended(i)
+                raise
+            done = i
+            future.add_done_callback(lambda _f: self._ended(done))
+            return future
 
     def stats(self) -> dict:
         """Each engine's ``stats()`` (``{}`` for one that ended), and the routing's counts."""
