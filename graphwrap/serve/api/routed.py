@@ -2,8 +2,8 @@
 
 Each engine process holds the model and a shared decode batch on a GPU of its own (engine ``i``
 sees only the ``i``-th GPU, as ``cuda``), or all on the CPU with ``--device cpu``; they start as
-one engine does (:class:`~.remote.Remote`), all at once. :class:`Routed` stands where one engine stands, so the
-HTTP app does not know how many there are:
+one engine does (:class:`~.remote.Remote`), all at once. :class:`Routed` stands where one engine
+stands, so the HTTP app does not know how many there are:
 
 - **Routing.** A sequence goes to the engine that was given a prompt starting alike, where its
   prefix cache may still hold those blocks, else to the one with the fewest sequences in flight
@@ -11,12 +11,11 @@ HTTP app does not know how many there are:
   ``Replicas`` uses too). ``--routing load`` always takes the least loaded (what prefix routing
   is measured against).
 - **An engine that dies** fails its own sequences in flight (``EngineGone``, as with one engine);
-  new sequences go to the engines left (as do those an engine refuses with a full queue), and ``/health`` says which failed. Only when every engine
-  is gone is every request refused (503).
+  new sequences go to the engines left (as do those an engine refuses with a full queue), and
+  ``/health`` says which failed. Only when every engine is gone is every request refused (503).
 - **Counts.** ``stats()`` has each engine's own (``engines``, in order) and how sequences were
   routed; ``/metrics`` labels each engine's figures ``engine="i"``.
 """
-
 import argparse
 import concurrent.futures
 import copy
@@ -168,8 +167,9 @@ class Routed:
     async def queue(self, ids: List[int], kwargs: Dict[str, Any], seed: Optional[int],
                     feed: Feed) -> concurrent.futures.Future:
         """The sequence queued on the engine :meth:`pick` chooses: its future. Where that engine's
-        queue is full or it has just ended, the least loaded of the others is tried, and so on;
-        raises what the last one tried raised (as its ``queue`` does)."""
+        queue is full, the least loaded of the others is tried, and so on; raises what the last
+        one tried raised (as its ``queue`` does). (Not where an engine ended meanwhile: by then
+        it may have ended the sequence's feed, which a second engine must not feed again.)"""
         i: Optional[int] = self.pick(ids)
         tried: set = set()
         while True:
@@ -177,7 +177,7 @@ class Routed:
             tried.add(i)
             try:
                 future = await self.engines[i].queue(ids, kwargs, seed, feed)
-            except (QueueFull, EngineGone):
+            except QueueFull:  # (refused before any token: the feed is untouched)
                 self._ended(i)
                 i = self.other(tried)
                 if i is None:
