@@ -281,6 +281,8 @@ def test_two_engine_processes_serve_one_port_route_by_prefix_and_outlive_one_of_
             check(ids, answer)
         sent = srv.metric("graphwrap_engine_sequences_total")
         assert len(sent) == 2 and min(sent.values()) > 0, sent  # (at once: spread over both)
+        status, body = srv.complete([5, 10 ** 6], 2)  # (a stranger's bad input: its own 400, the engines serve on)
+        assert status == 400 and "vocabulary" in body["error"]["message"], body
 
         engines = _engines(srv.proc.pid)
         assert len(engines) == 2, engines
