@@ -25,6 +25,24 @@ def block_hashes(tokens: Sequence[int], block: int = BLOCK) -> List[int]:
     return chain_hashes(tokens, block, len(tokens) // block)
 
 
+def matched(hashes: Sequence[int], seen: "collections.OrderedDict[int, None]") -> int:
+    """How many of a prompt's leading blocks (``hashes``) a replica that was given ``seen`` holds."""
+    k = 0
+    while k < len(hashes) and hashes[k] in seen:
+        k += 1
+    return k
+
+
+def remember(seen: "collections.OrderedDict[int, None]", hashes: Sequence[int], remembered: int = REMEMBERED):
+    """A prompt's block hashes given to a replica: the most recently seen last, the oldest past
+    ``remembered`` forgotten."""
+    for h in hashes:
+        seen[h] = None
+        seen.move_to_end(h)
+    while len(seen) > remembered:
+        seen.popitem(last=False)
+
+
 class PrefixRouter:
     """Picks a replica for a prompt; ``pick`` returns its index and remembers the prompt there."""
 
@@ -39,18 +57,11 @@ class PrefixRouter:
         n = len(self.seen)
         least = min(range(n), key=lambda i: (inflight[i], (i - start) % n))
         hashes = block_hashes(tokens, self.block)
-        best, matched = least, 0
+        best, most = least, 0
         for i, seen in enumerate(self.seen):
-            k = 0
-            while k < len(hashes) and hashes[k] in seen:
-                k += 1
-            if k > matched and inflight[i] <= inflight[least] + self.slack:
-                best, matched = i, k
-        self.routed["prefix" if matched else "load"] += 1
-        seen = self.seen[best]
-        for h in hashes:
-            seen[h] = None
-            seen.move_to_end(h)
-        while len(seen) > self.remembered:
-            seen.popitem(last=False)
+            k = matched(hashes, seen)
+            if k > most and inflight[i] <= inflight[least] + self.slack:
+                best, most = i, k
+        self.routed["prefix" if most else "load"] += 1
+        remember(self.seen[best], hashes, self.remembered)
         return best

@@ -126,6 +126,10 @@ def make_app(served: Served) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        start = getattr(served.engine, "start", None)  # (an engine that learns the model's facts from afar: ray_routed)
+        if start is not None:
+            await start()
+            served.context = served.engine.context
         lag = asyncio.ensure_future(_sample_lag(metrics))
         try:
             yield

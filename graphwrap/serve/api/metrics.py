@@ -102,7 +102,7 @@ class Metrics:
             out += families(batch_samples(stats, ()))
         else:  # (--data-parallel: each engine's figures labelled with its index)
             out += families([x for i, e in enumerate(engines) for x in batch_samples(e, (("engine", str(i)),))])
-            out += families(routed_samples(stats.get("routed") or {}))
+        out += families(routed_samples(stats.get("routed") or {}))  # (several engines: how they were given work)
         return "\n".join(out) + "\n"
 
 

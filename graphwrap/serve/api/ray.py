@@ -12,7 +12,8 @@ MAX_ONGOING_REQUESTS = 1024  # requests one replica holds at a time: its batch a
 
 
 def generation_deployment(model: str, *, args: Optional[List[str]] = None, name: str = "graphwrap-generate",
-                          num_replicas: int = 1, num_gpus: Optional[float] = None, **deployment_options):
+                          num_replicas: int = 1, num_gpus: Optional[float] = None, routing: str = "prefix",
+                          **deployment_options):
     """A Ray Serve application serving ``model`` (a Hugging Face model directory or a hub id in
     the local cache, reachable from every node) with the OpenAI API; run it with
     ``ray.serve.run(app, route_prefix="/")``.
@@ -23,6 +24,9 @@ def generation_deployment(model: str, *, args: Optional[List[str]] = None, name:
             "--rows", "32"]``); those of uvicorn (host, port, drain) are Ray's to set.
         num_replicas: replicas, each one process with one GPU (``num_gpus=1``) and one batch.
         num_gpus: GPUs per replica (default: 1 where this machine has CUDA, else 0).
+        routing: with more than one replica, ``"prefix"``: an ingress that tokenizes each request
+            and sends it to the engine replica given a prompt starting alike
+            (:mod:`.ray_routed`); ``"proxy"``: every replica the whole app, chosen by Ray's proxy.
         **deployment_options: further options of ``ray.serve.deployment``.
     """
     try:
@@ -42,6 +46,12 @@ def generation_deployment(model: str, *, args: Optional[List[str]] = None, name:
     actor = dict(deployment_options.pop("ray_actor_options", None) or {})
     actor.setdefault("num_gpus", num_gpus)
     deployment_options.setdefault("max_ongoing_requests", MAX_ONGOING_REQUESTS)
+    if routing not in ("prefix", "proxy"):
+        raise GraphwrapError(f"routing must be 'prefix' or 'proxy', got {routing!r}")
+    if routing == "prefix" and num_replicas > 1:
+        from .ray_routed import deployments
+
+        return deployments(model, argv, num_replicas, actor, name, **deployment_options)
 
     def build():  # in each replica, as it starts
         from .app import make_app
