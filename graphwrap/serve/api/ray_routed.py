@@ -183,7 +183,13 @@ class RayEngines:
     async def queue(self, ids: List[int], kwargs: Dict[str, Any], seed: Optional[int],
                     feed: Feed) -> concurrent.futures.Future:
         stream = self.handle.options(stream=True).generate.remote(ids, kwargs, seed, getattr(feed, "logprobs", None))
-        first = await stream.__anext__()
+        try:
+            first = await stream.__anext__()
+        except asyncio.CancelledError:  # (its client went away while it was queued)
+            stream.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - no engine replica took it (one died, Ray failed the call): 503
+            raise queue_error("gone", f"no engine replica took the sequence: {type(e).__name__}: {e}") from e
         if first[1] is not None:
             raise queue_error(*first[1])
         self.sent[first[2]] = self.sent.get(first[2], 0) + 1
