@@ -470,6 +470,30 @@ class Served:
         return self.log()
 
 
+def ray_generation(model_dir: str, name: str, num_cpus: int = 2, **options):
+    """``graphwrap.serve.generation_deployment(model_dir, **options)`` served on a local Ray
+    instance (this repository and its tests on the replicas' path) as ``name`` at ``/``: yields
+    the HTTP port, then shuts Serve and Ray down (a fixture's body)."""
+    import os
+
+    import ray
+    from ray import serve
+
+    import graphwrap.serve
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join([root, os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(graphwrap.serve.generation_deployment(model_dir, **options), name=name, route_prefix="/")
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def post_json(port: int, body, route: str, timeout: float = 120):
     """POST ``body`` (an object sent as JSON, or bytes as they are) to ``/route``: (status, JSON answer)."""
     import json

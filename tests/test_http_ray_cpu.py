@@ -4,7 +4,6 @@ a bad request gets its status and the replica goes on."""
 
 import http.client
 import json
-import os
 
 import pytest
 import torch
@@ -15,27 +14,18 @@ ray = pytest.importorskip("ray", reason='needs Ray Serve: pip install -e ".[serv
 serve = pytest.importorskip("ray.serve")
 
 import tiny_lm  # noqa: E402
-from helpers import free_port  # noqa: E402
+from helpers import ray_generation  # noqa: E402
 from test_http_cpu import events, greedy_text, post  # noqa: E402
 
 import graphwrap  # noqa: E402
 import graphwrap.serve  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory):
     model_dir = tiny_lm.make(str(tmp_path_factory.mktemp("tiny_lm_ray")))
-    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(graphwrap.serve.generation_deployment(model_dir, args=["--served-model-name", "tiny"]),
-              name="gen", route_prefix="/")
-    yield model_dir, port
-    serve.shutdown()
-    ray.shutdown()
+    for port in ray_generation(model_dir, "gen", args=["--served-model-name", "tiny"]):
+        yield model_dir, port
 
 
 def test_a_replica_serves_the_openai_api_through_ray_s_proxy(deployed):

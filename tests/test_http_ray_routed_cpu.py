@@ -5,7 +5,6 @@ greedy generate's, streamed or whole; a bad request gets its 400."""
 
 import concurrent.futures
 import http.client
-import os
 
 import pytest
 
@@ -16,26 +15,15 @@ serve = pytest.importorskip("ray.serve")
 pytest.importorskip("ray.serve.request_router", reason="prefix routing on Ray needs Ray 2.46 or later")
 
 import tiny_lm  # noqa: E402
-from helpers import free_port  # noqa: E402
+from helpers import ray_generation  # noqa: E402
 from test_http_cpu import events, post  # noqa: E402
-
-import graphwrap.serve  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory):
     model_dir = tiny_lm.make(str(tmp_path_factory.mktemp("tiny_lm_ray_routed")))
-    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(graphwrap.serve.generation_deployment(model_dir, args=["--served-model-name", "tiny"], num_replicas=2),
-              name="gen2", route_prefix="/")
-    yield model_dir, port
-    serve.shutdown()
-    ray.shutdown()
+    for port in ray_generation(model_dir, "gen2", num_cpus=4, args=["--served-model-name", "tiny"], num_replicas=2):
+        yield model_dir, port
 
 
 def _greedy(model_dir, ids, n):

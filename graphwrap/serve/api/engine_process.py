@@ -260,7 +260,7 @@ class Worker:
             fut.cancel()
 
 
-def _sampling(model) -> Any:
+def sampling_of(model) -> Any:
     """What the parent reads of the model's generation config (it holds no model)."""
     gen = getattr(model, "generation_config", None)
     if gen is None:
@@ -295,7 +295,7 @@ def run(conn, args, log_level: str = "info"):
     gm = served.engine.gm
     freeze_startup()
     clock = GcClock()
-    info = {"eos": model_eos(gm.module), "generation": _sampling(gm.module), "context": served.context,
+    info = {"eos": model_eos(gm.module), "generation": sampling_of(gm.module), "context": served.context,
             "vocab": model_vocab(gm.module)}
     peers: List[Worker] = []
     main = Worker(conn, gm, clock, served.tokenizer, peers=peers)

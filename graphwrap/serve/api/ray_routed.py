@@ -20,7 +20,6 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
-import types
 from typing import Any, Dict, List, Optional
 
 from ..routing import REMEMBERED, SLACK, block_hashes, matched, remember
@@ -105,11 +104,11 @@ class EngineReplica:
     def describe(self) -> Dict[str, Any]:
         """What the app sets requests against: the model's eos ids, its sampling defaults, its
         vocabulary and the context."""
+        from .engine_process import sampling_of
+
         info = self.local.info
-        gen = info.generation
-        sampling = None if gen is None else {k: getattr(gen, k, None)
-                                             for k in ("do_sample", "temperature", "top_p", "top_k")}
-        return {"eos": info.eos, "generation": sampling, "vocab": info.vocab, "context": self.served.context}
+        return {"eos": info.eos, "generation": sampling_of(self.local.gm.module), "vocab": info.vocab,
+                "context": self.served.context}
 
     def stats(self) -> dict:
         return batch_stats(self.local.gm)
@@ -172,9 +171,7 @@ class RayEngines:
     async def start(self):
         """The model's facts, from an engine replica (the app's start, before any request)."""
         described = await self.handle.describe.remote()
-        gen = described["generation"]
-        self.info = ModelInfo(described["eos"], None if gen is None else types.SimpleNamespace(**gen),
-                              described["vocab"])
+        self.info = ModelInfo(described["eos"], described["generation"], described["vocab"])
         self.context = described["context"]
 
     def gone(self) -> Optional[str]:
