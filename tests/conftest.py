@@ -38,3 +38,12 @@ def fp32_exact():
 def gw_log(caplog):
     caplog.set_level(logging.INFO, logger="graphwrap")
     return caplog
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The local Ray instance of the Ray tests, if they started one, shut down once at the end."""
+    import sys
+
+    helpers = sys.modules.get("helpers")
+    if helpers is not None:
+        helpers.ray_stop()

@@ -470,28 +470,53 @@ class Served:
         return self.log()
 
 
-def ray_generation(model_dir: str, name: str, num_cpus: int = 2, **options):
-    """``graphwrap.serve.generation_deployment(model_dir, **options)`` served on a local Ray
-    instance (this repository and its tests on the replicas' path) as ``name`` at ``/``: yields
-    the HTTP port, then shuts Serve and Ray down (a fixture's body)."""
+_RAY_PORT: list = []  # the local Ray instance's Serve port, once started (one per test process)
+
+
+def ray_serving() -> int:
+    """The test process's local Ray instance with Serve, started on first use (this repository and
+    its tests on the replicas' path; :func:`ray_stop` ends it at the session's end): its HTTP
+    port. One instance a process: each start and shutdown of Ray's core leaves threads behind for
+    the interpreter's exit."""
     import os
 
     import ray
     from ray import serve
 
+    if not _RAY_PORT:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join([root, os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")])
+        ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+        _RAY_PORT.append(free_port())
+        serve.start(http_options={"host": "127.0.0.1", "port": _RAY_PORT[0]})
+    return _RAY_PORT[0]
+
+
+def ray_generation(model_dir: str, name: str, **options):
+    """``graphwrap.serve.generation_deployment(model_dir, **options)`` served as ``name`` at ``/``
+    on :func:`ray_serving`'s instance: yields the HTTP port, then deletes the application (a
+    fixture's body)."""
+    from ray import serve
+
     import graphwrap.serve
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.pathsep.join([root, os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = ray_serving()
+    serve.run(graphwrap.serve.generation_deployment(model_dir, **options), name=name, route_prefix="/")
     try:
-        serve.run(graphwrap.serve.generation_deployment(model_dir, **options), name=name, route_prefix="/")
         yield port
     finally:
+        serve.delete(name)
+
+
+def ray_stop():
+    """Serve and Ray shut down, where :func:`ray_generation` started them."""
+    if _RAY_PORT:
+        import ray
+        from ray import serve
+
         serve.shutdown()
         ray.shutdown()
+        _RAY_PORT.clear()
 
 
 def post_json(port: int, body, route: str, timeout: float = 120):

@@ -22,7 +22,7 @@ from test_http_cpu import events, post  # noqa: E402
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory):
     model_dir = tiny_lm.make(str(tmp_path_factory.mktemp("tiny_lm_ray_routed")))
-    for port in ray_generation(model_dir, "gen2", num_cpus=4, args=["--served-model-name", "tiny"], num_replicas=2):
+    for port in ray_generation(model_dir, "gen2", args=["--served-model-name", "tiny"], num_replicas=2):
         yield model_dir, port
 
 

@@ -2,7 +2,6 @@
 
 Ray is a dependency of this test only (CI installs it: pip install -e ".[serve]" in a checkout)."""
 
-import os
 
 import pytest
 import torch
@@ -10,12 +9,10 @@ import torch
 ray = pytest.importorskip("ray", reason='needs Ray Serve: pip install -e ".[serve]" in a checkout')
 serve = pytest.importorskip("ray.serve")
 
-from helpers import free_port, post_json  # noqa: E402
+from helpers import post_json, ray_serving  # noqa: E402
 from serve_models import make, make_embedder, mean_pool, tokenize  # noqa: E402
 
 import graphwrap.serve  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _post(port, body, route="gw"):
@@ -24,18 +21,15 @@ def _post(port, body, route="gw"):
 
 @pytest.fixture(scope="module")
 def served():
-    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = ray_serving()
     handle = serve.run(graphwrap.serve.deployment(make, sample=torch.randn(1, 4), num_gpus=0,
                                                   limits={"max_rows": 32}), name="gw", route_prefix="/gw")
     text = serve.run(graphwrap.serve.deployment(make_embedder, name="text", num_gpus=0, graphed={"seq_dim": 1},
                                                 preprocess=tokenize, postprocess=mean_pool),
                      name="text", route_prefix="/text")
     yield handle, port, text
-    serve.shutdown()
-    ray.shutdown()
+    serve.delete("gw")
+    serve.delete("text")
 
 
 def test_handles_and_http_answer_as_eager_and_errors_leave_the_replica_serving(served):
