@@ -10,7 +10,8 @@ Datasets (each drawn from ``--seed``, the same for every server):
 - ``sharegpt``: a synthetic spread of lengths like ShareGPT's (input and output lengths drawn
   from log-normal laws, medians ``--input-len`` and ``--output-len``, clipped to the context);
 - ``prefix``: ``--groups`` groups of ``--per-group`` prompts, each group with its own system
-  prompt of ``--prefix-len`` tokens, then a question of ``--input-len`` tokens of its own.
+  prompt of ``--prefix-len`` tokens, then a question of ``--input-len`` tokens of its own, in a
+  shuffled order; every answer ``--output-len`` tokens (the end of sequence ignored too).
 
 Prompts go as token ids (``/v1/completions`` takes them; ``--prompt-form text`` sends the
 ``--tokenizer``'s decoding of the same ids, for a server that takes text alone). Requests are
@@ -290,6 +291,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--warmup", type=int, default=0, help="requests sent (and not counted) before the run")
+    ap.add_argument("--repeats", type=int, default=1, help="runs, each of prompts of its own (seed + 100 i); past "
+                    "one, the first is reported apart and the rest by their median")
     ap.add_argument("--out", default=None, help="a JSON file for the report")
     a = ap.parse_args(argv)
     if a.start is None:
@@ -339,27 +342,51 @@ def _bench(a, extra: Optional[dict] = None) -> int:
     else:
         text_of = lambda ids: ids  # noqa: E731
     n = a.groups * a.per_group if a.dataset == "prefix" else a.num_prompts
-    reqs = dataset(a.dataset, n, a.seed, vocab, context, a.input_len, a.output_len, a.prefix_len, a.groups,
-                   a.per_group)
-    ignore_eos = a.dataset == "random" and not a.no_ignore_eos
+    ignore_eos = a.dataset in ("random", "prefix") and not a.no_ignore_eos
     if a.warmup:
         warm = dataset("random", a.warmup, a.seed + 7, vocab, context, min(a.input_len, 32), 8)
         asyncio.run(run(a.url, model, warm, text_of, float("inf"), a.concurrency, a.seed, True, a.timeout,
                         a.api_key))
-    before = prefix_counts(a.url, a.api_key)
-    outcomes, wall = asyncio.run(run(a.url, model, reqs, text_of, a.request_rate, a.concurrency, a.seed, ignore_eos,
-                                     a.timeout, a.api_key))
-    r = report(outcomes, wall)
-    after = prefix_counts(a.url, a.api_key)
-    if before is not None and after is not None and after[0] > before[0]:
-        r["prefix_cache_hit_rate"] = (after[1] - before[1]) / (after[0] - before[0])
+    runs = []
+    for i in range(a.repeats):  # (run i from seed + 100 i: no run finds an earlier run's prefixes)
+        seed = a.seed + 100 * i
+        reqs = dataset(a.dataset, n, seed, vocab, context, a.input_len, a.output_len, a.prefix_len, a.groups,
+                       a.per_group)
+        before = prefix_counts(a.url, a.api_key)
+        outcomes, wall = asyncio.run(run(a.url, model, reqs, text_of, a.request_rate, a.concurrency, seed,
+                                         ignore_eos, a.timeout, a.api_key))
+        r = report(outcomes, wall)
+        after = prefix_counts(a.url, a.api_key)
+        if before is not None and after is not None and after[0] > before[0]:
+            r["prefix_cache_hit_rate"] = (after[1] - before[1]) / (after[0] - before[0])
+        print_report(r, f"{a.url} {model}: {a.dataset}, {n} requests, rate {a.request_rate}, concurrency "
+                        f"{a.concurrency}" + (f", run {i + 1} of {a.repeats}" if a.repeats > 1 else ""))
+        runs.append(r)
+    r = dict(runs[0]) if a.repeats == 1 else _repeated(runs)
     r["settings"] = {k: v for k, v in vars(a).items() if k != "api_key"}
     r["settings"].update(requests=n, model=model, date=time.strftime("%Y-%m-%d"), **(extra or {}))
-    print_report(r, f"{a.url} {model}: {a.dataset}, {n} requests, rate {a.request_rate}, concurrency {a.concurrency}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(r, f, indent=1, default=str)
-    return 0 if r["failed"] == 0 else 1
+    return 0 if all(x["failed"] == 0 for x in runs) else 1
+
+
+def _repeated(runs: List[dict]) -> dict:
+    """Runs after the first (its captures and first shapes reported apart): the median output
+    tokens/s and TTFT median, with their spread, and every run."""
+    warm = runs[1:]
+    tps = [x["output_tokens_per_s"] for x in warm]
+    ttft = [x["ttft_ms"]["median"] for x in warm]
+    out = {"first_run": runs[0], "runs": warm, "output_tokens_per_s": statistics.median(tps),
+           "output_tokens_per_s_spread": [min(tps), max(tps)], "ttft_median_ms": statistics.median(ttft),
+           "ttft_median_ms_spread": [min(ttft), max(ttft)], "failed": sum(x["failed"] for x in runs)}
+    rates = [x["prefix_cache_hit_rate"] for x in warm if "prefix_cache_hit_rate" in x]
+    if rates:
+        out["prefix_cache_hit_rate"] = statistics.median(rates)
+    print(f"runs 2-{len(runs)}: {out['output_tokens_per_s']:.1f} output tokens/s ({min(tps):.1f}-{max(tps):.1f}), "
+          f"TTFT median {out['ttft_median_ms']:.1f} ms ({min(ttft):.1f}-{max(ttft):.1f})"
+          + (f", prefix cache hit rate {out['prefix_cache_hit_rate']:.1%}" if rates else ""))
+    return out
 
 
 if __name__ == "__main__":

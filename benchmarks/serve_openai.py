@@ -88,6 +88,11 @@ def make_model(shape: str, path: str, device: str, fp32: bool = False) -> str:
                           num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, bos_token_id=1,
                           eos_token_id=2)
         cls, eos = LlamaForCausalLM, 2
+    elif shape == "llama3-8b":  # Llama-3-8B's shape, made in place in seconds (generate_large.big_model)
+        from generate_large import SHAPES
+
+        cfg = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2)
+        cls, eos = None, 2
     else:
         raise SystemExit(f"unknown --model {shape}")
     words = {f"w{i}": i for i in range(cfg.vocab_size)}
@@ -96,6 +101,14 @@ def make_model(shape: str, path: str, device: str, fp32: bool = False) -> str:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{eos}", bos_token=f"w{eos}", unk_token="w0")
     fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     fast.save_pretrained(path)
+    if cls is None:
+        from generate_large import big_model
+
+        model = big_model(shape, device)  # (fp16, random weights, norms of one)
+        model.config.eos_token_id, model.generation_config.eos_token_id = eos, eos
+        model.save_pretrained(path)
+        del model
+        return path
     torch.manual_seed(0)
     with torch.device(device):
         model = cls(cfg)
@@ -386,7 +399,7 @@ def _imports(_):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama-1b", "tiny"))
+    ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama-1b", "llama3-8b", "tiny"))
     ap.add_argument("--servers", default="in-process,graphwrap,transformers-graphs",
                     help=f"of in-process (gm.generate from threads, no server), {', '.join(SERVERS)}")
     ap.add_argument("--requests", type=int, default=64)

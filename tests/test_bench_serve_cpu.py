@@ -48,18 +48,24 @@ def test_a_run_against_the_server_counts_every_request(tmp_path):
     p, port = serve_cli(model_dir, "--engine", "process")
     try:
         for ds, n, args in (("random", 24, ["--num-prompts", "24"]), ("sharegpt", 24, ["--num-prompts", "24"]),
-                            ("prefix", 12, ["--groups", "3", "--per-group", "4", "--prefix-len", "40"])):
+                            ("prefix", 12, ["--groups", "3", "--per-group", "4", "--prefix-len", "40",
+                                            "--repeats", "2"])):
             out = tmp_path / f"{ds}.json"
             rc = bench_serve.main(["--url", f"http://127.0.0.1:{port}", "--dataset", ds, "--input-len", "16",
                                    "--output-len", "12", "--concurrency", "8", "--vocab", "300", "--out", str(out),
                                    *args] + (["--request-rate", "200"] if ds == "sharegpt" else []))
             r = json.loads(out.read_text())
-            assert rc == 0 and r["completed"] == n and r["failed"] == 0, r["errors"]
-            if ds == "random":  # the end of sequence ignored: every answer its whole length
-                assert r["output_tokens"] == n * 12
-            assert 0 <= r["prefix_cache_hit_rate"] <= 1, r  # (read from the server's /metrics around the run)
-            for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-                assert r[k]["median"] is not None and r[k]["p99"] >= r[k]["median"] > 0
+            runs = [r["first_run"]] + r["runs"] if ds == "prefix" else [r]
+            assert rc == 0 and len(runs) == (2 if ds == "prefix" else 1)
+            for x in runs:
+                assert x["completed"] == n and x["failed"] == 0, x["errors"]
+                if ds != "sharegpt":  # the end of sequence ignored: every answer its whole length
+                    assert x["output_tokens"] == n * 12
+                assert 0 <= x["prefix_cache_hit_rate"] <= 1, x  # (read from the server's /metrics around the run)
+                for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+                    assert x[k]["median"] is not None and x[k]["p99"] >= x[k]["median"] > 0
+            if ds == "prefix":  # (past one run: the first apart, the rest by their median)
+                assert r["output_tokens_per_s"] == r["runs"][0]["output_tokens_per_s"] and r["failed"] == 0
     finally:
         p.terminate()
         p.wait(60)

@@ -1,6 +1,8 @@
 """Which replica takes a generate call (graphwrap/serve/routing.py): prompts that start alike go
-to the replica that served the first of them, unless it is loaded past the slack; others go to the
-least loaded; what each replica remembers is bounded. And ``Replicas.generate`` on a CPU."""
+to the replica that served the first of them, unless it is loaded past the slack (or, under a
+heavy load, past half the least loaded one's calls beyond them); a match of a small share of the
+prompt, and prompts alike in nothing, go to the least loaded; of replicas that match alike, the
+less loaded; what each replica remembers is bounded. And ``Replicas.generate`` on a CPU."""
 
 import pytest
 import torch
@@ -41,10 +43,44 @@ def test_a_loaded_replica_gives_its_matches_to_the_least_loaded():
     r = PrefixRouter(2, slack=2)
     home = r.pick(_prompt(7, 0), [0, 0])
     load = [0, 0]
-    load[home] = 3  # past the slack
-    assert r.pick(_prompt(7, 1), load) == 1 - home
     load[home] = 2
-    assert r.pick(_prompt(7, 2), load) == home, "within the slack: the match"
+    assert r.pick(_prompt(7, 1), load) == home, "within the slack: the match"
+    load[home] = 3  # past the slack
+    assert r.pick(_prompt(7, 2), load) == 1 - home
+
+
+def test_under_a_heavy_load_a_group_stays_on_its_replica_up_to_half_the_least_loaded_ones_calls_beyond():
+    r = PrefixRouter(2)
+    load = [40, 40]  # (calls of other prompts in flight on both)
+    home = r.pick(_prompt(5, 0), load)
+    load[home] += 1
+    for q in range(1, 21):  # a group's calls, one after another, none ended
+        assert r.pick(_prompt(5, q), load) == home, f"call {q}: within 40 + max(8, 20) of the least loaded"
+        load[home] += 1
+    assert load[home] == 61
+    assert r.pick(_prompt(5, 99), load) == 1 - home, "past it: the least loaded"
+
+
+def test_a_match_of_a_small_share_of_the_prompt_goes_to_the_least_loaded():
+    r = PrefixRouter(2)
+    template = _prompt(9, 0, blocks=1)[:BLOCK]  # (one block alike in every prompt, as a chat template's)
+    first = r.pick(template + _prompt(10, 0, blocks=10), [0, 0])
+    load = [0, 0]
+    load[first] = 1
+    assert r.pick(template + _prompt(11, 0, blocks=10), load) == 1 - first, "1 block of 11 matched: under 30%"
+    assert r.routed == {"load": 2}
+    load = [0, 0]
+    load[first] = 1
+    assert r.pick(template + _prompt(10, 0, blocks=10)[:4 * BLOCK], load) == first, "5 of 5 matched"
+
+
+def test_of_replicas_that_match_alike_the_less_loaded_takes_it():
+    r = PrefixRouter(2)
+    a = r.pick(_prompt(3, 0), [0, 0])
+    b = r.pick(_prompt(3, 1), [9, 0] if a == 0 else [0, 9])  # (past the slack: the other, which then holds it too)
+    assert b == 1 - a
+    assert r.pick(_prompt(3, 2), [5, 2]) == 1, "both hold its 4 blocks: the less loaded"
+    assert r.pick(_prompt(3, 3), [2, 5]) == 0
 
 
 def test_the_longest_match_wins_and_memory_is_bounded():
@@ -79,5 +115,18 @@ def test_replicas_generate_routes_and_answers_as_generate():
         d = reps.modules[0].stats()["decode"]["prefix_cache"]
         assert d["prefix_cache_hits"] == 2 * 4 * BLOCK
         assert reps.stats()["cpu"]["inflight"] == 0
+    finally:
+        reps.close()
+
+
+def test_replicas_take_load_routing_and_refuse_an_unknown_one():
+    from graphwrap import GraphwrapError, Replicas
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(GraphwrapError, match="routing must be one of"):
+        Replicas(model, devices=["cpu"], routing="round-robin")
+    reps = Replicas(model, devices=["cpu"], routing="load")
+    try:
+        assert reps.routing == "load"
     finally:
         reps.close()

@@ -22,6 +22,8 @@ from ..loops.batcher import Batcher
 from ..module import GraphedModule, options_of
 from .routing import PrefixRouter
 
+ROUTINGS = ("prefix", "load")
+
 
 class _Replica:
     __slots__ = ("device", "gm", "batcher", "inflight")
@@ -39,17 +41,21 @@ class Replicas:
             returns the module for a device (to build each copy in place, or load weights there).
         devices: the devices (default: every CUDA device; the CPU where there is none).
         batcher: keyword arguments of each :class:`Batcher` (``max_delay_ms``, ...).
+        routing: where ``generate`` calls go: ``"prefix"`` (the default, below) or ``"load"``
+            (always the least loaded).
         **graphed: keyword arguments of each :class:`GraphedModule` (``compile``, ...).
 
     ``replicas(*args, **kwargs)``, ``submit(...)`` and ``await acall(...)`` are the Batcher's
     calls, on the replica with the fewest requests in flight. ``generate`` and
     ``submit_generate`` go to the replica that served a prompt starting alike, where its prefix
-    cache may hold it (:mod:`.routing`), else to the least loaded.
+    cache may hold it (:mod:`.routing`), else to the least loaded (``routing="prefix"``).
     """
 
     def __init__(self, model: Union[nn.Module, Callable[[torch.device], nn.Module]],
                  devices: Optional[Sequence[Union[str, torch.device]]] = None, *, batcher: Optional[dict] = None,
-                 **graphed: Any) -> None:
+                 routing: str = "prefix", **graphed: Any) -> None:
+        if routing not in ROUTINGS:
+            raise GraphwrapError(f"routing must be one of {ROUTINGS}, got {routing!r}")
         if devices is None:
             n = torch.cuda.device_count() if torch.cuda.is_available() else 0
             devices = [f"cuda:{i}" for i in range(n)] or ["cpu"]
@@ -77,6 +83,7 @@ class Replicas:
         self._lock = threading.Lock()
         self._turn = itertools.count()
         self._router = PrefixRouter(len(self._replicas))  # (generate calls: routing.py)
+        self.routing = routing
         self._closed = False
 
     @property
@@ -91,12 +98,15 @@ class Replicas:
         with self._lock:
             if self._closed:
                 raise GraphwrapError("these Replicas are closed: make new ones to serve more requests")
-            reps = self._replicas
-            start = next(self._turn) % len(reps)
-            best = min(range(len(reps)), key=lambda i: (reps[i].inflight, (i - start) % len(reps)))
-            r = reps[best]
+            r = self._replicas[self._least()]
             r.inflight += 1
             return r
+
+    def _least(self, start: Optional[int] = None) -> int:
+        """The replica with the fewest calls in flight (ties: the next in turn). Under the lock."""
+        reps = self._replicas
+        start = next(self._turn) % len(reps) if start is None else start
+        return min(range(len(reps)), key=lambda i: (reps[i].inflight, (i - start) % len(reps)))
 
     def _done(self, r: _Replica):
         with self._lock:
@@ -160,7 +170,12 @@ class Replicas:
             if self._closed:
                 raise GraphwrapError("these Replicas are closed: make new ones to serve more requests")
             reps = self._replicas
-            r = reps[self._router.pick(tokens, [x.inflight for x in reps], next(self._turn) % len(reps))]
+            start = next(self._turn) % len(reps)
+            if self.routing == "prefix":
+                r = reps[self._router.pick(tokens, [x.inflight for x in reps], start)]
+            else:
+                r = reps[self._least(start)]
+                self._router.routed["load"] += 1
             r.inflight += 1
             return r
 

@@ -7,8 +7,8 @@ sequence on the engine deployment through its handle: each engine replica holds 
 shared decode batch on a GPU of its own, and streams a sequence's tokens back. The handle picks
 the engine replica with :class:`PrefixRequestRouter` (Ray's request-router interface, Ray 2.46
 or later): the replica that was given a prompt starting alike, whose prefix cache may still hold
-it, unless it has ``SLACK`` more requests queued than the least loaded; else Ray's own choice
-among them all (the least loaded of those it probes). Ray is imported here only.
+it, by the rules of :func:`graphwrap.serve.routing.choose` over Ray's cached queue lengths; else
+Ray's own choice among them all (the least loaded of those it probes). Ray is imported here only.
 
 What crosses from an engine replica, in order: ``("q", error, replica)`` once the sequence is
 queued (error None) or refused (``(kind, message)``, nothing follows); ``("t", tokens,
@@ -22,7 +22,7 @@ import concurrent.futures
 import logging
 from typing import Any, Dict, List, Optional
 
-from ..routing import REMEMBERED, SLACK, block_hashes, matched, remember
+from ..routing import BALANCE, REMEMBERED, SHARE, SLACK, block_hashes, choose, remember
 from .engines import Ended, Feed, ModelInfo, batch_stats, error_kind, queue_error
 
 logger = logging.getLogger("graphwrap.serve")
@@ -37,28 +37,25 @@ except ImportError:  # (an older Ray: its own routing, with a warning)
 if _RequestRouter is not None:
     class PrefixRequestRouter(_RequestRouter):
         """An engine replica for each handle call of ``generate(ids, ...)``: the one given a
-        prompt that starts alike (within ``slack`` requests of the least loaded, as far as Ray's
-        cache of queue lengths knows), else all of them for Ray to choose among."""
+        prompt that starts alike (``routing.choose``, with the loads Ray's cache of queue lengths
+        knows), else all of them for Ray to choose among."""
 
-        def initialize_state(self, slack: int = SLACK, remembered: int = REMEMBERED, **kwargs):
+        def initialize_state(self, slack: float = SLACK, balance: float = BALANCE, share: float = SHARE,
+                             remembered: int = REMEMBERED, **kwargs):
             self.seen: Dict[Any, Any] = {}  # replica id -> the block hashes it was given
-            self.slack, self.remembered = slack, remembered
+            self.slack, self.balance, self.share, self.remembered = slack, balance, share, remembered
 
         async def choose_replicas(self, candidate_replicas, pending_request=None):
             hashes = _hashes(pending_request)
             if not hashes or len(candidate_replicas) < 2:
                 return [candidate_replicas]
             cache = self.replica_queue_len_cache
-            load = {r.replica_id: cache.get(r.replica_id) or 0 for r in candidate_replicas}
-            least = min(load.values())
-            best, most = None, 0
-            for r in candidate_replicas:
-                seen = self.seen.get(r.replica_id)
-                k = matched(hashes, seen) if seen is not None else 0
-                if k > most and load[r.replica_id] <= least + self.slack:
-                    best, most = r, k
-            if best is None:
+            load = [cache.get(r.replica_id) or 0 for r in candidate_replicas]
+            seen = [self.seen.get(r.replica_id) for r in candidate_replicas]
+            i = choose(hashes, seen, load, self.slack, self.balance, self.share)
+            if i is None:
                 return [candidate_replicas]
+            best = candidate_replicas[i]
             return [[best], [r for r in candidate_replicas if r is not best]]
 
         def on_request_routed(self, pending_request, replica_id, result):
