@@ -112,6 +112,10 @@ def main():
     print(f"{len(devices)} replicas made in {time.perf_counter() - t0:.1f} s", flush=True)
     print("first run (captures included):", flush=True)
     first = one_run(reps, a, vocab, 0, "prefix")
+    for d, gm in zip(devices, reps.modules):
+        off = (gm.stats().get("decode") or {}).get("off")
+        if off is not None:
+            raise SystemExit(f"{d}: the shared batch does not serve ({off}): nothing here would say what routing does")
     runs = []
     for i in range(a.repeats):
         for routing in ("load", "prefix"):

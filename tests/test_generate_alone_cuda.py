@@ -128,47 +128,56 @@ def test_2000_requests_5_percent_bad_from_threads_and_tasks_each_end_alone_and_r
             await asyncio.gather(*(task_worker(indices[k::64]) for k in range(64)))
         asyncio.run(main())
 
-    idx = list(range(len(plan)))
-    thread_idx, task_idx = idx[0::2], idx[1::2]
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=thread_worker, args=(thread_idx[k::64],)) for k in range(64)]
-    threads.append(threading.Thread(target=tasks_thread, args=(task_idx,)))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    took = time.perf_counter() - t0
-    assert not any(t.is_alive() for t in threads), "a request never ended"
-    wrong, counts = [], {}
-    for i, ((kind, g), out) in enumerate(zip(plan, results)):
-        counts[kind] = counts.get(kind, 0) + 1
-        if kind in ("good", "slow_streamer", "eos_outside"):
-            ok = isinstance(out, torch.Tensor) and torch.equal(out.cpu(), want[g])
-        elif kind == "past_positions":
-            ok = isinstance(out, GraphwrapError) and f"the model has {POSITIONS} positions" in str(out)
-        elif kind in ("criterion", "streamer_raises"):
-            ok = isinstance(out, Raises)
-        else:  # cancel: cancelled, or finished first with the right tokens
-            ok = out == "cancelled" or (isinstance(out, torch.Tensor) and torch.equal(out.cpu(), want[g]))
-        if not ok:
-            wrong.append((i, kind, repr(out)[:200]))
-    assert not wrong, (len(wrong), wrong[:5])
-    deadline = time.monotonic() + 30
-    d = gm.stats()["decode"]
-    while (d["rows_busy"] or d["queued"]) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    def one_pass():
+        """The plan from 64 threads and 64 tasks; every answer checked; the batch idle after."""
+        results[:] = [None] * len(plan)
+        idx = list(range(len(plan)))
+        thread_idx, task_idx = idx[0::2], idx[1::2]
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=thread_worker, args=(thread_idx[k::64],)) for k in range(64)]
+        threads.append(threading.Thread(target=tasks_thread, args=(task_idx,)))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        took = time.perf_counter() - t0
+        assert not any(t.is_alive() for t in threads), "a request never ended"
+        wrong, counts = [], {}
+        for i, ((kind, g), out) in enumerate(zip(plan, results)):
+            counts[kind] = counts.get(kind, 0) + 1
+            if kind in ("good", "slow_streamer", "eos_outside"):
+                ok = isinstance(out, torch.Tensor) and torch.equal(out.cpu(), want[g])
+            elif kind == "past_positions":
+                ok = isinstance(out, GraphwrapError) and f"the model has {POSITIONS} positions" in str(out)
+            elif kind in ("criterion", "streamer_raises"):
+                ok = isinstance(out, Raises)
+            else:  # cancel: cancelled, or finished first with the right tokens
+                ok = out == "cancelled" or (isinstance(out, torch.Tensor) and torch.equal(out.cpu(), want[g]))
+            if not ok:
+                wrong.append((i, kind, repr(out)[:200]))
+        assert not wrong, (len(wrong), wrong[:5])
+        deadline = time.monotonic() + 30
         d = gm.stats()["decode"]
-    assert d["rows_busy"] == 0 and d["queued"] == 0, d
-    torch.cuda.synchronize()
-    grown = torch.cuda.memory_allocated() - mem0
+        while (d["rows_busy"] or d["queued"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            d = gm.stats()["decode"]
+        assert d["rows_busy"] == 0 and d["queued"] == 0, d
+        torch.cuda.synchronize()
+        print(f"\n2000 requests ({counts}) in {took:.1f} s on {torch.cuda.get_device_name()}; memory allocated "
+              f"since the start: {(torch.cuda.memory_allocated() - mem0) / 2**20:.1f} MiB; decode stats: done "
+              f"{d['done']}, failed {d['failed']}, cancelled {d['cancelled']}, steps {d['steps']}, rows per step "
+              f"{d['rows_per_step']:.1f}")
+        return torch.cuda.memory_allocated()
+
+    first = one_pass()
+    # The first pass captures the shapes it meets (with prefix caching, the rests of prompts
+    # found cached are shapes of their own): graph memory, bounded by the shapes. Nothing per
+    # request stays: the same 2,000 requests again leave the memory as it was.
+    grown = one_pass() - first
+    assert grown < 32 * 2**20, grown
     # The CUDA context is alive, and the batch serves on.
     assert torch.equal(gm.generate(torch.tensor([good[1][0]], device=DEV), max_new_tokens=good[1][1],
                                    do_sample=False).cpu(), want[good[1]])
-    print(f"\n2000 requests ({counts}) in {took:.1f} s on {torch.cuda.get_device_name()}; memory allocated "
-          f"after - before: {grown / 2**20:.1f} MiB; decode stats: done {d['done']}, failed {d['failed']}, "
-          f"cancelled {d['cancelled']}, steps {d['steps']}, rows per step {d['rows_per_step']:.1f}")
-    # Graph captures of new shapes during the run may add pool memory; nothing per request stays.
-    assert grown < 256 * 2**20, grown
     gm.close()
 
 

@@ -32,6 +32,19 @@ logger = logging.getLogger("graphwrap")
 _GRAPHSAFE = all(hasattr(torch.Generator, n) for n in ("graphsafe_get_state", "graphsafe_set_state", "clone_state"))
 
 
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` this thread's current CUDA device (nothing for a CPU). A thread that serves
+    a model on a GPU other than the process's current one needs it: new streams, Triton's
+    launches and events read the current device, not the tensors' (``Replicas`` on ``cuda:1``)."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device.index)
+
+
+def on_device(device: torch.device):
+    """A context with ``device`` the current CUDA device (nothing for a CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
 def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else ""

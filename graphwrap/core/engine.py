@@ -293,6 +293,13 @@ class Engine:
         device = self.where if isinstance(self.where, torch.device) else None
         if device is not None:
             args, kwargs = to_device_shallow((args, kwargs), device)
+        if device is not None and device.type == "cuda" and device.index is not None \
+                and device.index != _current_device():  # (Triton's launches read the current device)
+            with torch.cuda.device(device):
+                return self._eager(args, kwargs, grad)
+        return self._eager(args, kwargs, grad)
+
+    def _eager(self, args, kwargs, grad: bool):
         if grad or not grad_on() or requires_grad_shallow((args, kwargs)):
             return self.module(*args, **kwargs)
         with torch.no_grad():

@@ -31,7 +31,7 @@ from typing import Deque, List, Optional, Set, Tuple
 
 import torch
 
-from ...capture.cuda import first_line
+from ...capture.cuda import first_line, use_device
 from ...core.reasons import Eager
 from ..kernels.attention import without_cudnn
 from .shapes import COVERED, EAGER, GRAPH, NEEDED, Shapes
@@ -123,6 +123,7 @@ class Captures:
         self.running: Optional[tuple] = None
         self.stopped = False
         self.thread: Optional[threading.Thread] = None
+        self.device: torch.device = server.device
         self.stream = torch.cuda.Stream(server.device) if server.device.type == "cuda" else None
         self.seconds = 0.0
         self.done = 0
@@ -218,6 +219,7 @@ class Captures:
             return self.running
 
     def _run(self):
+        use_device(self.device)  # (the batch's GPU, whichever is the process's current one)
         while True:
             job = self._next()
             if job is None:

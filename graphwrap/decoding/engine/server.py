@@ -35,6 +35,7 @@ from typing import Counter, DefaultDict, Deque, Dict, List, Optional, Tuple, cas
 
 import torch
 
+from ...capture.cuda import use_device
 from ...core.engine import Engine
 from ...errors import GraphwrapError
 from ..cache.pages import PagedStore
@@ -524,6 +525,7 @@ def _weak_abort(server: DecodeServer):
 
 def _decode_thread(server: DecodeServer):
     try:
+        use_device(server.device)  # (a model on another GPU than the process's current one)
         server._run()
     finally:
         let_go(server)
