@@ -31,6 +31,7 @@ writer of capture state and of what serves a bucket. Nothing under ``lock`` capt
 times or waits for the device: a capture claims its bucket, runs outside the lock and installs
 its graph under it.
 """
+import contextlib
 import logging
 import threading
 from typing import Any, Callable, Dict, Optional
@@ -67,6 +68,15 @@ EXACT_LENGTHS = 32  # graphs per exact length of a key whose padding is refused,
 # None on a torch built without CUDA: then no plan's device is "cuda".
 _current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", None)  # type: ignore[assignment]
 _GLOBAL_PRE, _GLOBAL_POST = GLOBAL_TABLES  # torch.nn's global forward hook tables (mutated in place)
+
+
+def _current(device: Optional[torch.device]):
+    """A context where ``device`` (a GPU other than the current one) is current: Triton's
+    launches, new streams and events read the current device, not the tensors'."""
+    if device is not None and device.type == "cuda" and device.index is not None \
+            and device.index != _current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 class Engine:
@@ -293,16 +303,8 @@ class Engine:
         device = self.where if isinstance(self.where, torch.device) else None
         if device is not None:
             args, kwargs = to_device_shallow((args, kwargs), device)
-        if device is not None and device.type == "cuda" and device.index is not None \
-                and device.index != _current_device():  # (Triton's launches read the current device)
-            with torch.cuda.device(device):
-                return self._eager(args, kwargs, grad)
-        return self._eager(args, kwargs, grad)
-
-    def _eager(self, args, kwargs, grad: bool):
-        if grad or not grad_on() or requires_grad_shallow((args, kwargs)):
-            return self.module(*args, **kwargs)
-        with torch.no_grad():
+        keep = grad or not grad_on() or requires_grad_shallow((args, kwargs))
+        with _current(device), contextlib.nullcontext() if keep else torch.no_grad():
             return self.module(*args, **kwargs)
 
     def eager(self, args, kwargs, why: Eager):
