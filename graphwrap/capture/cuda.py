@@ -11,6 +11,7 @@ import os
 import sys
 import time
 import weakref
+from typing import Optional
 
 import torch
 
@@ -41,9 +42,14 @@ def use_device(device: torch.device) -> None:
         torch.cuda.set_device(device.index)
 
 
-def on_device(device: torch.device):
-    """A context with ``device`` the current CUDA device (nothing for a CPU)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+def on_device(device: Optional[torch.device]):
+    """A context with ``device`` the current CUDA device where it is a GPU other than the current
+    one (else nothing: one C call on the per-call path)."""
+    if device is not None and device.type == "cuda" and device.index is not None \
+            and device.index != torch._C._cuda_getDevice():
+        return torch.cuda.device(device.index)
+    return contextlib.nullcontext()
+
 
 def first_line(e: BaseException) -> str:
     text = str(e).strip()

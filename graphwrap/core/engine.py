@@ -41,6 +41,7 @@ import torch
 from .. import _compat
 from ..capture.backend import CudaBackend
 from ..capture.capturer import Capturer
+from ..capture.cuda import on_device
 from ..errors import GraphwrapError
 from ..loops.calls import call_general
 from ..loops.joins import Joins
@@ -68,15 +69,6 @@ EXACT_LENGTHS = 32  # graphs per exact length of a key whose padding is refused,
 # None on a torch built without CUDA: then no plan's device is "cuda".
 _current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", None)  # type: ignore[assignment]
 _GLOBAL_PRE, _GLOBAL_POST = GLOBAL_TABLES  # torch.nn's global forward hook tables (mutated in place)
-
-
-def _current(device: Optional[torch.device]):
-    """A context where ``device`` (a GPU other than the current one) is current: Triton's
-    launches, new streams and events read the current device, not the tensors'."""
-    if device is not None and device.type == "cuda" and device.index is not None \
-            and device.index != _current_device():
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
 
 
 class Engine:
@@ -304,7 +296,7 @@ class Engine:
         if device is not None:
             args, kwargs = to_device_shallow((args, kwargs), device)
         keep = grad or not grad_on() or requires_grad_shallow((args, kwargs))
-        with _current(device), contextlib.nullcontext() if keep else torch.no_grad():
+        with on_device(device), contextlib.nullcontext() if keep else torch.no_grad():
             return self.module(*args, **kwargs)
 
     def eager(self, args, kwargs, why: Eager):

@@ -92,7 +92,7 @@ def server_of(held: dict, module) -> Tuple[object, Optional[str]]:
         # the decode thread, which inference tensors forbid.
         with torch.inference_mode(False):
             try:
-                with on_device(_device(module) or torch.device("cpu")):  # (its probe and buffers: the model's GPU)
+                with on_device(_device(module)):  # (its probe and buffers: the model's GPU)
                     server, why = _make(held, module)
             except Exception as e:  # noqa: BLE001 - out of memory, say: the one-call loop serves, once decided
                 server, why = None, f"the shared decode batch could not be made ({type(e).__name__}: {_first_line(e)})"
