@@ -102,6 +102,36 @@ def test_the_first_burst_is_served_while_its_shapes_are_captured_beside_it(monke
     assert not server.captures.thread.is_alive()
 
 
+def test_the_capturing_thread_makes_its_twins_and_inputs_on_its_own_stream(monkeypatch):
+    """Its captures run on streams ordered after the capturing thread's stream. A twin's table
+    or a capture's ids made on the default stream were read unordered, possibly before they were
+    written: the likely cause of an embedding's index out of bounds, on 48 rows while the step of
+    48 rows was captured, beside a 7,900-token prompt on an H200 (2026-11-29)."""
+    from graphwrap.decoding.cache.pages import PagedStore
+    from graphwrap.decoding.engine.captures import Captures
+
+    seen, twin, inputs = [], PagedStore.twin, Captures._inputs
+
+    def noted(f):
+        def run(*a, **k):
+            seen.append((threading.current_thread().name, torch.cuda.current_stream().cuda_stream))
+            return f(*a, **k)
+        return run
+
+    monkeypatch.setattr(PagedStore, "twin", noted(twin))
+    monkeypatch.setattr(Captures, "_inputs", noted(inputs))
+    model = _model("llama")
+    gm = GraphedModule(model)
+    reqs = _requests(8, seed=3)
+    thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False), 8)
+    server = gm.__dict__["_gw_decode"]
+    assert server.captures.finish(120)
+    own = server.captures.stream.cuda_stream
+    assert seen and {s for _, s in seen} == {own}, (seen, own)
+    assert {t for t, _ in seen} == {"graphwrap-decode-capture"}
+    gm.close()
+
+
 def test_sampling_with_a_seed_repeats_alone_and_in_a_full_batch():
     model = _model()
     gm = GraphedModule(model)

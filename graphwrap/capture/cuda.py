@@ -42,6 +42,17 @@ def use_device(device: torch.device) -> None:
         torch.cuda.set_device(device.index)
 
 
+def stream_after(device: torch.device) -> Optional[torch.cuda.Stream]:
+    """A stream for a thread of its own on ``device`` (None on a CPU), whose work comes after
+    what this thread's current stream has queued: a thread that reads tensors made here (a
+    cache zeroed, a table written) must not read them before they are written."""
+    if device.type != "cuda":
+        return None
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
+
+
 def on_device(device: Optional[torch.device]):
     """A context with ``device`` the current CUDA device where it is a GPU other than the current
     one (else nothing: one C call on the per-call path)."""

@@ -31,7 +31,7 @@ from typing import Deque, List, Optional, Set, Tuple
 
 import torch
 
-from ...capture.cuda import first_line, use_device
+from ...capture.cuda import first_line, stream_after, use_device
 from ...core.reasons import Eager
 from ..kernels.attention import without_cudnn
 from .shapes import COVERED, EAGER, GRAPH, NEEDED, Shapes
@@ -124,7 +124,7 @@ class Captures:
         self.stopped = False
         self.thread: Optional[threading.Thread] = None
         self.device: torch.device = server.device
-        self.stream = torch.cuda.Stream(server.device) if server.device.type == "cuda" else None
+        self.stream = stream_after(server.device)  # (its twins read the cache's tensors, made on this one)
         self.seconds = 0.0
         self.done = 0
         self.serving = 0  # calls of the batch in flight: captures run only while there are some
@@ -220,6 +220,13 @@ class Captures:
 
     def _run(self):
         use_device(self.device)  # (the batch's GPU, whichever is the process's current one)
+        # Everything this thread makes (twins, inputs) and runs is on its own stream, which the
+        # capture's streams wait for: made on the default stream, a tensor could be read before
+        # it was written (the likely cause of an embedding's index out of bounds on an H200).
+        with on_stream(self.stream):
+            self._jobs()
+
+    def _jobs(self):
         while True:
             job = self._next()
             if job is None:

@@ -35,7 +35,7 @@ from typing import Counter, DefaultDict, Deque, Dict, List, Optional, Tuple, cas
 
 import torch
 
-from ...capture.cuda import use_device
+from ...capture.cuda import stream_after, use_device
 from ...core.engine import Engine
 from ...errors import GraphwrapError
 from ..cache.pages import PagedStore
@@ -139,7 +139,7 @@ class DecodeServer:
         self.lag: Deque[float] = collections.deque(maxlen=KEEP)  # a token's made-to-streamer seconds
         self.sinks = Sinks(self.lag, _weak_abort(self))  # (a bound method would make the batch a cycle)
         self.waits: Deque[float] = collections.deque(maxlen=KEEP)
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.stream = stream_after(self.device)  # (the cache was zeroed on this one: the thread's writes come after)
         self.shapes = Shapes(self.stream is not None)
         self.twins: Dict[tuple, PagedStore] = {}  # shape -> the twin of the cache its graph was captured over
         # compile=: the engines whose compiled graphs replace plain ones, by kind ("step", "prefill",
