@@ -52,9 +52,23 @@ def start(server):
     span, whole = store.step_span(1), store.step_span(server.max_len)
     if getattr(store, "kernel", False):  # (two windows serve every step: the short rows' first)
         caps.want(("step", server.sched.row_buckets[-1], span), AHEAD)
+        for shape in piece_shapes(server):  # (one span each: a process's first long prompt finds them captured)
+            caps.want(shape, AHEAD)
         if whole != span:
             caps.want(("step", server.sched.row_buckets[-1], whole), COVERED)
     return caps, Shapes(True, caps.want)
+
+
+def piece_shapes(server) -> List[tuple]:
+    """The shapes of a long prompt's pieces, beside decoding rows and alone, for each span bucket
+    a piece meets (one where the attention reads the pool in place); none where no prompt goes in
+    pieces (positions within the chunk and no prefix cached)."""
+    store = server.store
+    cached = server.sched.pool is not None and server.sched.pool.prefixes is not None
+    if server.piece_engine is None or not (server.max_len > server.chunk or cached):  # (a cached prompt's rest: a piece)
+        return []
+    return [("piece", width, span) for width in sorted({server.piece, server.piece_alone})
+            for span in sorted({store.piece_span(b) for b in server.sched.span_buckets if b >= width})]
 
 
 def every_shape(server, timeout: Optional[float] = None) -> bool:
@@ -72,11 +86,8 @@ def every_shape(server, timeout: Optional[float] = None) -> bool:
     for k in server.prompts.row_buckets:
         for width in server.prompts.width_buckets:
             caps.want(("prefill", k, width), AHEAD)
-    cached = server.sched.pool is not None and server.sched.pool.prefixes is not None
-    if server.piece_engine is not None and (server.max_len > server.chunk or cached):  # (a cached prompt's rest: a piece)
-        for width in sorted({server.piece, server.piece_alone}):
-            for span in sorted({store.piece_span(b) for b in server.sched.span_buckets if b >= width}):
-                caps.want(("piece", width, span), AHEAD)
+    for shape in piece_shapes(server):
+        caps.want(shape, AHEAD)
     if server.mixed_engine is not None:  # (a piece beside decoding rows inside their step)
         for n in server.sched.row_buckets:
             caps.want(("mixed", n, server.piece), AHEAD)
