@@ -27,6 +27,27 @@ def test_quick_suite_runs_on_cpu(tmp_path):
     assert {"scenario", "strategy", "median", "min", "max", "cold_start_s"} <= set(header)
 
 
+def test_the_scheduler_benchmark_runs_every_part_on_a_cpu(tmp_path):
+    """benchmarks/scheduler.py on a Llama of a few layers: the short requests alone and beside a
+    long prompt (the first and a later one), prompts alone against eager, a burst, for each
+    budget asked; its figures written."""
+    pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+    out = tmp_path / "s.json"
+    r = subprocess.run([sys.executable, os.path.join("benchmarks", "scheduler.py"), "--model", "tiny", "--device",
+                        "cpu", "--long", "600", "--alone", "100,600", "--bursts", "8", "--repeats", "1", "--budget",
+                        "0,1024", "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["shorts_alone"]["s"] > 0 and [s["budget"] for s in data["settings"]] == [0, 1024]
+    for s in data["settings"]:
+        assert len(s["beside"]) == 2 and all(b["long_ttft_s"] <= b["shorts_s"] + 60 and b["long_ttft_s"] > 0
+                                             for b in s["beside"])
+        assert set(s["alone"]) == {"100", "600"} and all(a["eager_s"] > 0 for a in s["alone"].values())
+        assert s["bursts"]["8"]["tok_s"] > 0
+    assert "(first long prompt)" in r.stdout and data["settings"][1]["counts"]["budget_pieces"] > 0
+
+
 def test_a_suite_that_needs_a_missing_package_is_left_out_and_the_others_still_run(tmp_path, monkeypatch, capsys):
     """The GPU branch of run.py with two stand-in suites: one whose import of an optional
     package fails, one that runs; results are written for the one that ran."""
