@@ -53,7 +53,8 @@ def one_setting(model, label: str, decode, levels, repeats: int, device) -> dict
     for n in levels:
         prompts = requests(n, model.config.vocab_size, seed=n)
         first = burst(gm, prompts, device)
-        warm = [burst(gm, prompts, device) for _ in range(repeats)]
+        # (each warm burst's prompts its own: a prompt sent again is served from the prefix cache)
+        warm = [burst(gm, requests(n, model.config.vocab_size, seed=n + 1000 * (r + 1)), device) for r in range(repeats)]
         tokens = n * NEW
         m = statistics.median(warm)
         out[n] = {"first_s": round(first, 3), "warm_s": [round(t, 3) for t in warm],

@@ -46,6 +46,14 @@ def workload(vocab: int, n: int = REQUESTS, seed: int = 0):
     return [(torch.randint(3, vocab, (1, p), generator=g), k) for p, k in zip(lens, news)]
 
 
+def renewed(reqs, seed: int, vocab: int):
+    """The requests' prompt lengths and new tokens, with prompts of new ids: graphwrap caches
+    prompts' prefixes, so a prompt sent again would be served from the cache, where
+    ``model.generate`` and the peers compute it again (each warm run here sends prompts of its own)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(3, vocab, tuple(p.shape), generator=g), k) for p, k in reqs]
+
+
 def _model(name, device):
     from decode import _model as make
 
@@ -104,17 +112,26 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def closed_loop(gm, reqs, device, seconds):
-    """64 client threads, each sending its next request when its last ends."""
+def _sender(reqs, vocab: int, device, c: int):
+    """A client's requests in turn, each prompt of new ids (``renewed``), on ``device``."""
+    g = torch.Generator().manual_seed(1_000 + c)
+
+    def send(i):
+        p, k = reqs[i % len(reqs)]
+        return torch.randint(3, vocab, tuple(p.shape), generator=g).to(device), k
+    return send
+
+
+def closed_loop(gm, reqs, device, seconds, vocab: int):
+    """64 client threads, each sending its next request (a prompt of its own) when its last ends."""
     stop = time.perf_counter() + seconds
     made, clocks, lock = [0], [], threading.Lock()
-    ids = [p.to(device) for p, _ in reqs]
 
     def client(c):
-        i = c
+        i, send = c, _sender(reqs, vocab, device, c)
         while time.perf_counter() < stop:
-            k = reqs[i % len(reqs)][1]
-            gm.generate(input_ids=ids[i % len(reqs)], max_new_tokens=k, do_sample=False)
+            ids, k = send(i)
+            gm.generate(input_ids=ids, max_new_tokens=k, do_sample=False)
             with lock:
                 made[0] += k
             i += CLIENTS
@@ -127,21 +144,19 @@ def closed_loop(gm, reqs, device, seconds):
     return made[0] / (time.perf_counter() - t0), clocks
 
 
-def closed_loop_async(gm, reqs, device, seconds):
+def closed_loop_async(gm, reqs, device, seconds, vocab: int):
     """The same closed loop from 64 asyncio coroutines in one event loop (``await gm.agenerate``)."""
     import asyncio
-
-    ids = [p.to(device) for p, _ in reqs]
 
     async def main():
         stop = time.perf_counter() + seconds
         made = [0]
 
         async def client(c):
-            i = c
+            i, send = c, _sender(reqs, vocab, device, c)
             while time.perf_counter() < stop:
-                k = reqs[i % len(reqs)][1]
-                await gm.agenerate(input_ids=ids[i % len(reqs)], max_new_tokens=k, do_sample=False)
+                ids, k = send(i)
+                await gm.agenerate(input_ids=ids, max_new_tokens=k, do_sample=False)
                 made[0] += k
                 i += CLIENTS
 
@@ -235,12 +250,13 @@ def run(results, device, quick: bool, repeats: int, models=("gpt2", "llama"), se
         gm = GraphedModule(model)
         cold, *_ = burst(gm, reqs, device)
         print(f"  [{case}] first burst (captures the step's graphs): {cold:.2f} s", flush=True)
+        vocab = model.config.vocab_size
         for r in range(1 if quick else 3):
             fresh_latencies(gm)
-            t, done, _, _ = burst(gm, reqs, device)
+            t, done, _, _ = burst(gm, renewed(reqs, 1 + r, vocab), device)
             _report(results, case, "gm.generate from 64 threads (default settings)", t, tokens, server_latencies(gm),
                     f", median request done after {statistics.median(done):.2f} s")
-        t, _, clocks, _ = burst(gm, reqs, device, stream=True)
+        t, _, clocks, _ = burst(gm, renewed(reqs, 10, vocab), device, stream=True)
         ttft, tpot = latencies(clocks)
         _report(results, case, "the same, each request with a streamer", t, tokens, {
             "ttft_p50_ms": 1e3 * pct(ttft, .5), "ttft_p99_ms": 1e3 * pct(ttft, .99),
@@ -248,14 +264,14 @@ def run(results, device, quick: bool, repeats: int, models=("gpt2", "llama"), se
         _stats(case, gm)
         span = 3.0 if quick else seconds
         fresh_latencies(gm)
-        rate, _ = closed_loop(gm, reqs, device, 3.0)  # captures the shapes of prompts that come one or two at a time
+        rate, _ = closed_loop(gm, reqs, device, 3.0, vocab)  # captures the shapes of prompts that come one or two at a time
         _report(results, case, f"first closed loop, {CLIENTS} client threads, 3 s (captures new prompt shapes)", 1.0,
                 rate, server_latencies(gm))
         fresh_latencies(gm)
-        rate, _ = closed_loop(gm, reqs, device, span)
+        rate, _ = closed_loop(gm, reqs, device, span, vocab)
         _report(results, case, f"closed loop, {CLIENTS} client threads, {span:.0f} s", 1.0, rate, server_latencies(gm))
         fresh_latencies(gm)
-        rate = closed_loop_async(gm, reqs, device, span)
+        rate = closed_loop_async(gm, reqs, device, span, vocab)
         _report(results, case, f"closed loop, {CLIENTS} asyncio clients (agenerate), {span:.0f} s", 1.0, rate,
                 server_latencies(gm))
         _stats(case, gm)
@@ -284,7 +300,7 @@ def run(results, device, quick: bool, repeats: int, models=("gpt2", "llama"), se
             gmc = GraphedModule(model, compile=True)
             cold, *_ = burst(gmc, reqs, device)
             fresh_latencies(gmc)
-            t, done, _, _ = burst(gmc, reqs, device)
+            t, done, _, _ = burst(gmc, renewed(reqs, 11, vocab), device)
             _report(results, case, "gm.generate from 64 threads, compile=True", t, tokens, server_latencies(gmc),
                     f" (first burst {cold:.1f} s)")
             gmc.close()

@@ -22,7 +22,7 @@ import statistics
 import time
 
 import torch
-from generate import burst, check_tokens, fresh_latencies, latencies, pct, server_latencies
+from generate import burst, check_tokens, fresh_latencies, latencies, pct, renewed, server_latencies
 
 from graphwrap import GraphedModule
 
@@ -108,9 +108,9 @@ def run(results, device, quick: bool, repeats: int, models=("llama2-7b", "llama3
         _say(case, f"first burst (captures the step's graphs): {cold:.2f} s, {tokens / cold:,.0f} tokens/s")
         _cache(case, gm)
         rates = []
-        for _ in range(1 if quick else 2):
+        for r in range(1 if quick else 2):
             fresh_latencies(gm)
-            t, done, _, _ = burst(gm, reqs, device)
+            t, done, _, _ = burst(gm, renewed(reqs, 1 + r, model.config.vocab_size), device)
             rates.append(tokens / t)
             lat = server_latencies(gm)
             results.add("generate-large", case, "gm.generate from 64 threads (default settings)", [t], "s", None,
@@ -193,13 +193,14 @@ def parted(model, prompt, ours, ref):
             f"{logits[b]:.4f} (margin {logits[a] - logits[b]:.4f}; eager's top two {top2[0]:.4f}, {top2[1]:.4f})")
 
 
-def _long(case, gm, model, device, results):
-    """A 6,000-token prompt sent while 32 requests decode: served, and the others' time per token."""
+def _long(case, gm, model, device, results, seed: int = 0):
+    """A 6,000-token prompt sent while 32 requests decode: served, and the others' time per token.
+    Each ``seed`` gives prompts of their own (a prompt sent again is served from the prefix cache)."""
     from generate import Clock
 
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(7 + seed)
     long_ids = torch.randint(3, model.config.vocab_size, (1, 6000), generator=g).to(device)
-    others = workload(model.config.vocab_size, n=32, seed=3, prompts=(16, 129), news=(200, 201))
+    others = workload(model.config.vocab_size, n=32, seed=3 + 1000 * seed, prompts=(16, 129), news=(200, 201))
     clocks = [Clock() for _ in others]
     import threading
 

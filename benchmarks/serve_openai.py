@@ -127,6 +127,15 @@ def workload(n: int, seed: int = 0, top: int = 30000) -> List[dict]:
              "max_tokens": rng.randint(32, 256)} for _ in range(n)]
 
 
+def renewed(reqs: List[dict], seed: int) -> List[dict]:
+    """The requests with prompts of new words, as many as each had and from the same range
+    (graphwrap's server caches prompts' prefixes: a prompt sent again would be served from its
+    cache, where a peer's server may compute it again); every other field kept."""
+    rng = random.Random(10_000 + seed)
+    top = max(int(w[1:]) for r in reqs for w in r["prompt"].split()) + 1
+    return [dict(r, prompt=" ".join(f"w{rng.randrange(100, top)}" for _ in r["prompt"].split())) for r in reqs]
+
+
 class Chunks:
     """One stream's text chunks as they come: time to the first, the gaps between the others
     (those past STALL with their times), and the usage the server reports."""
@@ -290,7 +299,6 @@ def in_process(model_dir: str, reqs: List[dict], bursts: int) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
     gm = graphwrap.GraphedModule(model)
-    ids = [torch.tensor([[int(w[1:]) for w in r["prompt"].split()]]) for r in reqs]
 
     class Clock:
         def __init__(self):
@@ -304,7 +312,8 @@ def in_process(model_dir: str, reqs: List[dict], bursts: int) -> dict:
         def end(self):
             pass
 
-    def run():
+    def run(reqs):
+        ids = [torch.tensor([[int(w[1:]) for w in r["prompt"].split()]]) for r in reqs]
         clocks = [Clock() for _ in reqs]
         threads = [threading.Thread(target=gm.generate, args=(x,), kwargs=dict(
             max_new_tokens=r["max_tokens"], do_sample=False, streamer=c)) for x, r, c in zip(ids, reqs, clocks)]
@@ -318,8 +327,8 @@ def in_process(model_dir: str, reqs: List[dict], bursts: int) -> dict:
                 "tokens": len(c.times)} for c in clocks]
         return summary(out, wall)
 
-    first = run()
-    warm = [run() for _ in range(bursts)]
+    first = run(reqs)
+    warm = [run(renewed(reqs, i)) for i in range(bursts)]  # (as the servers' warm bursts)
     d = gm.stats()["decode"]  # (the decode thread's seconds by part: to set beside the server's log)
     return {"server": "gm.generate in process", "ready_s": 0.0, "first": first, "warm": warm,
             "decode": {k: d.get(k) for k in ("steps", "thread_s", "delivery_lag_ms", "turn_ms")}}
@@ -353,7 +362,7 @@ def race(name: str, model_dir: str, port: int, reqs: List[dict], bursts: int, lo
         with concurrent.futures.ProcessPoolExecutor(clients, mp_context=ctx) as pool:
             list(pool.map(_imports, range(clients)))
             first = burst(pool, base, model_dir, reqs, proc.pid)
-            warm = [burst(pool, base, model_dir, reqs, proc.pid) for _ in range(bursts)]
+            warm = [burst(pool, base, model_dir, renewed(reqs, i), proc.pid) for i in range(bursts)]
         seen = scrape(port) if name.startswith("graphwrap") else {}
     finally:
         stop(proc)

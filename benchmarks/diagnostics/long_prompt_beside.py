@@ -30,6 +30,7 @@ repository root, on a GPU.
 """
 
 import argparse
+import itertools
 import sys
 import time
 
@@ -43,6 +44,7 @@ from graphwrap.decoding import pieces as graphwrap_pieces  # noqa: E402
 from graphwrap.decoding import server as server_mod  # noqa: E402
 
 DEV = torch.device("cuda")
+SEEDS = itertools.count()  # each run's prompts its own: a prompt sent again is served from the prefix cache
 
 
 class _Results:
@@ -104,7 +106,7 @@ def main():
               f"{len(server.shapes.counts()['shapes'])}, queued: {server.captures.queued() if server.captures else []}", flush=True)
     results = _Results()
     print(f"warm-up run, pieces of {server.piece} (graphs: {server.piece_engine is not None}):", flush=True)
-    _long("warm-up", gm, model, DEV, results)
+    _long("warm-up", gm, model, DEV, results, seed=next(SEEDS))
     d = gm.stats()["decode"]
     print(f"  warm-up: forwards since the batch was made, in a larger graph {d['in_a_larger_graph']}, eager "
           f"{d['eager_forwards']}; queued: {server.captures.queued() if server.captures else []}", flush=True)
@@ -113,7 +115,7 @@ def main():
         if server.piece_engine is not None:  # (pieces of the paged pool; prompts past the chunk go in pieces)
             server.piece = min(w, server.chunk)
             if server.piece != first:  # (its span buckets' graphs captured first, by a run not reported)
-                _long(f"warm-up for pieces of {w}", gm, model, DEV, results)
+                _long(f"warm-up for pieces of {w}", gm, model, DEV, results, seed=next(SEEDS))
         else:
             server.chunk = w
         runs = [(k, b, apart) for k in ([int(x) for x in a.in_flight.split(",")] if a.in_flight else [None])
@@ -135,10 +137,10 @@ def main():
                 from torch.profiler import ProfilerActivity, profile
 
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    _long(label, gm, model, DEV, results)
+                    _long(label, gm, model, DEV, results, seed=next(SEEDS))
                 prof.export_chrome_trace(f"{a.trace}-{len(results.rows)}.json")
             else:
-                _long(label, gm, model, DEV, results)
+                _long(label, gm, model, DEV, results, seed=next(SEEDS))
             args, extra = results.rows[-1]
             print(f"  {label}: forwards since the batch was made, in a larger graph {d['in_a_larger_graph']}, eager "
                   f"{d['eager_forwards']}" if (d := gm.stats()["decode"]) else "", flush=True)

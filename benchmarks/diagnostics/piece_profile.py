@@ -80,7 +80,7 @@ def main():
     print(f"piece_profile: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}",
           flush=True)
     model = big_model(a.model, DEV)
-    gm = GraphedModule(model)
+    gm = GraphedModule(model, decode={"prefix_caching": False})  # (one prompt, sent again and again: none of it cached)
     gm.generate(input_ids=torch.randint(3, 1000, (1, 20), device=DEV), max_new_tokens=2, do_sample=False)
     gm.capture_generate()
     server = gm.__dict__["_gw_decode"]
