@@ -21,7 +21,7 @@ settings, and in this order (the first long prompt must be the process's first):
 Every run draws prompts of its own: the batch caches prompts' prefixes, and a prompt sent again
 would be served from the cache.
 
-``--budget 0,2048`` runs parts 2 to 4 under each value of ``graphwrap.decoding.engine.pieces.BUDGET``
+``--log`` prints graphwrap's log (each capture beside the decode thread, with its time). ``--budget 0,2048`` runs parts 2 to 4 under each value of ``graphwrap.decoding.engine.pieces.BUDGET``
 in turn (0: off), in this one process; ``--prefill-beside`` likewise sets
 ``graphwrap.decoding.engine.server.PREFILL_BESIDE``. ``--json PATH`` writes every figure.
 
@@ -170,8 +170,17 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-pieces-ahead", action="store_true", help="the batch queues no piece shape ahead (as before "
                     "2026-11-29): the first long prompt's pieces are captured when it comes")
+    ap.add_argument("--log", action="store_true", help="graphwrap's log (INFO: each capture beside the decode thread, "
+                    "with its time) with seconds since the start")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
+    if a.log:
+        import logging
+
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("  [log %(relativeCreated).0f ms] %(message)s"))
+        logging.getLogger("graphwrap").addHandler(handler)
+        logging.getLogger("graphwrap").setLevel(logging.INFO)
     if a.no_pieces_ahead:
         from graphwrap.decoding.engine import captures
 
