@@ -34,6 +34,18 @@ def sync():
         torch.cuda.synchronize()
 
 
+def log_with_times():
+    """graphwrap's log, INFO and up, on stdout with milliseconds since the process started (each
+    capture beside the decode thread, with its time)."""
+    import logging
+    import sys
+
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("  [log %(relativeCreated).0f ms] %(message)s"))
+    logging.getLogger("graphwrap").addHandler(handler)
+    logging.getLogger("graphwrap").setLevel(logging.INFO)
+
+
 def environment() -> dict:
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -175,12 +175,9 @@ def main():
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     if a.log:
-        import logging
+        from harness import log_with_times
 
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("  [log %(relativeCreated).0f ms] %(message)s"))
-        logging.getLogger("graphwrap").addHandler(handler)
-        logging.getLogger("graphwrap").setLevel(logging.INFO)
+        log_with_times()
     if a.no_pieces_ahead:
         from graphwrap.decoding.engine import captures
 

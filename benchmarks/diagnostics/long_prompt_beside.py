@@ -74,12 +74,9 @@ def main():
     if a.switch:
         sys.setswitchinterval(a.switch)
     if a.log:
-        import logging
+        from harness import log_with_times
 
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("  [log %(relativeCreated).0f ms] %(message)s"))
-        logging.getLogger("graphwrap").addHandler(handler)
-        logging.getLogger("graphwrap").setLevel(logging.INFO)
+        log_with_times()
     if a.no_cudnn:
         torch.backends.cuda.enable_cudnn_sdp(False)
     print(f"long_prompt_beside: {torch.cuda.get_device_name()}, torch {torch.__version__}, switch interval "
