@@ -69,7 +69,8 @@ def test_the_paged_attention_kernel_reads_each_rows_own_blocks(dtype, hq, hkv, d
     (torch.float32, 4, 2, 64, 32, 300, 32, None, None), (torch.bfloat16, 8, 1, 80, 64, 130, 20, None, None),
     (torch.float16, 32, 8, 128, 128, 700, 128, 100, None), (torch.float32, 8, 4, 64, 16, 900, 9, 40, 5.0),
     (torch.float16, 12, 12, 64, 128, 260, 128, None, None),
-    (torch.bfloat16, 8, 4, 256, 128, 700, 128, 100, 50.0), (torch.float16, 16, 16, 256, 128, 300, 90, None, None)])
+    (torch.bfloat16, 8, 4, 256, 128, 700, 128, 100, 50.0), (torch.float16, 16, 16, 256, 128, 300, 90, None, None),
+    (torch.float16, 32, 8, 128, 512, 3000, 400, None, None), (torch.float16, 32, 8, 128, 512, 5400, 512, None, 30.0)])
 def test_the_piece_attention_kernel_reads_its_rows_blocks_up_to_each_querys_position(dtype, hq, hkv, d, width, start,
                                                                                       valid, window, softcap):
     from graphwrap.decoding.kernels import piece_attention
@@ -86,7 +87,7 @@ def test_the_piece_attention_kernel_reads_its_rows_blocks_up_to_each_querys_posi
     got = piece_attention.attend_piece(query, k_pool, v_pool, line, at, 0.1, window, softcap)
     assert got.shape == (1, width, hq, d)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-    for splits in (1, 2):  # (the keys shared by fewer programs than the default, or by one)
+    for splits in (1, 2, 4):  # (the keys shared by one program or by several, whatever the default)
         alone = piece_attention._launch(query[0], k_pool, v_pool, line, at, 0.1, window or 0, softcap or 0.0,
                                         splits=splits)
         torch.testing.assert_close(alone[None].float(), want.float(), atol=tol, rtol=tol)

@@ -9,7 +9,7 @@ without a mask for scale.
 Median of 20 timed runs after 3, CUDA events, per call.
 
 ``python3 benchmarks/diagnostics/piece_attention.py`` from the repository root, on a GPU;
-``--tune`` times the piece kernel's shapes of work instead (query rows and key positions a
+``--tune [--width 512]`` times the piece kernel's shapes of work instead (query rows and key positions a
 program takes, warps, pipeline stages, splits of the keys), each checked against the reference,
 ten calls in a CUDA graph (as the piece graphs run it: no host launch between them).
 """
@@ -64,19 +64,19 @@ def repeat(x: torch.Tensor) -> torch.Tensor:
     return x[:, :, None].expand(b, kv, H // kv, s, d).reshape(b, H, s, d)
 
 
-def tune():
-    """Each shape of work of the piece kernel, by S, fastest first."""
+def tune(width: int = W):
+    """Each shape of work of the piece kernel for a piece ``width`` wide, by S, fastest first."""
     print(f"piece_attention --tune: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}", flush=True)
+          f"{time.strftime('%Y-%m-%d')}, a piece {width} wide", flush=True)
     configs = [(r, t, 8 if r == 128 else 4, st, sp)
                for r, t, st, sp in itertools.product((32, 64, 128), (64, 128), (2, 3, 4), (1, 2, 4))]
     for S in (1024, 4096, 8192):
         paged = torch.randn(2, S // 16, 16, KV, D, device=DEV, dtype=torch.half)
         blocks = torch.randperm(S // 16, device=DEV)
-        q = torch.randn(1, H, W, D, device=DEV, dtype=torch.half)
-        at = torch.tensor([S - W, W, 0], device=DEV)
+        q = torch.randn(1, H, width, D, device=DEV, dtype=torch.half)
+        at = torch.tensor([S - width, width, 0], device=DEV)
         want = piece_attention.reference(q, paged[0], paged[1], blocks, at)
-        flops = 4 * W * S * D * H
+        flops = 4 * width * S * D * H
         found = []
         for rows, tile, warps, stages, splits in configs:
             def f(rows=rows, tile=tile, warps=warps, stages=stages, splits=splits):
@@ -95,8 +95,10 @@ def tune():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tune", action="store_true", help="the piece kernel's shapes of work timed instead")
-    if ap.parse_args().tune:
-        return tune()
+    ap.add_argument("--width", type=int, default=W, help="--tune: the piece's width (512: a piece alone)")
+    a = ap.parse_args()
+    if a.tune:
+        return tune(a.width)
     print(f"piece_attention: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN "
           f"{torch.backends.cudnn.version()}, {time.strftime('%Y-%m-%d')}", flush=True)
     for S in (1024, 4096, 8192):

@@ -27,36 +27,22 @@ def paged_piece(Q, K, V, LINE, AT, O, PART, ML, scale, window, softcap, sqh, sqi
     m_i = tl.full([ROWS], float("-inf"), tl.float32)  # (in base 2: scores times log2(e))
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DP], tl.float32)
-    t = tl.arange(0, TILE)
     end = tl.max(tl.where(rm, last, 0)) + 1
     first = tl.where(window > 0, tl.maximum(tl.min(tl.where(rm, qpos, end)) - window + 1, 0), 0)
     lo = (first // TILE) * TILE
     share = tl.cdiv(tl.cdiv(end - lo, TILE), SPLITS) * TILE  # keys of each split
     a = lo + tl.program_id(2) * share
     b = tl.minimum(end, a + share)
-    for kstart in range(a, b, TILE):
-        pos = kstart + t
-        pm = pos < end
-        blk = tl.load(LINE + pos // BLOCK, mask=pm, other=0)
-        base = blk.to(tl.int64) * skb + (pos % BLOCK) * skt + h * skh
-        kv_mask = pm[:, None] & dm[None, :]
-        k = tl.load(K + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        if SOFTCAP:
-            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
-        s = s * 1.4426950408889634
-        seen = (pos[None, :] <= last[:, None]) & pm[None, :]
-        if window > 0:
-            seen = seen & (pos[None, :] > qpos[:, None] - window)
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a row that sees nothing in this tile yet)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+    # Tiles every query row of the program sees whole (below the first row's last position, no
+    # window) need no mask: they go first, then the rest under the mask.
+    seen_by_all = tl.where(window > 0, 0, tl.min(tl.where(rm, last, end)) + 1)
+    mid = tl.maximum(a, tl.minimum(b, a + (tl.maximum(seen_by_all - a, 0) // TILE) * TILE))
+    for kstart in range(a, mid, TILE):
+        m_i, l_i, acc = _tile(q, K, V, LINE, m_i, l_i, acc, kstart, end, last, qpos, d, dm, h, scale, window, softcap,
+                              skb, skt, skh, BLOCK, TILE, PREC, SOFTCAP, False)
+    for kstart in range(mid, b, TILE):
+        m_i, l_i, acc = _tile(q, K, V, LINE, m_i, l_i, acc, kstart, end, last, qpos, d, dm, h, scale, window, softcap,
+                              skb, skt, skh, BLOCK, TILE, PREC, SOFTCAP, True)
     if SPLITS == 1:
         out = acc / l_i[:, None]
         tl.store(O + i[:, None] * soi + heads[:, None] * soh + d[None, :], out.to(O.dtype.element_ty),
@@ -66,6 +52,39 @@ def paged_piece(Q, K, V, LINE, AT, O, PART, ML, scale, window, softcap, sqh, sqi
         tl.store(PART + at[:, None] * DP + d[None, :], acc, mask=rm[:, None])
         tl.store(ML + at, m_i, mask=rm)
         tl.store(ML + SPLITS * tl.num_programs(0) * G * W + at, l_i, mask=rm)
+
+
+@triton.jit
+def _tile(q, K, V, LINE, m_i, l_i, acc, kstart, end, last, qpos, d, dm, h, scale, window, softcap, skb, skt, skh,
+          BLOCK: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of keys from ``kstart`` into the online softmax (``MASKED``: each query's own
+    positions and window, and the keys past ``end``; else every key of the tile is seen)."""
+    pos = kstart + tl.arange(0, TILE)
+    pm = pos < end
+    blk = tl.load(LINE + pos // BLOCK, mask=pm, other=0)
+    base = blk.to(tl.int64) * skb + (pos % BLOCK) * skt + h * skh
+    kv_mask = pm[:, None] & dm[None, :]
+    k = tl.load(K + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if SOFTCAP:
+        s = s * scale
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+        s = s * 1.4426950408889634
+    else:
+        s = s * (scale * 1.4426950408889634)
+    if MASKED:
+        seen = (pos[None, :] <= last[:, None]) & pm[None, :]
+        if window > 0:
+            seen = seen & (pos[None, :] > qpos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a row that sees nothing in this tile yet)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
 
 
 @triton.jit

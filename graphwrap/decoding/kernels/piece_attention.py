@@ -8,14 +8,17 @@ kernel that spreads 128 queries over few blocks of work: on a Llama-3-8B shape 5
 piece's 14.6 (``benchmarks/diagnostics/piece_profile.py``). Here each program takes one key
 head and a tile of its query rows (the group's query heads times the piece's positions, as the
 batch's fold lays them out), walks the row's line of the block table a tile of positions at a
-time, only as far as its last query sees, with an online softmax. Four programs share each
-tile of query rows, each over a quarter of its keys, and a second kernel joins their partial
-sums (one program a tile left most of an H200's SMs idle: 1.15 ms of attention a piece on that
-shape, against 5.3 gathered). The piece's place (start, valid positions, row) is read from the
+time, only as far as its last query sees, with an online softmax; the tiles of keys that all
+its queries see whole first, with no mask. Where a piece's tiles of query rows are fewer than
+the GPU's multiprocessors (a piece of 128 beside decoding rows), four programs share each, each
+over a quarter of its keys, and a second kernel joins their partial sums (one program a tile
+left most of an H200's SMs idle: 1.15 ms of attention a piece on that shape, against 5.3
+gathered). The piece's place (start, valid positions, row) is read from the
 device, so one graph of the piece's width serves any place and any length. The kernels' source
 is :mod:`._piece_triton`.
 """
 
+import functools
 import math
 from typing import Optional
 
@@ -24,10 +27,14 @@ import torch
 Tensor = torch.Tensor
 TILE = 64  # key positions a program reads at a time
 ROWS = 64  # query rows (heads of a group x positions) a program takes
-SPLITS = 4  # programs sharing a tile of query rows, each over a quarter of its keys
+SPLITS = 4  # programs sharing a tile of query rows, each over a quarter of its keys, where
+# the tiles are fewer than the GPU's multiprocessors (a piece beside decoding rows); else one
 STAGES = 2  # loads in flight in a program's loop
+WIDE = dict(rows=128, warps=8, stages=4, splits=1)  # ... where the tiles of ROWS fill the GPU, heads of 128 at most
 # (the fastest over 1,024-8,192 keys of the Llama-3-8B shape on an H200, in a graph, with
-# ``benchmarks/diagnostics/piece_attention.py --tune``: 0.049 ms over 4,096 keys, 0.108 without splits)
+# ``benchmarks/diagnostics/piece_attention.py --tune [--width 512]``: a piece of 128, 0.049 ms
+# over 4,096 keys, 0.108 without splits; a piece of 512, 0.098 ms, 0.109 with ROWS and no
+# splits, 0.150 and 0.177 with four before the tiles seen whole went unmasked)
 
 
 def attend_piece(query: Tensor, k_pool: Tensor, v_pool: Tensor, line: Tensor, at: Tensor,
@@ -42,7 +49,18 @@ def attend_piece(query: Tensor, k_pool: Tensor, v_pool: Tensor, line: Tensor, at
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if not query.is_cuda:  # (off a GPU: the torch reference, what the batch's tests read the pool in place with)
         return reference(query, k_pool, v_pool, line, at, scale, window, softcap)
-    return _launch(query[0], k_pool, v_pool, line, at, scale, int(window or 0), float(softcap or 0.0))[None]
+    return _launch(query[0], k_pool, v_pool, line, at, scale, int(window or 0), float(softcap or 0.0),
+                   **_shape_of_work(query, k_pool))[None]
+
+
+def _shape_of_work(query: Tensor, k_pool: Tensor) -> dict:
+    """:data:`WIDE` where a piece's tiles of :data:`ROWS` query rows are at least the GPU's
+    multiprocessors (a piece of 512 alone), else :data:`SPLITS` programs to each tile."""
+    _, hq, width, d = query.shape
+    hkv = k_pool.shape[2]
+    if hkv * -(-(hq // hkv) * width // ROWS) < _multiprocessors(query.device):
+        return {"splits": SPLITS}
+    return WIDE if d <= 128 else {"splits": 1}
 
 
 def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, line: Tensor, at: Tensor, scale: float, window: int,
@@ -54,10 +72,10 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, line: Tensor, at: Tensor,
     keys, and their partial sums are joined here)."""
     import triton
 
-    assert splits & (splits - 1) == 0, "splits: a power of two"
     hq, width, d = q.shape
     block, hkv = k_pool.shape[1], k_pool.shape[2]
     group = hq // hkv
+    assert splits & (splits - 1) == 0, "splits: a power of two"
     if q.stride(-1) != 1:
         q = q.contiguous()
     dp = max(16, 1 << (d - 1).bit_length())
@@ -101,6 +119,11 @@ def reference(query: Tensor, k_pool: Tensor, v_pool: Tensor, line: Tensor, at: T
         seen &= j > start + i - window
     s = s.masked_fill(~seen, float("-inf"))
     return (s.softmax(-1) @ v).to(query.dtype).transpose(0, 1)[None]
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _kernel():
