@@ -21,8 +21,8 @@ settings, and in this order (the first long prompt must be the process's first):
 Every run draws prompts of its own: the batch caches prompts' prefixes, and a prompt sent again
 would be served from the cache.
 
-``--log`` prints graphwrap's log (each capture beside the decode thread, with its time). ``--budget 0,2048`` runs parts 2 to 4 under each value of ``graphwrap.decoding.engine.pieces.BUDGET``
-in turn (0: off), in this one process; ``--prefill-beside`` likewise sets
+``--log`` prints graphwrap's log (each capture beside the decode thread, with its time). ``--budget 0,2048`` runs parts 2 to 4 under each value of
+``graphwrap.decoding.engine.pieces.BUDGET`` in turn (0: off; by default its own value), in this one process; ``--prefill-beside`` likewise sets
 ``graphwrap.decoding.engine.server.PREFILL_BESIDE``. ``--json PATH`` writes every figure.
 
 ``python3 benchmarks/scheduler.py [--model llama3-8b] [--repeats 3]`` from the repository root, on a GPU.
@@ -161,7 +161,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--budget", default="0", help="pieces.BUDGET values, each in turn (0: off)")
+    ap.add_argument("--budget", default=str(pieces.BUDGET or 0), help="pieces.BUDGET values, each in turn (0: off)")
     ap.add_argument("--prefill-beside", default="0", help="server.PREFILL_BESIDE values, each in turn (0: off)")
     ap.add_argument("--bursts", default="256,1024")
     ap.add_argument("--skip", default="", help="parts to leave out: beside, alone, bursts")

@@ -12,7 +12,7 @@ import torch
 from helpers import thread_results
 
 from graphwrap import GraphedModule
-from graphwrap.decoding.engine import probe
+from graphwrap.decoding.engine import pieces, probe
 from graphwrap.decoding.engine import server as server_mod
 from graphwrap.decoding.kernels import attention, paged_attention
 from graphwrap.decoding.kernels.attention import sdpa_model
@@ -24,9 +24,11 @@ SHARED = "graphwrap's shared decode batch"
 @pytest.fixture
 def in_place(monkeypatch):
     """The batch reads its pool in place as on a GPU (where the model's attention is sdpa), and
-    prompts past 8 positions go in pieces."""
+    prompts past 8 positions go in pieces, one a turn (no ``pieces.BUDGET``): each inside the
+    decoding rows' step, which these tests count."""
     monkeypatch.setattr(server_mod, "reads_in_place", lambda model, device: sdpa_model(model))
     monkeypatch.setattr(server_mod, "CHUNK", 8)
+    monkeypatch.setattr(pieces, "BUDGET", None)
 
 
 def _model(kind):
@@ -273,7 +275,6 @@ def test_rows_preempted_beside_mixed_steps_are_recomputed_with_generates_tokens(
     of the rows left. Every call is queued, the short ones first, before the first is admitted:
     which rows run together does not hang on when the callers' threads get to queue."""
     from graphwrap.decoding.cache.pool import BLOCK, scratch_blocks
-
     model = _model("llama")
     token_bytes = 2 * 2 * 2 * 16 * 4  # layers x (keys, values) x key heads x head width x fp32
     usable = 8  # blocks of 16 (128 positions) for 4 rows growing to 60 each
@@ -317,6 +318,21 @@ def test_pieces_inside_steps_under_inference_mode(in_place):
         gm.generate(torch.tensor([[5, 6]]), max_new_tokens=1)
         _beside(gm, model, _prompts([4, 9]), _prompts([26], seed=6))
     assert gm.stats()["decode"]["mixed_steps"] > 0
+    gm.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_with_the_budget_a_turns_first_piece_goes_inside_the_step_and_the_rest_beside_it(in_place, monkeypatch,
+                                                                                           kind):
+    """``pieces.BUDGET`` (on by default): a turn's first piece inside the rows' step, the
+    others of its budget after it; every call's tokens are generate's."""
+    monkeypatch.setattr(pieces, "BUDGET", 32)  # (pieces of 8: four a turn)
+    model = _model(kind)
+    gm = GraphedModule(model)
+    gm.generate(torch.tensor([[5, 6]]), max_new_tokens=1)
+    _beside(gm, model, _prompts([4, 9, 3]), _prompts([60, 26], seed=9), news=50)
+    d = gm.stats()["decode"]
+    assert d["mixed_steps"] > 0 and d["budget_pieces"] > 0 and not d["mixed_failed"], d
     gm.close()
 
 

@@ -36,10 +36,15 @@ def test_the_mixed_probe_passes_with_the_kernels(kind, dtype):
     assert probe_mixed(_model(kind, dtype), "cuda") is None
 
 
+@pytest.mark.parametrize("budget", [None, 2048], ids=["a-piece-a-turn", "budget-2048"])
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_long_prompts_beside_decoding_rows_go_inside_their_steps_graphs(kind):
+def test_long_prompts_beside_decoding_rows_go_inside_their_steps_graphs(kind, budget, monkeypatch):
+    """Each long prompt's first piece of a turn goes inside the rows' step; with one piece a turn
+    (no budget) all of them do, with the budget the rest of the turn's go alone beside it."""
     from graphwrap import GraphedModule
+    from graphwrap.decoding.engine import pieces
 
+    monkeypatch.setattr(pieces, "BUDGET", budget)
     model = _model(kind, torch.float16)
     gm = GraphedModule(model)
     gm.generate(input_ids=torch.tensor([[5, 6]], device="cuda"), max_new_tokens=2)
@@ -66,7 +71,10 @@ def test_long_prompts_beside_decoding_rows_go_inside_their_steps_graphs(kind):
     for t in threads:
         t.join()
     d = gm.stats()["decode"]
-    assert d["mixed_steps"] >= 5 and not d["mixed_failed"], d
+    if budget is None:
+        assert d["mixed_steps"] >= 5 and not d["mixed_failed"], d
+    else:
+        assert d["mixed_steps"] >= 2 and d["budget_pieces"] >= 1 and not d["mixed_failed"], d
     assert not d["eager_forwards"].get("mixed") and not d["capture_failed"], d
     for i, ids in enumerate(short):
         same_or_near_tie(model, ids, outs[i], 120)

