@@ -166,19 +166,32 @@ def test_2000_requests_5_percent_bad_from_threads_and_tasks_each_end_alone_and_r
         print(f"\n2000 requests ({counts}) in {took:.1f} s on {torch.cuda.get_device_name()}; memory allocated "
               f"since the start: {(torch.cuda.memory_allocated() - mem0) / 2**20:.1f} MiB; decode stats: done "
               f"{d['done']}, failed {d['failed']}, cancelled {d['cancelled']}, steps {d['steps']}, rows per step "
-              f"{d['rows_per_step']:.1f}")
+              f"{d['rows_per_step']:.1f}, captures {_captured(gm)}")
         return torch.cuda.memory_allocated()
 
-    first = one_pass()
-    # The first pass captures the shapes it meets (with prefix caching, the rests of prompts
-    # found cached are shapes of their own): graph memory, bounded by the shapes. Nothing per
-    # request stays: the same 2,000 requests again leave the memory as it was.
-    grown = one_pass() - first
-    assert grown < 32 * 2**20, grown
+    # A pass captures the shapes it meets (with prefix caching, the rests of prompts found cached
+    # are shapes of their own; the threads' timing decides which, and later passes still meet a
+    # few: 21, 26, 30, 31 captures after four passes on an H200, their memory 0.3-2.0 MiB),
+    # on the capturing thread, which has ended its capture when the last call returns. Nothing
+    # per request stays: passes of the same 2,000 requests after the first leave the memory
+    # where the first left it, give or take those few shapes' graphs (a leak of 2 KiB a request
+    # would be 12 MiB over three passes).
+    first, captured = one_pass(), _captured(gm)
+    for _ in range(3):
+        last = one_pass()
+        if _captured(gm) == captured:
+            break
+        captured = _captured(gm)
+    assert last - first < 16 * 2**20, (last - first, captured)
     # The CUDA context is alive, and the batch serves on.
     assert torch.equal(gm.generate(torch.tensor([good[1][0]], device=DEV), max_new_tokens=good[1][1],
                                    do_sample=False).cpu(), want[good[1]])
     gm.close()
+
+
+def _captured(gm) -> int:
+    c = gm.stats()["decode"]["captures"]
+    return c["done"] if c else 0
 
 
 def test_an_eos_outside_the_vocabulary_in_a_config_raises_no_device_assert():
