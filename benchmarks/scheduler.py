@@ -170,6 +170,8 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-pieces-ahead", action="store_true", help="the batch queues no piece shape ahead (as before "
                     "2026-11-29): the first long prompt's pieces are captured when it comes")
+    ap.add_argument("--no-ladder", action="store_true", help="the batch queues no ladder of steps ahead (as before "
+                    "2026-11-29): a step not captured yet is served by the largest")
     ap.add_argument("--log", action="store_true", help="graphwrap's log (INFO: each capture beside the decode thread, "
                     "with its time) with seconds since the start")
     ap.add_argument("--json", default="")
@@ -182,6 +184,10 @@ def main():
         from graphwrap.decoding.engine import captures
 
         captures.piece_shapes = lambda server: []
+    if a.no_ladder:
+        from graphwrap.decoding.engine import captures
+
+        captures.ladder = lambda buckets: []
     device = torch.device(a.device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"scheduler: {name}, torch {torch.__version__}, {a.model}, "

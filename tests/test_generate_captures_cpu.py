@@ -568,3 +568,14 @@ def test_waiting_for_captures_says_how_far_it_is_and_how_long_is_left(monkeypatc
     assert lines and all(" of 8 shapes in " in line for line in lines), lines
     assert any("s left" in line for line in lines), lines
     caps.stop(5)
+
+
+def test_the_ladder_of_steps_queued_ahead_doubles_from_64_below_the_largest():
+    from graphwrap.decoding.engine.captures import ladder
+    from graphwrap.decoding.engine.scheduler import buckets_upto
+
+    first = (1, 2, 4, 8, 16)
+    assert ladder(buckets_upto(1024, first)) == [64, 128, 256, 512]
+    assert ladder(buckets_upto(256, first)) == [64, 128]
+    assert ladder(buckets_upto(96, first)) == [64]
+    assert ladder(buckets_upto(64, first)) == []  # (the largest is queued ahead already)
