@@ -617,3 +617,21 @@ def test_a_turns_piece_budget_takes_pieces_of_several_long_prompts(monkeypatch, 
         assert (d["budget_pieces"] > 0) == (budget is not None), d["budget_pieces"]
         assert d["cache_blocks"]["used"] == 0
         gm.close()
+
+
+def test_the_piece_kernels_shape_of_work_follows_how_many_tiles_of_query_rows_a_piece_makes(monkeypatch):
+    """Pieces of 512 alone on a Llama-3-8B shape fill an H200's 132 multiprocessors with tiles of
+    64 query rows: one program a tile of 128 rows, no splits (heads of 128 at most; wider heads
+    keep 64 rows); pieces of 128 beside decoding rows make 64 tiles: four programs share each."""
+    from graphwrap.decoding.kernels import piece_attention as pa
+
+    monkeypatch.setattr(pa, "_multiprocessors", lambda device: 132)
+
+    def shape(hq, hkv, width, d):
+        return pa._shape_of_work(torch.empty(1, hq, width, d, device="meta"), torch.empty(8, 16, hkv, d, device="meta"))
+
+    assert shape(32, 8, 512, 128) == pa.WIDE == {"rows": 128, "warps": 8, "stages": 4, "splits": 1}
+    assert shape(32, 8, 128, 128) == {"splits": pa.SPLITS}  # 8 key heads x 512 rows / 64: 64 tiles
+    assert shape(16, 8, 512, 256) == {"splits": pa.SPLITS}  # 8 x 1,024 / 64 = 128 tiles: fewer than 132
+    assert shape(32, 8, 512, 256) == {"splits": 1}  # 256 tiles, heads of 256
+    assert shape(4, 2, 512, 64) == {"splits": pa.SPLITS}  # a small model's piece: 32 tiles
