@@ -114,10 +114,10 @@ def _sizes(b) -> bool:
 def _check_decode(value):
     if value is None or value is True or value is False:
         return
-    keys = {"rows", "max_len", "max_queue", "cache_memory", "paged", "prefix_caching"}
+    keys = {"rows", "max_len", "max_queue", "cache_memory", "paged", "prefix_caching", "prefill_budget"}
     if not isinstance(value, dict) or set(value) - keys:
         raise GraphwrapError("decode must be True, False or a dict of rows=, max_len=, max_queue=, cache_memory=, "
-                             f"paged=, prefix_caching=; got {value!r}")
+                             f"paged=, prefix_caching=, prefill_budget=; got {value!r}")
     for k, v in value.items():
         if k == "cache_memory":
             if not isinstance(v, numbers.Real) or isinstance(v, bool) or not 0 < float(v) <= 1:
@@ -128,5 +128,8 @@ def _check_decode(value):
         elif k == "prefix_caching":
             if not isinstance(v, bool):
                 raise GraphwrapError(f"decode['prefix_caching'] must be True or False, got {v!r}")
+        elif k == "prefill_budget":
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise GraphwrapError(f"decode['prefill_budget'] must be an int >= 0 (0: one piece a turn), got {v!r}")
         elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise GraphwrapError(f"decode[{k!r}] must be an int >= 1, got {v!r}")

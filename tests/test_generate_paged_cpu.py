@@ -474,10 +474,11 @@ def test_a_long_prompt_goes_in_wide_pieces_alone_and_in_narrow_ones_beside_decod
 
 def test_decode_options_are_checked():
     model = _model()
-    for bad in ({"cache_memory": 0}, {"cache_memory": 1.5}, {"cache_memory": True}, {"paged": "yes"}, {"pages": 1}):
+    for bad in ({"cache_memory": 0}, {"cache_memory": 1.5}, {"cache_memory": True}, {"paged": "yes"}, {"pages": 1},
+                {"prefill_budget": -1}, {"prefill_budget": True}, {"prefill_budget": 512.0}):
         with pytest.raises(GraphwrapError, match="decode"):
             GraphedModule(model, decode=bad)
-    GraphedModule(model, decode={"cache_memory": 0.5, "paged": None})
+    GraphedModule(model, decode={"cache_memory": 0.5, "paged": None, "prefill_budget": 0})
 
 
 def test_a_capture_puts_back_the_rows_lengths_and_leaves_the_cache_itself():
@@ -596,9 +597,10 @@ def test_a_joined_prompt_forward_and_a_piece_run_the_head_over_the_positions_the
 
 @pytest.mark.parametrize("caching", [False, True], ids=["caching-off", "caching-on"])
 def test_a_turns_piece_budget_takes_pieces_of_several_long_prompts(monkeypatch, caching):
-    """``pieces.BUDGET``: beyond a turn's first piece, the waiting long prompts' pieces, oldest
-    first, up to the budget's positions; every answer is generate's (decoding rows beside them,
-    cached prefixes too), and without a budget none is taken."""
+    """``pieces.BUDGET``, or the batch's ``decode={"prefill_budget": N}`` where given: beyond a
+    turn's first piece, the waiting long prompts' pieces, oldest first, up to the budget's
+    positions; every answer is generate's (decoding rows beside them, cached prefixes too), and
+    without a budget (or with 0) none is taken."""
     from graphwrap.decoding.engine import pieces
 
     monkeypatch.setattr(server_mod, "CHUNK", 32)  # pieces of 32
@@ -606,9 +608,12 @@ def test_a_turns_piece_budget_takes_pieces_of_several_long_prompts(monkeypatch, 
     system = _prompts([70], seed=11)[0]
     prompts = [system + q for q in _prompts([60, 90, 120, 150, 45, 30], seed=12)] + _prompts([5, 9], seed=13)
     news = [6, 8, 5, 7, 9, 4, 60, 70]  # (the short two decode beside the pieces)
-    for budget in (None, 128):
-        monkeypatch.setattr(pieces, "BUDGET", budget)
-        gm = GraphedModule(model, decode={"prefix_caching": caching})
+    # (pieces.BUDGET, the batch's decode={"prefill_budget": ...}: it rules where given, 0 is none)
+    for default, given in ((None, None), (128, None), (128, 0), (None, 128)):
+        monkeypatch.setattr(pieces, "BUDGET", default)
+        budget = default if given is None else given or None
+        opts = {"prefix_caching": caching} if given is None else {"prefix_caching": caching, "prefill_budget": given}
+        gm = GraphedModule(model, decode=opts)
         got = thread_results(lambda i: gm.generate(torch.tensor([prompts[i]]), max_new_tokens=news[i],
                                                    do_sample=False), len(prompts))
         for p, n, out in zip(prompts, news, got):

@@ -485,6 +485,8 @@ def test_the_server_reports_the_prompt_tokens_found_cached(tmp_path, engine):
 
     assert cli.parser().parse_args([d]).prefix_caching is None  # (the batch's default: on)
     assert cli.parser().parse_args([d, "--no-prefix-caching"]).prefix_caching is False
+    assert cli.parser().parse_args([d]).prefill_budget is None  # (the batch's default: pieces.BUDGET)
+    assert cli.parser().parse_args([d, "--prefill-budget", "0"]).prefill_budget == 0
     start = (lambda **kw: Running(_load(_args(d, served_model_name="tiny", **kw)))) if engine == "thread" else \
         (lambda **kw: InProcess(d, **kw))
     body = {"model": "tiny", "prompt": "the quick brown fox jumps over the lazy dog " * 6, "max_tokens": 8,
@@ -525,6 +527,22 @@ def _metrics(port) -> dict:
     text = c.getresponse().read().decode()
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line and not line.startswith("#")}
+
+
+def test_serve_prefill_budget_reaches_the_batch(tmp_path):
+    """``serve --prefill-budget N`` is the batch's ``decode={"prefill_budget": N}``; without it the
+    batch takes pieces.BUDGET."""
+    pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+    import tiny_lm
+    from test_http_cpu import _args
+
+    d = tiny_lm.make(str(tmp_path))
+    for given in (None, 0, 256):
+        served = _load(_args(d, prefill_budget=given))
+        try:
+            assert served.gm.__dict__["_gw_decode"].budget == given
+        finally:
+            served.engine.close(cancel=True, timeout=30)
 
 
 def _load(args):

@@ -162,6 +162,7 @@ def _make(held: dict, module):
     server = DecodeServer(module, engines["step"], engines["prefill"], rows, cfg["max_len"], cfg["max_queue"],
                           cfg["positions"], cfg.get("cache_memory", CACHE_MEMORY), cfg.get("paged"), engines["piece"],
                           engines.get("mixed"), compiled, cfg.get("prefix_caching", True))
+    server.budget = cfg.get("prefill_budget")  # (None: pieces.BUDGET)
     if cfg.get("prefix_caching") and server.sched.pool is None:  # (asked for: on by default, it says nothing)
         logger.warning("prefix caching needs the paged cache, and this batch's cache is whole rows (%s): every "
                        "prompt is computed whole", server.cache.why)

@@ -31,7 +31,8 @@ from . import captures
 from .scheduler import bucket_of
 
 IN_FLIGHT = 3  # pieces queued on the device at most (benchmarks/diagnostics/long_prompt_beside.py --in-flight)
-# Positions a turn's pieces may take in all, its first included (None: one piece a turn).
+# Positions a turn's pieces may take in all, its first included (None: one piece a turn), where
+# the batch's ``decode={"prefill_budget": N}`` does not say (0 there: one piece a turn).
 # Beside 32 decoding rows on a Llama-3-8B shape (H200), a 7,900-token prompt's first token came
 # in 0.39 s with 2,048 against 0.64 with one piece a turn, the rows' time 1.03x, their longest
 # gap 80 ms (one turn of 2,048 positions) against 23 (benchmarks/scheduler.py --budget 0,2048).
@@ -86,17 +87,18 @@ def next_piece(server) -> int:
 
 
 def more_pieces(server, spent: int):
-    """Where :data:`BUDGET` is set: after the turn's first piece (``spent`` positions, its
+    """Where the batch's budget (:data:`BUDGET` by default) is set: after the turn's first piece (``spent`` positions, its
     padding included), pieces of the waiting long prompts, oldest first, each
     :attr:`piece_alone <.server.DecodeServer.piece_alone>` wide, while the turn's pieces stay
     within the budget and at most :data:`IN_FLIGHT` more than the budget's are on the device:
     several prompts' pieces a turn, at the price of the decoding rows' next step waiting for
     them."""
-    if not BUDGET or not _graphs(server):
+    budget = BUDGET if server.budget is None else server.budget
+    if not budget or not _graphs(server):
         return
     width, running = server.piece_alone, server.pieces_running
-    most = IN_FLIGHT + BUDGET // width
-    while spent + width <= BUDGET and oldest(server) is not None:
+    most = IN_FLIGHT + budget // width
+    while spent + width <= budget and oldest(server) is not None:
         while running and running[0].query():
             running.popleft()
         if len(running) >= most:

@@ -95,6 +95,8 @@ def _rows(seqs: List[Seq]) -> List[int]:
 class DecodeServer:
     """Continuous batching for one Hugging Face model (see :meth:`GraphedModule.generate`)."""
 
+    budget: Optional[int] = None  # positions a turn's prompt pieces may take (decode={"prefill_budget"}; None: pieces.BUDGET)
+
     def __init__(self, model, step_engine, prefill_engine, rows: int, max_len: int, max_queue: int,
                  positions: Optional[int] = None, cache_memory: float = CACHE_MEMORY, paged: Optional[bool] = None,
                  piece_engine=None, mixed_engine=None, compiled: Optional[Dict[str, Engine]] = None,

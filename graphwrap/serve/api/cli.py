@@ -26,17 +26,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"),
                     help="auto: the checkpoint's dtype on a GPU, float32 on a CPU")
     ap.add_argument("--device", default=None, help="default: cuda where there is one, else cpu")
-    ap.add_argument("--rows", type=int, default=None, help="sequences a decode step may hold (default: as many as the cache holds 512 positions for, 64 to 1,024, on a GPU; 64 on a CPU)")
-    ap.add_argument("--max-len", type=int, default=None, help="positions a sequence may hold (default: the model's)")
-    ap.add_argument("--max-queue", type=int, default=None, help="sequences waiting for a row before 429 (default 4096)")
-    ap.add_argument("--cache-memory", type=float, default=None,
-                    help="share of the GPU memory free after the weights that the KV cache takes (default 0.7)")
-    ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                    help="keep the KV cache's full blocks by their content and reuse them for prompts that start "
-                         "alike (on by default; docs/serving.md)")
-    ap.add_argument("--quantization", default=None, choices=("fp8", "int8", "int4"),
-                    help="the model's linear layers in FP8 (compute capability 8.9 or later), or int8 or int4 "
-                         "weight-only (torchao; int4 on a GPU with --dtype bfloat16): graphwrap.quantize")
+    _batch_options(ap)
     ap.add_argument("--max-tokens-default", type=int, default=None,
                     help="new tokens of a chat request without max_tokens: the context left, at most this (default 2048)")
     ap.add_argument("--capture", default="ahead", choices=("ahead", "lazy"),
@@ -76,6 +66,24 @@ def parser() -> argparse.ArgumentParser:
                     help="uvicorn's event loop (auto: uvloop where it is installed)")
     ap.add_argument("--log-level", default="info")
     return ap
+
+
+def _batch_options(ap: argparse.ArgumentParser):
+    """The shared decode batch's own options (``GraphedModule(model, decode={...})``) and the weights'."""
+    ap.add_argument("--rows", type=int, default=None, help="sequences a decode step may hold (default: as many as the cache holds 512 positions for, 64 to 1,024, on a GPU; 64 on a CPU)")
+    ap.add_argument("--max-len", type=int, default=None, help="positions a sequence may hold (default: the model's)")
+    ap.add_argument("--max-queue", type=int, default=None, help="sequences waiting for a row before 429 (default 4096)")
+    ap.add_argument("--cache-memory", type=float, default=None,
+                    help="share of the GPU memory free after the weights that the KV cache takes (default 0.7)")
+    ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                    help="keep the KV cache's full blocks by their content and reuse them for prompts that start "
+                         "alike (on by default; docs/serving.md)")
+    ap.add_argument("--prefill-budget", type=int, default=None,
+                    help="prompt positions a turn may prefill in pieces of long prompts, beside the decoding rows' "
+                         "step (default 2,048; 0: one piece a turn, the shortest gaps between other streams' tokens)")
+    ap.add_argument("--quantization", default=None, choices=("fp8", "int8", "int4"),
+                    help="the model's linear layers in FP8 (compute capability 8.9 or later), or int8 or int4 "
+                         "weight-only (torchao; int4 on a GPU with --dtype bfloat16): graphwrap.quantize")
 
 
 def load(a: argparse.Namespace, engine: Optional[str] = None):
