@@ -619,6 +619,7 @@ def test_a_turns_piece_budget_takes_pieces_of_several_long_prompts(monkeypatch, 
         for p, n, out in zip(prompts, news, got):
             assert torch.equal(out, _alone(model, p, max_new_tokens=n)), (budget, len(p))
         d = gm.stats()["decode"]
+        assert d["prefill_budget"] == (budget or 0)
         assert (d["budget_pieces"] > 0) == (budget is not None), d["budget_pieces"]
         assert d["cache_blocks"]["used"] == 0
         gm.close()

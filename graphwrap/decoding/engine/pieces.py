@@ -93,7 +93,7 @@ def more_pieces(server, spent: int):
     within the budget and at most :data:`IN_FLIGHT` more than the budget's are on the device:
     several prompts' pieces a turn, at the price of the decoding rows' next step waiting for
     them."""
-    budget = BUDGET if server.budget is None else server.budget
+    budget = budget_of(server)
     if not budget or not _graphs(server):
         return
     width, running = server.piece_alone, server.pieces_running
@@ -106,6 +106,11 @@ def more_pieces(server, spent: int):
         piece(server, server.sched.chunking[0], width)
         server.counts["budget_pieces"] += 1
         spent += width
+
+
+def budget_of(server) -> int:
+    """Positions a turn's pieces may take, the batch's or :data:`BUDGET` (0: one piece a turn)."""
+    return (BUDGET if server.budget is None else server.budget) or 0
 
 
 def _graphs(server) -> bool:

@@ -4,6 +4,8 @@ import collections
 import heapq
 from typing import List, Tuple
 
+from . import pieces
+
 SLOWEST = 5  # turns kept whole, with their parts
 
 
@@ -30,7 +32,7 @@ def report(server) -> dict:
             "seconds": round(server.captures.seconds, 3), "compiled": sorted(server.compiled)},
         "prefills": c["prefills"], "rows_per_prefill": c["prefill_rows"] / c["prefills"] if c["prefills"] else 0.0,
         "prefill_pieces": c["prefill_pieces"], "piece_turns_skipped": c["piece_turns_skipped"],
-        "budget_pieces": c["budget_pieces"],
+        "prefill_budget": pieces.budget_of(server), "budget_pieces": c["budget_pieces"],
         "mixed_steps": c["mixed_steps"], "mixed_failed": c["mixed_failed"],  # (a piece inside a step: steps.py)
         "mixed": server.mixed_engine.stats() if server.mixed_engine is not None else None,
         "queue_wait_ms": percentiles(server.waits), "ttft_ms": percentiles(server.ttft),
