@@ -1,12 +1,16 @@
 """Where the shared batch's decode step spends its time, against the memory-bandwidth floor:
-GPT-2 or the 1.1B Llama shape (fp16, random weights), the generate workload's warm burst
-(tokens/s, the decode thread's turn and its parts), then the 64-row step captured by hand over
-``--span`` positions (each row at half of it, as midway through the burst): a bare replay's
+GPT-2, the 1.1B Llama shape or a 7-8B shape (fp16, random weights), the generate workload's warm
+burst (or with ``--burst N``, N requests of 128 tokens in and 128 out at once, as
+``concurrency.py``'s; each burst's prompts its own), its tokens/s, the decode thread's turn and its
+parts, then the ``--rows``-row step captured by hand over ``--span`` positions (each row at half of
+it, as midway through the burst): a bare replay's
 time, the bytes it must read (weights, and the live keys and values) over the bandwidth, and the
 profiler's kernels of one replay by kind (matrix products, attention, the rest), then the
-kernels of a whole warm burst by kind, with the GPU's busy share of the burst's wall time.
+kernels of a whole warm burst by kind, with the GPU's busy share of the burst's wall time and
+where the GPU idled (gaps between kernels by the kinds either side, the longest ones).
 
-``python3 benchmarks/diagnostics/step_profile.py gpt2|llama [--span 512] [--ops] [--compile] [--cards]``
+``python3 benchmarks/diagnostics/step_profile.py gpt2|llama|llama3-8b [--span 512] [--rows 64] [--burst N]
+[--quantize fp8] [--ops] [--compile] [--cards]``
 from the repository root, on a GPU (``--ops``: also the torch operators of eager steps, with their
 input shapes and device time; ``--compile``: then a GraphedModule with ``compile=True`` in the same
 process, its warm bursts once every queued compile has replaced its plain graph, and its warm
@@ -25,6 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import generate as g  # noqa: E402
+from concurrency import NEW, requests  # noqa: E402
+from generate_large import SHAPES, big_model  # noqa: E402
 
 from graphwrap import GraphedModule  # noqa: E402
 
@@ -54,6 +60,28 @@ def kernels(prof, per: int = 1):
             by_kind[kind(e.name)] += t / per
             by_name[e.name[:90]] += t / per
     return by_kind, by_name.most_common(12)
+
+
+def idle(prof, top: int = 8):
+    """The GPU's idle time between kernels (and copies) in a profile: in all, in gaps over 50 us by
+    the kinds either side, and the ``top`` longest gaps with the kernels either side."""
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    gaps, end = [], None
+    for (s, e, name), before in zip(ks, [None] + ks[:-1]):
+        if end is not None and s > end:
+            gaps.append((s - end, before[2], name))
+        end = e if end is None else max(end, e)
+    pairs = collections.Counter()
+    for gap, a, b in gaps:
+        if gap > 50:
+            pairs[f"{kind(a)} -> {kind(b)}"] += gap
+    print(f"the GPU idle between kernels: {sum(x for x, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; over 50 us: "
+          f"{sum(x for x, _, _ in gaps if x > 50) / 1e3:.1f} ms in {sum(1 for x, _, _ in gaps if x > 50)}", flush=True)
+    for k, v in pairs.most_common(6):
+        print(f"    {v / 1e3:8.1f} ms  {k}", flush=True)
+    for gap, a, b in sorted(gaps, reverse=True)[:top]:
+        print(f"      {gap / 1e3:7.2f} ms  after {a[:60]}  before {b[:60]}", flush=True)
 
 
 def say_kernels(title, by_kind, top, wall_us=None):
@@ -88,8 +116,12 @@ def main():
     from torch.profiler import ProfilerActivity, profile
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", choices=["gpt2", "llama"])
+    ap.add_argument("model", choices=["gpt2", "llama", *SHAPES])
     ap.add_argument("--span", type=int, default=512)
+    ap.add_argument("--rows", type=int, default=64, help="the rows of the step captured by hand")
+    ap.add_argument("--burst", type=int, default=0, help="N requests of 128 in and 128 out at once, not the "
+                    "generate workload")
+    ap.add_argument("--quantize", default=None, help="the model through graphwrap.quantize first (fp8)")
     ap.add_argument("--ops", action="store_true", help="also the operators of eager steps, with their shapes")
     ap.add_argument("--compile", action="store_true", help="then compile=True's warm bursts and their kernels")
     ap.add_argument("--cards", action="store_true", help="also the bare replay with the gated-MLP kernel's shape "
@@ -101,12 +133,19 @@ def main():
 
     print(f"step_profile {a.model}: {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, graphwrap from "
           f"{os.path.dirname(graphwrap.__file__)}", flush=True)
-    model = g._model(a.model, DEV)
+    model = big_model(a.model, DEV) if a.model in SHAPES else g._model(a.model, DEV)
+    vocab = model.config.vocab_size
+    if a.quantize:
+        graphwrap.quantize(model, a.quantize)
     gm = GraphedModule(model)
-    reqs = g.workload(model.config.vocab_size)
+    if a.burst:
+        reqs = [(p, NEW) for p in requests(a.burst, vocab)]
+    else:
+        reqs = g.workload(vocab)
     tokens = sum(k for _, k in reqs)
-    g.burst(gm, reqs, DEV)
-    times = [g.burst(gm, reqs, DEV)[0] for _ in range(3)]
+    first = g.burst(gm, reqs, DEV)[0]
+    print(f"first burst {first:.3f} s", flush=True)
+    times = [g.burst(gm, g.renewed(reqs, 1 + r, vocab), DEV)[0] for r in range(3)]
     d = gm.stats()["decode"]
     print(f"warm bursts: {tokens / statistics.median(times):,.0f} tokens/s (median of 3, {min(times):.3f}-"
           f"{max(times):.3f} s); turn p50 {d['turn_ms']['p50']:.3f} ms, time per output token p50 "
@@ -114,14 +153,16 @@ def main():
     server = gm.__dict__["_gw_decode"]
     parts = {k: round(v, 3) for k, v in server.spent.items()}
     print(f"the decode thread's seconds by part, all bursts: {parts}; steps {d['steps']}", flush=True)
-    replay = statistics.median(g.step_graph(gm, 64, a.span))
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv = 64 * (a.span // 2) * server.cache.token_bytes
+    rows = a.rows
+    replay = statistics.median(g.step_graph(gm, rows, a.span))
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if t.dim() == 2)
+    kv = rows * (a.span // 2) * server.cache.token_bytes
     floor = (weights + kv) / bw
-    print(f"64-row step over {a.span} (rows at {a.span // 2}): bare replay {1e3 * replay:.3f} ms; floor "
+    flops = 2 * rows * sum(m.in_features * m.out_features for m in model.modules() if hasattr(m, "in_features"))
+    print(f"{rows}-row step over {a.span} (rows at {a.span // 2}): bare replay {1e3 * replay:.3f} ms; floor "
           f"{weights / 1e9:.2f} GB weights + {kv / 1e9:.2f} GB keys and values at {bw / 1e12:.2f} TB/s = "
-          f"{1e3 * floor:.3f} ms: {floor / replay:.0%} of the roofline; 64 rows / replay = "
-          f"{64 / replay:,.0f} tokens/s", flush=True)
+          f"{1e3 * floor:.3f} ms: {floor / replay:.0%} of the roofline; products {flops / 1e12:.2f} TFLOP: "
+          f"{flops / replay / 1e12:.0f} TFLOP/s; {rows} rows / replay = {rows / replay:,.0f} tokens/s", flush=True)
     if a.cards:
         from graphwrap.decoding.kernels import mlp
 
@@ -129,27 +170,28 @@ def main():
         for named in (True, False, True, False):
             mlp.CARDS = cards if named else {}
             print(f"gated MLP's shape of work {mlp.shape_of_work(model.config.intermediate_size, DEV)}: bare "
-                  f"replay {1e3 * statistics.median(g.step_graph(gm, 64, a.span)):.3f} ms", flush=True)
+                  f"replay {1e3 * statistics.median(g.step_graph(gm, rows, a.span)):.3f} ms", flush=True)
         mlp.CARDS = cards
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        g.step_graph(gm, 64, a.span)  # (3 eager warm-ups, then 5 x 50 replays)
+        g.step_graph(gm, rows, a.span)  # (3 eager warm-ups, then 5 x 50 replays)
     by_kind, top = kernels(prof, per=253)
     say_kernels("one replay (from 253 runs: 3 eager warm-ups, 250 replays)", by_kind, top, 1e6 * replay)
     if a.ops:
-        say_ops(gm, 64, a.span)
+        say_ops(gm, rows, a.span)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t = g.burst(gm, reqs, DEV)[0]
+        t = g.burst(gm, g.renewed(reqs, 9, vocab), DEV)[0]
     by_kind, top = kernels(prof)
     say_kernels(f"a warm burst under the profiler ({t:.3f} s)", by_kind, top, 1e6 * t)
+    idle(prof)
     gm.close()
     if a.compile:
-        compiled_bursts(model, reqs, tokens, a.span)
+        compiled_bursts(model, reqs, tokens, a.span, rows)
 
 
-def compiled_bursts(model, reqs, tokens, span: int):
+def compiled_bursts(model, reqs, tokens, span: int, rows: int):
     """compile=True on the same model: the first burst, every queued compile waited for, three
     warm bursts, then one under the profiler (kernels by kind, as the default's above), and the
-    64-row step over ``span`` captured by hand from the compiled forward (a bare replay)."""
+    ``rows``-row step over ``span`` captured by hand from the compiled forward (a bare replay)."""
     from torch.profiler import ProfilerActivity, profile
 
     gm = GraphedModule(model, compile=True)
@@ -162,13 +204,14 @@ def compiled_bursts(model, reqs, tokens, span: int):
     print(f"compile=True: first burst {first:.3f} s; the queued compiles {'done' if done else 'NOT done'} in "
           f"{time.perf_counter() - t0:.1f} s; compiled shapes {d['captures']['compiled']}; their graphs marked "
           f"compiled: {sum(1 for _, c in marks if c)} of {len(marks)}", flush=True)
-    times = [g.burst(gm, reqs, DEV)[0] for _ in range(3)]
+    vocab = model.config.vocab_size
+    times = [g.burst(gm, g.renewed(reqs, 21 + r, vocab), DEV)[0] for r in range(3)]
     d = gm.stats()["decode"]
     print(f"compile=True warm bursts: {tokens / statistics.median(times):,.0f} tokens/s (median of 3, "
           f"{min(times):.3f}-{max(times):.3f} s); turn p50 {d['turn_ms']['p50']:.3f} ms; in a larger graph "
           f"{d['in_a_larger_graph']}, eager forwards {d['eager_forwards']}", flush=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t = g.burst(gm, reqs, DEV)[0]
+        t = g.burst(gm, g.renewed(reqs, 29, vocab), DEV)[0]
     by_kind, top = kernels(prof)
     say_kernels(f"compile=True: a warm burst under the profiler ({t:.3f} s)", by_kind, top, 1e6 * t)
     from graphwrap.capture.work import compiled_forward
@@ -176,8 +219,8 @@ def compiled_bursts(model, reqs, tokens, span: int):
     engine = gm.__dict__["_gw_decode"].compiled_engines["step"]
     with engine.lock:
         cf = compiled_forward(engine)
-    replay = statistics.median(g.step_graph(gm, 64, span, step=cf))  # (Inductor compiles this span first)
-    print(f"compile=True: 64-row step over {span} captured by hand, its compiled forward: bare replay "
+    replay = statistics.median(g.step_graph(gm, rows, span, step=cf))  # (Inductor compiles this span first)
+    print(f"compile=True: {rows}-row step over {span} captured by hand, its compiled forward: bare replay "
           f"{1e3 * replay:.3f} ms", flush=True)
     gm.close()
 
