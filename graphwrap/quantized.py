@@ -3,10 +3,17 @@
 ``graphwrap.quantize(model, "fp8")`` (``nn.Linear`` and transformers' ``Conv1D``) before the wrap (``GraphedModule(graphwrap.quantize(model,
 "fp8"))``, ``serve --quantization fp8``): each weight in FP8 E4M3 with a scale per output
 channel, each call's activations scaled per token (row), the product ``torch._scaled_mm``'s
-(row-wise scales; on a GPU its output in bfloat16, the cutlass kernel's, then the model's
-dtype). Every step of it is a device operation, so it is captured and replayed like any other;
-the shared batch's fused projections (``decoding/kernels/qkv.py``, ``mlp.py``) take only plain
-``nn.Linear`` and leave these to their own call.
+(row-wise scales, with the tensor cores' fast accumulation on a GPU; its output in the model's
+dtype where this torch writes it, else in bfloat16, then cast: :func:`_writes`). Every step of
+it is a device operation, so it is captured and replayed like any other.
+
+An attention layer's query, key and value projections (:data:`SHARED`) keep their FP8 weights
+and scales in one buffer each, the three layers' views of it, so that the shared batch's forwards
+(``decoding/kernels/fused.py``) scale the input once and make the three products as one
+(:func:`together`): on an H200 at 256 rows of the Llama-3-8B shape, 14 us a layer against 40 for
+the three apart. Moved or copied layers lose the
+sharing and make their own products, as before. The batch's other fused kernels (``qkv.py``,
+``mlp.py``) take only plain ``nn.Linear`` and leave FP8 layers to their own call.
 
 Left in their dtype: the output head (``lm_head``, or any module named in ``skip``), and
 layers whose sizes are not multiples of 16 (what ``_scaled_mm`` takes). A GPU below compute
@@ -18,7 +25,7 @@ import contextlib
 import functools
 import logging
 import threading
-from typing import Dict, Iterable, Optional, Tuple, cast
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn as nn
@@ -34,6 +41,9 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 TINY = 1e-12  # (a row of zeros: its scale, so that nothing divides by zero)
 INV_MAX = float(torch.tensor(1.0) / FP8_MAX)  # (float32's: torch divides by a number on a GPU so)
 WIDEST = 32768  # the widest row graphwrap's kernel takes in one program (rows_to_fp8)
+SHARED = (("q_proj", "k_proj", "v_proj"),)  # sibling layers of one input whose weights share a buffer (together)
+FAST_ACCUM = True  # the tensor cores' fast FP8 accumulation on a GPU (as torchao's inference products)
+ROWS = 16  # at most this many rows take graphwrap's kernel on a GPU (few_rows); more, torch._scaled_mm
 _HERE = threading.local()  # exact: this thread's Fp8Linear products unrounded (exact_products)
 
 
@@ -61,18 +71,175 @@ class Fp8Linear(nn.Module):
         if getattr(_HERE, "exact", False):  # (see exact_products)
             w = (self.weight_fp8.float() * self.weight_scale.t()).to(x.dtype)
             return nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
-        rows = x.reshape(-1, self.in_features)
-        q, scale = rows_to_fp8(rows)
-        # (row-wise scales on a GPU: the cutlass kernel writes bfloat16 only)
-        out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
-        out = torch._scaled_mm(q, self.weight_fp8.t(), scale_a=scale, scale_b=self.weight_scale,
-                               out_dtype=out_dtype).to(x.dtype)
+        q, scale = rows_to_fp8(x.reshape(-1, self.in_features))
+        out = product(q, scale, self.weight_fp8, self.weight_scale, x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8"
+
+
+def product(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``(q * scale) @ (weight * weight_scale).T`` in ``dtype``: rows ``q [n, k]`` in E4M3 scaled
+    ``[n, 1]``, ``weight [out, k]`` scaled ``[1, out]``. Up to :data:`ROWS` rows in fp16 or bf16
+    on a GPU with Triton, graphwrap's kernel (:func:`few_rows`), else ``torch._scaled_mm``."""
+    if not q.is_cuda:
+        return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=dtype)
+    if (q.shape[0] <= ROWS and dtype in (torch.float16, torch.bfloat16) and _triton()
+            and not torch.compiler.is_compiling()):
+        return few_rows(q, scale, weight, weight_scale, dtype)
+    out_dtype = dtype if _writes(q.device, dtype) else torch.bfloat16
+    out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype,
+                           use_fast_accum=FAST_ACCUM)
+    return out if out_dtype == dtype else out.to(dtype)
+
+
+def few_rows(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dtype: torch.dtype,
+             bn: Optional[int] = None, bk: int = 256, warps: int = 4, stages: int = 4) -> Tensor:
+    """:func:`product` for a few rows (a decode step's at low load), in one Triton kernel that
+    reads each weight once. torch's row-wise product costs at least about 13.5 us a call on an
+    H200, where fp16's takes 8-14 us at such rows for the Llama-3-8B shape's smaller widths, so
+    FP8 layers there were slower than fp16's (``benchmarks/diagnostics/fp8_products.py``: at one
+    row, 10.9 / 9.1 / 17.1 / 23.4 us for the query-key-value, output, gate and down widths,
+    against torch's 14.0 / 13.6 / 20.6 / 36.9). At 64 rows torch's is faster (14.2 against 23.0
+    us for the query-key-value width): hence :data:`ROWS`. ``bn`` outputs a program (None: 64
+    where that makes a program for half the SMs, else 32, else 16), ``bk``, ``warps``, ``stages``:
+    the shape of work (``fp8_products.py --tune``, one row)."""
+    import triton
+
+    from ._fp8_triton import rows_product
+
+    m, k = q.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=dtype, device=q.device)
+    if m == 0:
+        return out
+    if bn is None:
+        sms = _processors(q.device)
+        bn = next((b for b in (64, 32) if 2 * -(-n // b) >= sms), 16)
+    bm = max(16, 1 << (m - 1).bit_length())
+    rows_product[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+        q, scale, weight, weight_scale, out, m, n, k, q.stride(0), weight.stride(0), out.stride(0),
+        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _processors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_WRITES: Dict[Tuple[torch.device, torch.dtype], bool] = {}
+
+
+def _writes(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch's row-wise FP8 product on ``device`` writes ``dtype`` (torch 2.11's
+    cuBLASLt product on an H200 writes fp16; cutlass's row-wise kernel, which older builds take,
+    writes bfloat16 only): tried once, on a matrix of ones, never while a CUDA graph is captured
+    (bfloat16 then, which every build writes; a capture's warm-up has tried it already)."""
+    if dtype == torch.bfloat16:
+        return True
+    key = (device, dtype)
+    if key not in _WRITES:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        try:
+            one = torch.ones((16, 16), dtype=FP8, device=device)
+            torch._scaled_mm(one, one.t(), scale_a=torch.ones((16, 1), device=device),
+                             scale_b=torch.ones((1, 16), device=device), out_dtype=dtype, use_fast_accum=FAST_ACCUM)
+            _WRITES[key] = True
+        except (RuntimeError, ValueError, TypeError):
+            _WRITES[key] = False
+    return _WRITES[key]
+
+
+def together(x: Tensor, layers: Sequence[nn.Module]) -> Optional[List[Tensor]]:
+    """Each of ``layers``' outputs for ``x`` from one scaling of ``x`` and one product, where they
+    are :class:`Fp8Linear` without hooks whose weights and scales lie one after another in one
+    buffer (:func:`quantize` lays out :data:`SHARED` so); None otherwise, and where products are
+    exact on this thread (:func:`exact_products`). The outputs are views of the one product."""
+    if getattr(_HERE, "exact", False) or not layers or not all(_plain(m) for m in layers):
+        return None
+    mods = cast(Sequence[Fp8Linear], layers)
+    weight = _joined([m.weight_fp8 for m in mods], 0)
+    scale = _joined([m.weight_scale for m in mods], 1)
+    if weight is None or scale is None or weight.shape[1] != x.shape[-1] or weight.device != x.device:
+        return None
+    q, s = rows_to_fp8(x.reshape(-1, weight.shape[1]))
+    out = product(q, s, weight, scale, x.dtype)
+    outs, at = [], 0
+    for m in mods:
+        part = out[:, at:at + m.out_features]
+        at += m.out_features
+        if m.bias is not None:
+            part = part + m.bias
+        outs.append(part.reshape(*x.shape[:-1], m.out_features))
+    return outs
+
+
+def gated(x: Tensor, gate: nn.Module, up: nn.Module, down: nn.Module) -> Optional[Tensor]:
+    """``down(silu(gate(x)) * up(x))`` for FP8 layers without hooks: ``x`` scaled to E4M3 once for
+    the gate and the up projection, and SiLU, the product and the down projection's row scaling
+    in one kernel (``silu_product_to_fp8``: on an H200 at 256 rows of the Llama-3-8B shape, three
+    kernels of 4.8, 5.4 and 7.7 us before); None where that kernel does not run here (a CPU, no
+    Triton, rows wider than :data:`WIDEST`, another dtype than fp16 and bf16, exact products on
+    this thread) or the layers' widths do not chain."""
+    if (getattr(_HERE, "exact", False) or not all(_plain(m) for m in (gate, up, down)) or not x.is_cuda
+            or x.dtype not in (torch.float16, torch.bfloat16) or not _triton() or torch.compiler.is_compiling()):
+        return None
+    d = cast(Fp8Linear, down)
+    if d.in_features > WIDEST:
+        return None
+    from ._fp8_triton import silu_product_to_fp8
+
+    gm, um = cast(Fp8Linear, gate), cast(Fp8Linear, up)
+    if not (gm.in_features == um.in_features == x.shape[-1] and gm.out_features == um.out_features == d.in_features):
+        return None
+    xq, xs = rows_to_fp8(x.reshape(-1, gm.in_features))  # (once for both: each layer's call would scale x again)
+    g = product(xq, xs, gm.weight_fp8, gm.weight_scale, x.dtype)
+    u = product(xq, xs, um.weight_fp8, um.weight_scale, x.dtype)
+    if gm.bias is not None:
+        g = g + gm.bias
+    if um.bias is not None:
+        u = u + um.bias
+    m, k = g.shape
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = 1 << max(4, (k - 1).bit_length())
+        silu_product_to_fp8[(m,)](g, u, q, scale, g.stride(0), u.stride(0), q.stride(0), k, FP8_MAX=FP8_MAX,
+                                  INV_MAX=INV_MAX, TINY=TINY, BLOCK=block, num_warps=max(1, min(8, block // 512)))
+    out = product(q, scale, d.weight_fp8, d.weight_scale, x.dtype)
+    if d.bias is not None:
+        out = out + d.bias
+    return out.reshape(*x.shape[:-1], d.out_features)
+
+
+def _plain(m: nn.Module) -> bool:
+    from torch.nn.modules import module as g
+
+    return (type(m) is Fp8Linear and not (m._forward_hooks or m._forward_pre_hooks or g._global_forward_hooks
+                                          or g._global_forward_pre_hooks))
+
+
+def _joined(parts: Sequence[Tensor], dim: int) -> Optional[Tensor]:
+    """The tensor ``parts`` make along ``dim`` where they are its consecutive views (each dense,
+    the next beginning where the last ends in one storage), else None."""
+    first = parts[0]
+    at = first.storage_offset()
+    for t in parts:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device or t.storage_offset() != at
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.shape[1 - dim] != first.shape[1 - dim]):
+            return None
+        at += t.numel()
+    if dim == 1 and first.shape[0] != 1:
+        return None  # (scales [1, out]: along dim 1 their views are dense only as one row)
+    shape = list(first.shape)
+    shape[dim] = sum(t.shape[dim] for t in parts)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, (shape[1], 1))
 
 
 @contextlib.contextmanager
@@ -202,10 +369,38 @@ def quantize(model: nn.Module, kind: str = "fp8", skip: Iterable[str] = ("lm_hea
     for module, child_name, child in targets:
         setattr(module, child_name, Fp8Linear(child))
         counts["quantized"] += 1
+    shared = sum(_share(module) for module in model.modules())
     if not counts["quantized"]:
         logger.warning("quantize %s: no linear layer of this model could be quantized (%d by name, %d by size): it "
                        "runs as it was", kind, counts["skipped"], counts["sizes"])
-    logger.info("quantize %s: %d linear layers in FP8; %d left as they are by name (%s), %d whose sizes are not "
-                "multiples of 16", kind, counts["quantized"], counts["skipped"], ", ".join(sorted(skip)) or "none",
+    logger.info("quantize %s: %d linear layers in FP8 (%d groups of them sharing a buffer: %s); %d left as they are "
+                "by name (%s), %d whose sizes are not multiples of 16", kind, counts["quantized"], shared,
+                " ".join("/".join(g) for g in SHARED), counts["skipped"], ", ".join(sorted(skip)) or "none",
                 counts["sizes"])
     return model
+
+
+def _share(module: nn.Module) -> int:
+    """Lays out each group of :data:`SHARED` among ``module``'s children that are FP8 layers of
+    one input width on one device, not yet shared, in one buffer of weights and one of scales,
+    each layer's weight and scale a view of them (:func:`together`); how many groups."""
+    done = 0
+    for names in SHARED:
+        layers = [getattr(module, n, None) for n in names]
+        if not all(type(m) is Fp8Linear for m in layers):
+            continue
+        mods = cast(List[Fp8Linear], layers)
+        first = mods[0].weight_fp8
+        if any(m.in_features != mods[0].in_features or m.weight_fp8.device != first.device for m in mods):
+            continue
+        if _joined([m.weight_fp8 for m in mods], 0) is not None:
+            continue  # (shared already)
+        weight = torch.cat([m.weight_fp8 for m in mods])
+        scale = torch.cat([m.weight_scale for m in mods], dim=1)
+        at = 0
+        for m in mods:
+            m._buffers["weight_fp8"] = weight[at:at + m.out_features]
+            m._buffers["weight_scale"] = scale[:, at:at + m.out_features]
+            at += m.out_features
+        done += 1
+    return done

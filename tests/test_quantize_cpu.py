@@ -54,7 +54,8 @@ def test_quantize_takes_the_linear_layers_but_the_head_and_odd_sizes_in_place(gw
     assert isinstance(model[0], Fp8Linear) and isinstance(model[2][0], Fp8Linear)
     assert type(model[3]) is nn.Linear, "10 outputs: not a multiple of 16"
     assert type(model.lm_head) is nn.Linear, "the output head stays in its dtype"
-    assert "2 linear layers in FP8; 1 left as they are by name (lm_head), 1 whose sizes" in gw_log.text
+    assert "2 linear layers in FP8 (0 groups of them sharing a buffer: q_proj/k_proj/v_proj); 1 left as they are by " \
+        "name (lm_head), 1 whose sizes" in gw_log.text
     assert model[0].training, "a training model's layers stay in training"
     model.eval()
     model[2][0] = nn.Linear(64, 32).eval()
@@ -188,6 +189,41 @@ def test_the_batchs_check_of_a_quantized_model_runs_its_products_unrounded(monke
     gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
     assert seen == [True] and gm.stats()["generate"] == {"graphwrap's shared decode batch": 1}
     gm.close()
+
+
+@needs_fp8
+def test_an_attention_layers_query_key_and_value_share_one_buffer_and_make_one_product(gw_log):
+    """quantize lays each attention layer's q, k and v FP8 weights and scales out in one buffer,
+    the layers' views of it; together() scales the input once and makes one product, each part
+    the layer's own output; a layer whose weight no longer lies in the buffer (moved, replaced),
+    a layer with a hook, and exact products on this thread make their own products again."""
+    from graphwrap.quantized import _joined, exact_products, together
+
+    model = graphwrap.quantize(_llama(), "fp8")
+    assert "(2 groups of them sharing a buffer: q_proj/k_proj/v_proj)" in gw_log.text
+    attn = model.model.layers[1].self_attn
+    layers = [attn.q_proj, attn.k_proj, attn.v_proj]
+    joined = _joined([m.weight_fp8 for m in layers], 0)
+    assert joined is not None and joined.shape == (64 + 32 + 32, 64)
+    assert _joined([m.weight_scale for m in layers], 1) is not None
+    assert attn.q_proj.weight_scale.untyped_storage().data_ptr() == attn.v_proj.weight_scale.untyped_storage().data_ptr()
+    x = torch.randn(2, 7, 64)
+    outs = together(x, layers)
+    assert outs is not None and [o.shape for o in outs] == [(2, 7, 64), (2, 7, 32), (2, 7, 32)]
+    for m, o in zip(layers, outs):
+        torch.testing.assert_close(o, m(x), atol=1e-5, rtol=1e-5)
+    assert not any(torch.equal(outs[0][..., :32], o) for o in outs[1:]), "each layer's own part"
+    with exact_products():
+        assert together(x, layers) is None
+    hook = attn.k_proj.register_forward_hook(lambda *a: None)
+    assert together(x, layers) is None, "a hook sees its layer's own call"
+    hook.remove()
+    assert together(x, [model.model.layers[0].self_attn.q_proj, attn.k_proj, attn.v_proj]) is None, "two layers' views"
+    attn.v_proj._buffers["weight_fp8"] = attn.v_proj.weight_fp8.clone()
+    assert together(x, layers) is None, "a weight moved out of the buffer"
+    graphwrap.quantize(model, "fp8")  # (again: the group is laid out anew)
+    assert _joined([m.weight_fp8 for m in layers], 0) is not None
+    torch.testing.assert_close(together(x, layers)[2], attn.v_proj(x), atol=1e-5, rtol=1e-5)
 
 
 def _plain(q, x):

@@ -25,10 +25,14 @@ graphwrap's in Triton) that computes the same to rounding:
 - **The attention's query, key and value projections** (the attention ``forward`` of Llama,
   Mistral and Qwen2, instruction for instruction) are three launches of cuBLAS; :mod:`.qkv` is
   one (Triton; and a sum of two parts where its tiles are fewer than the SMs) for a step's few
-  rows, and the module's own ``forward`` runs over them.
+  rows, and the module's own ``forward`` runs over them. FP8 projections whose weights share a
+  buffer (``graphwrap.quantize``'s) make theirs as one product at any number of rows
+  (:func:`graphwrap.quantized.together`).
 - **Llama's gated MLP** (``LlamaMLP``'s forward, and each family's copy: Mistral, Qwen2, ...)
   runs the gate's and the up projection's products, SiLU and their product; :mod:`.mlp` is one
   kernel (Triton) for a step's few rows, where the activation is SiLU and there are no biases.
+  With FP8 layers, SiLU, the product and the down projection's row scaling are one kernel at
+  any number of rows (:func:`graphwrap.quantized.gated`).
 
 :func:`prepare` replaces the ``forward`` of each class in a model whose ``forward`` is one of
 these, instruction for instruction (and each such function of the modules the model's classes
@@ -46,6 +50,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 from torch.nn import functional as F
 
+from ... import quantized
 from . import mlp, norm, paged_attention, qkv, rope
 
 _LOCAL = threading.local()
@@ -94,8 +99,12 @@ def _fused_gelu(own: Callable) -> Callable:
 
 def _fused_mlp(own: Callable) -> Callable:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fuses(x) and _silu(self.act_fn) and mlp.applies(x, self.gate_proj, self.up_proj):
-            return self.down_proj(mlp.gate_up(x, self.gate_proj.weight, self.up_proj.weight))
+        if fuses(x) and _silu(self.act_fn):
+            if mlp.applies(x, self.gate_proj, self.up_proj):
+                return self.down_proj(mlp.gate_up(x, self.gate_proj.weight, self.up_proj.weight))
+            out = quantized.gated(x, self.gate_proj, self.up_proj, self.down_proj)  # (FP8 layers)
+            if out is not None:
+                return out
         return own(self, x)
     return _wrapped(forward, own)
 
@@ -108,6 +117,10 @@ def _fused_projections(own: Callable) -> Callable:
                 outs = qkv.project(hidden_states, [p.weight for p in projections],  # type: ignore[union-attr]
                                    [p.bias for p in projections])  # type: ignore[union-attr]
                 return own(qkv.Given(self, hidden_states, outs), hidden_states, *args, **kwargs)
+            layers = [p for p in projections if p is not None]
+            made = quantized.together(hidden_states, layers) if len(layers) == 3 else None  # (FP8: one product)
+            if made is not None:
+                return own(qkv.Given(self, hidden_states, made), hidden_states, *args, **kwargs)
         return own(self, hidden_states, *args, **kwargs)
     return _wrapped(forward, own)
 
