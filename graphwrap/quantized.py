@@ -80,6 +80,26 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8"
 
+    def _apply(self, fn, recurse=True):
+        # Device moves reach the FP8 weight and its scales; dtype changes do not (E4M3 counts as
+        # a floating dtype: ``model.half()`` after quantize made the weight fp16 and the scales
+        # fp16, rounded, and the product refused them). They stay E4M3 and float32, what the
+        # product reads; the bias follows the model's dtype as before. A move copies a view of
+        # a shared buffer alone (``quantize`` again lays the group out anew).
+        kept = {n: t for n, t in self._buffers.items() if n in ("weight_fp8", "weight_scale") and t is not None}
+        for n in kept:
+            del self._buffers[n]
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for n, t in kept.items():
+                probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+                if probe.dtype == t.dtype:  # (a move, to_empty: as any buffer)
+                    self._buffers[n] = fn(t)
+                else:
+                    self._buffers[n] = t if t.device == probe.device else t.to(probe.device)
+        return self
+
 
 def product(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dtype: torch.dtype) -> Tensor:
     """``(q * scale) @ (weight * weight_scale).T`` in ``dtype``: rows ``q [n, k]`` in E4M3 scaled

@@ -226,6 +226,38 @@ def test_an_attention_layers_query_key_and_value_share_one_buffer_and_make_one_p
     torch.testing.assert_close(together(x, layers)[2], attn.v_proj(x), atol=1e-5, rtol=1e-5)
 
 
+@needs_fp8
+def test_a_dtype_change_after_quantize_keeps_the_fp8_weights_and_their_scales():
+    """``model.half()`` (or ``.to(dtype)``) after quantize: E4M3 counts as a floating dtype, so
+    the weight became fp16 and its scales fp16, rounded, and the product refused them. They stay
+    E4M3 and float32; the bias follows the model's dtype; q/k/v keep their shared buffer; the
+    product is the one before, in the new dtype; a move to the meta device and back (to_empty)
+    still reaches them."""
+    from graphwrap.quantized import _joined, together
+
+    model = graphwrap.quantize(_llama(), "fp8")
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(3, 64)
+    before = attn.q_proj(x)
+    scale = attn.q_proj.weight_scale.clone()
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        model.to(dtype)
+        for m in (attn.q_proj, model.model.layers[1].mlp.down_proj):
+            assert m.weight_fp8.dtype == FP8 and m.weight_scale.dtype == torch.float32
+        assert torch.equal(attn.q_proj.weight_scale, scale), "the scales not rounded"
+        assert _joined([attn.q_proj.weight_fp8, attn.k_proj.weight_fp8, attn.v_proj.weight_fp8], 0) is not None
+        got = attn.q_proj(x.to(dtype))
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), before, atol=3e-2 if dtype != torch.float64 else 1e-5, rtol=2e-2)
+        assert together(x.to(dtype), [attn.q_proj, attn.k_proj, attn.v_proj]) is not None
+    model.float()
+    layer = Fp8Linear(nn.Linear(32, 16)).to("meta")
+    assert layer.weight_fp8.is_meta and layer.weight_fp8.dtype == FP8
+    layer.to_empty(device="cpu")
+    assert layer.weight_fp8.device.type == "cpu" and layer.weight_fp8.dtype == FP8
+    assert layer.weight_scale.dtype == torch.float32
+
+
 def _plain(q, x):
     from graphwrap.quantized import rows_to_fp8
 
