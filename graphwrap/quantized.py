@@ -158,13 +158,14 @@ def _writes(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this torch's row-wise FP8 product on ``device`` writes ``dtype`` (torch 2.11's
     cuBLASLt product on an H200 writes fp16; cutlass's row-wise kernel, which older builds take,
     writes bfloat16 only): tried once, on a matrix of ones, never while a CUDA graph is captured
-    (bfloat16 then, which every build writes; a capture's warm-up has tried it already)."""
+    or torch.compile traces (bfloat16 then, which every build writes; a capture's warm-up has
+    tried it already)."""
     if dtype == torch.bfloat16:
         return True
     key = (device, dtype)
     if key not in _WRITES:
-        if torch.cuda.is_current_stream_capturing():
-            return False
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return False  # (not tried inside a trace or a capture: bfloat16, then cast)
         try:
             one = torch.ones((16, 16), dtype=FP8, device=device)
             torch._scaled_mm(one, one.t(), scale_a=torch.ones((16, 1), device=device),
