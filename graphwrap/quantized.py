@@ -124,9 +124,9 @@ def few_rows(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dty
     FP8 layers there were slower than fp16's (``benchmarks/diagnostics/fp8_products.py``: at one
     row, 10.9 / 9.1 / 17.1 / 23.4 us for the query-key-value, output, gate and down widths,
     against torch's 14.0 / 13.6 / 20.6 / 36.9). At 64 rows torch's is faster (14.2 against 23.0
-    us for the query-key-value width): hence :data:`ROWS`. ``bn`` outputs a program (None: 64
-    where that makes a program for half the SMs, else 32, else 16), ``bk``, ``warps``, ``stages``:
-    the shape of work (``fp8_products.py --tune``, one row)."""
+    us for the query-key-value width): hence :data:`ROWS`. ``bn`` outputs a program (None:
+    :func:`outputs_per_program`), ``bk``, ``warps``, ``stages``: the shape of work
+    (``fp8_products.py --tune``, one row)."""
     import triton
 
     from ._fp8_triton import rows_product
@@ -137,13 +137,19 @@ def few_rows(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dty
     if m == 0:
         return out
     if bn is None:
-        sms = _processors(q.device)
-        bn = next((b for b in (64, 32) if 2 * -(-n // b) >= sms), 16)
+        bn = outputs_per_program(n, _processors(q.device))
     bm = max(16, 1 << (m - 1).bit_length())
     rows_product[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
         q, scale, weight, weight_scale, out, m, n, k, q.stride(0), weight.stride(0), out.stride(0),
         BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
     return out
+
+
+def outputs_per_program(n: int, processors: int) -> int:
+    """:func:`few_rows`' outputs a program for ``n`` outputs on a chip of ``processors`` SMs: 64
+    where that makes a program for half the SMs, else 32, else 16 (``fp8_products.py --tune`` at
+    one row on an H200: 64 for the Llama-3-8B shape's 6,144 and 14,336, 32 for 4,096, 16 for 1,024)."""
+    return next((b for b in (64, 32) if 2 * -(-n // b) >= processors), 16)
 
 
 @functools.lru_cache(maxsize=None)

@@ -258,6 +258,18 @@ def test_a_dtype_change_after_quantize_keeps_the_fp8_weights_and_their_scales():
     assert layer.weight_scale.dtype == torch.float32
 
 
+def test_the_few_rows_products_shape_of_work_follows_the_outputs_and_the_chips_sms():
+    """What fp8_products.py --tune found fastest at one row on an H200 (132 SMs) for the
+    Llama-3-8B shape's widths, and the rule's ends on smaller and larger chips."""
+    from graphwrap.quantized import ROWS, outputs_per_program
+
+    assert [outputs_per_program(n, 132) for n in (6144, 14336, 4096, 1024)] == [64, 64, 32, 16]
+    assert outputs_per_program(4096, 60) == 64 and outputs_per_program(4096, 200) == 32
+    assert outputs_per_program(4096, 600) == 16
+    assert outputs_per_program(16, 132) == 16
+    assert ROWS == 16, "at 64 rows torch's product was the faster (fp8_products.py)"
+
+
 def _plain(q, x):
     from graphwrap.quantized import rows_to_fp8
 
