@@ -11,9 +11,10 @@ An attention layer's query, key and value projections (:data:`SHARED`) keep thei
 and scales in one buffer each, the three layers' views of it, so that the shared batch's forwards
 (``decoding/kernels/fused.py``) scale the input once and make the three products as one
 (:func:`together`): on an H200 at 256 rows of the Llama-3-8B shape, 14 us a layer against 40 for
-the three apart. Moved or copied layers lose the
-sharing and make their own products, as before. The batch's other fused kernels (``qkv.py``,
-``mlp.py``) take only plain ``nn.Linear`` and leave FP8 layers to their own call.
+the three apart. A device move copies each layer's view alone, so moved layers make their own
+products (``quantize`` again lays them out anew); a deep copy keeps the sharing. In the gated
+MLP, :func:`gated` scales the input once for the gate and up projections and makes SiLU, their
+product and the down projection's row scaling one kernel.
 
 Left in their dtype: the output head (``lm_head``, or any module named in ``skip``), and
 layers whose sizes are not multiples of 16 (what ``_scaled_mm`` takes). A GPU below compute

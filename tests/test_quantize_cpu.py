@@ -219,6 +219,10 @@ def test_an_attention_layers_query_key_and_value_share_one_buffer_and_make_one_p
     assert together(x, layers) is None, "a hook sees its layer's own call"
     hook.remove()
     assert together(x, [model.model.layers[0].self_attn.q_proj, attn.k_proj, attn.v_proj]) is None, "two layers' views"
+    import copy
+
+    twin = copy.deepcopy(model).model.layers[1].self_attn  # (a deep copy keeps the sharing)
+    assert _joined([twin.q_proj.weight_fp8, twin.k_proj.weight_fp8, twin.v_proj.weight_fp8], 0) is not None
     attn.v_proj._buffers["weight_fp8"] = attn.v_proj.weight_fp8.clone()
     assert together(x, layers) is None, "a weight moved out of the buffer"
     graphwrap.quantize(model, "fp8")  # (again: the group is laid out anew)
