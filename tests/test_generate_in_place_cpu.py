@@ -302,9 +302,9 @@ def test_a_turn_with_a_mixed_step_leaves_its_tokens_in_flight_as_a_step_does(in_
     gm = GraphedModule(model)
     gm.generate(torch.tensor([[5, 6]]), max_new_tokens=1)
     seen = []
-    together, read = server_mod.steps.together, server_mod.DecodeServer._read
+    together, read = server_mod.steps.together, server_mod.DecodeServer.read
     monkeypatch.setattr(server_mod.steps, "together", lambda server: seen.append(together(server)) or seen[-1])
-    monkeypatch.setattr(server_mod.DecodeServer, "_read", lambda self, keep: seen.append(("keep", keep)) or read(self, keep))
+    monkeypatch.setattr(server_mod.DecodeServer, "read", lambda self, keep: seen.append(("keep", keep)) or read(self, keep))
     _beside(gm, model, _prompts([3, 6]), _prompts([30], seed=2))
     after = [seen[i + 1] for i, x in enumerate(seen[:-1]) if x is True]
     assert after and all(k == ("keep", server_mod.AHEAD) for k in after), after

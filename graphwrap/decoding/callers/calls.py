@@ -41,7 +41,7 @@ class Call:
     seqs: List[Seq] = field(default_factory=list)
     left: int = 0
     error: Optional[BaseException] = None
-    ended: bool = False  # set once, by _end_call (the decode thread)
+    ended: bool = False  # set once, by end_call (the decode thread)
     queued: bool = False  # set once, when enqueued: counted among the batch's calls in flight until it ends
     sink: Any = None  # its streamer's sink, where it has one (:class:`Sinks`)
     cached_to: Any = None  # its streamer's ``put_cached(n)``, where it has one: prompt tokens found cached

@@ -208,10 +208,10 @@ def before_sampling(server, seqs: Sequence[Any]) -> None:
     asks for cannot be written in the tokenizer's tokens)."""
     broken, stuck = server.settings.constrain(seqs)
     for s in broken:
-        server._end_call(s.call, GrammarError("a token the call's grammar does not allow was sampled "
+        server.end_call(s.call, GrammarError("a token the call's grammar does not allow was sampled "
                                               "(a bug of the batch's masks: please report it)"))
     for s in stuck:
-        server._end_call(s.call, GrammarError(
+        server.end_call(s.call, GrammarError(
             f"the call's grammar allows no token of the tokenizer after {len(s.tokens)} tokens: what it asks "
             f"for cannot be written in this vocabulary"))
 

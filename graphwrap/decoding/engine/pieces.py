@@ -133,7 +133,7 @@ def piece(server, s, width: int):
                 logits = server.chunker(ids, start, server.store.chunk_window(row, start, end - start))
     except Exception as e:  # noqa: BLE001 - a prompt that makes the model raise fails alone
         chunking.remove(s)
-        server._end_call(s.call, e)
+        server.end_call(s.call, e)
         return
     event = _ended(server)
     if event is not None:
@@ -155,7 +155,7 @@ def ran(server, s, end: int, logits: torch.Tensor):
     server.sched.chunking.remove(s)
     s.prefilled = None
     server.store.live[row:row + 1].fill_(1)
-    server._first_tokens([s], logits, to_device(torch.tensor([end], dtype=torch.long), server.device))
+    server.first_tokens([s], logits, to_device(torch.tensor([end], dtype=torch.long), server.device))
 
 
 def _ended(server) -> Optional[torch.cuda.Event]:

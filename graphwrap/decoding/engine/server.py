@@ -12,11 +12,15 @@ step has been launched, so the GPU never waits for the host's bookkeeping. A seq
 finished (an end-of-sequence token) has its row given back one step late; the token the extra
 step made for it is dropped.
 
-A call ends in one place (:meth:`DecodeServer._end_call`, on the decode thread): its sequences
+A call ends in one place (:meth:`DecodeServer.end_call`, on the decode thread): its sequences
 are marked done (their rows are given back, settings and all, at the next retire) and its
 streamer's end and its result are handed to it by a delivery worker (:mod:`.delivery`): no
 caller's code runs on the decode thread. A cancel, a streamer that raises and a closed batch
 reach the decode thread as calls to end (``self.cancelled``), under the lock.
+
+The decode thread's parts in other modules (:mod:`.steps`, :mod:`.pieces`, :mod:`.growth`,
+:mod:`.grammar`) act on the batch through :meth:`DecodeServer.end_call`, ``read``, ``retire``,
+``release`` and ``first_tokens``; the methods named with an underscore are the thread's own.
 
 Lock rules: ``self.lock`` (``self.cond``) guards the scheduler's queue and rows, ``cancelled``,
 ``closed``, ``stopping`` and ``thread``; the decode thread takes it only to admit and retire,
@@ -291,7 +295,7 @@ class DecodeServer:
                 self.sched.queue.clear()
                 self.cond.notify_all()  # callers waiting for room find the batch closed
             for call in calls:
-                self._end_call(call, e)
+                self.end_call(call, e)
             self._flush()
 
     def _flush(self):
@@ -314,7 +318,7 @@ class DecodeServer:
                 calls = None
         if calls is not None:
             for call in calls:
-                self._end_call(call, stopping)
+                self.end_call(call, stopping)
             return False
         with self.cond:
             self._take_cancelled()
@@ -343,9 +347,9 @@ class DecodeServer:
             self._step(live)
         pieces.more_pieces(self, first)  # (where pieces.BUDGET is set: other prompts' pieces too)
         t2 = clock()
-        self._read(keep=AHEAD if live or together else 0)  # (a mixed step queued the rows' tokens too)
+        self.read(keep=AHEAD if live or together else 0)  # (a mixed step queued the rows' tokens too)
         t3 = clock()
-        self._retire()
+        self.retire()
         spent = self.spent
         spent["prefill"] += t1 - t0
         spent["step"] += t2 - t1
@@ -359,7 +363,7 @@ class DecodeServer:
         for call in self.cancelled:
             if not call.ended:
                 self.sched.drop_queued(lambda s: s.call is call)
-                self._end_call(call, call.error)
+                self.end_call(call, call.error)
         self.cancelled.clear()
 
     def _admit(self, seqs: List[Seq]):
@@ -372,13 +376,13 @@ class DecodeServer:
                 self._prefill(batch)
             except Exception as e:  # noqa: BLE001 - a prompt that makes the model raise fails alone
                 if len(batch) == 1:
-                    self._end_call(batch[0].call, e)
+                    self.end_call(batch[0].call, e)
                     continue
                 for s in batch:
                     try:
                         self._prefill([s])
                     except Exception as e1:  # noqa: BLE001
-                        self._end_call(s.call, e1)
+                        self.end_call(s.call, e1)
 
     def _prefill(self, seqs: List[Seq]):
         rows = _rows(seqs)
@@ -387,11 +391,11 @@ class DecodeServer:
         inputs = self.prompts.inputs(prompts, rows, shape[1:], self.device)
         width = shape[2]
         logits = captures.forward(self, self.prefill_engine, shape, how, inputs, lambda s: s.prompt_window(width))[:len(seqs)]
-        self._first_tokens(seqs, logits, inputs[1][:len(seqs)])
+        self.first_tokens(seqs, logits, inputs[1][:len(seqs)])
         self.counts["prefills"] += 1
         self.counts["prefill_rows"] += len(seqs)
 
-    def _first_tokens(self, seqs: List[Seq], logits: torch.Tensor, lengths: torch.Tensor):
+    def first_tokens(self, seqs: List[Seq], logits: torch.Tensor, lengths: torch.Tensor):
         """Each sequence's settings written into its row and its first token queued, from its
         prompt's last logits (``lengths``: the prompts' lengths, on the device)."""
         index, kept = _write_settings(self, seqs)
@@ -412,7 +416,7 @@ class DecodeServer:
     def _step(self, live: List[Seq]):
         steps.step(self, live)
 
-    def _read(self, keep: int):
+    def read(self, keep: int):
         """Hand out the tokens of every step but the last ``keep`` (and of any already done)."""
         for f, tokens, now in self.inflight.read(keep, self.spent, self._flush):
             for s, at in zip(f.seqs, f.rows):
@@ -433,7 +437,7 @@ class DecodeServer:
         elif streamer is not None:
             self.outgoing.append((call.box, lambda: put_token(call, streamer, token, now, self.lag, lp)))
         if s.matcher is not None and not s.matcher.made(token):
-            self._end_call(call, GraphwrapError(f"token {token} broke the call's grammar (a bug of the batch's masks)"))
+            self.end_call(call, GraphwrapError(f"token {token} broke the call's grammar (a bug of the batch's masks)"))
             return
         if token in s.settings.eos or len(s.tokens) >= s.settings.max_new or (s.matcher is not None and s.matcher.ended):
             s.done = True
@@ -441,9 +445,9 @@ class DecodeServer:
                 self.tpot.append((s.last_at - s.first_at) / (len(s.tokens) - 1))
             call.left -= 1
             if call.left == 0:
-                self._end_call(call, None)
+                self.end_call(call, None)
 
-    def _end_call(self, call: Call, error: Optional[BaseException]):
+    def end_call(self, call: Call, error: Optional[BaseException]):
         """The one place a call ends: its sequences stop (their rows are given back at the next
         retire), and its streamer's end and its result or error are delivered off this thread."""
         if call.ended:
@@ -473,12 +477,12 @@ class DecodeServer:
                 self.ending -= 1
                 self.delivered.notify_all()
 
-    def _retire(self):
+    def retire(self):
         rows = self.sched.retire()
         if rows:
-            self._release(rows)
+            self.release(rows)
 
-    def _release(self, rows: List[int]):
+    def release(self, rows: List[int]):
         """Rows given back: released on the device, settings and all."""
         index = to_device(torch.tensor(rows, dtype=torch.long), self.device)
         self.store.release(index)
@@ -504,7 +508,7 @@ def _write_settings(server: DecodeServer, seqs: List[Seq]) -> Tuple[torch.Tensor
     except Exception as e:  # noqa: BLE001 - one sequence's settings: its call's failure alone
         if len(seqs) == 1:
             logger.warning("a sequence's settings could not be written into its row: its call fails (%s)", e)
-            server._end_call(seqs[0].call, e)
+            server.end_call(seqs[0].call, e)
             return torch.empty(0, dtype=torch.long, device=server.device), []
     kept, index = [], []
     for s in seqs:

@@ -41,7 +41,7 @@ def step(server, live: List) -> None:
     except Exception as e:  # noqa: BLE001 - the step serves every live row: each fails with it
         logger.exception("a decode step failed; its %d sequences fail with the error", len(live))
         for s in live:
-            server._end_call(s.call, e)
+            server.end_call(s.call, e)
         return
     stepped(server, live, n, tokens, extra)
 
@@ -51,7 +51,7 @@ def sampled(server, logits: torch.Tensor, n: int, live: List):
     live row has a grammar, every step queued before is read first (its matcher moves on by its
     last token) and the rows' allowed tokens are filled while this step's forward runs."""
     if server.active.grammar:
-        server._read(keep=0)
+        server.read(keep=0)
         before_sampling(server, live)
     tokens = server.settings.next_tokens(logits, n, server.store.lengths[:n], server.active)
     k = server.active.logprobs
@@ -107,7 +107,7 @@ def together(server) -> bool:
     except Exception as e:  # noqa: BLE001 - as a step's: every live row fails with it
         logger.exception("a decode step failed; its %d sequences fail with the error", len(live))
         for seq in live:
-            server._end_call(seq.call, e)
+            server.end_call(seq.call, e)
         return True
     stepped(server, live, n, tokens, extra)
     server.counts["mixed_steps"] += 1
