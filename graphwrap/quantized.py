@@ -12,9 +12,10 @@ and scales in one buffer each, the three layers' views of it, so that the shared
 (``decoding/kernels/fused.py``) scale the input once and make the three products as one
 (:func:`together`): on an H200 at 256 rows of the Llama-3-8B shape, 14 us a layer against 40 for
 the three apart. A device move copies each layer's view alone, so moved layers make their own
-products (``quantize`` again lays them out anew); a deep copy keeps the sharing. In the gated
-MLP, :func:`gated` scales the input once for the gate and up projections and makes SiLU, their
-product and the down projection's row scaling one kernel.
+products (``quantize`` again lays them out anew); a deep copy keeps the sharing. A gated MLP's
+gate and up projections share a buffer likewise: :func:`gated` scales the input once, makes
+their two products as one, and SiLU, their product and the down projection's row scaling are
+one kernel.
 
 Left in their dtype: the output head (``lm_head``, or any module named in ``skip``), and
 layers whose sizes are not multiples of 16 (what ``_scaled_mm`` takes). A GPU below compute
@@ -42,7 +43,10 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 TINY = 1e-12  # (a row of zeros: its scale, so that nothing divides by zero)
 INV_MAX = float(torch.tensor(1.0) / FP8_MAX)  # (float32's: torch divides by a number on a GPU so)
 WIDEST = 32768  # the widest row graphwrap's kernel takes in one program (rows_to_fp8)
-SHARED = (("q_proj", "k_proj", "v_proj"),)  # sibling layers of one input whose weights share a buffer (together)
+SHARED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # sibling layers of one input whose weights share a buffer (together, gated)
+FEEDS = (("input_layernorm", "self_attn", "q_proj"), ("post_attention_layernorm", "mlp", "gate_proj"))  # a norm,
+# the sibling module its output goes to, and that one's first FP8 layer (normed: the norm scales its rows)
+NORMED = "_gw_fp8_rows"  # a norm module's attribute: its output goes to FP8 layers (quantize sets it; normed)
 FAST_ACCUM = True  # the tensor cores' fast FP8 accumulation on a GPU (as torchao's inference products)
 ROWS = 16  # at most this many rows take graphwrap's kernel on a GPU (few_rows); more, torch._scaled_mm
 _HERE = threading.local()  # exact: this thread's Fp8Linear products unrounded (exact_products)
@@ -72,7 +76,7 @@ class Fp8Linear(nn.Module):
         if getattr(_HERE, "exact", False):  # (see exact_products)
             w = (self.weight_fp8.float() * self.weight_scale.t()).to(x.dtype)
             return nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
-        q, scale = rows_to_fp8(x.reshape(-1, self.in_features))
+        q, scale = _scaled(x, self.in_features) or rows_to_fp8(x.reshape(-1, self.in_features))
         out = product(q, scale, self.weight_fp8, self.weight_scale, x.dtype)
         if self.bias is not None:
             out = out + self.bias
@@ -118,39 +122,53 @@ def product(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dtyp
 
 
 def few_rows(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dtype: torch.dtype,
-             bn: Optional[int] = None, bk: int = 256, warps: int = 4, stages: int = 4) -> Tensor:
+             bn: Optional[int] = None, bk: Optional[int] = None, split: Optional[int] = None, warps: int = 4,
+             stages: int = 4) -> Tensor:
     """:func:`product` for a few rows (a decode step's at low load), in one Triton kernel that
     reads each weight once. torch's row-wise product costs at least about 13.5 us a call on an
     H200, where fp16's takes 8-14 us at such rows for the Llama-3-8B shape's smaller widths, so
     FP8 layers there were slower than fp16's (``benchmarks/diagnostics/fp8_products.py``: at one
     row, 10.9 / 9.1 / 17.1 / 23.4 us for the query-key-value, output, gate and down widths,
     against torch's 14.0 / 13.6 / 20.6 / 36.9). At 64 rows torch's is faster (14.2 against 23.0
-    us for the query-key-value width): hence :data:`ROWS`. ``bn`` outputs a program (None:
-    :func:`outputs_per_program`), ``bk``, ``warps``, ``stages``: the shape of work
-    (``fp8_products.py --tune``, one row)."""
+    us for the query-key-value width): hence :data:`ROWS`. ``bn`` outputs a program, ``bk`` the
+    inner dimension's step, ``split`` its parts (each a program's, then summed in a second kernel
+    in a fixed order), ``warps``, ``stages``: the shape of work (None: :func:`shape_of_work`;
+    ``fp8_products.py --tune``, one row)."""
     import triton
 
-    from ._fp8_triton import rows_product
+    from ._fp8_triton import rows_product, sum_parts
 
     m, k = q.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=dtype, device=q.device)
     if m == 0:
         return out
-    if bn is None:
-        bn = outputs_per_program(n, _processors(q.device))
+    bn, bk, split = (c if v is None else v for v, c in zip((bn, bk, split), shape_of_work(n, k, _processors(q.device))))
     bm = max(16, 1 << (m - 1).bit_length())
-    rows_product[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
-        q, scale, weight, weight_scale, out, m, n, k, q.stride(0), weight.stride(0), out.stride(0),
-        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    parts = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=q.device)
+    rows_product[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
+        q, scale, weight, weight_scale, parts, m, n, k, q.stride(0), weight.stride(0), n, m * n,
+        BM=bm, BN=bn, BK=bk, SPLIT=split, num_warps=warps, num_stages=stages)
+    if split > 1:
+        sum_parts[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
     return out
 
 
-def outputs_per_program(n: int, processors: int) -> int:
-    """:func:`few_rows`' outputs a program for ``n`` outputs on a chip of ``processors`` SMs: 64
-    where that makes a program for half the SMs, else 32, else 16 (``fp8_products.py --tune`` at
-    one row on an H200: 64 for the Llama-3-8B shape's 6,144 and 14,336, 32 for 4,096, 16 for 1,024)."""
-    return next((b for b in (64, 32) if 2 * -(-n // b) >= processors), 16)
+def shape_of_work(n: int, k: int, processors: int) -> Tuple[int, int, int]:
+    """:func:`few_rows`' ``(bn, bk, split)`` for ``n`` outputs of ``k`` inputs on a chip of
+    ``processors`` SMs (``fp8_products.py --tune`` and ``--rows 1,16`` on an H200, the Llama-3-8B
+    shape's widths):
+
+    - outputs a program: 64 where that makes a program for half the SMs, else 32, else 16 (64
+      for 6,144 and 14,336 outputs, 32 for 4,096, 16 for 1,024);
+    - the inner dimension's step: 128 where the programs are more than twice the SMs, else 256
+      (the gate and up projections as one, 28,672 outputs in 448 programs: 32.2 against 39.4 us
+      at one row);
+    - the inner dimension in 4 parts where it is at least 8,192 long and the programs fewer than
+      the SMs (the down projection's 14,336 inputs in 128 programs: 19.7 against 23.8 us)."""
+    bn = next((b for b in (64, 32) if 2 * -(-n // b) >= processors), 16)
+    programs = -(-n // bn)
+    return bn, 128 if programs > 2 * processors else 256, 4 if k >= 8192 and programs < processors else 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,7 +213,7 @@ def together(x: Tensor, layers: Sequence[nn.Module]) -> Optional[List[Tensor]]:
     scale = _joined([m.weight_scale for m in mods], 1)
     if weight is None or scale is None or weight.shape[1] != x.shape[-1] or weight.device != x.device:
         return None
-    q, s = rows_to_fp8(x.reshape(-1, weight.shape[1]))
+    q, s = _scaled(x, weight.shape[1]) or rows_to_fp8(x.reshape(-1, weight.shape[1]))
     out = product(q, s, weight, scale, x.dtype)
     outs, at = [], 0
     for m in mods:
@@ -225,9 +243,14 @@ def gated(x: Tensor, gate: nn.Module, up: nn.Module, down: nn.Module) -> Optiona
     gm, um = cast(Fp8Linear, gate), cast(Fp8Linear, up)
     if not (gm.in_features == um.in_features == x.shape[-1] and gm.out_features == um.out_features == d.in_features):
         return None
-    xq, xs = rows_to_fp8(x.reshape(-1, gm.in_features))  # (once for both: each layer's call would scale x again)
-    g = product(xq, xs, gm.weight_fp8, gm.weight_scale, x.dtype)
-    u = product(xq, xs, um.weight_fp8, um.weight_scale, x.dtype)
+    xq, xs = _scaled(x, gm.in_features) or rows_to_fp8(x.reshape(-1, gm.in_features))  # (once for both)
+    joined = _joined([gm.weight_fp8, um.weight_fp8], 0), _joined([gm.weight_scale, um.weight_scale], 1)
+    if joined[0] is not None and joined[1] is not None:  # (one buffer, quantize's: one product, its two halves)
+        both = product(xq, xs, joined[0], joined[1], x.dtype)
+        g, u = both[:, :gm.out_features], both[:, gm.out_features:]
+    else:
+        g = product(xq, xs, gm.weight_fp8, gm.weight_scale, x.dtype)
+        u = product(xq, xs, um.weight_fp8, um.weight_scale, x.dtype)
     if gm.bias is not None:
         g = g + gm.bias
     if um.bias is not None:
@@ -238,7 +261,7 @@ def gated(x: Tensor, gate: nn.Module, up: nn.Module, down: nn.Module) -> Optiona
     if m:
         block = 1 << max(4, (k - 1).bit_length())
         silu_product_to_fp8[(m,)](g, u, q, scale, g.stride(0), u.stride(0), q.stride(0), k, FP8_MAX=FP8_MAX,
-                                  INV_MAX=INV_MAX, TINY=TINY, BLOCK=block, num_warps=max(1, min(8, block // 512)))
+                                  INV_MAX=INV_MAX, TINY=TINY, BLOCK=block, num_warps=_warps(block))
     out = product(q, scale, d.weight_fp8, d.weight_scale, x.dtype)
     if d.bias is not None:
         out = out + d.bias
@@ -306,14 +329,67 @@ def rows_to_fp8(rows: Tensor) -> Tuple[Tensor, Tensor]:
     if rows.shape[0]:
         block = 1 << max(4, (k - 1).bit_length())
         kernel[(rows.shape[0],)](rows, q, scale, rows.stride(0), q.stride(0), k, FP8_MAX=FP8_MAX, INV_MAX=INV_MAX, TINY=TINY,
-                                 BLOCK=block, num_warps=max(1, min(8, block // 512)))
+                                 BLOCK=block, num_warps=_warps(block))
     return q, scale
+
+
+def normed(x: Tensor, weight: Tensor, eps: float) -> Optional[Tensor]:
+    """RMSNorm of ``x`` (``weight * x * rsqrt(mean(x^2) + eps)``, in fp32 rounded once to ``x``'s
+    dtype) from one kernel that also writes the result's rows in E4M3 with their scales, for the
+    FP8 layers the result goes to next (:data:`FEEDS`): their call finds them (:func:`_scaled`)
+    and does not scale the rows again, one kernel less before each attention's and each MLP's
+    products. The rows and scales are :func:`rows_to_fp8`'s of the result, bit for bit. None
+    where that kernel does not run here: a CPU, no Triton, another dtype than fp16 and bf16, a
+    weight of another dtype, rows wider than :data:`WIDEST`, exact products on this thread."""
+    n = x.shape[-1]
+    if (getattr(_HERE, "exact", False) or not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16)
+            or weight.dtype != x.dtype or weight.shape != (n,) or weight.stride(0) != 1 or weight.device != x.device
+            or n > WIDEST or not _triton() or torch.compiler.is_compiling()):
+        return None
+    from ._fp8_triton import rms_norm_to_fp8
+
+    rows = x.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    q = torch.empty(rows.shape, dtype=FP8, device=x.device)
+    scale = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        block = 1 << max(4, (n - 1).bit_length())
+        rms_norm_to_fp8[(rows.shape[0],)](rows, weight, out, q, scale, rows.stride(0), out.stride(0), q.stride(0), n,
+                                          float(eps), FP8_MAX=FP8_MAX, INV_MAX=INV_MAX, TINY=TINY, BLOCK=block,
+                                          num_warps=_warps(block))
+    y = out.view(x.shape)
+    _HERE.scaled = (y, y._version, q, scale)
+    return y
+
+
+def _scaled(x: Tensor, k: int) -> Optional[Tuple[Tensor, Tensor]]:
+    """``x``'s rows in E4M3 and their scales where :func:`normed` made ``x`` on this thread and
+    it is as it was made (the same tensor, not written since), else None."""
+    made = getattr(_HERE, "scaled", None)
+    if made is None or made[0] is not x or x._version != made[1] or made[2].shape != (x.numel() // max(k, 1), k):
+        return None
+    return made[2], made[3]
+
+
+def forget() -> None:
+    """Let go of what :func:`normed` kept on this thread (the end of a forward)."""
+    _HERE.scaled = None
 
 
 def rows_to_fp8_reference(rows: Tensor) -> Tuple[Tensor, Tensor]:
     """What :func:`rows_to_fp8` computes, in torch steps."""
     scale = rows.float().abs().amax(dim=1, keepdim=True).clamp(min=TINY) / FP8_MAX
     return (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def _warps(block: int) -> int:
+    """Warps for graphwrap's kernels that take one row a program ``block`` wide (rows_to_fp8,
+    normed, gated's): one per 256 columns, up to 32 (on an H200, at 1 and 256 rows: 4,096 wide in
+    16 warps 1.79 and 2.48 us against 2.01 and 2.63 in 8; 14,336 in 32, 5.45 and 8.46 against
+    6.88 and 9.59)."""
+    return max(1, min(32, block // 256))
 
 
 @functools.lru_cache(maxsize=None)
@@ -397,23 +473,31 @@ def quantize(model: nn.Module, kind: str = "fp8", skip: Iterable[str] = ("lm_hea
     for module, child_name, child in targets:
         setattr(module, child_name, Fp8Linear(child))
         counts["quantized"] += 1
-    shared = sum(_share(module) for module in model.modules())
+    shared = [sum(n) for n in zip(*(_share(module) for module in model.modules()))] or [0] * len(SHARED)
+    normed = 0
+    for module in model.modules():
+        for norm, sibling, first in FEEDS:
+            if hasattr(module, norm) and type(getattr(getattr(module, sibling, None), first, None)) is Fp8Linear:
+                setattr(getattr(module, norm), NORMED, True)
+                normed += 1
     if not counts["quantized"]:
         logger.warning("quantize %s: no linear layer of this model could be quantized (%d by name, %d by size): it "
                        "runs as it was", kind, counts["skipped"], counts["sizes"])
-    logger.info("quantize %s: %d linear layers in FP8 (%d groups of them sharing a buffer: %s); %d left as they are "
-                "by name (%s), %d whose sizes are not multiples of 16", kind, counts["quantized"], shared,
-                " ".join("/".join(g) for g in SHARED), counts["skipped"], ", ".join(sorted(skip)) or "none",
-                counts["sizes"])
+    logger.info("quantize %s: %d linear layers in FP8 (sharing a buffer: %s; %d norms scale their rows for them); %d "
+                "left as they are by name (%s), %d whose sizes are not multiples of 16", kind, counts["quantized"],
+                ", ".join(f"{n} groups of {'/'.join(g)}" for g, n in zip(SHARED, shared)), normed, counts["skipped"],
+                ", ".join(sorted(skip)) or "none", counts["sizes"])
     return model
 
 
-def _share(module: nn.Module) -> int:
+def _share(module: nn.Module) -> List[int]:
     """Lays out each group of :data:`SHARED` among ``module``'s children that are FP8 layers of
     one input width on one device, not yet shared, in one buffer of weights and one of scales,
-    each layer's weight and scale a view of them (:func:`together`); how many groups."""
-    done = 0
+    each layer's weight and scale a view of them (:func:`together`, :func:`gated`); how many of
+    each group (1 or 0)."""
+    done = []
     for names in SHARED:
+        done.append(0)
         layers = [getattr(module, n, None) for n in names]
         if not all(type(m) is Fp8Linear for m in layers):
             continue
@@ -430,5 +514,5 @@ def _share(module: nn.Module) -> int:
             m._buffers["weight_fp8"] = weight[at:at + m.out_features]
             m._buffers["weight_scale"] = scale[:, at:at + m.out_features]
             at += m.out_features
-        done += 1
+        done[-1] = 1
     return done

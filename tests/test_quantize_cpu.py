@@ -54,8 +54,8 @@ def test_quantize_takes_the_linear_layers_but_the_head_and_odd_sizes_in_place(gw
     assert isinstance(model[0], Fp8Linear) and isinstance(model[2][0], Fp8Linear)
     assert type(model[3]) is nn.Linear, "10 outputs: not a multiple of 16"
     assert type(model.lm_head) is nn.Linear, "the output head stays in its dtype"
-    assert "2 linear layers in FP8 (0 groups of them sharing a buffer: q_proj/k_proj/v_proj); 1 left as they are by " \
-        "name (lm_head), 1 whose sizes" in gw_log.text
+    assert "2 linear layers in FP8 (sharing a buffer: 0 groups of q_proj/k_proj/v_proj, 0 groups of " \
+        "gate_proj/up_proj; 0 norms scale their rows for them); 1 left as they are by name (lm_head), 1 whose sizes" in gw_log.text
     assert model[0].training, "a training model's layers stay in training"
     model.eval()
     model[2][0] = nn.Linear(64, 32).eval()
@@ -200,13 +200,16 @@ def test_an_attention_layers_query_key_and_value_share_one_buffer_and_make_one_p
     from graphwrap.quantized import _joined, exact_products, together
 
     model = graphwrap.quantize(_llama(), "fp8")
-    assert "(2 groups of them sharing a buffer: q_proj/k_proj/v_proj)" in gw_log.text
+    assert "(sharing a buffer: 2 groups of q_proj/k_proj/v_proj, 2 groups of gate_proj/up_proj; 4 norms scale " \
+        "their rows for them)" in gw_log.text
     attn = model.model.layers[1].self_attn
     layers = [attn.q_proj, attn.k_proj, attn.v_proj]
     joined = _joined([m.weight_fp8 for m in layers], 0)
     assert joined is not None and joined.shape == (64 + 32 + 32, 64)
     assert _joined([m.weight_scale for m in layers], 1) is not None
     assert attn.q_proj.weight_scale.untyped_storage().data_ptr() == attn.v_proj.weight_scale.untyped_storage().data_ptr()
+    mlp = model.model.layers[1].mlp
+    assert _joined([mlp.gate_proj.weight_fp8, mlp.up_proj.weight_fp8], 0).shape == (2 * 128, 64), "gate and up too"
     x = torch.randn(2, 7, 64)
     outs = together(x, layers)
     assert outs is not None and [o.shape for o in outs] == [(2, 7, 64), (2, 7, 32), (2, 7, 32)]
@@ -228,6 +231,41 @@ def test_an_attention_layers_query_key_and_value_share_one_buffer_and_make_one_p
     graphwrap.quantize(model, "fp8")  # (again: the group is laid out anew)
     assert _joined([m.weight_fp8 for m in layers], 0) is not None
     torch.testing.assert_close(together(x, layers)[2], attn.v_proj(x), atol=1e-5, rtol=1e-5)
+
+
+@needs_fp8
+def test_the_norms_before_fp8_layers_are_marked_and_their_scaled_rows_are_found_only_for_their_own_output():
+    """quantize marks the RMSNorms whose output goes to FP8 layers (before the attention and the
+    MLP, not the final one before the head); the rows a marked norm scaled (normed, on a GPU)
+    are found for that very output only, while it is unwritten, on its own thread, until
+    forget()."""
+    import threading
+
+    from graphwrap import quantized as qz
+
+    model = graphwrap.quantize(_llama(), "fp8")
+    layer = model.model.layers[0]
+    assert getattr(layer.input_layernorm, qz.NORMED) and getattr(layer.post_attention_layernorm, qz.NORMED)
+    assert not getattr(model.model.norm, qz.NORMED, False), "the head stays in its dtype"
+    y = torch.randn(2, 3, 64)
+    q, s = qz.rows_to_fp8(y.reshape(-1, 64))
+    qz._HERE.scaled = (y, y._version, q, s)
+    assert qz._scaled(y, 64) == (q, s)
+    assert qz._scaled(y.clone(), 64) is None, "another tensor of the same values"
+    assert qz._scaled(y, 32) is None, "another width"
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(qz._scaled(y, 64)))
+    other.start()
+    other.join()
+    assert seen == [None], "another thread's"
+    ref = layer.self_attn.q_proj(y)
+    qz._HERE.scaled = (y, y._version, torch.zeros_like(q), s)
+    assert torch.equal(layer.self_attn.q_proj(y), torch.zeros_like(ref)), "a layer takes the rows found"
+    y.mul_(2)
+    assert qz._scaled(y, 64) is None, "written since"
+    qz._HERE.scaled = (y, y._version, q, s)
+    qz.forget()
+    assert qz._scaled(y, 64) is None
 
 
 @needs_fp8
@@ -264,13 +302,17 @@ def test_a_dtype_change_after_quantize_keeps_the_fp8_weights_and_their_scales():
 
 def test_the_few_rows_products_shape_of_work_follows_the_outputs_and_the_chips_sms():
     """What fp8_products.py --tune found fastest at one row on an H200 (132 SMs) for the
-    Llama-3-8B shape's widths, and the rule's ends on smaller and larger chips."""
-    from graphwrap.quantized import ROWS, outputs_per_program
+    Llama-3-8B shape's widths (q/k/v as one, o, gate and up as one, down, k or v), and the rule's
+    ends on smaller and larger chips."""
+    from graphwrap.quantized import ROWS, shape_of_work
 
-    assert [outputs_per_program(n, 132) for n in (6144, 14336, 4096, 1024)] == [64, 64, 32, 16]
-    assert outputs_per_program(4096, 60) == 64 and outputs_per_program(4096, 200) == 32
-    assert outputs_per_program(4096, 600) == 16
-    assert outputs_per_program(16, 132) == 16
+    shapes = [shape_of_work(n, k, 132) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                                    (1024, 4096))]
+    assert shapes == [(64, 256, 1), (32, 256, 1), (64, 128, 1), (32, 256, 4), (16, 256, 1)]
+    assert shape_of_work(4096, 4096, 60)[0] == 64 and shape_of_work(4096, 4096, 200)[0] == 32
+    assert shape_of_work(4096, 4096, 600)[0] == 16 and shape_of_work(16, 16, 132) == (16, 256, 1)
+    assert shape_of_work(28672, 4096, 240)[1] == 256, "not more programs than twice the SMs"
+    assert shape_of_work(4096, 14336, 60)[2] == 1, "as many programs as SMs (64 of 64 outputs): not split"
     assert ROWS == 16, "at 64 rows torch's product was the faster (fp8_products.py)"
 
 

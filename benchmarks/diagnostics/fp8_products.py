@@ -8,7 +8,7 @@ read their own), median of 20, with the weights' bytes over the time and the pro
 
 ``python3 benchmarks/diagnostics/fp8_products.py [--rows 1,16,64,256] [--tune]`` from the
 repository root, on a GPU of compute capability 8.9 or later; ``--tune`` times shapes of work of
-graphwrap's kernel (outputs a program takes, the inner dimension's step, warps, stages) at 1 and
+graphwrap's kernel (outputs a program takes, the inner dimension's step and parts, warps, stages) at 1 and
 16 rows (``graphwrap.quantized.ROWS``), each checked against the product written out in fp32.
 """
 
@@ -25,7 +25,7 @@ from graphwrap.quantized import FAST_ACCUM, FP8, few_rows, rows_to_fp8
 DEV = torch.device("cuda")
 K, I = 4096, 14336
 WIDTHS = {"q, k and v as one": (K, 6144), "q or o": (K, 4096), "k or v": (K, 1024), "gate or up": (K, I),
-          "down": (I, K)}
+          "gate and up as one": (K, 2 * I), "down": (I, K)}
 
 
 def _fp8_weight(g, n, k):
@@ -64,7 +64,7 @@ def compare(rows: int):
 
 def tune():
     g = torch.Generator(device=DEV).manual_seed(0)
-    configs = list(itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4)))
+    configs = list(itertools.product((16, 32, 64), (128, 256), (1, 4), (4,), (4, 6)))
     for rows in (1, 16):
         for label, (k, n) in WIDTHS.items():
             x = torch.randn(rows, k, generator=g, device=DEV).half()
@@ -73,8 +73,8 @@ def tune():
             want = (q.float() * s) @ (w8.float() * ws.t()).t()
             turn = itertools.cycle(_copies([w8, ws]))
             found = []
-            for bn, bk, warps, stages in configs:
-                kw = dict(bn=bn, bk=bk, warps=warps, stages=stages)
+            for bn, bk, split, warps, stages in configs:
+                kw = dict(bn=bn, bk=bk, split=split, warps=warps, stages=stages)
                 try:
                     got = few_rows(q, s, w8, ws, torch.float16, **kw)
                     err = ((got.float() - want).abs().max() / want.abs().max()).item()

@@ -33,6 +33,9 @@ graphwrap's in Triton) that computes the same to rounding:
   kernel (Triton) for a step's few rows, where the activation is SiLU and there are no biases.
   With FP8 layers, SiLU, the product and the down projection's row scaling are one kernel at
   any number of rows (:func:`graphwrap.quantized.gated`).
+- **An RMSNorm whose output goes to FP8 layers** (``quantize`` marks the norms before the
+  attention and the MLP) writes that output's rows in E4M3 with their scales in the same kernel
+  (:func:`graphwrap.quantized.normed`), which those layers then read instead of scaling again.
 
 :func:`prepare` replaces the ``forward`` of each class in a model whose ``forward`` is one of
 these, instruction for instruction (and each such function of the modules the model's classes
@@ -81,6 +84,10 @@ def _fused_norm(own: Callable) -> Callable:
         if fuses(hidden_states):
             shape, w = (hidden_states.shape[-1],), self.weight
             if w.dtype == hidden_states.dtype:  # the weight's product inside the kernel, rounded once
+                if getattr(self, quantized.NORMED, False):  # (FP8 layers next: their rows scaled too)
+                    out = quantized.normed(hidden_states, w, self.variance_epsilon)
+                    if out is not None:
+                        return out
                 if norm.applies(hidden_states, w):  # (a step's few rows: graphwrap's kernel)
                     return norm.rms(hidden_states, w, self.variance_epsilon)
                 return F.rms_norm(hidden_states, shape, w, self.variance_epsilon)
@@ -188,6 +195,8 @@ def enter():
 
 def leave():
     _LOCAL.depth -= 1
+    if not _LOCAL.depth:
+        quantized.forget()  # (the rows a norm scaled for FP8 layers: not kept past the forward)
 
 
 def fuses(x: torch.Tensor) -> bool:
