@@ -2,7 +2,7 @@
 
 One model of ``--model``'s shape (random weights, fp16, seed 0) and a twin of it for each of
 ``--kinds`` (a deep copy, then ``graphwrap.quantize(..., kind)``: ``fp8``, ``int8`` weight-only,
-``int4`` weight-only from a bfloat16 copy; the last two need torchao), each through its own
+``int4`` weight-only from a bfloat16 copy, which needs torchao), each through its own
 GraphedModule:
 
 - **agreement**, teacher-forced: ``--agree-seqs`` random sequences of ``--agree-len`` tokens
@@ -25,6 +25,7 @@ CPU (torch's own FP8 product: a smoke run, its times say nothing).
 import argparse
 import copy
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -151,6 +152,9 @@ def main():
         agree[kind] = _agree(full, kind, twin, a, device)
         rows.append(one(twin, kind, a, device))
         del twin
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # (the next batch sizes its pool by the memory free: the last one's back)
         if "off" not in rows[0] and "off" not in rows[-1]:
             ratio[kind] = {"batch1_speedup": rows[0]["batch1_ms_per_token"] / rows[-1]["batch1_ms_per_token"],
                            "at_once_speedup": rows[-1]["at_once_tokens_s"] / rows[0]["at_once_tokens_s"]}

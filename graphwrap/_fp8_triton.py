@@ -1,5 +1,5 @@
-"""The Triton kernel of :mod:`.quantized`: imported only where it runs (a GPU with Triton), never
-at graphwrap's import."""
+"""The Triton kernels of :mod:`.quantized` and :mod:`.weight_only`'s int8 layers: imported only
+where they run (a GPU with Triton), never at graphwrap's import."""
 
 import triton
 import triton.language as tl
@@ -50,11 +50,14 @@ def rms_norm_to_fp8(X, W, O, Q, S, sx, so, sq, N, eps, FP8_MAX: tl.constexpr, IN
 
 @triton.jit
 def rows_product(X, XS, W, WS, O, M, N, K, sxm, swn, som, sop, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 SPLIT: tl.constexpr):
-    """``O[m, n] = (X[m] . W[n]) * XS[m] * WS[n]`` for rows ``X`` and weights ``W`` in E4M3: each
-    E4M3 value is exact in fp16, so the products are the FP8 ones, summed in fp32, scaled, and
-    rounded once to ``O``'s dtype. A program takes ``BN`` outputs of ``BM`` rows
-    and reads those weights once. With ``SPLIT`` > 1 it takes the ``program_id(2)``-th of as many
+                 SPLIT: tl.constexpr, HAS_XS: tl.constexpr, BF16: tl.constexpr):
+    """``O[m, n] = (X[m] . W[n]) * XS[m] * WS[n]``: rows ``X`` and weights ``W`` in E4M3 (FP8
+    layers), or rows in fp16 or bf16 without scales (``HAS_XS`` false) and weights in int8 read
+    as their bytes (int8 weight-only layers; made fp16 by their bits, not by a conversion of
+    each). Each E4M3 value is exact in fp16 and each int8 value in fp16 and bf16,
+    so the products are the layer's own, summed in fp32 (in bf16 where ``BF16``: the rows' dtype),
+    scaled, and rounded once to ``O``'s dtype. A program takes ``BN`` outputs of ``BM`` rows and
+    reads those weights once. With ``SPLIT`` > 1 it takes the ``program_id(2)``-th of as many
     parts of the inner dimension and writes its sum, scaled, in fp32 to ``O``'s part
     ``program_id(2)`` (``sop`` apart), for :func:`sum_parts`."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -67,10 +70,20 @@ def rows_product(X, XS, W, WS, O, M, N, K, sxm, swn, som, sop, BM: tl.constexpr,
         kk = k0 + rk
         x = tl.load(X + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         w = tl.load(W + rn[None, :] * swn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-        acc = tl.dot(x.to(tl.float16), w.to(tl.float16), acc)  # (every E4M3 value is exact in fp16)
-    xs = tl.load(XS + rm, mask=rm < M, other=0.0)
+        if HAS_XS:
+            acc = tl.dot(x.to(tl.float16), w.to(tl.float16), acc)
+        else:  # (int8 weights, read as bytes: each in fp16 as 1152 + w under 0x6400's exponent, less 1152)
+            h = ((w ^ 0x80).to(tl.uint16) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+            w16 = (h - 1152.0).to(tl.float16)
+            if BF16:
+                acc = tl.dot(x.to(tl.bfloat16), w16.to(tl.bfloat16), acc)
+            else:
+                acc = tl.dot(x.to(tl.float16), w16, acc)
     ws = tl.load(WS + rn, mask=rn < N, other=0.0)
-    out = (acc * xs[:, None] * ws[None, :]).to(O.dtype.element_ty)
+    if HAS_XS:
+        xs = tl.load(XS + rm, mask=rm < M, other=0.0)
+        acc = acc * xs[:, None]
+    out = (acc * ws[None, :]).to(O.dtype.element_ty)
     at = O + tl.program_id(2) * sop + rm[:, None] * som + rn[None, :]
     tl.store(at, out, mask=(rm[:, None] < M) & (rn[None, :] < N))
 

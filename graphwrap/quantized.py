@@ -37,7 +37,7 @@ from .errors import GraphwrapError
 
 logger = logging.getLogger("graphwrap")
 
-KINDS = ("fp8", "int8", "int4")  # (int8 and int4: weight-only, through torchao: weight_only.py)
+KINDS = ("fp8", "int8", "int4")  # (int8 and int4: weight-only, weight_only.py; int4 through torchao)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 TINY = 1e-12  # (a row of zeros: its scale, so that nothing divides by zero)
@@ -52,46 +52,49 @@ ROWS = 16  # at most this many rows take graphwrap's kernel on a GPU (few_rows);
 _HERE = threading.local()  # exact: this thread's Fp8Linear products unrounded (exact_products)
 
 
-class Fp8Linear(nn.Module):
-    """``nn.Linear``'s product from FP8: ``weight_fp8 [out, in]`` (E4M3) and ``weight_scale
-    [1, out]`` (float32, per output channel) made from the layer's weight; the input's rows
-    scaled to E4M3 each call by their largest magnitude; the bias, if any, added in the input's
-    dtype."""
+class QuantizedLinear(nn.Module):
+    """What graphwrap's quantized linear layers share: the weight in an integer or FP8 buffer
+    named :attr:`QUANTIZED` (``[out, in]``), its scales ``weight_scale [1, out]`` (float32, per
+    output channel), the bias, if any, added in the input's dtype, and the product of a call's
+    rows (:meth:`rows`)."""
 
-    weight_fp8: Tensor
+    QUANTIZED = ""  # the weight's buffer
+    KIND = ""
     weight_scale: Tensor
 
-    def __init__(self, linear: nn.Module):
+    def __init__(self, linear: nn.Module, weight: Tensor, scale: Tensor):
         super().__init__()
-        w = _weight(linear)
-        self.out_features, self.in_features = w.shape
-        scale = w.float().abs().amax(dim=1).clamp(min=TINY) / FP8_MAX
-        self.register_buffer("weight_fp8", (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8))
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer(self.QUANTIZED, weight)
         self.register_buffer("weight_scale", scale[None, :].contiguous())
         bias = cast(Optional[Tensor], linear.bias)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.train(linear.training)  # (an eval model's layer stays in eval: a training one runs eagerly)
 
+    @staticmethod
+    def rows(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+        """``x``'s rows ``[-1, in]`` times ``weight`` (this class's kind) scaled by ``scale``, in
+        ``x``'s dtype: the product of a layer, or of layers whose weights lie one after another
+        (:func:`together`)."""
+        raise NotImplementedError
+
     def forward(self, x: Tensor) -> Tensor:
-        if getattr(_HERE, "exact", False):  # (see exact_products)
-            w = (self.weight_fp8.float() * self.weight_scale.t()).to(x.dtype)
-            return nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
-        q, scale = _scaled(x, self.in_features) or rows_to_fp8(x.reshape(-1, self.in_features))
-        out = product(q, scale, self.weight_fp8, self.weight_scale, x.dtype)
+        out = self.rows(x, getattr(self, self.QUANTIZED), self.weight_scale)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.KIND}")
 
     def _apply(self, fn, recurse=True):
-        # Device moves reach the FP8 weight and its scales; dtype changes do not (E4M3 counts as
-        # a floating dtype: ``model.half()`` after quantize made the weight fp16 and the scales
-        # fp16, rounded, and the product refused them). They stay E4M3 and float32, what the
-        # product reads; the bias follows the model's dtype as before. A move copies a view of
-        # a shared buffer alone (``quantize`` again lays the group out anew).
-        kept = {n: t for n, t in self._buffers.items() if n in ("weight_fp8", "weight_scale") and t is not None}
+        # Device moves reach the quantized weight and its scales; dtype changes do not (E4M3
+        # counts as a floating dtype: ``model.half()`` after quantize made an FP8 weight fp16
+        # and the scales fp16, rounded, and the product refused them). They stay as they are,
+        # what the product reads; the bias follows the model's dtype as before. A move copies a
+        # view of a shared buffer alone (``quantize`` again lays the group out anew).
+        kept = {n: t for n, t in self._buffers.items() if n in (self.QUANTIZED, "weight_scale") and t is not None}
         for n in kept:
             del self._buffers[n]
         try:
@@ -104,6 +107,30 @@ class Fp8Linear(nn.Module):
                 else:
                     self._buffers[n] = t if t.device == probe.device else t.to(probe.device)
         return self
+
+
+class Fp8Linear(QuantizedLinear):
+    """``nn.Linear``'s product from FP8: ``weight_fp8 [out, in]`` (E4M3) and ``weight_scale
+    [1, out]`` (float32, per output channel) made from the layer's weight; the input's rows
+    scaled to E4M3 each call by their largest magnitude; the bias, if any, added in the input's
+    dtype."""
+
+    QUANTIZED = "weight_fp8"
+    KIND = "fp8"
+    weight_fp8: Tensor
+
+    def __init__(self, linear: nn.Module):
+        w = _weight(linear)
+        scale = w.float().abs().amax(dim=1).clamp(min=TINY) / FP8_MAX
+        super().__init__(linear, (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale)
+
+    @staticmethod
+    def rows(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+        k = weight.shape[1]
+        if getattr(_HERE, "exact", False):  # (see exact_products)
+            return nn.functional.linear(x.reshape(-1, k), (weight.float() * scale.t()).to(x.dtype))
+        q, s = _scaled(x, k) or rows_to_fp8(x.reshape(-1, k))
+        return product(q, s, weight, scale, x.dtype)
 
 
 def product(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dtype: torch.dtype) -> Tensor:
@@ -121,7 +148,7 @@ def product(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dtyp
     return out if out_dtype == dtype else out.to(dtype)
 
 
-def few_rows(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dtype: torch.dtype,
+def few_rows(q: Tensor, scale: Optional[Tensor], weight: Tensor, weight_scale: Tensor, dtype: torch.dtype,
              bn: Optional[int] = None, bk: Optional[int] = None, split: Optional[int] = None, warps: int = 4,
              stages: int = 4) -> Tensor:
     """:func:`product` for a few rows (a decode step's at low load), in one Triton kernel that
@@ -133,7 +160,9 @@ def few_rows(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dty
     us for the query-key-value width): hence :data:`ROWS`. ``bn`` outputs a program, ``bk`` the
     inner dimension's step, ``split`` its parts (each a program's, then summed in a second kernel
     in a fixed order), ``warps``, ``stages``: the shape of work (None: :func:`shape_of_work`;
-    ``fp8_products.py --tune``, one row)."""
+    ``fp8_products.py --tune``, one row). ``scale`` None: rows in fp16 or bf16 as they are and
+    weights in int8 (:class:`~.weight_only.Int8Linear`), at any number of rows (past
+    :data:`ROWS`, tiles of 64 rows by 64 outputs)."""
     import triton
 
     from ._fp8_triton import rows_product, sum_parts
@@ -143,12 +172,15 @@ def few_rows(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dty
     out = torch.empty((m, n), dtype=dtype, device=q.device)
     if m == 0:
         return out
-    bn, bk, split = (c if v is None else v for v, c in zip((bn, bk, split), shape_of_work(n, k, _processors(q.device))))
-    bm = max(16, 1 << (m - 1).bit_length())
+    shape = shape_of_work(n, k, _processors(q.device)) if m <= ROWS else (64, 64, 1)
+    bn, bk, split = (c if v is None else v for v, c in zip((bn, bk, split), shape))
+    bm = min(64, max(16, 1 << (m - 1).bit_length()))
     parts = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=q.device)
     rows_product[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
-        q, scale, weight, weight_scale, parts, m, n, k, q.stride(0), weight.stride(0), n, m * n,
-        BM=bm, BN=bn, BK=bk, SPLIT=split, num_warps=warps, num_stages=stages)
+        q, weight_scale if scale is None else scale, weight.view(torch.uint8) if scale is None else weight,
+        weight_scale, parts, m, n, k, q.stride(0),
+        weight.stride(0), n, m * n, BM=bm, BN=bn, BK=bk, SPLIT=split, HAS_XS=scale is not None,
+        BF16=scale is None and q.dtype == torch.bfloat16, num_warps=warps, num_stages=stages)
     if split > 1:
         sum_parts[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
     return out
@@ -202,19 +234,21 @@ def _writes(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def together(x: Tensor, layers: Sequence[nn.Module]) -> Optional[List[Tensor]]:
-    """Each of ``layers``' outputs for ``x`` from one scaling of ``x`` and one product, where they
-    are :class:`Fp8Linear` without hooks whose weights and scales lie one after another in one
-    buffer (:func:`quantize` lays out :data:`SHARED` so); None otherwise, and where products are
-    exact on this thread (:func:`exact_products`). The outputs are views of the one product."""
-    if getattr(_HERE, "exact", False) or not layers or not all(_plain(m) for m in layers):
+    """Each of ``layers``' outputs for ``x`` from one product (FP8: of one scaling of ``x``),
+    where they are quantized layers of one kind (:class:`Fp8Linear`, int8's
+    :class:`~.weight_only.Int8Linear`) without hooks whose weights and scales lie one after
+    another in one buffer (:func:`quantize` lays out :data:`SHARED` so); None otherwise, and
+    where products are exact on this thread (:func:`exact_products`). The outputs are views of
+    the one product."""
+    if (getattr(_HERE, "exact", False) or not layers or not all(_plain(m) for m in layers)
+            or len({type(m) for m in layers}) != 1):
         return None
-    mods = cast(Sequence[Fp8Linear], layers)
-    weight = _joined([m.weight_fp8 for m in mods], 0)
+    mods = cast(Sequence[QuantizedLinear], layers)
+    weight = _joined([getattr(m, m.QUANTIZED) for m in mods], 0)
     scale = _joined([m.weight_scale for m in mods], 1)
     if weight is None or scale is None or weight.shape[1] != x.shape[-1] or weight.device != x.device:
         return None
-    q, s = _scaled(x, weight.shape[1]) or rows_to_fp8(x.reshape(-1, weight.shape[1]))
-    out = product(q, s, weight, scale, x.dtype)
+    out = mods[0].rows(x, weight, scale)
     outs, at = [], 0
     for m in mods:
         part = out[:, at:at + m.out_features]
@@ -232,7 +266,8 @@ def gated(x: Tensor, gate: nn.Module, up: nn.Module, down: nn.Module) -> Optiona
     kernels of 4.8, 5.4 and 7.7 us before); None where that kernel does not run here (a CPU, no
     Triton, rows wider than :data:`WIDEST`, another dtype than fp16 and bf16, exact products on
     this thread) or the layers' widths do not chain."""
-    if (getattr(_HERE, "exact", False) or not all(_plain(m) for m in (gate, up, down)) or not x.is_cuda
+    if (getattr(_HERE, "exact", False) or not all(type(m) is Fp8Linear and _plain(m) for m in (gate, up, down))
+            or not x.is_cuda
             or x.dtype not in (torch.float16, torch.bfloat16) or not _triton() or torch.compiler.is_compiling()):
         return None
     d = cast(Fp8Linear, down)
@@ -271,7 +306,7 @@ def gated(x: Tensor, gate: nn.Module, up: nn.Module, down: nn.Module) -> Optiona
 def _plain(m: nn.Module) -> bool:
     from torch.nn.modules import module as g
 
-    return (type(m) is Fp8Linear and not (m._forward_hooks or m._forward_pre_hooks or g._global_forward_hooks
+    return (isinstance(m, QuantizedLinear) and not (m._forward_hooks or m._forward_pre_hooks or g._global_forward_hooks
                                           or g._global_forward_pre_hooks))
 
 
@@ -444,8 +479,8 @@ def fp8_supported(device: torch.device) -> Optional[str]:
 
 def quantize(model: nn.Module, kind: str = "fp8", skip: Iterable[str] = ("lm_head",)) -> nn.Module:
     """``model`` with its linear layers (``nn.Linear``, ``Conv1D``) in ``kind``, in place, returned:
-    ``"fp8"`` (here), or ``"int8"`` and ``"int4"`` weight-only (``nn.Linear``, through torchao:
-    :mod:`.weight_only`). The modules named (last part of the name) in ``skip`` are left as they
+    ``"fp8"`` (here), or ``"int8"`` and ``"int4"`` weight-only (:mod:`.weight_only`: int8
+    graphwrap's own, int4 ``nn.Linear`` through torchao). The modules named (last part of the name) in ``skip`` are left as they
     are, and in FP8 layers of sizes not multiples of 16. The log says how many were quantized."""
     if kind not in KINDS:
         raise GraphwrapError(f"quantize: kind must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
@@ -491,27 +526,28 @@ def quantize(model: nn.Module, kind: str = "fp8", skip: Iterable[str] = ("lm_hea
 
 
 def _share(module: nn.Module) -> List[int]:
-    """Lays out each group of :data:`SHARED` among ``module``'s children that are FP8 layers of
-    one input width on one device, not yet shared, in one buffer of weights and one of scales,
+    """Lays out each group of :data:`SHARED` among ``module``'s children that are quantized
+    layers of one kind, one input width and one device, not yet shared, in one buffer of weights and one of scales,
     each layer's weight and scale a view of them (:func:`together`, :func:`gated`); how many of
     each group (1 or 0)."""
     done = []
     for names in SHARED:
         done.append(0)
         layers = [getattr(module, n, None) for n in names]
-        if not all(type(m) is Fp8Linear for m in layers):
+        if not (isinstance(layers[0], QuantizedLinear) and all(type(m) is type(layers[0]) for m in layers)):
             continue
-        mods = cast(List[Fp8Linear], layers)
-        first = mods[0].weight_fp8
-        if any(m.in_features != mods[0].in_features or m.weight_fp8.device != first.device for m in mods):
+        mods = cast(List[QuantizedLinear], layers)
+        name = mods[0].QUANTIZED
+        first = getattr(mods[0], name)
+        if any(m.in_features != mods[0].in_features or getattr(m, name).device != first.device for m in mods):
             continue
-        if _joined([m.weight_fp8 for m in mods], 0) is not None:
+        if _joined([getattr(m, name) for m in mods], 0) is not None:
             continue  # (shared already)
-        weight = torch.cat([m.weight_fp8 for m in mods])
+        weight = torch.cat([getattr(m, name) for m in mods])
         scale = torch.cat([m.weight_scale for m in mods], dim=1)
         at = 0
         for m in mods:
-            m._buffers["weight_fp8"] = weight[at:at + m.out_features]
+            m._buffers[name] = weight[at:at + m.out_features]
             m._buffers["weight_scale"] = scale[:, at:at + m.out_features]
             at += m.out_features
         done[-1] = 1

@@ -324,18 +324,55 @@ def _plain(q, x):
     return out + q.bias if q.bias is not None else out
 
 
-# ------------------------------------------------------------------ int8 and int4 weight-only (torchao)
+# ------------------------------------------------------------------ int8 and int4 weight-only
 
 def _torchao():
     return pytest.importorskip("torchao", reason="needs torchao (the quant extra): pip install 'graphwrap[quant]'")
 
 
-def test_int8_weight_only_layers_give_the_shared_batch_the_quantized_models_own_tokens():
-    _torchao()
+@pytest.mark.parametrize("bias", [False, True])
+def test_an_int8_layer_is_its_weight_rounded_per_channel_and_near_the_full_product(bias):
+    """Int8Linear: the weight rounded to int8 with a scale per output channel (its largest
+    magnitude over 127), the input as it is; a dtype change keeps the int8 weight and float32
+    scales; a layer of any size is taken (no multiple of 16 asked)."""
+    from graphwrap.weight_only import Int8Linear
+
+    torch.manual_seed(1)
+    linear = nn.Linear(40, 24, bias=bias)
+    layer = Int8Linear(linear)
+    w = linear.weight.detach()
+    scale = w.abs().amax(dim=1) / 127
+    assert layer.weight_int8.dtype == torch.int8 and layer.weight_int8.shape == (24, 40)
+    assert torch.equal(layer.weight_int8, (w / scale[:, None]).round().to(torch.int8))
+    assert layer.weight_int8.abs().amax(dim=1).eq(127).all(), "each channel's largest magnitude is 127"
+    x = torch.randn(3, 5, 40)
+    want = x @ (layer.weight_int8.float() * scale[:, None]).t() + (linear.bias.detach() if bias else 0)
+    torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+    rel = (layer(x) - linear(x)).norm() / linear(x).norm()
+    assert 0 < rel < 0.01, rel
+    layer.half()
+    assert layer.weight_int8.dtype == torch.int8 and layer.weight_scale.dtype == torch.float32
+    assert layer(x.half()).dtype == torch.float16
+
+
+def test_int8_weight_only_layers_give_the_shared_batch_the_quantized_models_own_tokens(gw_log):
+    """graphwrap's own int8 layers (no torchao): every linear but the head, q/k/v and gate/up in
+    one buffer each (together makes q/k/v as one product, each layer's own output); the shared
+    batch gives the quantized model's own greedy tokens, and the wrapper's forward its logits."""
+    from graphwrap.quantized import together
+    from graphwrap.weight_only import Int8Linear
+
     model = graphwrap.quantize(_llama(), "int8")
-    q = model.model.layers[0].self_attn.q_proj
-    assert type(q) is nn.Linear and type(q.weight).__name__ != "Parameter", "torchao's weight, in its layer"
-    assert type(model.lm_head.weight) is nn.Parameter, "the head stays in its dtype"
+    attn = model.model.layers[0].self_attn
+    assert type(attn.q_proj) is Int8Linear and type(model.model.layers[1].mlp.down_proj) is Int8Linear
+    assert type(model.lm_head) is nn.Linear, "the head stays in its dtype"
+    assert "14 linear layers in int8 weight-only (sharing a buffer: 2 groups of q_proj/k_proj/v_proj, 2 groups of " \
+        "gate_proj/up_proj); 1 left as they are by name (lm_head)" in gw_log.text
+    x = torch.randn(2, 3, 64)
+    outs = together(x, [attn.q_proj, attn.k_proj, attn.v_proj])
+    assert outs is not None
+    for m, o in zip((attn.q_proj, attn.k_proj, attn.v_proj), outs):
+        torch.testing.assert_close(o, m(x), atol=1e-6, rtol=1e-6)
     gm = own_tokens(model, (4, 11, 23), new=10, seed=4)
     assert gm.stats()["generate"] == {"graphwrap's shared decode batch": 3}
     x = torch.randint(2, 101, (2, 9), generator=torch.Generator().manual_seed(5))
@@ -359,16 +396,23 @@ def test_a_model_quantized_by_torchao_itself_wraps_and_decodes_in_the_shared_bat
     gm.close()
 
 
-def test_int4_and_a_missing_torchao_are_refused_with_the_reason(monkeypatch):
+def test_int4_and_a_missing_torchao_are_refused_with_the_reason_and_int8_needs_no_torchao(monkeypatch):
     from graphwrap import weight_only
 
     model = _llama()
-    if weight_only.refused(model, "int8") is None:  # (torchao here: int4 needs a CUDA GPU)
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        pass
+    else:  # (torchao here: int4 needs a CUDA GPU)
         with pytest.raises(GraphwrapError, match="CUDA GPU"):
             graphwrap.quantize(model, "int4")
     monkeypatch.setitem(__import__("sys").modules, "torchao", None)  # (an import of it now fails)
     with pytest.raises(GraphwrapError, match=r"torchao: pip install 'graphwrap\[quant\]'"):
-        graphwrap.quantize(model, "int8")
+        graphwrap.quantize(model, "int4")
     assert all(type(m) is not Fp8Linear for m in model.modules()) and type(model.lm_head.weight) is nn.Parameter
+    assert weight_only.refused(model, "int8") is None
+    graphwrap.quantize(model, "int8")
+    assert type(model.model.layers[0].self_attn.q_proj) is weight_only.Int8Linear
     with pytest.raises(GraphwrapError, match="kind must be one of 'fp8', 'int8', 'int4'"):
         graphwrap.quantize(model, "int2")

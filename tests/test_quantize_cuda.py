@@ -1,5 +1,5 @@
-"""``graphwrap.quantize(model, "fp8")`` on a GPU of compute capability 8.9 or later (and "int8" and
-"int4" weight-only, through torchao, where it is installed): the FP8
+"""``graphwrap.quantize(model, "fp8")`` on a GPU of compute capability 8.9 or later (and "int8"
+weight-only, graphwrap's own, and "int4", through torchao, where it is installed): the FP8
 product (torch's row-wise product, fast accumulation) against the same arithmetic written
 out; an attention layer's three projections as one product against each layer's own; graphwrap's kernel that scales rows to E4M3 against the torch steps it replaces, bit for bit; a GraphedModule over a quantized MLP replays a graph and gives eager's output; the shared
 decode batch over a quantized model gives that model's own greedy tokens (fp32 around the
@@ -226,11 +226,70 @@ def test_query_key_and_value_as_one_product_are_each_layers_own(dtype, rows):
     assert isinstance(_writes(torch.device(DEV), torch.float16), bool)
 
 
-# ------------------------------------------------------------------ int8 and int4 weight-only (torchao)
+# ------------------------------------------------------------------ int8 and int4 weight-only
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 64, 256])
+@pytest.mark.parametrize("k, n", [(4096, 6144), (14336, 4096), (200, 40)])
+def test_an_int8_layers_product_on_the_gpu_is_its_weight_rounded_written_out(dtype, rows, k, n):
+    """Int8Linear through graphwrap's kernel (few_rows with int8 weights, at any number of rows)
+    against the same product written out in fp32: each int8 value exact in the input's dtype,
+    summed in fp32, scaled, rounded once."""
+    from graphwrap.weight_only import Int8Linear
+
+    torch.manual_seed(rows + k)
+    layer = Int8Linear(nn.Linear(k, n, bias=False).to(DEV, dtype))
+    x = torch.randn(rows, k, device=DEV, dtype=dtype)
+    got = layer(x)
+    want = x.float() @ (layer.weight_int8.float() * layer.weight_scale.t()).t()
+    assert got.dtype == dtype and got.shape == (rows, n)
+    err = ((got.float() - want).abs().max() / want.abs().max()).item()
+    assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), err
+
+
+def test_the_shared_batch_over_int8_layers_in_fp16_takes_one_product_for_q_k_and_v(monkeypatch):
+    """The batch's forwards make an int8 attention layer's q, k and v as one product (together),
+    and each of its tokens is, teacher-forced through the eager model on the batch's own
+    sequence, within 1% of the logits' spread of that model's best (its rows take other kernels
+    than generate's single row); a graph of an int8 MLP replays eager's output."""
+    from graphwrap import quantized
+
+    made = []
+    real = quantized.together
+    monkeypatch.setattr(quantized, "together", lambda *a: made.append(real(*a)) or made[-1])
+    mlp = graphwrap.quantize(nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).to(DEV).half().eval(),
+                             "int8")
+    gm = GraphedModule(mlp)
+    for n in (3, 17, 3):
+        x = torch.randn(n, 256, device=DEV, dtype=torch.float16)
+        with torch.no_grad():
+            assert torch.equal(gm(x), mlp(x))
+    assert gm.stats()["eager_calls"] == {}
+    gm.close()
+    model = graphwrap.quantize(_llama().to(DEV, torch.float16), "int8")
+    gm = GraphedModule(model)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 101, (1, n), generator=g).to(DEV) for n in (5, 17, 40, 9)]
+    for _ in range(2):
+        futs = [gm.submit_generate(p, max_new_tokens=16, do_sample=False) for p in prompts]
+        for p, f in zip(prompts, futs):
+            out = f.result(timeout=300)
+            with torch.no_grad():
+                logits = model(out).logits[0, p.shape[1] - 1:-1].float()
+            ours = logits.gather(1, out[0, p.shape[1]:, None])[:, 0]
+            best, spread = logits.max(1).values, logits.max(1).values - logits.min(1).values
+            assert ((best - ours) <= 0.01 * spread).all(), (best - ours) / spread
+    d = gm.stats()["decode"]
+    assert d["steps"] > 0 and any(k["status"] == "graphed" for k in d["step"]["keys"]), d["step"]["keys"]
+    assert made and any(o is not None for o in made), "q, k and v as one product"
+    gm.close()
+
+
 
 @pytest.mark.parametrize("kind, dtype", [("int8", torch.float32), ("int4", torch.bfloat16)])
 def test_weight_only_layers_replay_in_graphs_and_the_shared_batch_gives_the_models_own_tokens(kind, dtype):
-    pytest.importorskip("torchao", reason="needs torchao (the quant extra): pip install 'graphwrap[quant]'")
+    if kind == "int4":
+        pytest.importorskip("torchao", reason="needs torchao (the quant extra): pip install 'graphwrap[quant]'")
     torch.manual_seed(0)
     mlp = graphwrap.quantize(nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).to(DEV, dtype).eval(),
                              kind)
