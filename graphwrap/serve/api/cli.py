@@ -83,7 +83,7 @@ def _batch_options(ap: argparse.ArgumentParser):
                          "step (default 2,048; 0: one piece a turn, the shortest gaps between other streams' tokens)")
     ap.add_argument("--quantization", default=None, choices=("fp8", "int8", "int4"),
                     help="the model's linear layers in FP8 (compute capability 8.9 or later), or int8 or int4 "
-                         "weight-only (torchao; int4 on a GPU with --dtype bfloat16): graphwrap.quantize")
+                         "weight-only (int4 through torchao, on a GPU with --dtype bfloat16): graphwrap.quantize")
 
 
 def load(a: argparse.Namespace, engine: Optional[str] = None):
