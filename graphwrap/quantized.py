@@ -375,9 +375,10 @@ def normed(x: Tensor, weight: Tensor, eps: float) -> Optional[Tensor]:
     and does not scale the rows again, one kernel less before each attention's and each MLP's
     products. The rows and scales are :func:`rows_to_fp8`'s of the result, bit for bit. None
     where that kernel does not run here: a CPU, no Triton, another dtype than fp16 and bf16, a
-    weight of another dtype, rows wider than :data:`WIDEST`, exact products on this thread."""
+    weight of another dtype, rows wider than :data:`WIDEST`, exact products on this thread, an
+    inference tensor (which keeps no version counter to check the rows against)."""
     n = x.shape[-1]
-    if (getattr(_HERE, "exact", False) or not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16)
+    if (getattr(_HERE, "exact", False) or not x.is_cuda or x.is_inference() or x.dtype not in (torch.float16, torch.bfloat16)
             or weight.dtype != x.dtype or weight.shape != (n,) or weight.stride(0) != 1 or weight.device != x.device
             or n > WIDEST or not _triton() or torch.compiler.is_compiling()):
         return None
