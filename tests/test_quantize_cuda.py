@@ -102,6 +102,27 @@ def test_a_graphed_quantized_mlp_replays_and_gives_eagers_output():
     gm.close()
 
 
+def near_the_eager_best(model, device=DEV):
+    """A GraphedModule over ``model`` (returned, open) whose shared batch, given four random
+    prompts at once, twice (the second replays what the first captured), makes 16 greedy tokens
+    each of which is, teacher-forced through the eager model on the batch's own sequence, within
+    1% of the logits' spread of that model's best (in fp16 the batch's rows take other kernels
+    than the eager model's, so its argmax may differ where two are that close)."""
+    gm = GraphedModule(model)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 101, (1, n), generator=g).to(device) for n in (5, 17, 40, 9)]
+    for _ in range(2):
+        futs = [gm.submit_generate(p, max_new_tokens=16, do_sample=False) for p in prompts]
+        for p, f in zip(prompts, futs):
+            out = f.result(timeout=300)
+            with torch.no_grad():
+                logits = model(out).logits[0, p.shape[1] - 1:-1].float()
+            ours = logits.gather(1, out[0, p.shape[1]:, None])[:, 0]
+            best, spread = logits.max(1).values, logits.max(1).values - logits.min(1).values
+            assert ((best - ours) <= 0.01 * spread).all(), (best - ours) / spread
+    return gm
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_shared_batch_over_a_quantized_model_gives_its_own_greedy_tokens_on_the_gpu(monkeypatch, dtype):
     """The batch's forwards make q, k and v as one product (together) and, in fp16 and bf16, the
@@ -130,18 +151,7 @@ def test_the_shared_batch_over_a_quantized_model_gives_its_own_greedy_tokens_on_
     if dtype == torch.float32:
         gm = own_tokens(model, (5, 17, 40, 9), new=16, seed=1, device=DEV, rounds=2)
     else:
-        gm = GraphedModule(model)
-        g = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(2, 101, (1, n), generator=g).to(DEV) for n in (5, 17, 40, 9)]
-        for _ in range(2):
-            futs = [gm.submit_generate(p, max_new_tokens=16, do_sample=False) for p in prompts]
-            for p, f in zip(prompts, futs):
-                out = f.result(timeout=300)
-                with torch.no_grad():
-                    logits = model(out).logits[0, p.shape[1] - 1:-1].float()
-                ours = logits.gather(1, out[0, p.shape[1]:, None])[:, 0]
-                best, spread = logits.max(1).values, logits.max(1).values - logits.min(1).values
-                assert ((best - ours) <= 0.01 * spread).all(), (best - ours) / spread
+        gm = near_the_eager_best(model)
     d = gm.stats()["decode"]
     assert d["steps"] > 0 and any(k["status"] == "graphed" for k in d["step"]["keys"]), d["step"]["keys"]
     for name, calls in made.items():
@@ -267,18 +277,7 @@ def test_the_shared_batch_over_int8_layers_in_fp16_takes_one_product_for_q_k_and
     assert gm.stats()["eager_calls"] == {}
     gm.close()
     model = graphwrap.quantize(_llama().to(DEV, torch.float16), "int8")
-    gm = GraphedModule(model)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, 101, (1, n), generator=g).to(DEV) for n in (5, 17, 40, 9)]
-    for _ in range(2):
-        futs = [gm.submit_generate(p, max_new_tokens=16, do_sample=False) for p in prompts]
-        for p, f in zip(prompts, futs):
-            out = f.result(timeout=300)
-            with torch.no_grad():
-                logits = model(out).logits[0, p.shape[1] - 1:-1].float()
-            ours = logits.gather(1, out[0, p.shape[1]:, None])[:, 0]
-            best, spread = logits.max(1).values, logits.max(1).values - logits.min(1).values
-            assert ((best - ours) <= 0.01 * spread).all(), (best - ours) / spread
+    gm = near_the_eager_best(model)
     d = gm.stats()["decode"]
     assert d["steps"] > 0 and any(k["status"] == "graphed" for k in d["step"]["keys"]), d["step"]["keys"]
     assert made and any(o is not None for o in made), "q, k and v as one product"
