@@ -1,4 +1,4 @@
-"""The Triton kernels of :mod:`.quantized` and :mod:`.weight_only`'s int8 layers: imported only
+"""The Triton kernels of :mod:`.quantized` and :mod:`.quantized`'s int8 layers: imported only
 where they run (a GPU with Triton), never at graphwrap's import."""
 
 import triton

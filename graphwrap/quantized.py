@@ -1,4 +1,5 @@
-"""FP8 weights for the graphs: a model's ``nn.Linear`` layers, in place, as :class:`Fp8Linear`.
+"""FP8 and int8 weights for the graphs: a model's ``nn.Linear`` layers, in place, as
+:class:`Fp8Linear` or :class:`Int8Linear`.
 
 ``graphwrap.quantize(model, "fp8")`` (``nn.Linear`` and transformers' ``Conv1D``) before the wrap (``GraphedModule(graphwrap.quantize(model,
 "fp8"))``, ``serve --quantization fp8``): each weight in FP8 E4M3 with a scale per output
@@ -17,6 +18,12 @@ gate and up projections share a buffer likewise: :func:`gated` scales the input 
 their two products as one, and SiLU, their product and the down projection's row scaling are
 one kernel.
 
+``graphwrap.quantize(model, "int8")``: each weight in int8 with a scale per output channel (its
+largest magnitude over 127) as :class:`Int8Linear`, the activations as they are: on a GPU with
+Triton, in fp16 or bf16, :func:`few_rows` reads the int8 weights (each made fp16 by its bits);
+elsewhere the weight scaled back and torch's product. Its groups share buffers as FP8's do.
+(``"int4"``: torchao's, :mod:`.weight_only`.)
+
 Left in their dtype: the output head (``lm_head``, or any module named in ``skip``), and
 layers whose sizes are not multiples of 16 (what ``_scaled_mm`` takes). A GPU below compute
 capability 8.9 has no FP8 products: refused with the reason. On a CPU, torch's own kernel
@@ -27,7 +34,7 @@ import contextlib
 import functools
 import logging
 import threading
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, cast
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 import torch.nn as nn
@@ -37,10 +44,11 @@ from .errors import GraphwrapError
 
 logger = logging.getLogger("graphwrap")
 
-KINDS = ("fp8", "int8", "int4")  # (int8 and int4: weight-only, weight_only.py; int4 through torchao)
+KINDS = ("fp8", "int8", "int4")  # (int8 and int4: weight-only; int4 through torchao, weight_only.py)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 TINY = 1e-12  # (a row of zeros: its scale, so that nothing divides by zero)
+INT8_MAX = 127.0
 INV_MAX = float(torch.tensor(1.0) / FP8_MAX)  # (float32's: torch divides by a number on a GPU so)
 WIDEST = 32768  # the widest row graphwrap's kernel takes in one program (rows_to_fp8)
 SHARED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # sibling layers of one input whose weights share a buffer (together, gated)
@@ -133,6 +141,31 @@ class Fp8Linear(QuantizedLinear):
         return product(q, s, weight, scale, x.dtype)
 
 
+class Int8Linear(QuantizedLinear):
+    """``nn.Linear``'s product from int8 weights: ``weight_int8 [out, in]`` and ``weight_scale
+    [1, out]`` (float32, per output channel: the row's largest magnitude over 127), the input as
+    it is; the bias, if any, added in the input's dtype."""
+
+    QUANTIZED = "weight_int8"
+    KIND = "int8"
+    weight_int8: Tensor
+
+    def __init__(self, linear: nn.Module):
+        w = _weight(linear).float()
+        scale = w.abs().amax(dim=1).clamp(min=TINY) / INT8_MAX
+        super().__init__(linear, (w / scale[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale)
+
+    @staticmethod
+    def rows(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+        rows = x.reshape(-1, weight.shape[1])
+        if (rows.is_cuda and rows.dtype in (torch.float16, torch.bfloat16) and _triton()
+                and not torch.compiler.is_compiling()):
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            return few_rows(rows, None, weight, scale, rows.dtype)
+        return nn.functional.linear(rows, (weight.to(torch.float32) * scale.t()).to(rows.dtype))
+
+
 def product(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dtype: torch.dtype) -> Tensor:
     """``(q * scale) @ (weight * weight_scale).T`` in ``dtype``: rows ``q [n, k]`` in E4M3 scaled
     ``[n, 1]``, ``weight [out, k]`` scaled ``[1, out]``. Up to :data:`ROWS` rows in fp16 or bf16
@@ -161,7 +194,7 @@ def few_rows(q: Tensor, scale: Optional[Tensor], weight: Tensor, weight_scale: T
     inner dimension's step, ``split`` its parts (each a program's, then summed in a second kernel
     in a fixed order), ``warps``, ``stages``: the shape of work (None: :func:`shape_of_work`;
     ``fp8_products.py --tune``, one row). ``scale`` None: rows in fp16 or bf16 as they are and
-    weights in int8 (:class:`~.weight_only.Int8Linear`), at any number of rows (past
+    weights in int8 (:class:`Int8Linear`), at any number of rows (past
     :data:`ROWS`, tiles of 64 rows by 64 outputs)."""
     import triton
 
@@ -236,7 +269,7 @@ def _writes(device: torch.device, dtype: torch.dtype) -> bool:
 def together(x: Tensor, layers: Sequence[nn.Module]) -> Optional[List[Tensor]]:
     """Each of ``layers``' outputs for ``x`` from one product (FP8: of one scaling of ``x``),
     where they are quantized layers of one kind (:class:`Fp8Linear`, int8's
-    :class:`~.weight_only.Int8Linear`) without hooks whose weights and scales lie one after
+    :class:`Int8Linear`) without hooks whose weights and scales lie one after
     another in one buffer (:func:`quantize` lays out :data:`SHARED` so); None otherwise, and
     where products are exact on this thread (:func:`exact_products`). The outputs are views of
     the one product."""
@@ -480,16 +513,18 @@ def fp8_supported(device: torch.device) -> Optional[str]:
 
 def quantize(model: nn.Module, kind: str = "fp8", skip: Iterable[str] = ("lm_head",)) -> nn.Module:
     """``model`` with its linear layers (``nn.Linear``, ``Conv1D``) in ``kind``, in place, returned:
-    ``"fp8"`` (here), or ``"int8"`` and ``"int4"`` weight-only (:mod:`.weight_only`: int8
-    graphwrap's own, int4 ``nn.Linear`` through torchao). The modules named (last part of the name) in ``skip`` are left as they
+    ``"fp8"`` or ``"int8"`` weight-only (here), or ``"int4"`` weight-only (``nn.Linear``, through
+    torchao: :mod:`.weight_only`). The modules named (last part of the name) in ``skip`` are left as they
     are, and in FP8 layers of sizes not multiples of 16. The log says how many were quantized."""
     if kind not in KINDS:
         raise GraphwrapError(f"quantize: kind must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
-    if kind != "fp8":
+    if kind == "int4":
         from . import weight_only
 
         return weight_only.quantize(model, kind, skip)
     skip = set(skip)
+    if kind == "int8":
+        return _int8(model, skip)
     counts: Dict[str, int] = {"quantized": 0, "skipped": 0, "sizes": 0}
     targets = []
     for name, module in model.named_modules():
@@ -553,3 +588,25 @@ def _share(module: nn.Module) -> List[int]:
             at += m.out_features
         done[-1] = 1
     return done
+
+
+def _int8(model: nn.Module, skip: Set[str]) -> nn.Module:
+    """``model``'s linear layers (``nn.Linear``, ``Conv1D``) but those named in ``skip`` as
+    :class:`Int8Linear`, in place, each group of :data:`SHARED` in one buffer."""
+    targets, skipped = [], 0
+    for module in model.modules():
+        for name, child in module.named_children():
+            if _linear(child):
+                if name in skip:
+                    skipped += 1
+                else:
+                    targets.append((module, name, child))
+    for module, name, child in targets:
+        setattr(module, name, Int8Linear(child))
+    shared = [sum(n) for n in zip(*(_share(m) for m in model.modules()))] or [0] * len(SHARED)
+    logger.info("quantize int8: %d linear layers in int8 weight-only (sharing a buffer: %s); %d left as they are by "
+                "name (%s)", len(targets), ", ".join(f"{n} groups of {'/'.join(g)}" for g, n in zip(SHARED, shared)),
+                skipped, ", ".join(sorted(skip)) or "none")
+    if not targets:
+        logger.warning("quantize int8: no linear layer of this model could be quantized: it runs as it was")
+    return model

@@ -335,7 +335,7 @@ def test_an_int8_layer_is_its_weight_rounded_per_channel_and_near_the_full_produ
     """Int8Linear: the weight rounded to int8 with a scale per output channel (its largest
     magnitude over 127), the input as it is; a dtype change keeps the int8 weight and float32
     scales; a layer of any size is taken (no multiple of 16 asked)."""
-    from graphwrap.weight_only import Int8Linear
+    from graphwrap.quantized import Int8Linear
 
     torch.manual_seed(1)
     linear = nn.Linear(40, 24, bias=bias)
@@ -359,8 +359,7 @@ def test_int8_weight_only_layers_give_the_shared_batch_the_quantized_models_own_
     """graphwrap's own int8 layers (no torchao): every linear but the head, q/k/v and gate/up in
     one buffer each (together makes q/k/v as one product, each layer's own output); the shared
     batch gives the quantized model's own greedy tokens, and the wrapper's forward its logits."""
-    from graphwrap.quantized import together
-    from graphwrap.weight_only import Int8Linear
+    from graphwrap.quantized import Int8Linear, together
 
     model = graphwrap.quantize(_llama(), "int8")
     attn = model.model.layers[0].self_attn
@@ -397,7 +396,7 @@ def test_a_model_quantized_by_torchao_itself_wraps_and_decodes_in_the_shared_bat
 
 
 def test_int4_and_a_missing_torchao_are_refused_with_the_reason_and_int8_needs_no_torchao(monkeypatch):
-    from graphwrap import weight_only
+    from graphwrap.quantized import Int8Linear
 
     model = _llama()
     try:
@@ -411,8 +410,7 @@ def test_int4_and_a_missing_torchao_are_refused_with_the_reason_and_int8_needs_n
     with pytest.raises(GraphwrapError, match=r"torchao: pip install 'graphwrap\[quant\]'"):
         graphwrap.quantize(model, "int4")
     assert all(type(m) is not Fp8Linear for m in model.modules()) and type(model.lm_head.weight) is nn.Parameter
-    assert weight_only.refused(model, "int8") is None
-    graphwrap.quantize(model, "int8")
-    assert type(model.model.layers[0].self_attn.q_proj) is weight_only.Int8Linear
+    graphwrap.quantize(model, "int8")  # (graphwrap's own: no torchao)
+    assert type(model.model.layers[0].self_attn.q_proj) is Int8Linear
     with pytest.raises(GraphwrapError, match="kind must be one of 'fp8', 'int8', 'int4'"):
         graphwrap.quantize(model, "int2")

@@ -245,7 +245,7 @@ def test_an_int8_layers_product_on_the_gpu_is_its_weight_rounded_written_out(dty
     """Int8Linear through graphwrap's kernel (few_rows with int8 weights, at any number of rows)
     against the same product written out in fp32: each int8 value exact in the input's dtype,
     summed in fp32, scaled, rounded once."""
-    from graphwrap.weight_only import Int8Linear
+    from graphwrap.quantized import Int8Linear
 
     torch.manual_seed(rows + k)
     layer = Int8Linear(nn.Linear(k, n, bias=False).to(DEV, dtype))
