@@ -8,6 +8,8 @@ constraint cost the batch?
 - ``overhead``: ``--concurrent`` calls in the batch at once, a quarter of them constrained by a
   schema, against the same calls with none: output tokens per second of the whole batch, and of
   the unconstrained calls alone (the rows beside a constrained one), medians of ``--repeats``.
+  With ``--eager-sampler``, both again with the sampler's graphs set aside (each step's sampling
+  launched op by op, as before they were made), in the same process.
 
 Runs on a CPU (the tiny model of tests/tiny_lm.py) or a GPU (``--shape llama-1b``: the 1.1B Llama
 shape, random weights, fp16, with a byte-level BPE tokenizer of ``--vocab`` tokens trained on the
@@ -151,7 +153,11 @@ def burst(gm, tok, n: int, constrained: int, new: int, vocab: int, device: str, 
     parts = {k: 1e3 * (v - before["thread_s"].get(k, 0.0)) / max(1, steps) for k, v in after["thread_s"].items()}
     plain = [t.tpot() for t, _ in calls[constrained:] if t.tpot() is not None]
     bound = [t.tpot() for t, _ in calls[:constrained] if t.tpot() is not None]
+    # Each sequence's time per output token as the batch records it (first token to last), the
+    # burst's n: the steps' pace without the burst's start (submits, grammars, prefills).
+    tpot = list(gm.__dict__["_gw_decode"].tpot)[-n:]
     return {"wall_s": wall, "tokens_per_s": made / wall, "ms_per_step": 1e3 * wall / max(1, steps),
+            "tpot_ms_batch": 1e3 * statistics.median(tpot) if tpot else None,
             "tpot_ms_plain": 1e3 * statistics.median(plain) if plain else None,
             "tpot_ms_constrained": 1e3 * statistics.median(bound) if bound else None,
             "constrained_tokens": [len(t.at) for t, _ in calls[:constrained]], "steps": steps,
@@ -257,6 +263,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--streamers", action="store_true", help="each call of the bursts with a Python streamer")
     ap.add_argument("--skip", default="", help="validity or overhead: a part not to run")
+    ap.add_argument("--eager-sampler", action="store_true",
+                    help="the overhead bursts also with the sampler eager (its graphs set aside), in the same process")
+    ap.add_argument("--fill-threads", action="store_true", help="the constrained bursts also with eight fill threads")
     ap.add_argument("--out", default=None, help="a JSON file of the results")
     a = ap.parse_args(argv)
     import torch
@@ -283,10 +292,18 @@ def main(argv=None):
 
         from graphwrap.decoding.engine.grammar import FILL_THREADS
 
-        runs: Dict[str, List[dict]] = {"none": [], "quarter": [], "quarter-8-threads": []}
+        settings = gm.__dict__["_gw_decode"].settings
+        graphs = settings.graphs  # (None on a CPU: the sampler is eager there)
+        kinds = [("none", 0, 1), ("quarter", quarter, 1)]
+        if a.eager_sampler and graphs is not None:
+            kinds += [("none, eager sampler", 0, 1), ("quarter, eager sampler", quarter, 1)]
+        if a.fill_threads:
+            kinds.append(("quarter-8-threads", quarter, 8))
+        runs: Dict[str, List[dict]] = {name: [] for name, _, _ in kinds}
         for r in range(a.repeats):
-            for name, k in (("none", 0), ("quarter", quarter), ("quarter-8-threads", quarter)):
-                masks.batch = xgrammar.BatchGrammarMatcher(8 if name.endswith("8-threads") else FILL_THREADS)
+            for name, k, threads in kinds:
+                masks.batch = xgrammar.BatchGrammarMatcher(threads if threads > 1 else FILL_THREADS)
+                settings.graphs = None if "eager sampler" in name else graphs
                 got = burst(gm, tok, a.concurrent, k, a.new, 32000, device, seed=r, streamers=a.streamers)
                 got["grammar_host"] = clock.take()
                 runs[name].append(got)
@@ -294,14 +311,28 @@ def main(argv=None):
         for name in runs:
             ms = [x["ms_per_step"] for x in runs[name]]
             tps = [x["tokens_per_s"] for x in runs[name]]
+            tp = [x["tpot_ms_batch"] for x in runs[name] if x["tpot_ms_batch"] is not None]
             print(f"{name:8s} ms per step {statistics.median(ms):.2f} [{min(ms):.2f}-{max(ms):.2f}]"
-                  f"  batch {statistics.median(tps):,.0f} tok/s [{min(tps):,.0f}-{max(tps):,.0f}]")
+                  f"  batch {statistics.median(tps):,.0f} tok/s [{min(tps):,.0f}-{max(tps):,.0f}]"
+                  f"  TPOT {statistics.median(tp):.2f} ms [{min(tp):.2f}-{max(tp):.2f}]")
             print(f"{'':8s} decode thread ms per step (last run): {runs[name][-1]['thread_ms_per_step']}; "
                   f"parts {runs[name][-1]['grammar_host']}")
         ratio = (statistics.median(x["ms_per_step"] for x in runs["quarter"])
                  / statistics.median(x["ms_per_step"] for x in runs["none"]))
         print(f"time per step (every call's time per output token), a quarter constrained / none: {ratio:.3f}")
         res["step_ratio"] = ratio
+        tpot = {name: statistics.median(x["tpot_ms_batch"] for x in runs[name]) for name in runs}
+        res["tpot_ratio"] = tpot["quarter"] / tpot["none"]
+        print(f"TPOT as the batch records it, a quarter constrained / none: {res['tpot_ratio']:.3f}")
+        if "quarter, eager sampler" in runs:
+            eager = (statistics.median(x["ms_per_step"] for x in runs["quarter, eager sampler"])
+                     / statistics.median(x["ms_per_step"] for x in runs["none, eager sampler"]))
+            res["step_ratio_eager_sampler"] = eager
+            res["tpot_ratio_eager_sampler"] = tpot["quarter, eager sampler"] / tpot["none, eager sampler"]
+            print(f"the same with the eager sampler: {eager:.3f} a step, {res['tpot_ratio_eager_sampler']:.3f} TPOT")
+        if graphs is not None:
+            res["sampler_graphs"] = dict(graphs.counts, graphs=len(graphs.entries))
+            print("sampler graphs:", res["sampler_graphs"])
     gm.close()
     if a.out:
         with open(a.out, "w") as f:

@@ -164,7 +164,7 @@ def test_a_token_its_grammar_refuses_fails_that_call_alone(lm, device, monkeypat
     """The masks switched off (a bug, made on purpose): the constrained call's matcher refuses a
     token, the call fails with the reason, and the call beside it keeps generate's tokens."""
     model, tok, gm = lm
-    monkeypatch.setattr(RowMasks, "apply", lambda self, scores, sel: scores)
+    monkeypatch.setattr(RowMasks, "apply", lambda self, scores, sel, kernel=True: scores)
     p = _prompt(tok, "the lazy dog", device)
     with torch.no_grad():
         want = model.generate(p, max_new_tokens=24, do_sample=False, min_new_tokens=24)

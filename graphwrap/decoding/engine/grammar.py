@@ -274,10 +274,11 @@ class RowMasks:
             index = torch.tensor(back, dtype=torch.long, device=self.device)
             self.table.index_fill_(0, index, -1)
 
-    def apply(self, scores: Tensor, sel) -> Tensor:
+    def apply(self, scores: Tensor, sel, kernel: bool = True) -> Tensor:
         """``scores`` ``[n, vocab]`` of rows ``sel`` with every token their masks forbid at -inf
-        (in place where XGrammar's kernel does it)."""
-        if self.kernel:
+        (in place where XGrammar's kernel does it; ``kernel=False``: torch's ops, as a sampler
+        graph captures them)."""
+        if self.kernel and kernel:
             try:
                 xgrammar().apply_token_bitmask_inplace(scores, self.table[sel], vocab_size=scores.shape[1])
                 return scores

@@ -19,6 +19,7 @@ import torch
 from ..cache.rows import to_device
 from ..callers.settings import SeqSettings
 from .grammar import RowMasks
+from .sampler_graphs import ENABLED, SamplerGraphs
 
 Tensor = torch.Tensor
 M32 = 0xFFFFFFFF
@@ -127,6 +128,7 @@ class RowSettings:
         self.history: Optional[Tensor] = None  # [rows, max_len] token ids, made when a row first needs a penalty
         self.max_len = max_len
         self.masks: Optional[RowMasks] = None  # the rows' allowed tokens, made when a row first has a grammar
+        self.graphs = SamplerGraphs(d) if d.type == "cuda" and ENABLED else None  # a step's sampler, replayed
 
     def eos_of(self, s: SeqSettings) -> List[int]:
         """The end-of-sequence ids of ``s`` the model can make (an id outside the vocabulary is
@@ -203,11 +205,23 @@ class RowSettings:
     def next_tokens(self, logits: Tensor, rows, lengths: Tensor, active: Active) -> Tensor:
         """The next token of each of ``rows`` (an int ``n``: the first ``n`` rows; else a tensor
         of row indices) from their logits ``[len(rows), vocab]``; ``lengths`` are the rows'
-        lengths now (the position the new token takes)."""
+        lengths now (the position the new token takes). A step's (``n`` rows) by its sampler
+        graph where it has one (:mod:`.sampler_graphs`): the tokens then stay as they are only
+        until the next step's sampling."""
+        if isinstance(rows, int) and self.graphs is not None:
+            tokens = self.graphs.tokens(self, logits, rows, lengths, active,
+                                        lambda: self.sampled(logits, rows, lengths, active, in_graph=True))
+            if tokens is not None:
+                return tokens
+        return self.sampled(logits, rows, lengths, active)
+
+    def sampled(self, logits: Tensor, rows, lengths: Tensor, active: Active, in_graph: bool = False) -> Tensor:
+        """:meth:`next_tokens`' work, launched here (``in_graph``: inside a capture, so only
+        torch's ops: a grammar's mask without XGrammar's kernel)."""
         sel = slice(0, rows) if isinstance(rows, int) else rows
         scores = logits.float()
         if active.grammar and self.masks is not None:  # (a copy of float32 logits: the log-probabilities read them)
-            scores = self.masks.apply(scores.clone() if scores is logits else scores, sel)
+            scores = self.masks.apply(scores.clone() if scores is logits else scores, sel, kernel=not in_graph)
         if active.bias:  # (transformers' order: sequence_bias, then repetition_penalty)
             scores = scores.scatter_add(1, self.bias_ids[sel], self.bias_values[sel])
         if active.penalty:
