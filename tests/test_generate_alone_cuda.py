@@ -171,18 +171,19 @@ def test_2000_requests_5_percent_bad_from_threads_and_tasks_each_end_alone_and_r
 
     # A pass captures the shapes it meets (with prefix caching, the rests of prompts found cached
     # are shapes of their own; the threads' timing decides which, and later passes still meet a
-    # few: 21, 26, 30, 31 captures after four passes on an H200, their memory 0.3-2.0 MiB),
-    # on the capturing thread, which has ended its capture when the last call returns. Nothing
-    # per request stays: passes of the same 2,000 requests after the first leave the memory
-    # where the first left it, give or take those few shapes' graphs (a leak of 2 KiB a request
-    # would be 12 MiB over three passes).
-    first, captured = one_pass(), _captured(gm)
-    for _ in range(3):
-        last = one_pass()
-        if _captured(gm) == captured:
-            break
-        captured = _captured(gm)
-    assert last - first < 16 * 2**20, (last - first, captured)
+    # few: their memory 0.3-2.0 MiB), and the sampler's graphs (captured on the decode thread
+    # when no other capture is under way). Besides, once in a run, at a pass the threads' timing
+    # decides, the memory grows by 32 MiB: a cuBLAS workspace (its size on Hopper) for a thread's
+    # handle new to matrix products (the one-call loops of the requests the batch does not serve
+    # run in the callers' threads); seen on an H200 with the sampler's graphs on and off, in the
+    # first pass or a later one. Nothing per request stays: a leak shows in every pass (2 KiB a
+    # request is 4 MiB a pass), so at least one pass after the first leaves the memory within
+    # 2 MiB of where the one before left it, and the passes' growth but their largest step stays
+    # under 16 MiB.
+    marks = [one_pass() for _ in range(4)]
+    steps = [b - a for a, b in zip(marks, marks[1:])]
+    assert min(steps) < 2 * 2**20, (steps, _captured(gm))
+    assert sum(sorted(steps)[:-1]) < 16 * 2**20, (steps, _captured(gm))
     # The CUDA context is alive, and the batch serves on.
     assert torch.equal(gm.generate(torch.tensor([good[1][0]], device=DEV), max_new_tokens=good[1][1],
                                    do_sample=False).cpu(), want[good[1]])
@@ -190,8 +191,10 @@ def test_2000_requests_5_percent_bad_from_threads_and_tasks_each_end_alone_and_r
 
 
 def _captured(gm) -> int:
-    c = gm.stats()["decode"]["captures"]
-    return c["done"] if c else 0
+    """Graphs the batch has captured: its forwards' and its sampler's (sampler_graphs.py)."""
+    d = gm.stats()["decode"]
+    c, s = d["captures"], d["sampler_graphs"]
+    return (c["done"] if c else 0) + (s["graphs"] if s else 0)
 
 
 def test_an_eos_outside_the_vocabulary_in_a_config_raises_no_device_assert():

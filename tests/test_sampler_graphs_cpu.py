@@ -251,3 +251,30 @@ def test_sampler_graphs_give_the_eager_tokens_as_settings_and_inputs_change():
         assert bool((got[0] % 3 == 0).item())  # row 0's mask allows every third token only
     c = rs.graphs.counts
     assert c["captures"] == 1 and c["replays"] == 23 and c["failed"] == 0
+
+
+def test_the_batch_stats_say_what_the_sampler_graphs_did():
+    from graphwrap.decoding.engine.report import _sampler
+
+    assert _sampler(None) is None  # (a CPU batch samples eagerly)
+    rs = _settings()
+    rs.graphs = Graphs()
+    logits, lengths = torch.randn(ROWS, VOCAB), torch.zeros(ROWS, dtype=torch.long)
+    for _ in range(4):
+        rs.next_tokens(logits, ROWS, lengths, Active())
+    assert _sampler(rs.graphs) == {"replays": 3, "captures": 1, "failed": 0, "eager": 1, "graphs": 1}
+
+
+def test_a_cpu_batch_reports_no_sampler_graphs():
+    tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+    from graphwrap import GraphedModule
+
+    torch.manual_seed(0)
+    cfg = tr.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64, bos_token_id=1,
+                        eos_token_id=None, pad_token_id=0)
+    gm = GraphedModule(tr.AutoModelForCausalLM.from_config(cfg).eval())
+    try:
+        gm.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False)
+        assert gm.stats()["decode"]["sampler_graphs"] is None
+    finally:
+        gm.close()

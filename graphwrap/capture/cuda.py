@@ -219,18 +219,20 @@ class NotBegun(RuntimeError):
     """A capture that could not begin (a pool still recording an earlier, failed capture)."""
 
 
-def record(graph, pool: "Pool", device: torch.device, draws_random: bool, body):
+def record(graph, pool: "Pool", device: torch.device, draws_random: bool, body, matmuls: bool = True):
     """Capture what ``body()`` issues into ``graph``, in ``pool`` and on the pool's capture stream
     (ordered after the current stream's work, which waits for the capture's in turn); what it
     returns. The capture is ended whatever happens inside it, so a stream is never left
     capturing; if anything failed, the allocator and the generator are put back and the first
-    error is raised (:class:`NotBegun` where the capture could not begin at all)."""
+    error is raised (:class:`NotBegun` where the capture could not begin at all). ``matmuls``:
+    False where ``body`` makes no matrix product (no cuBLAS workspace is placed for it: a new
+    pair of thread and stream would keep one, 32 MiB on Hopper)."""
     cur = torch.cuda.current_stream(device)
     stream = pool.stream
     stream.wait_stream(cur)
     try:
         with torch.cuda.stream(stream):
-            if not own_workspace(device):
+            if matmuls and not own_workspace(device):
                 pool.recycle[0] = False  # its workspace lies in this pool: the stream dies with it
             return _record(graph, pool.handle, device, draws_random, body)
     finally:
@@ -343,15 +345,18 @@ class Pool:
 
     __slots__ = ("handle", "anchor", "_t", "stream", "recycle", "__weakref__")
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, fresh: bool = False):
+        """``fresh``: a new stream rather than one from the free list, for captures that make no
+        matrix product (a free stream's workspace, placed already, is left to the next pool that
+        needs one: taken here, that pool would place another)."""
         self.handle = torch.cuda.graph_pool_handle()
         self._t = torch.zeros(1, device=device)
         self.anchor = torch.cuda.CUDAGraph()
-        self.stream = _take_capture_stream(device)
+        self.stream = private_stream(device) if fresh else _take_capture_stream(device)
         self.recycle = [True]  # False once a capture's workspace landed in this pool
         weakref.finalize(self, _give_back_capture_stream, device, self.stream, self.recycle)
         with CAPTURE_LOCK:
-            record(self.anchor, self, device, False, lambda: self._t.add_(1))
+            record(self.anchor, self, device, False, lambda: self._t.add_(1), matmuls=False)
 
 
 def _take_capture_stream(device: torch.device) -> torch.cuda.Stream:

@@ -35,12 +35,20 @@ def report(server) -> dict:
         "prefill_budget": pieces.budget_of(server), "budget_pieces": c["budget_pieces"],
         "mixed_steps": c["mixed_steps"], "mixed_failed": c["mixed_failed"],  # (a piece inside a step: steps.py)
         "mixed": server.mixed_engine.stats() if server.mixed_engine is not None else None,
+        "sampler_graphs": _sampler(server.settings.graphs),  # (a step's sampling replayed: sampler_graphs.py)
         "queue_wait_ms": percentiles(server.waits), "ttft_ms": percentiles(server.ttft),
         "tpot_ms": percentiles(server.tpot), "turn_ms": dict(percentiles(server.turns.seconds), max=_max_ms(server.turns.seconds)),
         "slowest_turns": server.turns.slowest(),
         "delivery_lag_ms": dict(percentiles(server.lag), max=_max_ms(server.lag)),
         "thread_s": {k: round(v, 3) for k, v in server.spent.items()},
     }
+
+
+def _sampler(graphs) -> "dict | None":
+    """The sampler's graphs (None where the batch samples eagerly: a CPU): how many, the steps
+    they served, the steps sampled eagerly (a key's first sighting, a capture under way elsewhere,
+    past the most graphs), and captures that failed."""
+    return None if graphs is None else dict(graphs.counts, graphs=len(graphs.entries))
 
 
 def percentiles(xs) -> dict:

@@ -114,9 +114,9 @@ class SamplerGraphs:
             return None
         try:
             if self.pool is None:
-                self.pool = Pool(self.device)
+                self.pool = Pool(self.device, fresh=True)
             graph = torch.cuda.CUDAGraph()
-            out = record(graph, self.pool, self.device, False, body)
+            out = record(graph, self.pool, self.device, False, body, matmuls=False)  # (sorts, scans, no product)
         finally:
             CAPTURE_LOCK.release()
         return Entry(graph, out)

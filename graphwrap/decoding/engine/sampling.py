@@ -18,8 +18,8 @@ import torch
 
 from ..cache.rows import to_device
 from ..callers.settings import SeqSettings
+from . import sampler_graphs
 from .grammar import RowMasks
-from .sampler_graphs import ENABLED, SamplerGraphs
 
 Tensor = torch.Tensor
 M32 = 0xFFFFFFFF
@@ -128,7 +128,7 @@ class RowSettings:
         self.history: Optional[Tensor] = None  # [rows, max_len] token ids, made when a row first needs a penalty
         self.max_len = max_len
         self.masks: Optional[RowMasks] = None  # the rows' allowed tokens, made when a row first has a grammar
-        self.graphs = SamplerGraphs(d) if d.type == "cuda" and ENABLED else None  # a step's sampler, replayed
+        self.graphs = sampler_graphs.SamplerGraphs(d) if d.type == "cuda" and sampler_graphs.ENABLED else None  # a step's sampler, replayed
 
     def eos_of(self, s: SeqSettings) -> List[int]:
         """The end-of-sequence ids of ``s`` the model can make (an id outside the vocabulary is
