@@ -414,3 +414,74 @@ def test_the_http_side_takes_the_child_s_words_in_any_order_and_a_dead_child_end
         assert held.cancel() and not r.seqs
 
     asyncio.run(scenario())
+
+
+class _SlowEngine:
+    """A stand-in for the engine process: ready after ``seconds`` (or failing then)."""
+
+    def __init__(self, seconds, fail=False):
+        self.started, self.closed, self.context = time.perf_counter(), [], 64
+        time.sleep(seconds)
+        if fail:
+            raise RuntimeError("the engine process failed to load the model")
+
+    def close(self, cancel=True, timeout=None):
+        self.closed.append(cancel)
+        return True
+
+
+def test_the_http_process_loads_its_tokenizer_while_the_engine_process_loads(monkeypatch, model_dir):
+    """transformers' import and the tokenizer's load run beside the engine's start, not after
+    its ready: the two together take about the longer of them."""
+    from graphwrap.serve.api import loading, remote
+
+    a = cli.parser().parse_args([model_dir])
+    made = {}
+
+    def tokenizer(args):
+        made["tokenizer_started"] = time.perf_counter()
+        time.sleep(0.5)
+        return tr.AutoTokenizer.from_pretrained(args.model)
+
+    def engine(args, log_level):
+        made["engine"] = e = _SlowEngine(0.5)
+        return e
+
+    monkeypatch.setattr(loading, "tokenizer_of", tokenizer)
+    monkeypatch.setattr(remote, "Remote", engine)
+    t0 = time.perf_counter()
+    served = cli.load(a, "process")
+    took = time.perf_counter() - t0
+    assert served.engine is made["engine"] and served.tokenizer("the")["input_ids"]
+    assert made["tokenizer_started"] - t0 < 0.3, "the tokenizer waited for the engine"
+    assert took < 0.95, took  # (one after the other: 1.0 s and more)
+
+
+def test_a_tokenizer_that_fails_closes_the_engine_process_and_says_why(monkeypatch, model_dir):
+    from graphwrap.serve.api import loading, remote
+
+    a = cli.parser().parse_args([model_dir])
+    made = {}
+
+    def tokenizer(args):
+        raise OSError("no tokenizer files in the folder")
+
+    def engine(args, log_level):
+        made["engine"] = e = _SlowEngine(0.05)
+        return e
+
+    monkeypatch.setattr(loading, "tokenizer_of", tokenizer)
+    monkeypatch.setattr(remote, "Remote", engine)
+    with pytest.raises(OSError, match="no tokenizer files"):
+        cli.load(a, "process")
+    assert made["engine"].closed == [True]
+
+
+def test_an_engine_that_fails_to_start_is_the_error_raised(monkeypatch, model_dir):
+    from graphwrap.serve.api import loading, remote
+
+    a = cli.parser().parse_args([model_dir])
+    monkeypatch.setattr(loading, "tokenizer_of", lambda args: tr.AutoTokenizer.from_pretrained(args.model))
+    monkeypatch.setattr(remote, "Remote", lambda args, log_level: _SlowEngine(0.05, fail=True))
+    with pytest.raises(RuntimeError, match="failed to load the model"):
+        cli.load(a, "process")

@@ -6,10 +6,11 @@ and exit.
 """
 
 import argparse
+import concurrent.futures
 import logging
 import os
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from .draining import CUT_GRACE, draining_server
 from .loading import limits, over
@@ -91,16 +92,29 @@ def load(a: argparse.Namespace, engine: Optional[str] = None):
     batch made, in this process (``engine="thread"``) or in a child (``"process"``; default:
     ``a.engine``)."""
     if (engine or getattr(a, "engine", "thread")) == "process":
-        from .remote import Remote
-
-        if getattr(a, "data_parallel", 1) > 1:
-            from . import routed
-
-            return over(a, routed.start(a, lambda mine: Remote(mine, a.log_level)))
-        return over(a, Remote(a, a.log_level))
+        return _over_engines(a)
     from .loading import load_here
 
     return limits(a, load_here(a))
+
+
+def _over_engines(a: argparse.Namespace):
+    """The engine processes started and the tokenizer loaded here meanwhile, on a thread (after
+    them, transformers' import and the tokenizer's load were time on the way to ready); if the
+    tokenizer fails, the engines are closed and its error raised."""
+    from . import routed
+    from .loading import tokenizer_of
+    from .remote import Remote
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphwrap-tokenizer") as pool:
+        tok = pool.submit(tokenizer_of, a)
+        remote: Any = (routed.start(a, lambda mine: Remote(mine, a.log_level)) if getattr(a, "data_parallel", 1) > 1
+                       else Remote(a, a.log_level))
+        try:
+            return over(a, remote, tok.result())
+        except BaseException:
+            remote.close(cancel=True, timeout=5)
+            raise
 
 
 def main(argv: Optional[List[str]] = None) -> int:

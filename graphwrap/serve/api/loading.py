@@ -62,15 +62,20 @@ def device_of(a: argparse.Namespace):
     return device
 
 
+def tokenizer_of(a: argparse.Namespace):
+    """The model's tokenizer, loaded in this process (an HTTP process holds no model)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(a.model, local_files_only=True)
+
+
 def over(a: argparse.Namespace, remote, tok=None):
     """The :class:`~.app.Served` of these arguments over an engine process's ``remote`` (this
     server's own, or, in another HTTP process, the one the server started), with ``tok`` or the
     model's tokenizer loaded here."""
-    from transformers import AutoTokenizer
-
     from .app import MAX_NEW_DEFAULT, Served
 
-    tok = tok if tok is not None else AutoTokenizer.from_pretrained(a.model, local_files_only=True)
+    tok = tok if tok is not None else tokenizer_of(a)
     return limits(a, Served(remote, tok, a.served_model_name or a.model, remote.context,
                             a.max_tokens_default or MAX_NEW_DEFAULT))
 
