@@ -18,27 +18,20 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import serve_openai  # noqa: E402
 
 
 def ready_after(cmd, env, port: int, log, timeout: float) -> float:
-    """Seconds from launching ``cmd`` to its ``/health`` answering 200 (polled every 50 ms); the
+    """Seconds from launching ``cmd`` to its ``/health`` answering 200 (asked every 50 ms); the
     server is stopped after."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd="/tmp")
     try:
-        while time.perf_counter() - t0 < timeout:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return time.perf_counter() - t0
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"the server was not ready in {timeout:.0f} s")
+        serve_openai.wait_ready(port, proc, timeout, poll=0.05)
+        return time.perf_counter() - t0
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -59,8 +52,6 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="a JSON file of the results (the logs go beside it)")
     a = ap.parse_args(argv)
     if a.make_model:
-        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-        import serve_openai
         import torch
 
         serve_openai.make_model(a.make_model, a.model_dir, "cuda" if torch.cuda.is_available() else "cpu")
