@@ -278,3 +278,17 @@ def test_a_cpu_batch_reports_no_sampler_graphs():
         assert gm.stats()["decode"]["sampler_graphs"] is None
     finally:
         gm.close()
+
+
+def test_a_step_of_more_scores_than_the_bound_samples_eagerly(monkeypatch):
+    """The pool keeps its largest graph's working memory: steps past MOST_SCORES (rows x vocabulary)
+    are never captured."""
+    monkeypatch.setattr(sampler_graphs, "MOST_SCORES", 4 * VOCAB)
+    rs = _settings()
+    rs.graphs = Graphs()
+    lengths = torch.zeros(ROWS, dtype=torch.long)
+    for n in (4, 5):
+        logits = torch.randn(n, VOCAB)
+        for _ in range(3):
+            assert torch.equal(rs.next_tokens(logits, n, lengths[:n], Active()), logits.argmax(-1))
+    assert len(rs.graphs.entries) == 1 and rs.graphs.counts["eager"] == 1 + 3

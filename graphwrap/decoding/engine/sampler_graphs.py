@@ -18,7 +18,8 @@ and captured later). The graphs share one pool; a replay's tokens are read (copi
 step's inputs and to the host) before the next replay overwrites them.
 
 A capture that fails leaves that key eager for good, said once in the log; one invalidated from
-outside is tried again later. :data:`MOST` graphs at most; past that, eagerly.
+outside is tried again later. :data:`MOST` graphs at most, of :data:`MOST_SCORES` scores each at
+most; past that, eagerly.
 """
 
 import dataclasses
@@ -34,6 +35,12 @@ from ...process import CAPTURE_LOCK
 logger = logging.getLogger("graphwrap")
 Tensor = torch.Tensor
 MOST = 256  # sampler graphs per batch (each a few hundred kernel nodes; their memory is one shared pool)
+# Scores a graphed step may hold (rows x vocabulary). The pool keeps its largest graph's working
+# memory for good (sampled rows: a few int64 tensors of that size, by estimate 1 GB at 256 rows of a
+# 128,256-token vocabulary, just under this bound), where eager sampling gives it back to the
+# allocator between steps; past it, the step samples eagerly (a step that large is bound by the
+# device, not by its launches).
+MOST_SCORES = 1 << 25
 CAPTURE_AT = 2  # the sighting of a key that captures it
 ENABLED = True  # graphs for the sampler where the batch is on a GPU (False: eagerly, as before)
 
@@ -72,6 +79,9 @@ class SamplerGraphs:
                body: Callable[[], Tensor]) -> Optional[Tensor]:
         """The step's tokens by a replay of ``body``'s graph (captured now if its time has come);
         None where the step samples eagerly (the caller runs ``body`` itself)."""
+        if n * logits.shape[-1] > MOST_SCORES:
+            self.counts["eager"] += 1
+            return None
         k = key(settings, logits, n, lengths, active)
         entry = self.entries.get(k)
         if entry is None:
