@@ -185,6 +185,18 @@ def test_a_capture_invalidated_from_outside_is_tried_again():
     assert rs.graphs.counts["captures"] == 1
 
 
+def test_a_key_invalidated_from_outside_time_after_time_is_left_eager(monkeypatch, caplog):
+    monkeypatch.setattr(sampler_graphs, "TRIES", 3)
+    rs = _settings()
+    rs.graphs = Graphs(fail=RuntimeError("CUDA error: operation failed due to a previous error during capture"))
+    logits, lengths = torch.randn(ROWS, VOCAB), torch.zeros(ROWS, dtype=torch.long)
+    caplog.set_level(logging.WARNING, logger="graphwrap")
+    for _ in range(8):  # the first sighting, three tries again, then eagerly for good
+        assert torch.equal(rs.next_tokens(logits, ROWS, lengths, Active()), logits.argmax(-1))
+    assert rs.graphs.counts["failed"] == 1 and len(rs.graphs.eager) == 1
+    assert [r for r in caplog.records if "could not be captured" in r.getMessage()]
+
+
 def test_past_the_most_graphs_steps_sample_eagerly(monkeypatch):
     monkeypatch.setattr(sampler_graphs, "MOST", 2)
     rs = _settings()

@@ -18,7 +18,7 @@ and captured later). The graphs share one pool; a replay's tokens are read (copi
 step's inputs and to the host) before the next replay overwrites them.
 
 A capture that fails leaves that key eager for good, said once in the log; one invalidated from
-outside is tried again later. :data:`MOST` graphs at most, of :data:`MOST_SCORES` scores each at
+outside is tried again later, :data:`TRIES` times. :data:`MOST` graphs at most, of :data:`MOST_SCORES` scores each at
 most; past that, eagerly.
 """
 
@@ -42,6 +42,7 @@ MOST = 256  # sampler graphs per batch (each a few hundred kernel nodes; their m
 # device, not by its launches).
 MOST_SCORES = 1 << 25
 CAPTURE_AT = 2  # the sighting of a key that captures it
+TRIES = 8  # captures of a key invalidated from outside before it is left eager for good
 ENABLED = True  # graphs for the sampler where the batch is on a GPU (False: eagerly, as before)
 
 
@@ -72,6 +73,7 @@ class SamplerGraphs:
         self.entries: Dict[tuple, Entry] = {}
         self.seen: Dict[tuple, int] = {}
         self.eager: Set[tuple] = set()  # keys whose capture failed: eagerly for good
+        self.tries: Dict[tuple, int] = {}  # captures of a key that failed from outside (tried again)
         self.pool: Optional[Pool] = None  # made at the first capture
         self.counts = {"replays": 0, "captures": 0, "failed": 0, "eager": 0}
 
@@ -102,7 +104,8 @@ class SamplerGraphs:
         try:
             entry = self._capture(body)
         except Exception as e:  # noqa: BLE001 - the sampler runs eagerly, as before
-            if try_later(e):
+            tries = self.tries[k] = self.tries.get(k, 0) + 1
+            if try_later(e) and tries <= TRIES:
                 return None
             self.eager.add(k)
             self.counts["failed"] += 1
@@ -114,6 +117,7 @@ class SamplerGraphs:
             return None
         self.entries[k] = entry
         self.seen.pop(k, None)
+        self.tries.pop(k, None)
         self.counts["captures"] += 1
         return entry
 
