@@ -18,8 +18,8 @@ and captured later). The graphs share one pool; a replay's tokens are read (copi
 step's inputs and to the host) before the next replay overwrites them.
 
 A capture that fails leaves that key eager for good, said once in the log; one invalidated from
-outside is tried again later, :data:`TRIES` times. :data:`MOST` graphs at most, of :data:`MOST_SCORES` scores each at
-most; past that, eagerly.
+outside is tried again later, :data:`TRIES` times at most. At most :data:`MOST` graphs, each of
+at most :data:`MOST_SCORES` scores; past either, steps sample eagerly.
 """
 
 import dataclasses
