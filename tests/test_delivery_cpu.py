@@ -47,6 +47,29 @@ def test_a_quick_delivery_is_not_held_behind_stuck_ones(stuck):
     assert ok, f"the quick delivery waited behind {stuck} stuck ones (workers {outbox.workers}, idle {outbox.idle})"
 
 
+def test_mailboxes_left_after_a_woken_worker_takes_a_stuck_one_are_taken_by_another():
+    """Two workers stand by (both asleep), and one post makes three mailboxes ready: two stuck, a
+    quick one last. The post wakes one worker, which takes the first and is stuck in it; the other
+    must be woken to watch the rest, or the quick one waits for a post that never comes (a GPU
+    batch's call without a streamer waited so behind four stuck streamers, ending the test at 30 s)."""
+    outbox = Outbox()
+    warm = threading.Event()
+    outbox.post(Mailbox(lambda e: None), warm.set)  # a worker runs it and starts another: then both stand by
+    assert warm.wait(5)
+    deadline = time.monotonic() + 5
+    while (outbox.idle < 2 or outbox.busy) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # (both asleep on the outbox)
+    assert (outbox.workers, outbox.idle) == (2, 2)
+    gate, done = threading.Event(), threading.Event()
+    try:
+        outbox.post_many([(Mailbox(lambda e: None), gate.wait), (Mailbox(lambda e: None), gate.wait),
+                          (Mailbox(lambda e: None), done.set)])
+        assert done.wait(2), f"the quick mailbox was left waiting (workers {outbox.workers}, idle {outbox.idle})"
+    finally:
+        gate.set()
+
+
 def test_one_worker_stands_by_and_the_rest_run_on_one():
     """A mailbox that becomes ready while a worker runs (not stuck) is the running worker's: few
     threads wake, and one stands by."""

@@ -42,8 +42,9 @@ class Outbox:
     the worker standing by takes it only where none runs or every running one has been inside one
     delivery for longer than ``STALLED`` seconds (a slow streamer). One worker always stands by
     (until ``max_workers``): a worker that leaves the stand-by to take a mailbox starts another in
-    its place, so that mailboxes queued behind stuck workers are taken whether or not any post
-    comes after them. The decode thread's posts then cost an append, not a thread's wake-up per
+    its place, or, where others stand by and mailboxes still wait, wakes one of them to watch
+    those, so that mailboxes queued behind stuck workers are taken whether or not any post comes
+    after them. The decode thread's posts then cost an append, not a thread's wake-up per
     token."""
 
     def __init__(self, max_workers: int = MAX_WORKERS):
@@ -134,6 +135,10 @@ class Outbox:
                 box = self.ready.popleft()
                 self.busy[me] = time.monotonic()
                 spawn = self._stand_by()  # another in its place
+                if self.ready and self.idle and not spawn:
+                    # Mailboxes still wait: a worker standing by watches them (a post wakes one
+                    # worker, and this one may now be stuck in the mailbox it took).
+                    self.cond.notify()
             if spawn:
                 self._spawn()
             self._drain(box, self.busy, me)
