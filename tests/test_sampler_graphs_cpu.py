@@ -304,3 +304,60 @@ def test_a_step_of_more_scores_than_the_bound_samples_eagerly(monkeypatch):
         for _ in range(3):
             assert torch.equal(rs.next_tokens(logits, n, lengths[:n], Active()), logits.argmax(-1))
     assert len(rs.graphs.entries) == 1 and rs.graphs.counts["eager"] == 1 + 3
+
+
+def test_a_batch_that_ends_gives_its_sampler_graphs_back(monkeypatch):
+    """A batch's sampler graphs go when its decode thread ends, with the engines' graphs, not when
+    the batch is collected (a CPU batch given sampler graphs that hold a stand-in: a CPU step's
+    logits are new each step, so its own keys never repeat)."""
+    tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+    from graphwrap import GraphedModule
+    from graphwrap.decoding.engine import sampling
+
+    made = []
+    init = sampling.RowSettings.__init__
+
+    def with_graphs(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.graphs = Graphs()
+        made.append(self.graphs)
+
+    monkeypatch.setattr(sampling.RowSettings, "__init__", with_graphs)
+    torch.manual_seed(0)
+    cfg = tr.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64, bos_token_id=1,
+                        eos_token_id=None, pad_token_id=0)
+    gm = GraphedModule(tr.AutoModelForCausalLM.from_config(cfg).eval())
+    want = gm.module.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=6, do_sample=False)
+    try:
+        got = gm.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=6, do_sample=False)
+        assert torch.equal(got, want)
+        graphs = gm.__dict__["_gw_decode"].settings.graphs
+        assert graphs in made
+        graphs.entries[("a key",)] = Entry(StandIn(lambda: torch.zeros(1), torch.zeros(1)), torch.zeros(1))
+        graphs.pool = object()
+        assert gm.stats()["decode"]["sampler_graphs"]["graphs"] == 1
+    finally:
+        assert gm.close(timeout=30)
+    assert graphs.entries == {} and graphs.pool is None
+
+
+@pytest.mark.cuda
+def test_a_gpu_batch_that_ends_gives_its_sampler_graphs_back():
+    """On a GPU: sampled steps capture the sampler, and closing the batch gives its graphs and their
+    pool back."""
+    tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+    from graphwrap import GraphedModule
+
+    torch.manual_seed(0)
+    cfg = tr.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64, bos_token_id=1,
+                        eos_token_id=None, pad_token_id=0)
+    gm = GraphedModule(tr.AutoModelForCausalLM.from_config(cfg).to("cuda").eval())
+    try:
+        for _ in range(2):
+            out = gm.generate(torch.tensor([[3, 4, 5]], device="cuda"), max_new_tokens=12, do_sample=True, top_k=8)
+            assert out.shape == (1, 15)
+        graphs = gm.__dict__["_gw_decode"].settings.graphs
+        assert graphs is not None and graphs.counts["captures"] >= 1 and graphs.counts["replays"] >= 1
+    finally:
+        assert gm.close(timeout=60)
+    assert graphs.entries == {} and graphs.pool is None

@@ -135,6 +135,14 @@ class SamplerGraphs:
             CAPTURE_LOCK.release()
         return Entry(graph, out)
 
+    def reset(self) -> None:
+        """Every graph and the pool given back (the batch has ended); a later step would sample
+        eagerly and capture anew."""
+        self.entries.clear()
+        self.seen.clear()
+        self.tries.clear()
+        self.pool = None
+
     @staticmethod
     def _replay(entry: Entry) -> None:
         entry.graph.replay()

@@ -539,7 +539,7 @@ def _decode_thread(server: DecodeServer):
 
 def let_go(server: DecodeServer):
     """At the decode thread's end (closed, stopped or broken): the capturing thread is waited
-    for, then the cache's pools and every engine's graphs are given back, and the capturer's
+    for, then the cache's pools, every engine's graphs and the sampler's are given back, and the capturer's
     reference to the batch dropped (a cycle), so that its memory returns
     when the thread ends, not when the garbage collector next finds the batch (a dropped
     GraphedModule's, say: on a GPU the pool is most of the device)."""
@@ -557,6 +557,8 @@ def let_go(server: DecodeServer):
         for engine in {id(e): e for e in (server.engine, server.prefill_engine, server.piece_engine,
                                           server.mixed_engine, *server.compiled_engines.values()) if e is not None}.values():
             engine.reset()
+        if server.settings.graphs is not None:  # (the sampler's graphs and their pool)
+            server.settings.graphs.reset()
     except Exception:  # noqa: BLE001 - (after a CUDA error, say): what is left goes with the batch
         logger.exception("the shared batch's graphs could not all be given back at its end")
     server.store.free()
