@@ -43,8 +43,8 @@ class Outbox:
     delivery for longer than ``STALLED`` seconds (a slow streamer). One worker always stands by
     (until ``max_workers``): a worker that leaves the stand-by to take a mailbox starts another in
     its place, or, where others stand by and mailboxes still wait, wakes one of them to watch
-    those, so that mailboxes queued behind stuck workers are taken whether or not any post comes
-    after them. The decode thread's posts then cost an append, not a thread's wake-up per
+    those (a running worker that takes the next mailbox wakes nobody), so that mailboxes queued
+    behind stuck workers are taken whether or not any post comes after them. The decode thread's posts then cost an append, not a thread's wake-up per
     token."""
 
     def __init__(self, max_workers: int = MAX_WORKERS):
@@ -124,6 +124,7 @@ class Outbox:
                 if not standing and not self.ready:
                     standing = True
                     self.idle += 1
+                watched = standing  # (the waiting mailboxes, for the workers standing by)
                 if standing:
                     # Standing by: it takes a mailbox only where no running worker will soon (none
                     # runs, or each is stuck); it looks again every STALLED seconds while mailboxes
@@ -135,9 +136,9 @@ class Outbox:
                 box = self.ready.popleft()
                 self.busy[me] = time.monotonic()
                 spawn = self._stand_by()  # another in its place
-                if self.ready and self.idle and not spawn:
-                    # Mailboxes still wait: a worker standing by watches them (a post wakes one
-                    # worker, and this one may now be stuck in the mailbox it took).
+                if watched and self.ready and self.idle and not spawn:
+                    # It watched for the others standing by (a post wakes one of them) and may now
+                    # be stuck in the mailbox it took: another watches those still waiting.
                     self.cond.notify()
             if spawn:
                 self._spawn()
