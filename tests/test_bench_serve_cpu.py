@@ -36,6 +36,7 @@ def test_the_report_follows_vllm_s_definitions():
     assert r["output_tokens_per_s"] == 2.5 and r["requests_per_s"] == 0.5
     assert abs(r["tpot_ms"]["mean"] - 100.0) < 1e-9  # (0.5 - 0.1) / (5 - 1)
     assert abs(r["itl_ms"]["median"] - 20.0) < 1e-9 and abs(r["ttft_ms"]["p99"] - 100.0) < 1e-9
+    assert abs(r["tokens_per_chunk"] - 5 / 3) < 1e-9  # (5 tokens in 3 chunks: the first, and one a gap)
 
 
 def test_a_run_against_the_server_counts_every_request(tmp_path):
