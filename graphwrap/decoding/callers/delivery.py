@@ -44,8 +44,8 @@ class Outbox:
     (until ``max_workers``): a worker that leaves the stand-by to take a mailbox starts another in
     its place, or, where others stand by and mailboxes still wait, wakes one of them to watch
     those (a running worker that takes the next mailbox wakes nobody), so that mailboxes queued
-    behind stuck workers are taken whether or not any post comes after them. The decode thread's posts then cost an append, not a thread's wake-up per
-    token."""
+    behind stuck workers are taken whether or not any post comes after them. The decode thread's
+    posts then cost an append, not a thread's wake-up per token."""
 
     def __init__(self, max_workers: int = MAX_WORKERS):
         self.cond = threading.Condition(threading.Lock())  # guards everything below
