@@ -379,14 +379,16 @@ class GraphedModule(nn.Module):
         call and frees its rows; a full queue is waited for without blocking the event loop."""
         return await front.agenerate(self, args, kwargs)
 
-    def capture_generate(self, timeout: Optional[float] = None) -> bool:
+    def capture_generate(self, timeout: Optional[float] = None, shapes: str = "every") -> bool:
         """Make :meth:`generate`'s shared decode batch now and capture the graphs of every step
-        and prompt shape its buckets make, for a warm start: whether they were all captured
-        within ``timeout`` seconds. Without it, each shape is captured the first time it is
-        needed, on a thread beside the decode thread, which serves meanwhile (by a larger graph
-        or eagerly). Calls may come meanwhile. GraphwrapError where the shared batch cannot serve
-        the model (``stats()["decode"]["off"]`` says why)."""
-        return front.capture_generate(self, timeout)
+        and prompt shape its buckets make, for a warm start (``shapes="first"``: those a first
+        burst meets, the largest of each kind among them, the rest captured as calls need
+        them): whether they were all captured within ``timeout`` seconds. Without it, each
+        shape is captured the first time it is needed, on a thread beside the decode thread,
+        which serves meanwhile (by a larger graph or eagerly). Calls may come meanwhile.
+        GraphwrapError where the shared batch cannot serve the model
+        (``stats()["decode"]["off"]`` says why)."""
+        return front.capture_generate(self, timeout, shapes)
 
     def close(self, cancel: bool = False, timeout: Optional[float] = None) -> bool:
         """Close the shared decode batch of :meth:`generate`: calls queued and running finish

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import CpuBackend, thread_results
 
-from graphwrap import GraphedModule
+from graphwrap import GraphedModule, GraphwrapError
 from graphwrap.decoding.cache.pages import PagedStore
 from graphwrap.decoding.cache.pool import BLOCK, scratch_blocks
 from graphwrap.decoding.engine.captures import AHEAD, Captures
@@ -579,3 +579,30 @@ def test_the_ladder_of_steps_queued_ahead_doubles_from_64_below_the_largest():
     assert ladder(buckets_upto(256, first)) == [64, 128]
     assert ladder(buckets_upto(96, first)) == [64]
     assert ladder(buckets_upto(64, first)) == []  # (the largest is queued ahead already)
+
+
+def test_the_first_shapes_hold_every_shape_and_are_what_capture_generate_first_captures():
+    """``capture_generate(shapes="first")`` (serve's start): the largest shape of each kind and
+    span, the ladder of steps, prompts of one row and of the most rows at each width; every shape
+    the buckets make is held by one of them, and later calls give the model's tokens."""
+    from graphwrap.decoding.engine import captures
+
+    model = _model("llama")
+    gm, server = _captured_beside(model, rows=128, max_len=64)
+    every, first = captures.shapes_of(server), captures.first_shapes(server)
+    assert set(first) < set(every) and len(first) < len(every) / 2
+    for s in every:
+        assert any(f[0] == s[0] and f[1] >= s[1] and f[2] >= s[2] for f in first), f"nothing holds {s}"
+    short, rows = min(s[2] for s in every if s[0] == "step"), server.prompts.row_buckets
+    assert ("step", 64, short) in first and ("step", 128, short) in first and ("step", 1, short) not in first
+    assert {("prefill", k, w) for k in (rows[0], rows[-1]) for w in server.prompts.width_buckets} <= set(first)
+    assert gm.capture_generate(timeout=120, shapes="first")
+    d = gm.stats()["decode"]
+    assert set(d["shapes"]) == set(first) and d["capture_failed"] == {}
+    got = thread_results(lambda i: gm.generate(torch.tensor([[9, 8, 7, 6 + i][:2 + i]]), max_new_tokens=6 + i,
+                                               do_sample=False), 3)
+    for i, out in enumerate(got):
+        assert torch.equal(out, _alone(model, [9, 8, 7, 6 + i][:2 + i], 6 + i))
+    gm.close()
+    with pytest.raises(GraphwrapError, match='shapes must be "every" or "first"'):
+        gm.capture_generate(shapes="most")

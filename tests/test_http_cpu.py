@@ -673,3 +673,24 @@ def test_a_pad_id_in_a_prompt_is_a_token_of_it(srv):
             assert srv.served.gm.stats()["generate"]["graphwrap's shared decode batch"] == before + 1
     finally:
         tok.pad_token = old
+
+
+@pytest.mark.parametrize("capture,want", [(None, ["first"]), ("ahead", ["every"]), ("lazy", [])])
+def test_serve_captures_the_shapes_a_first_burst_meets_at_start_by_default(model_dir, monkeypatch, capture, want):
+    """``--capture first`` (the default) asks the batch for the first shapes' graphs before it
+    serves, ``ahead`` for every shape's, ``lazy`` for none."""
+    from graphwrap import GraphedModule
+
+    asked, real = [], GraphedModule.capture_generate
+
+    def spy(self, timeout=None, shapes="every"):
+        asked.append(shapes)
+        return real(self, timeout, shapes)
+
+    monkeypatch.setattr(GraphedModule, "capture_generate", spy)
+    served = cli.load(cli.parser().parse_args([model_dir, "--engine", "thread", "--device", "cpu"]
+                                              + ([] if capture is None else ["--capture", capture])))
+    try:
+        assert asked == want
+    finally:
+        served.engine.close(cancel=True, timeout=30)

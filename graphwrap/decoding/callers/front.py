@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 import weakref
 from typing import Optional, Tuple, cast
 
@@ -90,6 +91,7 @@ def server_of(held: dict, module) -> Tuple[object, Optional[str]]:
             old.thread.join()
         # Outside inference mode, where the caller is in it: the rows are written in place by
         # the decode thread, which inference tensors forbid.
+        t0 = time.perf_counter()
         with torch.inference_mode(False):
             try:
                 with on_device(_device(module)):  # (its probe and buffers: the model's GPU)
@@ -103,6 +105,8 @@ def server_of(held: dict, module) -> Tuple[object, Optional[str]]:
             logger.info("generate calls take turns on the model, one at a time (%s)", why)
         else:
             held["_gw_decode"] = server
+            logger.info("the shared decode batch made in %.1f s (its probe of the model, the cache, the engines)",
+                        time.perf_counter() - t0)
         return server, why
 
 
@@ -336,12 +340,15 @@ def _take(gm, server, p, seed: Optional[int], block: bool):
     return server, p, call
 
 
-def capture_generate(gm, timeout: Optional[float] = None) -> bool:
+def capture_generate(gm, timeout: Optional[float] = None, shapes: str = "every") -> bool:
     """``gm.capture_generate``: the shared batch made, and the graphs of every shape its buckets
-    make captured (beside the decode thread, which serves meanwhile); whether every capture
-    ended within ``timeout``. GraphwrapError where the batch cannot serve this model."""
+    make captured (``shapes="first"``: those a first burst meets), beside the decode thread,
+    which serves meanwhile; whether every capture ended within ``timeout``. GraphwrapError where
+    the batch cannot serve this model."""
     from ..engine.captures import every_shape
 
+    if shapes not in ("every", "first"):
+        raise GraphwrapError(f'shapes must be "every" or "first", got {shapes!r}')
     held = gm.__dict__
     if not callable(getattr(gm.module, "generate", None)):
         raise GraphwrapError(f"{type(gm.module).__name__} has no generate(): it is not a Hugging Face generation model")
@@ -350,7 +357,7 @@ def capture_generate(gm, timeout: Optional[float] = None) -> bool:
         raise GraphwrapError(f"no shared decode batch for this model: {why}")
     if "_gw_decode_finalizer" not in held:
         held["_gw_decode_finalizer"] = weakref.finalize(gm, _close_dropped, held)
-    return every_shape(server, timeout)
+    return every_shape(server, timeout, first=shapes == "first")
 
 
 def generate(gm, args, kwargs):

@@ -86,27 +86,47 @@ def piece_shapes(server) -> List[tuple]:
             for span in sorted({store.piece_span(b) for b in server.sched.span_buckets if b >= width})]
 
 
-def every_shape(server, timeout: Optional[float] = None) -> bool:
-    """Queue every shape the batch's buckets make (each step's row and span buckets, each prompt
-    forward's row and width buckets) and wait for the queue to empty; whether it did within
+def every_shape(server, timeout: Optional[float] = None, first: bool = False) -> bool:
+    """Queue every shape the batch's buckets make (:func:`shapes_of`; ``first``: those a first
+    burst meets, :func:`first_shapes`) and wait for the queue to empty; whether it did within
     ``timeout``. Nothing to do where shapes are captured in the decode thread."""
     caps = server.captures
     if caps is None:
         return True
+    for shape in (first_shapes(server) if first else shapes_of(server)):
+        caps.want(shape, AHEAD)
+    return caps.finish(timeout)
+
+
+def shapes_of(server) -> List[tuple]:
+    """Every shape the batch's buckets make: each step's row and span buckets, each prompt
+    forward's row and width buckets, a long prompt's pieces, and a piece beside each step's rows."""
     store = server.store
     spans = sorted({store.step_span(s) for s in server.sched.span_buckets})
-    for span in spans:
-        for n in server.sched.row_buckets:
-            caps.want(("step", n, span), AHEAD)
-    for k in server.prompts.row_buckets:
-        for width in server.prompts.width_buckets:
-            caps.want(("prefill", k, width), AHEAD)
-    for shape in piece_shapes(server):
-        caps.want(shape, AHEAD)
+    shapes = [("step", n, span) for span in spans for n in server.sched.row_buckets]
+    shapes += [("prefill", k, width) for k in server.prompts.row_buckets for width in server.prompts.width_buckets]
+    shapes += piece_shapes(server)
     if server.mixed_engine is not None:  # (a piece beside decoding rows inside their step)
-        for n in server.sched.row_buckets:
-            caps.want(("mixed", n, server.piece), AHEAD)
-    return caps.finish(timeout)
+        shapes += [("mixed", n, server.piece) for n in server.sched.row_buckets]
+    return shapes
+
+
+def first_shapes(server) -> List[tuple]:
+    """Of :func:`shapes_of`, those a server's first burst meets, captured before it answers
+    (``python -m graphwrap serve``): the largest of each kind and span, which holds every other
+    (padding rows and masked positions), the steps of the :func:`ladder` (a step of few rows
+    served by one of at most twice them, or 64), a prompt of one row and of the most rows at each
+    width, and a long prompt's pieces. The others are captured as requests need them, beside the
+    decode thread (a shape a larger graph holds, once it has been wanted 16 times)."""
+    top, steps = server.sched.row_buckets[-1], set(ladder(server.sched.row_buckets))
+    every = shapes_of(server)
+    short = min(s[2] for s in every if s[0] == "step")  # (the span most steps read)
+    rows = server.prompts.row_buckets
+    return [s for s in every
+            if s[1] == top and s[0] in ("step", "mixed")
+            or s[0] == "piece"
+            or s[0] in ("step", "mixed") and s[1] in steps and (s[0] == "mixed" or s[2] == short)
+            or s[0] == "prefill" and s[1] in (rows[0], rows[-1])]
 
 
 def forward(server, engine, shape: tuple, how: str, args: tuple, window):

@@ -30,10 +30,11 @@ def parser() -> argparse.ArgumentParser:
     _batch_options(ap)
     ap.add_argument("--max-tokens-default", type=int, default=None,
                     help="new tokens of a chat request without max_tokens: the context left, at most this (default 2048)")
-    ap.add_argument("--capture", default="ahead", choices=("ahead", "lazy"),
-                    help="ahead: capture every step and prompt shape's graph at start (on a GPU); lazy: each when "
-                         "first needed, beside the decode thread (a sooner start; the first requests run eagerly "
-                         "meanwhile)")
+    ap.add_argument("--capture", default="first", choices=("first", "ahead", "lazy"),
+                    help="first: capture the graphs of the step and prompt shapes a first burst meets at start (on "
+                         "a GPU; the largest of each kind, which hold the others), the rest as requests need them, "
+                         "beside the decode thread; ahead: every shape's at start (a later start); lazy: each when "
+                         "first needed (the first requests run eagerly meanwhile)")
     ap.add_argument("--engine", default="process", choices=("process", "thread"),
                     help="process: the decode batch in a child process, the HTTP side's Python apart from it (the "
                          "faster); thread: both in one process")

@@ -10,6 +10,8 @@ logger = logging.getLogger("graphwrap.serve")
 def load_here(a: argparse.Namespace):
     """The model loaded, wrapped and its decode batch made in this process: a :class:`~.app.Served`
     over a :class:`~.engines.Local`."""
+    import time
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -21,8 +23,10 @@ def load_here(a: argparse.Namespace):
 
     device = device_of(a)
     dtype = getattr(torch, a.dtype) if a.dtype != "auto" else ("auto" if device.type == "cuda" else torch.float32)
+    t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, local_files_only=True).to(device).eval()
+    logger.info("loaded %s onto %s in %.1f s", type(model).__name__, device, time.perf_counter() - t0)
     if getattr(a, "quantization", None):
         quantize(model, a.quantization)
     decode = {k: v for k, v in (("rows", a.rows), ("max_len", a.max_len), ("max_queue", a.max_queue),
@@ -33,8 +37,9 @@ def load_here(a: argparse.Namespace):
     gm = GraphedModule(model, decode=decode)
     context = min([x for x in (a.max_len, model_positions(model.config)) if x] or [MAX_LEN])
     # The batch is made now (its cache, its probe of the model), not on the first request; with
-    # --capture ahead, the graphs of every shape its buckets make are captured now too.
-    if a.capture == "ahead" and _captured_ahead(gm):
+    # --capture first (or ahead), the graphs of the shapes a first burst meets (or of every
+    # shape its buckets make) are captured now too.
+    if a.capture in ("first", "ahead") and _captured_ahead(gm, "first" if a.capture == "first" else "every"):
         pass
     else:
         first = tok.bos_token_id if tok.bos_token_id is not None else (tok.eos_token_id or 0)
@@ -92,19 +97,21 @@ def limits(a: argparse.Namespace, served):
     return served
 
 
-def _captured_ahead(gm) -> bool:
-    """``gm.capture_generate()`` with a log line; False where the batch does not serve the model."""
+def _captured_ahead(gm, shapes: str) -> bool:
+    """``gm.capture_generate(shapes=shapes)`` with a log line; False where the batch does not
+    serve the model."""
     import time
 
     from ...errors import GraphwrapError
 
     t0 = time.perf_counter()
     try:
-        gm.capture_generate()
+        gm.capture_generate(shapes=shapes)
     except GraphwrapError:
         return False
     d = gm.stats()["decode"]
-    logger.info("captured the graphs of %d step and prompt shapes in %.1f s", len(d["shapes"]), time.perf_counter() - t0)
+    logger.info("captured the graphs of %d step and prompt shapes in %.1f s%s", len(d["shapes"]),
+                time.perf_counter() - t0, "; the others are captured as requests need them" if shapes == "first" else "")
     return True
 
 
