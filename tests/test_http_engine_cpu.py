@@ -342,7 +342,7 @@ def _remote_without_a_child():
 
 
 def test_the_http_side_takes_the_child_s_words_in_any_order_and_a_dead_child_ends_everything():
-    from graphwrap.decoding.callers.calls import QueueFull
+    from graphwrap.decoding.callers.errors import QueueFull
     from graphwrap.serve.api.engines import Ended, EngineGone, Failed
 
     r = _remote_without_a_child()

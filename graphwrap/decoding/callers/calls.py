@@ -1,6 +1,6 @@
 """A ``generate`` call in the shared decode batch, as its caller sees it: its record, how it
 ends (its streamer's tokens and end, then its result or error, delivered off the decode
-thread), and the errors a caller gets where the batch takes no call."""
+thread), and the errors a caller gets where the batch takes no call (:mod:`.errors`)."""
 
 import logging
 import struct
@@ -18,17 +18,6 @@ from .delivery import Mailbox
 from .settings import CallPlan
 
 logger = logging.getLogger("graphwrap")
-
-
-class Closed(GraphwrapError):
-    """The decode batch was closed before the call could be queued (the caller may take a new one)."""
-
-
-class QueueFull(GraphwrapError):
-    """The decode queue holds ``max_queue`` sequences (raised where the caller would not wait)."""
-
-    server: Any = None  # the batch and the call prepared for it, where the caller queues it later
-    call: Any = None
 
 
 @dataclass(eq=False)

@@ -312,7 +312,7 @@ def _take(gm, server, p, seed: Optional[int], block: bool):
     none serves now); the call None where the batch closed before taking it (the caller tries
     again). Where the queue is full, it waits for room outside the lock (``block``), or raises
     QueueFull carrying the call (agenerate waits for room with it)."""
-    from .calls import Closed, QueueFull
+    from .errors import Closed, QueueFull
 
     held = gm.__dict__
     with _queueing(held):
@@ -449,7 +449,7 @@ def submit(gm, args, kwargs, block: bool = True, seed: Optional[int] = None) -> 
 
 
 async def agenerate(gm, args, kwargs):
-    from .calls import Closed, QueueFull
+    from .errors import Closed, QueueFull
 
     loop = asyncio.get_running_loop()
     try:

@@ -45,8 +45,9 @@ from ...errors import GraphwrapError
 from ..cache.pages import PagedStore
 from ..cache.pool import CACHE_MEMORY, PIECE, PIECE_ALONE, Blocks, Prefixes, plan_cache
 from ..cache.rows import RowStore, to_device
-from ..callers.calls import Call, Closed, Logprobs, QueueFull, Sinks, check_call, finish, put_token
+from ..callers.calls import Call, Logprobs, Sinks, check_call, finish, put_token
 from ..callers.delivery import OUTBOX, Mailbox, on_worker
+from ..callers.errors import Closed, QueueFull
 from ..callers.settings import CallPlan, in_vocab, out_vocab
 from ..kernels import paged_attention
 from ..kernels.attention import folding, sdpa_model, without_cudnn

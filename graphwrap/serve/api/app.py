@@ -33,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ...decoding.callers.calls import Closed, QueueFull
+from ...decoding.callers.errors import Closed, QueueFull
 from ...decoding.engine.grammar import GrammarError, check
 from . import logprobs
 from .client import Client, Cut, Piece, TokenLogprob
@@ -62,7 +62,7 @@ class Refused(Exception):
 class Served:
     """What the app serves: the engine that generates (:mod:`.engines`), the tokenizer, the limits."""
 
-    engine: Any  # engines.Local or remote.Remote
+    engine: Any  # local.Local or remote.Remote
     tokenizer: Any
     name: str
     context: int  # positions a sequence may hold (prompt and new tokens)

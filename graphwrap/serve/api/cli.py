@@ -7,6 +7,7 @@ and exit.
 
 import argparse
 import concurrent.futures
+import importlib.util
 import logging
 import os
 import sys
@@ -100,15 +101,15 @@ def load(a: argparse.Namespace, engine: Optional[str] = None):
 
 
 def _over_engines(a: argparse.Namespace):
-    """The engine processes started and the tokenizer loaded here meanwhile, on a thread (after
-    them, transformers' import and the tokenizer's load were time on the way to ready); if the
-    tokenizer fails, the engines are closed and its error raised."""
+    """The engine processes started and the tokenizer loaded here meanwhile, on a thread, the HTTP
+    side's modules imported there too (after them, those imports and the tokenizer's load were
+    time on the way to ready); if the tokenizer fails, the engines are closed and its error
+    raised."""
     from . import routed
-    from .loading import tokenizer_of
     from .remote import Remote
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphwrap-tokenizer") as pool:
-        tok = pool.submit(tokenizer_of, a)
+        tok = pool.submit(_http_side, a)
         remote: Any = (routed.start(a, lambda mine: Remote(mine, a.log_level)) if getattr(a, "data_parallel", 1) > 1
                        else Remote(a, a.log_level))
         try:
@@ -118,23 +119,32 @@ def _over_engines(a: argparse.Namespace):
             raise
 
 
+def _http_side(a: argparse.Namespace):
+    """The tokenizer, loaded while the engine process starts, and the HTTP side's modules
+    imported meanwhile (FastAPI, pydantic, uvicorn)."""
+    import uvicorn  # noqa: F401
+
+    from . import app  # noqa: F401
+    from .loading import tokenizer_of
+
+    return tokenizer_of(a)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     a = parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        import uvicorn
-    except ImportError:
+    if any(importlib.util.find_spec(m) is None for m in ("uvicorn", "fastapi", "transformers")):
         print("python -m graphwrap serve needs FastAPI, uvicorn and transformers: from a clone, "
               "python3 -m pip install -e '.[http]'", file=sys.stderr)
         return 2
     from . import fronts, routed
-    from .app import make_app
 
     why = fronts.refused(a) or routed.refused(a)
     if why is not None:
         print(f"python -m graphwrap serve: {why}", file=sys.stderr)
         return 2
-    Draining = draining_server()
+    # The engine process starts first: this process has imported neither torch nor the HTTP side
+    # yet (graphwrap's packages import their names on first use), and imports them meanwhile.
     others = fronts.Others(a) if a.api_servers > 1 else None  # (they start while the engine loads)
     try:
         served = load(a)
@@ -142,6 +152,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if others is not None:
             others.stop(5)
         raise
+    import uvicorn
+
+    from .app import make_app
+
+    Draining = draining_server()
     app = make_app(served)
     if a.engine == "thread":  # (the engine process does the same for itself)
         from .loading import freeze_startup

@@ -36,7 +36,7 @@ import traceback
 import types
 from typing import Any, Dict, List, Optional, Set
 
-from .engines import SUBMITTERS, Ended, batch_stats, error_kind, model_eos, model_vocab, submit
+from .engines import SUBMITTERS, Ended, error_kind, model_eos, model_vocab
 
 logger = logging.getLogger("graphwrap.serve")
 
@@ -144,6 +144,9 @@ class Worker:
 
     def __init__(self, conn, gm, gc_clock: Optional[GcClock] = None, tokenizer: Any = None, main: bool = True,
                  peers: Optional[List["Worker"]] = None):
+        from . import local  # (torch: this child's, never the server's process, which imports this module)
+
+        self.local = local
         self.conn, self.gm, self.gc, self.tokenizer, self.main = conn, gm, gc_clock, tokenizer, main
         self.peers = peers if peers is not None else [self]  # every connection's worker (stats)
         self.submitted = 0  # requests this connection sent
@@ -196,7 +199,7 @@ class Worker:
 
     def _stats(self) -> dict:
         try:
-            stats = batch_stats(self.gm)
+            stats = self.local.batch_stats(self.gm)
         except Exception:  # noqa: BLE001 - the metrics go without it; the engine serves on
             logger.exception("the batch's stats could not be read")
             return {}
@@ -210,7 +213,7 @@ class Worker:
     def _submit(self, rid: int, ids: List[int], kwargs: Dict[str, Any], seed: Optional[int],
                 logprobs: Optional[int] = None):
         try:
-            fut = submit(self.gm, ids, kwargs, seed, _Tap(self.out, rid, logprobs), self.tokenizer)
+            fut = self.local.submit(self.gm, ids, kwargs, seed, _Tap(self.out, rid, logprobs), self.tokenizer)
         except BaseException as e:  # noqa: BLE001 - the request's: answered with it
             with self.lock:
                 self.pending.discard(rid)

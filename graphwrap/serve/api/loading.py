@@ -9,7 +9,7 @@ logger = logging.getLogger("graphwrap.serve")
 
 def load_here(a: argparse.Namespace):
     """The model loaded, wrapped and its decode batch made in this process: a :class:`~.app.Served`
-    over a :class:`~.engines.Local`."""
+    over a :class:`~.local.Local`."""
     import time
 
     import torch
@@ -19,7 +19,7 @@ def load_here(a: argparse.Namespace):
     from ...module import GraphedModule
     from ...quantized import quantize
     from .app import MAX_NEW_DEFAULT, Served
-    from .engines import Local
+    from .local import Local
 
     device = device_of(a)
     dtype = getattr(torch, a.dtype) if a.dtype != "auto" else ("auto" if device.type == "cuda" else torch.float32)

@@ -23,7 +23,8 @@ import logging
 from typing import Any, Dict, List, Optional
 
 from ..routing import BALANCE, REMEMBERED, SHARE, SLACK, block_hashes, choose, remember
-from .engines import Ended, Feed, ModelInfo, batch_stats, error_kind, queue_error
+from .engines import Ended, Feed, ModelInfo, error_kind, queue_error
+from .local import batch_stats
 
 logger = logging.getLogger("graphwrap.serve")
 _END = object()

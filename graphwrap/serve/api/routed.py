@@ -97,7 +97,7 @@ def _gpus() -> int:
 
 
 class Routed:
-    """Engines (each a :class:`~.remote.Remote` or :class:`~.engines.Local`) behind the app, each
+    """Engines (each a :class:`~.remote.Remote` or :class:`~.local.Local`) behind the app, each
     sequence queued on the one that ``routing`` picks."""
 
     def __init__(self, engines: Sequence[Any], routing: str = "prefix"):
