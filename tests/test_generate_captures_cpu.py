@@ -477,13 +477,15 @@ def test_no_capture_runs_once_a_lone_call_has_returned_and_none_starts_until_the
     gm.close()
 
 
-def test_under_inference_mode_shapes_captured_ahead_and_beside_serve_the_models_tokens():
+@pytest.mark.parametrize("shapes", ["every", "first"])
+def test_under_inference_mode_shapes_captured_ahead_and_beside_serve_the_models_tokens(shapes):
     """The caller in torch.inference_mode(): the twins and graphs are made outside it (the rows
-    are written in place every step), and the tokens are the model's."""
+    are written in place every step), and the tokens are the model's (``first``: the others
+    captured beside the calls)."""
     model = _model("llama")
     with torch.inference_mode():
         gm, server = _captured_beside(model, rows=4, max_len=64)
-        assert gm.capture_generate(timeout=120)
+        assert gm.capture_generate(timeout=120, shapes=shapes)
         got = thread_results(lambda i: gm.generate(torch.tensor([[9, 8, 7, 6 + i]]), max_new_tokens=8 + i,
                                                    do_sample=False), 3)
     for i, out in enumerate(got):
