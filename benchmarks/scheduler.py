@@ -23,7 +23,8 @@ would be served from the cache.
 
 ``--log`` prints graphwrap's log (each capture beside the decode thread, with its time). ``--budget 0,2048`` runs parts 2 to 4 under each value of
 ``graphwrap.decoding.engine.pieces.BUDGET`` in turn (0: off; by default its own value), in this one process; ``--prefill-beside`` likewise sets
-``graphwrap.decoding.engine.server.PREFILL_BESIDE``. ``--json PATH`` writes every figure.
+``graphwrap.decoding.engine.server.PREFILL_BESIDE``, and ``--whole 8192,0`` ``pieces.WHOLE`` (a long prompt that finds the batch empty
+in one forward, or in pieces). ``--json PATH`` writes every figure.
 
 ``python3 benchmarks/scheduler.py [--model llama3-8b] [--repeats 3]`` from the repository root, on a GPU.
 """
@@ -163,6 +164,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", default=str(pieces.BUDGET or 0), help="pieces.BUDGET values, each in turn (0: off)")
     ap.add_argument("--prefill-beside", default="0", help="server.PREFILL_BESIDE values, each in turn (0: off)")
+    ap.add_argument("--whole", default=str(pieces.WHOLE), help="pieces.WHOLE values, each in turn (0: a long prompt "
+                    "alone goes in pieces too)")
     ap.add_argument("--bursts", default="256,1024")
     ap.add_argument("--skip", default="", help="parts to leave out: beside, alone, bursts")
     ap.add_argument("--long", type=int, default=7900, help="the long prompt's tokens (part 2)")
@@ -208,24 +211,25 @@ def main():
     print(f"shorts alone: {alone_s:.3f} s ({min(alone):.3f}-{max(alone):.3f}); the process's first run {warm:.3f} s "
           f"(the batch made {time.perf_counter() - t0:.1f} s before the runs after it)", flush=True)
     skip = set(a.skip.split(","))
-    for budget in (int(x) for x in a.budget.split(",")):
-        for beside in (int(x) for x in a.prefill_beside.split(",")):
-            pieces.BUDGET = budget or None
-            server_mod.PREFILL_BESIDE = beside or None
-            print(f"pieces.BUDGET {pieces.BUDGET}, PREFILL_BESIDE {server_mod.PREFILL_BESIDE}:", flush=True)
-            s: Dict = {"budget": budget, "prefill_beside": beside}
-            if "beside" not in skip:
-                s["beside"] = part_beside(out, gm, g, vocab, device, alone_s, a.repeats, a.long)
-                out["beside"] = True
-            if "alone" not in skip:
-                s["alone"] = part_alone(gm, model, g, vocab, device, a.repeats, [int(x) for x in a.alone.split(",")])
-            if "bursts" not in skip:
-                s["bursts"] = part_bursts(gm, g, vocab, device, [int(x) for x in a.bursts.split(",") if x], a.repeats)
-            d = gm.stats()["decode"]
-            s["counts"] = {k: d.get(k) for k in ("rows", "steps", "mixed_steps", "prefill_pieces", "budget_pieces",
-                                                 "eager_forwards", "in_a_larger_graph")}
-            print(f"  stats: {s['counts']}", flush=True)
-            out["settings"].append(s)
+    turns = [(b, p, w) for b in a.budget.split(",") for p in a.prefill_beside.split(",") for w in a.whole.split(",")]
+    for budget, beside, whole in ((int(b), int(p), int(w)) for b, p, w in turns):
+        pieces.BUDGET = budget or None
+        server_mod.PREFILL_BESIDE = beside or None
+        pieces.WHOLE = whole
+        print(f"pieces.BUDGET {pieces.BUDGET}, PREFILL_BESIDE {server_mod.PREFILL_BESIDE}, WHOLE {whole}:", flush=True)
+        s: Dict = {"budget": budget, "prefill_beside": beside, "whole": whole}
+        if "beside" not in skip:
+            s["beside"] = part_beside(out, gm, g, vocab, device, alone_s, a.repeats, a.long)
+            out["beside"] = True
+        if "alone" not in skip:
+            s["alone"] = part_alone(gm, model, g, vocab, device, a.repeats, [int(x) for x in a.alone.split(",")])
+        if "bursts" not in skip:
+            s["bursts"] = part_bursts(gm, g, vocab, device, [int(x) for x in a.bursts.split(",") if x], a.repeats)
+        d = gm.stats()["decode"]
+        s["counts"] = {k: d.get(k) for k in ("rows", "steps", "mixed_steps", "prefill_pieces", "budget_pieces",
+                                             "whole_prefills", "eager_forwards", "in_a_larger_graph")}
+        print(f"  stats: {s['counts']}", flush=True)
+        out["settings"].append(s)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -114,10 +114,11 @@ def _sizes(b) -> bool:
 def _check_decode(value):
     if value is None or value is True or value is False:
         return
-    keys = {"rows", "max_len", "max_queue", "cache_memory", "paged", "prefix_caching", "prefill_budget"}
+    keys = {"rows", "max_len", "max_queue", "cache_memory", "paged", "prefix_caching", "prefill_budget",
+            "prefill_whole"}
     if not isinstance(value, dict) or set(value) - keys:
         raise GraphwrapError("decode must be True, False or a dict of rows=, max_len=, max_queue=, cache_memory=, "
-                             f"paged=, prefix_caching=, prefill_budget=; got {value!r}")
+                             f"paged=, prefix_caching=, prefill_budget=, prefill_whole=; got {value!r}")
     for k, v in value.items():
         if k == "cache_memory":
             if not isinstance(v, numbers.Real) or isinstance(v, bool) or not 0 < float(v) <= 1:
@@ -131,5 +132,9 @@ def _check_decode(value):
         elif k == "prefill_budget":
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise GraphwrapError(f"decode['prefill_budget'] must be an int >= 0 (0: one piece a turn), got {v!r}")
+        elif k == "prefill_whole":
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise GraphwrapError(f"decode['prefill_whole'] must be an int >= 0 (0: a long prompt always goes in "
+                                     f"pieces), got {v!r}")
         elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise GraphwrapError(f"decode[{k!r}] must be an int >= 1, got {v!r}")

@@ -323,6 +323,9 @@ def test_whole_rows_asked_for_serve_the_same_tokens():
 
 @pytest.mark.parametrize("paged", [True, False])
 def test_long_prompts_go_in_pieces_beside_rows_that_decode(monkeypatch, paged):
+    from graphwrap.decoding.engine import pieces
+
+    monkeypatch.setattr(pieces, "WHOLE", 0)  # (a long prompt that finds the batch empty: in pieces too)
     monkeypatch.setattr(server_mod, "CHUNK", 8)
     model = _model("llama")
     gm = GraphedModule(model, decode={"paged": paged})
@@ -355,6 +358,7 @@ def test_no_piece_starts_while_the_last_one_runs(monkeypatch):
     monkeypatch.setattr(pieces, "_ended", lambda server: events.append(Running()) or events[-1])
     monkeypatch.setattr(pieces, "IN_FLIGHT", 1)
     monkeypatch.setattr(pieces, "BUDGET", None)  # (one piece a turn)
+    monkeypatch.setattr(pieces, "WHOLE", 0)  # (a long prompt that finds the batch empty: in pieces too)
     monkeypatch.setattr(server_mod, "CHUNK", 8)
     model = _model("llama")
     gm = GraphedModule(model)
@@ -393,6 +397,7 @@ def test_pieces_on_the_device_never_pass_in_flight(monkeypatch):
     monkeypatch.setattr(pieces, "_ended", ended)
     monkeypatch.setattr(pieces, "IN_FLIGHT", 2)
     monkeypatch.setattr(pieces, "BUDGET", None)  # (one piece a turn)
+    monkeypatch.setattr(pieces, "WHOLE", 0)  # (a long prompt that finds the batch empty: in pieces too)
     monkeypatch.setattr(server_mod, "CHUNK", 8)
     model = _model("llama")
     gm = GraphedModule(model)
@@ -434,7 +439,7 @@ def test_a_failing_piece_fails_its_call_alone(monkeypatch, paged):
 
 def test_a_prompt_past_2048_tokens_on_a_model_of_4096_positions_is_served():
     model = _model("llama", positions=4096)
-    gm = GraphedModule(model)
+    gm = GraphedModule(model, decode={"prefill_whole": 0})  # (in pieces, were it admitted alone)
     prompt = _prompts([2500])[0]
     short = _prompts([6], seed=2)[0]
     got = thread_results(lambda i: gm.generate(torch.tensor([[prompt, short][i]]), max_new_tokens=[6, 20][i]), 2)
@@ -455,7 +460,7 @@ def test_a_long_prompt_goes_in_wide_pieces_alone_and_in_narrow_ones_beside_decod
 
     monkeypatch.setattr(pieces, "BUDGET", budget)
     model = _model("llama", positions=4096)
-    gm = GraphedModule(model)
+    gm = GraphedModule(model, decode={"prefill_whole": 0})  # (alone too: in pieces)
     prompt = _prompts([2500])[0]
     assert torch.equal(gm.generate(torch.tensor([prompt]), max_new_tokens=4), _alone(model, prompt, max_new_tokens=4))
     assert gm.stats()["decode"]["prefill_pieces"] == 5, "2,500 positions alone: pieces of 512"
@@ -475,7 +480,8 @@ def test_a_long_prompt_goes_in_wide_pieces_alone_and_in_narrow_ones_beside_decod
 def test_decode_options_are_checked():
     model = _model()
     for bad in ({"cache_memory": 0}, {"cache_memory": 1.5}, {"cache_memory": True}, {"paged": "yes"}, {"pages": 1},
-                {"prefill_budget": -1}, {"prefill_budget": True}, {"prefill_budget": 512.0}):
+                {"prefill_budget": -1}, {"prefill_budget": True}, {"prefill_budget": 512.0},
+                {"prefill_whole": -1}, {"prefill_whole": False}, {"prefill_whole": 8192.0}):
         with pytest.raises(GraphwrapError, match="decode"):
             GraphedModule(model, decode=bad)
     GraphedModule(model, decode={"cache_memory": 0.5, "paged": None, "prefill_budget": 0})

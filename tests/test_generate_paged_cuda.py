@@ -9,6 +9,7 @@ from helpers import thread_results
 
 from graphwrap import GraphedModule
 from graphwrap.decoding.cache.pool import BLOCK, scratch_blocks
+from graphwrap.decoding.engine import pieces
 from graphwrap.decoding.engine import server as server_mod
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fp32_exact")]
@@ -160,8 +161,36 @@ def test_rows_that_cannot_grow_preempt_the_newest_while_steps_replay(monkeypatch
     roomy.close()
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mistral"])
+def test_a_long_prompt_alone_goes_in_one_forward_and_steps_replay_over_its_blocks(monkeypatch, kind):
+    """Prompts of 300 and 450 positions (past the chunk of 32, and a window of 64), each alone:
+    one eager forward writes its keys into the pool, then its row's steps replay over them; the
+    tokens are model.generate's."""
+    monkeypatch.setattr(server_mod, "CHUNK", 32)
+    if kind == "mistral":
+        torch.manual_seed(0)
+        cfg = tr.MistralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS, num_attention_heads=4,
+                               num_key_value_heads=KV_HEADS, vocab_size=1000, max_position_embeddings=512,
+                               sliding_window=64, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+        model = tr.AutoModelForCausalLM.from_config(cfg).to(DEV).eval()
+    else:
+        model = _model(kind)
+    gm = GraphedModule(model)
+    g = torch.Generator().manual_seed(3)
+    for n in (300, 450):
+        ids = torch.randint(2, 1000, (1, n), generator=g).to(DEV)
+        got = gm.generate(input_ids=ids, max_new_tokens=30, do_sample=False)
+        _check(model, [(ids, 30)], [got])
+    d = gm.stats()["decode"]
+    assert d["whole_prefills"] == 2 and d["prefill_pieces"] == 0, d
+    assert gm.__dict__["_gw_decode"].store.kernel, "steps read the pool in place"
+    _replayed(d)
+    gm.close()
+
+
 @pytest.mark.parametrize("paged", [True, False])
 def test_long_prompts_in_pieces_beside_replayed_steps(monkeypatch, paged):
+    monkeypatch.setattr(pieces, "WHOLE", 0)  # (a long prompt that finds the batch empty: in pieces too)
     monkeypatch.setattr(server_mod, "CHUNK", 32)
     model = _model()
     gm = GraphedModule(model, decode={"paged": paged})

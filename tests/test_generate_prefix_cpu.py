@@ -529,18 +529,24 @@ def _metrics(port) -> dict:
             if line and not line.startswith("#")}
 
 
-def test_serve_prefill_budget_reaches_the_batch(tmp_path):
-    """``serve --prefill-budget N`` is the batch's ``decode={"prefill_budget": N}``; without it the
-    batch takes pieces.BUDGET."""
+def test_serve_prefill_budget_and_whole_reach_the_batch(tmp_path):
+    """``serve --prefill-budget N`` is the batch's ``decode={"prefill_budget": N}`` and
+    ``--prefill-whole N`` its ``prefill_whole``; without them the batch takes pieces.BUDGET and
+    pieces.WHOLE."""
     pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
     import tiny_lm
     from test_http_cpu import _args
 
+    from graphwrap.serve.api import cli
+
     d = tiny_lm.make(str(tmp_path))
-    for given in (None, 0, 256):
-        served = _load(_args(d, prefill_budget=given))
+    assert cli.parser().parse_args([d]).prefill_whole is None
+    assert cli.parser().parse_args([d, "--prefill-whole", "0"]).prefill_whole == 0
+    for budget, whole in ((None, None), (0, 0), (256, 4096)):
+        served = _load(_args(d, prefill_budget=budget, prefill_whole=whole))
         try:
-            assert served.gm.__dict__["_gw_decode"].budget == given
+            server = served.gm.__dict__["_gw_decode"]
+            assert server.budget == budget and server.whole_limit == whole
         finally:
             served.engine.close(cancel=True, timeout=30)
 

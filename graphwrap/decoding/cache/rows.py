@@ -77,6 +77,11 @@ class Store:
             w = self.prompt_windows[width] = _layers().PromptWindow(self, width, self.prompt_layers(width))
         return w
 
+    def whole_window(self, width: int):
+        """The cache a long prompt's forward of ``width`` positions, alone, sees: the prompt
+        window's layers, made for that forward (its width is the prompt's own)."""
+        return _layers().PromptWindow(self, width, self.prompt_layers(width))
+
     def chunk_window(self, row: int, start: int, width: int):
         """The cache one piece of a long prompt sees: it writes positions ``[start, start +
         width)`` of ``row`` and attends over ``[0, start + width)`` of it (made per piece, for

@@ -167,6 +167,7 @@ def _make(held: dict, module):
                           cfg["positions"], cfg.get("cache_memory", CACHE_MEMORY), cfg.get("paged"), engines["piece"],
                           engines.get("mixed"), compiled, cfg.get("prefix_caching", True))
     server.budget = cfg.get("prefill_budget")  # (None: pieces.BUDGET)
+    server.whole_limit = cfg.get("prefill_whole")  # (None: pieces.WHOLE)
     if cfg.get("prefix_caching") and server.sched.pool is None:  # (asked for: on by default, it says nothing)
         logger.warning("prefix caching needs the paged cache, and this batch's cache is whole rows (%s): every "
                        "prompt is computed whole", server.cache.why)

@@ -16,9 +16,13 @@ prompt alone does not queue all its pieces at once and hold the decode thread in
 With one, the host had queued two or three steps by the time the last piece ended, and each
 piece waited behind them: beside 32 decoding rows on a Llama-3-8B shape the 6,000-token prompt
 took 2.10 s against 1.32 with three, the others' gaps p99 about the same (30-34 ms).
+
+A long prompt that finds the batch empty (no row decoding, no other prompt in pieces) goes in
+one eager forward instead (:func:`prefill_whole`, up to :data:`WHOLE` positions): no row waits for it.
 """
 
 import functools
+import logging
 from typing import Optional, cast
 
 import torch
@@ -30,6 +34,8 @@ from ..kernels.attention import without_cudnn
 from . import captures
 from .scheduler import bucket_of
 
+logger = logging.getLogger("graphwrap")
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 IN_FLIGHT = 3  # pieces queued on the device at most (benchmarks/diagnostics/long_prompt_beside.py --in-flight)
 # Positions a turn's pieces may take in all, its first included (None: one piece a turn), where
 # the batch's ``decode={"prefill_budget": N}`` does not say (0 there: one piece a turn).
@@ -37,10 +43,18 @@ IN_FLIGHT = 3  # pieces queued on the device at most (benchmarks/diagnostics/lon
 # in 0.39 s with 2,048 against 0.64 with one piece a turn, the rows' time 1.03x, their longest
 # gap 80 ms (one turn of 2,048 positions) against 23 (benchmarks/scheduler.py --budget 0,2048).
 BUDGET: Optional[int] = 2048
+# Positions up to which a long prompt with nothing else in the batch (no row decoding, no other
+# prompt in pieces, none of it found cached) is prefilled in one eager forward of the model's own
+# attention, as ``model.generate`` prefills it, where the batch's ``decode={"prefill_whole": N}``
+# does not say (0 there: always in pieces). Pieces read the weights once a piece and attend
+# through the paged kernel; the one forward does neither. A request that comes meanwhile waits
+# for that forward's end (benchmarks/scheduler.py, part 3, measures both ways).
+WHOLE = 8192
 
 
 def route(server, seqs):
-    """Of sequences just admitted, those whose feed is prefilled whole now; the others go in
+    """Of sequences just admitted, those whose feed is prefilled whole now (a long prompt admitted
+    alone into an empty batch has been, by :func:`prefill_whole`); the others go in
     pieces: a feed longer than the chunk from its start, and one whose leading blocks were found
     cached from where they end (its row's length set there first: a step's write for the row,
     which the next piece writes over, then lands in a block of its own, never a shared one)."""
@@ -53,11 +67,52 @@ def route(server, seqs):
             if s.call.cached_to is not None:  # (graphwrap's server counts them: its usage's cached_tokens)
                 OUTBOX.post(s.call.box, functools.partial(s.call.cached_to, s.cached))
         elif len(s.feed) > server.chunk:
+            if len(seqs) == 1 and alone(server, s) and prefill_whole(server, s):
+                continue
             s.prefilled = 0
             server.sched.chunking.append(s)
         else:
             whole.append(s)
     return whole
+
+
+def whole_of(server) -> int:
+    """Positions up to which a long prompt alone is prefilled in one forward, the batch's or
+    :data:`WHOLE` (0: never)."""
+    return (WHOLE if server.whole_limit is None else server.whole_limit) or 0
+
+
+def alone(server, s) -> bool:
+    """Whether ``s``, a long prompt just admitted, is alone in the batch and short enough to be
+    prefilled whole (:func:`whole_of`): no other row decodes and no other prompt goes in pieces."""
+    if len(s.feed) > whole_of(server) or server.sched.chunking:
+        return False
+    return not any(h is not None and h is not s and h.needs_steps for h in server.sched.holders)
+
+
+def prefill_whole(server, s) -> bool:
+    """``s``'s feed in one eager forward into its row, then its first token; False (it goes in
+    pieces) where the device had no memory for the forward. A failure of the model's is the
+    call's own."""
+    row, feed = cast(int, s.row), s.feed
+    device = server.device
+    ids = to_device(torch.tensor([feed], dtype=torch.long), device)
+    slot = to_device(torch.tensor([row], dtype=torch.long), device)
+    try:
+        with server.fold, without_cudnn(device):
+            logits = server.whole(ids, slot, server.store.whole_window(len(feed)))
+    except _OOM:
+        logger.warning("a %d-token prompt alone had no memory for one forward: it goes in pieces", len(feed))
+        server.counts["whole_no_memory"] += 1
+        return False
+    except Exception as e:  # noqa: BLE001 - a prompt that makes the model raise fails alone
+        server.end_call(s.call, e)
+        return True
+    server.store.lengths[row:row + 1].fill_(len(feed))
+    server.store.live[row:row + 1].fill_(1)
+    server.counts["prefill_whole"] += 1
+    server.first_tokens([s], logits, to_device(torch.tensor([len(feed)], dtype=torch.long), device))
+    return True
 
 
 def oldest(server):

@@ -59,7 +59,7 @@ from .report import Turns, report
 from .sampling import Active, RowSettings, logprobs
 from .scheduler import Scheduler, Seq, buckets_upto
 from .shapes import Shapes
-from .step import CHUNK, ChunkStep, Prompts, cache_layout, layer_windows
+from .step import CHUNK, ChunkStep, Prompts, WholeStep, cache_layout, layer_windows
 from .weights import Weights
 
 logger = logging.getLogger("graphwrap")
@@ -101,6 +101,7 @@ class DecodeServer:
     """Continuous batching for one Hugging Face model (see :meth:`GraphedModule.generate`)."""
 
     budget: Optional[int] = None  # positions a turn's prompt pieces may take (decode={"prefill_budget"}; None: pieces.BUDGET)
+    whole_limit: Optional[int] = None  # a long prompt alone prefilled in one forward up to (decode={"prefill_whole"}; None: pieces.WHOLE)
 
     def __init__(self, model, step_engine, prefill_engine, rows: int, max_len: int, max_queue: int,
                  positions: Optional[int] = None, cache_memory: float = CACHE_MEMORY, paged: Optional[bool] = None,
@@ -123,6 +124,7 @@ class DecodeServer:
         # A piece and the step in one forward (steps.py): where the pool is read in place.
         self.mixed_engine = mixed_engine if piece_engine is not None and getattr(self.store, "kernel", False) else None
         self.chunker = ChunkStep(model)
+        self.whole = WholeStep(model)  # a long prompt alone, in one forward (pieces.whole)
         self.next_ids = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
         self.weights = Weights(model)
         self.prefixes_stale = False  # (set by a caller that saw the weights' values change: the cache is dropped)

@@ -120,6 +120,25 @@ class ChunkStep(ModelForward):
         return out.logits[:, -1]
 
 
+class WholeStep(ModelForward):
+    """A long prompt with nothing else in the batch, in one eager forward into its row:
+    ``[1, L]`` token ids and ``slot`` ``[1]`` (its row, on the device) -> the logits of its last
+    position ``[1, vocab]``. The model is given no mask and no positions, as for a prompt in a
+    fresh cache with every position valid: it builds its own mask, or none where its attention
+    takes ``is_causal`` (the fused kernels of ``model.generate``'s prefill), with no read of a
+    device tensor on the host (an all-ones mask would be read); the layers write each key into
+    the row (:class:`~..cache.layers.PromptLayer`, :class:`~..cache.layers.PagedPromptLayer`)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self.last = _last_logits(model)
+
+    def forward(self, input_ids: Tensor, slot: Tensor, rows) -> Tensor:
+        rows.slots[:1].copy_(slot)
+        out = self.model(input_ids=input_ids, use_cache=True, return_dict=True, **self.last, **{self.cache_name: rows})
+        return out.logits[:, -1]
+
+
 class PieceStep(ModelForward):
     """One piece of a long prompt in its row, as a graph runs it: ``[1, width]`` token ids (the
     piece, right-padded) and ``at`` ``[3]`` (its start, its valid positions, its row: on the

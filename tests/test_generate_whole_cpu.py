@@ -1,0 +1,132 @@
+"""A long prompt that finds the shared batch empty goes in one forward (graphwrap/decoding/engine/
+pieces.py, ``prefill_whole``), on a CPU, eagerly, against model.generate alone: its tokens, the
+attention calls model.generate's prefill makes, the limit, a batch that is not empty, a device
+without memory for the forward and a model that raises. Needs transformers (skipped with the
+reason without it)."""
+
+import logging
+import time
+
+import pytest
+import torch
+from test_generate_paged_cpu import _alone, _Collect, _model, _prompts, _windowed
+
+from graphwrap import GraphedModule
+from graphwrap.decoding.engine import pieces
+from graphwrap.decoding.engine import server as server_mod
+from graphwrap.decoding.engine.step import WholeStep
+
+tr = pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
+
+
+@pytest.fixture
+def chunk_8(monkeypatch):
+    """Prompts past 8 tokens are long (they go in pieces, or whole where alone)."""
+    monkeypatch.setattr(server_mod, "CHUNK", 8)
+
+
+@pytest.mark.parametrize("kind,paged", [("llama", True), ("llama", False), ("gpt2", True), ("mistral", True),
+                                        ("gemma2", True)])
+def test_a_long_prompt_alone_goes_in_one_forward_with_generates_tokens(chunk_8, kind, paged):
+    """The sliding-window models' prompts (30, 61) are longer than their window (4)."""
+    model = _model(kind) if kind in ("llama", "gpt2") else _windowed(kind)
+    gm = GraphedModule(model, decode={"paged": paged})
+    for i, n in enumerate((30, 61)):
+        prompt = _prompts([n], seed=i)[0]
+        assert torch.equal(gm.generate(torch.tensor([prompt]), max_new_tokens=12),
+                           _alone(model, prompt, max_new_tokens=12))
+    d = gm.stats()["decode"]
+    assert d["whole_prefills"] == 2 and d["prefill_pieces"] == 0, d
+    assert d["prefill_whole"] == pieces.WHOLE
+    gm.close()
+
+
+def test_its_attention_is_called_as_generates_prefill_calls_it(chunk_8, monkeypatch):
+    """No mask where ``model.generate``'s prefill has none (``is_causal``: the fused kernels), the
+    same where it has one: each call's (query positions, mask given, is_causal) alike."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        calls.append((q.shape[-2], attn_mask is None, bool(is_causal)))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+    model = _model("llama")
+    model.config._attn_implementation = "sdpa"
+    gm = GraphedModule(model)
+    prompt = _prompts([40])[0]
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    _alone(model, prompt, max_new_tokens=1)
+    eager = [c for c in calls if c[0] == 40]
+    calls.clear()
+    gm.generate(torch.tensor([prompt]), max_new_tokens=1)
+    ours = [c for c in calls if c[0] == 40]
+    assert gm.stats()["decode"]["whole_prefills"] == 1
+    assert eager and ours == eager, (ours, eager)
+    gm.close()
+
+
+def test_past_the_limit_or_with_it_off_a_long_prompt_alone_goes_in_pieces(chunk_8):
+    model = _model("llama")
+    for limit, whole in ((30, 1), (29, 0), (0, 0)):
+        gm = GraphedModule(model, decode={"prefill_whole": limit})
+        prompt = _prompts([30], seed=limit)[0]
+        assert torch.equal(gm.generate(torch.tensor([prompt]), max_new_tokens=6), _alone(model, prompt, max_new_tokens=6))
+        d = gm.stats()["decode"]
+        assert d["prefill_whole"] == limit and d["whole_prefills"] == whole, d
+        assert (d["prefill_pieces"] > 0) == (not whole), d
+        gm.close()
+
+
+def test_beside_a_decoding_row_a_long_prompt_goes_in_pieces(chunk_8):
+    model = _model("llama")
+    gm = GraphedModule(model)
+    short, seen = _prompts([5], seed=2)[0], _Collect()
+    beside = gm.submit_generate(torch.tensor([short]), max_new_tokens=100, streamer=seen)
+    deadline = time.monotonic() + 60
+    while len(seen.got) < 3:  # (its prompt, then its first tokens: it decodes)
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    prompt = _prompts([40], seed=3)[0]
+    assert torch.equal(gm.generate(torch.tensor([prompt]), max_new_tokens=6), _alone(model, prompt, max_new_tokens=6))
+    assert torch.equal(beside.result(timeout=60), _alone(model, short, max_new_tokens=100))
+    d = gm.stats()["decode"]
+    assert d["whole_prefills"] == 0 and d["prefill_pieces"] >= 5, d
+    gm.close()
+
+
+def test_without_memory_for_the_forward_the_prompt_goes_in_pieces_and_says_so(chunk_8, monkeypatch, caplog):
+    def no_memory(self, *args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test's)")
+
+    monkeypatch.setattr(WholeStep, "forward", no_memory)
+    model = _model("llama")
+    gm = GraphedModule(model)
+    prompt = _prompts([40])[0]
+    with caplog.at_level(logging.WARNING, logger="graphwrap"):
+        assert torch.equal(gm.generate(torch.tensor([prompt]), max_new_tokens=6),
+                           _alone(model, prompt, max_new_tokens=6))
+    d = gm.stats()["decode"]
+    assert d["whole_no_memory"] == 1 and d["whole_prefills"] == 0 and d["prefill_pieces"] == 5, d
+    assert "40-token prompt alone had no memory for one forward" in caplog.text
+    gm.close()
+
+
+def test_a_model_that_raises_in_the_forward_fails_that_call_alone(chunk_8, monkeypatch):
+    forward = WholeStep.forward
+
+    def fails_on_41(self, input_ids, slot, rows):
+        if input_ids.shape[1] == 41:
+            raise RuntimeError("the model failed on this prompt")
+        return forward(self, input_ids, slot, rows)
+
+    monkeypatch.setattr(WholeStep, "forward", fails_on_41)
+    model = _model("llama")
+    gm = GraphedModule(model)
+    bad, good = _prompts([41, 40])
+    with pytest.raises(RuntimeError, match="the model failed on this prompt"):
+        gm.generate(torch.tensor([bad]), max_new_tokens=6)
+    assert torch.equal(gm.generate(torch.tensor([good]), max_new_tokens=6), _alone(model, good, max_new_tokens=6))
+    d = gm.stats()["decode"]
+    assert d["failed"] == 1 and d["whole_prefills"] == 1 and d["cache_blocks"]["used"] == 0, d
+    gm.close()
