@@ -167,6 +167,7 @@ def test_a_long_prompt_alone_goes_in_one_forward_and_steps_replay_over_its_block
     one eager forward writes its keys into the pool, then its row's steps replay over them; the
     tokens are model.generate's."""
     monkeypatch.setattr(server_mod, "CHUNK", 32)
+    monkeypatch.setattr(pieces, "WHOLE_FROM", 0)  # (a small model's prompt, whole: its host time outweighs its pieces')
     if kind == "mistral":
         torch.manual_seed(0)
         cfg = tr.MistralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS, num_attention_heads=4,

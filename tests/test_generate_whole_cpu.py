@@ -25,6 +25,28 @@ def chunk_8(monkeypatch):
     monkeypatch.setattr(server_mod, "CHUNK", 8)
 
 
+def test_where_pieces_are_graphs_a_prompt_goes_whole_only_from_enough_operations():
+    """``2 x weights x positions`` against ``WHOLE_FROM``, where the pieces replay graphs (an
+    eager forward's host time); on a CPU, where pieces run eagerly too, from the chunk up."""
+    from types import SimpleNamespace
+
+    def server(graphs: bool, weights: int):
+        sched = SimpleNamespace(chunking=[], holders=[None])
+        store = pieces.PagedStore.__new__(pieces.PagedStore) if graphs else object()
+        return SimpleNamespace(whole_limit=None, sched=sched, store=store, piece_engine=object(),
+                               weights=SimpleNamespace(count=weights), device=torch.device("cuda" if graphs else "cpu"))
+
+    def seq(n):
+        return SimpleNamespace(feed=[1] * n)
+
+    eight_b = 8_000_000_000
+    assert pieces.alone(server(True, eight_b), seq(2000))  # 3.2e13
+    assert not pieces.alone(server(True, eight_b), seq(1999))
+    assert not pieces.alone(server(True, 1_100_000_000), seq(8000)), "a 1.1B model's pieces stay graphs"
+    assert pieces.alone(server(False, 1_100_000_000), seq(600))
+    assert not pieces.alone(server(True, eight_b), seq(pieces.WHOLE + 1)), "past the limit"
+
+
 @pytest.mark.parametrize("kind,paged", [("llama", True), ("llama", False), ("gpt2", True), ("mistral", True),
                                         ("gemma2", True)])
 def test_a_long_prompt_alone_goes_in_one_forward_with_generates_tokens(chunk_8, kind, paged):

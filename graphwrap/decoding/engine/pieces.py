@@ -50,6 +50,12 @@ BUDGET: Optional[int] = 2048
 # through the paged kernel; the one forward does neither. A request that comes meanwhile waits
 # for that forward's end (benchmarks/scheduler.py, part 3, measures both ways).
 WHOLE = 8192
+# ... and from where its forward is at least this many operations (2 x the model's weights x
+# positions), where the pieces are graphs: below it an eager forward's host time (about 30 ms
+# for an 8B model) outweighs what the pieces' graphs lose. On a Llama-3-8B shape (H200) a
+# 1,000-token prompt alone took 0.039 s in one forward against 0.033 in pieces; 4,000 tokens
+# 0.116 against 0.134 (benchmarks/results/h200-2026-11-30-whole/). 3.2e13 is 2,000 positions there.
+WHOLE_FROM = 3.2e13
 
 
 def route(server, seqs):
@@ -83,9 +89,11 @@ def whole_of(server) -> int:
 
 
 def alone(server, s) -> bool:
-    """Whether ``s``, a long prompt just admitted, is alone in the batch and short enough to be
-    prefilled whole (:func:`whole_of`): no other row decodes and no other prompt goes in pieces."""
-    if len(s.feed) > whole_of(server) or server.sched.chunking:
+    """Whether ``s``, a long prompt just admitted, is alone in the batch and within the bounds of
+    a whole forward (:func:`whole_of`, :data:`WHOLE_FROM`): no other row decodes and no other
+    prompt goes in pieces."""
+    n = len(s.feed)
+    if n > whole_of(server) or server.sched.chunking or (_replays(server) and 2 * server.weights.count * n < WHOLE_FROM):
         return False
     return not any(h is not None and h is not s and h.needs_steps for h in server.sched.holders)
 
@@ -170,6 +178,11 @@ def budget_of(server) -> int:
 
 def _graphs(server) -> bool:
     return server.piece_engine is not None and isinstance(server.store, PagedStore)
+
+
+def _replays(server) -> bool:
+    """Whether the pieces replay graphs (on a CPU the piece engine runs them eagerly)."""
+    return _graphs(server) and server.device.type == "cuda"
 
 
 def piece(server, s, width: int):

@@ -24,6 +24,7 @@ class Weights:
         self.seen = self._read()
         self.tensors = self.params + list(model.buffers())
         self.versions = self._versions()
+        self.count = sum(t.numel() for t in self.tensors)  # (weights a forward reads, about: pieces.WHOLE_FROM)
 
     def _versions(self):
         return [t._version for t in self.tensors]
