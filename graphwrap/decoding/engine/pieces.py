@@ -110,8 +110,10 @@ def prefill_whole(server, s) -> bool:
         with server.fold, without_cudnn(device):
             logits = server.whole(ids, slot, server.store.whole_window(len(feed)))
     except _OOM:
-        logger.warning("a %d-token prompt alone had no memory for one forward: it goes in pieces", len(feed))
         server.counts["whole_no_memory"] += 1
+        level = logging.WARNING if server.counts["whole_no_memory"] == 1 else logging.DEBUG  # (once a batch)
+        logger.log(level, "a %d-token prompt alone had no memory for one forward: it goes in pieces (logged once; "
+                   "stats()['decode']['whole_no_memory'] counts every such prompt)", len(feed))
         return False
     except Exception as e:  # noqa: BLE001 - a prompt that makes the model raise fails alone
         server.end_call(s.call, e)
