@@ -41,6 +41,7 @@ def report(server) -> dict:
         "queue_wait_ms": percentiles(server.waits), "ttft_ms": percentiles(server.ttft),
         "tpot_ms": percentiles(server.tpot), "turn_ms": dict(percentiles(server.turns.seconds), max=_max_ms(server.turns.seconds)),
         "slowest_turns": server.turns.slowest(),
+        "collector_pauses": server.gc.report(),  # (the process's, since its first batch: collector.py)
         "delivery_lag_ms": dict(percentiles(server.lag), max=_max_ms(server.lag)),
         "thread_s": {k: round(v, 3) for k, v in server.spent.items()},
     }

@@ -51,7 +51,7 @@ from ..callers.errors import Closed, QueueFull
 from ..callers.settings import CallPlan, in_vocab, out_vocab
 from ..kernels import paged_attention
 from ..kernels.attention import folding, sdpa_model, without_cudnn
-from . import captures, growth, pieces, steps
+from . import captures, collector, growth, pieces, steps
 from .captures import Captures, on_stream
 from .grammar import before_sampling, matchers
 from .inflight import Tokens
@@ -145,6 +145,7 @@ class DecodeServer:
         self.ttft: Deque[float] = collections.deque(maxlen=KEEP)
         self.tpot: Deque[float] = collections.deque(maxlen=KEEP)
         self.turns = Turns(KEEP)  # the working turns' seconds (a stall shows here)
+        self.gc = collector.clock()  # (the collector's pauses stall the turns too)
         self.lag: Deque[float] = collections.deque(maxlen=KEEP)  # a token's made-to-streamer seconds
         self.sinks = Sinks(self.lag, _weak_abort(self))  # (a bound method would make the batch a cycle)
         self.waits: Deque[float] = collections.deque(maxlen=KEEP)

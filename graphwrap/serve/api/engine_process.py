@@ -31,11 +31,12 @@ import logging
 import os
 import signal
 import threading
-import time
 import traceback
 import types
 from typing import Any, Dict, List, Optional, Set
 
+from ...decoding.engine import collector
+from ...decoding.engine.collector import GcClock
 from .engines import SUBMITTERS, Ended, error_kind, model_eos, model_vocab
 
 logger = logging.getLogger("graphwrap.serve")
@@ -83,30 +84,6 @@ class Outbox:
             self.closed = True
             self.cond.notify()
         self.thread.join(timeout)
-
-
-class GcClock:
-    """How long the collector paused this process, by generation (``gc.callbacks``)."""
-
-    def __init__(self):
-        self.began = 0.0
-        self.count = [0, 0, 0]
-        self.total = [0.0, 0.0, 0.0]
-        self.longest = [0.0, 0.0, 0.0]
-        gc.callbacks.append(self)
-
-    def __call__(self, phase: str, info: Dict[str, int]):
-        if phase == "start":
-            self.began = time.perf_counter()
-            return
-        g, took = info["generation"], time.perf_counter() - self.began
-        self.count[g] += 1
-        self.total[g] += took
-        self.longest[g] = max(self.longest[g], took)
-
-    def report(self) -> Dict[str, dict]:
-        return {f"gen{g}": {"collections": self.count[g], "total_ms": round(1e3 * self.total[g], 2),
-                            "max_ms": round(1e3 * self.longest[g], 2)} for g in range(3)}
 
 
 class _Tap:
@@ -297,7 +274,8 @@ def run(conn, args, log_level: str = "info"):
         return
     gm = served.engine.gm
     freeze_startup()
-    clock = GcClock()
+    clock = collector.clock()
+    clock.reset()  # (the pauses of serving, not of start-up's captures)
     info = {"eos": model_eos(gm.module), "generation": sampling_of(gm.module), "context": served.context,
             "vocab": model_vocab(gm.module)}
     peers: List[Worker] = []
