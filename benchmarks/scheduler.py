@@ -227,7 +227,8 @@ def main():
             s["bursts"] = part_bursts(gm, g, vocab, device, [int(x) for x in a.bursts.split(",") if x], a.repeats)
         d = gm.stats()["decode"]
         s["counts"] = {k: d.get(k) for k in ("rows", "steps", "mixed_steps", "prefill_pieces", "budget_pieces",
-                                             "whole_prefills", "eager_forwards", "in_a_larger_graph")}
+                                             "whole_prefills", "eager_forwards", "in_a_larger_graph",
+                                             "collector_pauses")}
         print(f"  stats: {s['counts']}", flush=True)
         s["slowest_turns"] = d.get("slowest_turns")  # (the decode thread's longest turns so far, by part)
         print(f"  the decode thread's slowest turns so far: {(s['slowest_turns'] or [])[:3]}", flush=True)
