@@ -189,9 +189,11 @@ def test_a_long_prompts_pieces_are_captured_beside_and_then_replayed_with_the_mo
     """Pieces of a long prompt (8 positions here) go to graphs of their (width, span) shape,
     captured over a twin whose row writes only the piece's capture blocks, then replayed over the
     cache's own table (the piece's place read from the device); tokens as model.generate's."""
+    from graphwrap.decoding.engine import pieces as pieces_mod
     from graphwrap.decoding.engine import server as server_mod
 
     monkeypatch.setattr(server_mod, "CHUNK", 8)
+    monkeypatch.setattr(pieces_mod, "WHOLE", 0)  # (these long prompts go in pieces, found alone or not)
     model = _model(kind)
     gm, server = _captured_beside(model, rows=4)
     g = torch.Generator().manual_seed(5)
@@ -499,9 +501,11 @@ def test_under_inference_mode_a_long_prompts_pieces_replay_and_give_the_models_t
     """Pieces captured ahead and beside with the caller in torch.inference_mode(), a long prompt
     beside short ones from threads: the piece twins are made outside it, the tokens are the
     model's."""
+    from graphwrap.decoding.engine import pieces as pieces_mod
     from graphwrap.decoding.engine import server as server_mod
 
     monkeypatch.setattr(server_mod, "CHUNK", 8)
+    monkeypatch.setattr(pieces_mod, "WHOLE", 0)  # (these long prompts go in pieces, found alone or not)
     model = _model("llama")
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(2, 101, (n,), generator=g).tolist() for n in (37, 3, 5)]

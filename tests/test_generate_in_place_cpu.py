@@ -13,6 +13,7 @@ from helpers import thread_results
 
 from graphwrap import GraphedModule
 from graphwrap.decoding.engine import pieces, probe
+from graphwrap.decoding.engine import pieces as pieces_mod
 from graphwrap.decoding.engine import server as server_mod
 from graphwrap.decoding.kernels import attention, paged_attention
 from graphwrap.decoding.kernels.attention import sdpa_model
@@ -28,6 +29,7 @@ def in_place(monkeypatch):
     decoding rows' step, which these tests count."""
     monkeypatch.setattr(server_mod, "reads_in_place", lambda model, device: sdpa_model(model))
     monkeypatch.setattr(server_mod, "CHUNK", 8)
+    monkeypatch.setattr(pieces_mod, "WHOLE", 0)  # (these long prompts go in pieces, found alone or not)
     monkeypatch.setattr(pieces, "BUDGET", None)
 
 

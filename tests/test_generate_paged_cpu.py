@@ -19,6 +19,7 @@ from graphwrap.decoding.cache.pool import (
     scratch_blocks,
 )
 from graphwrap.decoding.callers.settings import SeqSettings
+from graphwrap.decoding.engine import pieces as pieces_mod
 from graphwrap.decoding.engine import server as server_mod
 from graphwrap.decoding.engine.scheduler import Scheduler, Seq
 
@@ -327,6 +328,7 @@ def test_long_prompts_go_in_pieces_beside_rows_that_decode(monkeypatch, paged):
 
     monkeypatch.setattr(pieces, "WHOLE", 0)  # (a long prompt that finds the batch empty: in pieces too)
     monkeypatch.setattr(server_mod, "CHUNK", 8)
+    monkeypatch.setattr(pieces_mod, "WHOLE", 0)  # (these long prompts go in pieces, found alone or not)
     model = _model("llama")
     gm = GraphedModule(model, decode={"paged": paged})
     prompts = _prompts([30, 4, 21, 6, 8, 9])
@@ -360,6 +362,7 @@ def test_no_piece_starts_while_the_last_one_runs(monkeypatch):
     monkeypatch.setattr(pieces, "BUDGET", None)  # (one piece a turn)
     monkeypatch.setattr(pieces, "WHOLE", 0)  # (a long prompt that finds the batch empty: in pieces too)
     monkeypatch.setattr(server_mod, "CHUNK", 8)
+    monkeypatch.setattr(pieces_mod, "WHOLE", 0)  # (these long prompts go in pieces, found alone or not)
     model = _model("llama")
     gm = GraphedModule(model)
     _all_alike(gm, model, _prompts([40, 4, 5]), [6, 30, 25])
@@ -399,6 +402,7 @@ def test_pieces_on_the_device_never_pass_in_flight(monkeypatch):
     monkeypatch.setattr(pieces, "BUDGET", None)  # (one piece a turn)
     monkeypatch.setattr(pieces, "WHOLE", 0)  # (a long prompt that finds the batch empty: in pieces too)
     monkeypatch.setattr(server_mod, "CHUNK", 8)
+    monkeypatch.setattr(pieces_mod, "WHOLE", 0)  # (these long prompts go in pieces, found alone or not)
     model = _model("llama")
     gm = GraphedModule(model)
     _all_alike(gm, model, _prompts([40, 4, 5]), [6, 30, 25])
@@ -411,6 +415,7 @@ def test_a_failing_piece_fails_its_call_alone(monkeypatch, paged):
     from graphwrap.decoding.engine.step import ChunkStep, PieceStep
 
     monkeypatch.setattr(server_mod, "CHUNK", 8)
+    monkeypatch.setattr(pieces_mod, "WHOLE", 0)  # (these long prompts go in pieces, found alone or not)
     chunk, piece = ChunkStep.forward, PieceStep.forward
 
     def chunk_fails_on_start_8(self, input_ids, start, rows):
@@ -520,6 +525,7 @@ def test_each_row_writes_its_own_scratch_block_until_it_takes_blocks_and_after()
 @pytest.mark.parametrize("paged", [True, False])
 def test_sliding_windows_share_the_batch_with_generates_tokens(monkeypatch, kind, paged):
     monkeypatch.setattr(server_mod, "CHUNK", 8)  # pieces of 8 beside windows of 4
+    monkeypatch.setattr(pieces_mod, "WHOLE", 0)  # (these long prompts go in pieces, found alone or not)
     model = _windowed(kind)
     gm = GraphedModule(model, decode={"paged": paged})
     prompts = _prompts([3, 11, 6, 20, 2, 9])
@@ -610,6 +616,7 @@ def test_a_turns_piece_budget_takes_pieces_of_several_long_prompts(monkeypatch, 
     from graphwrap.decoding.engine import pieces
 
     monkeypatch.setattr(server_mod, "CHUNK", 32)  # pieces of 32
+    monkeypatch.setattr(pieces_mod, "WHOLE", 0)  # (these long prompts go in pieces, found alone or not)
     model = _model("llama", positions=512)
     system = _prompts([70], seed=11)[0]
     prompts = [system + q for q in _prompts([60, 90, 120, 150, 45, 30], seed=12)] + _prompts([5, 9], seed=13)

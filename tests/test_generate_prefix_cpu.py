@@ -284,9 +284,11 @@ def test_preempted_sequences_resume_from_cached_blocks_with_generates_tokens(mon
 
 
 def test_a_call_cancelled_mid_prefill_leaves_nothing_wrong_behind(monkeypatch):
+    from graphwrap.decoding.engine import pieces as pieces_mod
     from graphwrap.decoding.engine import server as server_mod
 
     monkeypatch.setattr(server_mod, "CHUNK", 8)  # its long prompt in pieces, a turn each
+    monkeypatch.setattr(pieces_mod, "WHOLE", 0)  # (these long prompts go in pieces, found alone or not)
     model = _model("llama")
     gm = GraphedModule(model, decode=ON)
     long = _prompts([100])[0]
@@ -355,9 +357,11 @@ def test_requests_sent_at_once_share_a_prefix_being_written_as_their_lengths_sui
     a piece a turn (its blocks cached piece by piece), the others wait for the blocks it writes
     instead of writing them again, then take them. Short ones are prefilled together, none
     waiting. Every answer is generate's."""
+    from graphwrap.decoding.engine import pieces as pieces_mod
     from graphwrap.decoding.engine import server as server_mod
 
     monkeypatch.setattr(server_mod, "CHUNK", 64)  # (300 tokens: pieces)
+    monkeypatch.setattr(pieces_mod, "WHOLE", 0)  # (these long prompts go in pieces, found alone or not)
     model = _model("llama", positions=512)
     gm = GraphedModule(model, decode=ON)
     gm.generate(torch.tensor([[3, 4]]), max_new_tokens=1, do_sample=False)  # (the batch made: its check ran)

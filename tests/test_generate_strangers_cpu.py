@@ -10,6 +10,7 @@ import torch
 from helpers import thread_results
 
 from graphwrap import GraphedModule, GraphwrapError
+from graphwrap.decoding.engine import pieces as pieces_mod
 from graphwrap.decoding.engine import server as server_mod
 from graphwrap.decoding.engine.sampling import RowSettings
 
@@ -53,6 +54,7 @@ def test_settings_at_int64_s_limit_are_served_and_end_no_other_call(monkeypatch,
     row's settings; on the long-prompt path, outside any call's error handling, the decode thread
     died and every call in flight failed. Such a value means what the largest that fits means."""
     monkeypatch.setattr(server_mod, "CHUNK", 8)
+    monkeypatch.setattr(pieces_mod, "WHOLE", 0)  # (these long prompts go in pieces, found alone or not)
     model = _model(device, eos=9)
     gm = GraphedModule(model)
     prompt = LONG if long_prompt else SHORT
@@ -75,6 +77,7 @@ def test_a_row_whose_settings_cannot_be_written_fails_alone(monkeypatch, device,
     """Settings the device's tables refuse (a temperature of 0.77 here, refused by a stand-in)
     fail that call with the error; the calls admitted in the same turn are served."""
     monkeypatch.setattr(server_mod, "CHUNK", 8)
+    monkeypatch.setattr(pieces_mod, "WHOLE", 0)  # (these long prompts go in pieces, found alone or not)
     write = RowSettings.write
 
     def refuses(self, rows, settings, *args, **kwargs):

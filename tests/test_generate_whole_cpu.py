@@ -30,8 +30,8 @@ def test_where_pieces_are_graphs_a_prompt_goes_whole_only_from_enough_operations
     eager forward's host time); on a CPU, where pieces run eagerly too, from the chunk up."""
     from types import SimpleNamespace
 
-    def server(graphs: bool, weights: int):
-        sched = SimpleNamespace(chunking=[], holders=[None])
+    def server(graphs: bool, weights: int, holders=(None,)):
+        sched = SimpleNamespace(chunking=[], holders=list(holders))
         store = pieces.PagedStore.__new__(pieces.PagedStore) if graphs else object()
         return SimpleNamespace(whole_limit=None, sched=sched, store=store, piece_engine=object(),
                                weights=SimpleNamespace(count=weights), device=torch.device("cuda" if graphs else "cpu"))
@@ -45,6 +45,25 @@ def test_where_pieces_are_graphs_a_prompt_goes_whole_only_from_enough_operations
     assert not pieces.alone(server(True, 1_100_000_000), seq(8000)), "a 1.1B model's pieces stay graphs"
     assert pieces.alone(server(False, 1_100_000_000), seq(600))
     assert not pieces.alone(server(True, eight_b), seq(pieces.WHOLE + 1)), "past the limit"
+
+
+def test_a_long_prompt_goes_whole_beside_prompts_admitted_with_it_but_not_beside_decoding_rows():
+    """The prompts admitted in the same turn decode only after its forward (theirs are prefilled
+    after it); a row that decodes already would wait for it between two tokens."""
+    from types import SimpleNamespace
+
+    long_one = SimpleNamespace(feed=[1] * 600, needs_steps=True)
+    short = SimpleNamespace(feed=[1] * 5, needs_steps=True)
+    done = SimpleNamespace(feed=[1] * 5, needs_steps=False)  # (ended, its row not yet given back)
+    sched = SimpleNamespace(chunking=[], holders=[long_one, short, done, None])
+    server = SimpleNamespace(whole_limit=None, sched=sched, store=object(), piece_engine=None,
+                             weights=SimpleNamespace(count=1), device=torch.device("cpu"))
+    assert pieces.alone(server, long_one, [long_one, short]), "the short came with it"
+    assert not pieces.alone(server, long_one, [long_one]), "the short decodes already"
+    sched.holders[1] = None
+    assert pieces.alone(server, long_one, [long_one])
+    sched.chunking.append(short)
+    assert not pieces.alone(server, long_one, [long_one]), "another prompt goes in pieces"
 
 
 @pytest.mark.parametrize("kind,paged", [("llama", True), ("llama", False), ("gpt2", True), ("mistral", True),

@@ -17,8 +17,9 @@ With one, the host had queued two or three steps by the time the last piece ende
 piece waited behind them: beside 32 decoding rows on a Llama-3-8B shape the 6,000-token prompt
 took 2.10 s against 1.32 with three, the others' gaps p99 about the same (30-34 ms).
 
-A long prompt that finds the batch empty (no row decoding, no other prompt in pieces) goes in
-one eager forward instead (:func:`prefill_whole`, up to :data:`WHOLE` positions): no row waits for it.
+A long prompt that finds no row decoding and no other prompt in pieces goes in one eager forward
+instead (:func:`prefill_whole`, up to :data:`WHOLE` positions), before the prompts admitted with
+it: no row waits for it between two tokens.
 """
 
 import functools
@@ -59,12 +60,12 @@ WHOLE_FROM = 3.2e13
 
 
 def route(server, seqs):
-    """Of sequences just admitted, those whose feed is prefilled whole now (a long prompt admitted
-    alone into an empty batch has been, by :func:`prefill_whole`); the others go in
+    """Of sequences just admitted, those whose feed is prefilled whole now (one long prompt
+    that found no row decoding has been, by :func:`prefill_whole`); the others go in
     pieces: a feed longer than the chunk from its start, and one whose leading blocks were found
     cached from where they end (its row's length set there first: a step's write for the row,
     which the next piece writes over, then lands in a block of its own, never a shared one)."""
-    whole = []
+    whole, one = [], False  # (one forward of a long prompt a turn, before the others' prompts)
     for s in seqs:
         if s.cached:
             server.store.lengths[s.row:s.row + 1].fill_(s.cached)
@@ -73,7 +74,8 @@ def route(server, seqs):
             if s.call.cached_to is not None:  # (graphwrap's server counts them: its usage's cached_tokens)
                 OUTBOX.post(s.call.box, functools.partial(s.call.cached_to, s.cached))
         elif len(s.feed) > server.chunk:
-            if len(seqs) == 1 and alone(server, s) and prefill_whole(server, s):
+            if not one and alone(server, s, seqs) and prefill_whole(server, s):
+                one = True
                 continue
             s.prefilled = 0
             server.sched.chunking.append(s)
@@ -88,14 +90,16 @@ def whole_of(server) -> int:
     return (WHOLE if server.whole_limit is None else server.whole_limit) or 0
 
 
-def alone(server, s) -> bool:
+def alone(server, s, admitted=()) -> bool:
     """Whether ``s``, a long prompt just admitted, is alone in the batch and within the bounds of
-    a whole forward (:func:`whole_of`, :data:`WHOLE_FROM`): no other row decodes and no other
-    prompt goes in pieces."""
+    a whole forward (:func:`whole_of`, :data:`WHOLE_FROM`): no row decodes (the prompts
+    ``admitted`` with it this turn do not yet: theirs are prefilled after its forward, so no row
+    waits for it between two tokens) and no other prompt goes in pieces."""
     n = len(s.feed)
     if n > whole_of(server) or server.sched.chunking or (_replays(server) and 2 * server.weights.count * n < WHOLE_FROM):
         return False
-    return not any(h is not None and h is not s and h.needs_steps for h in server.sched.holders)
+    new = {id(a) for a in admitted}
+    return not any(h is not None and h is not s and h.needs_steps and id(h) not in new for h in server.sched.holders)
 
 
 def prefill_whole(server, s) -> bool:

@@ -85,7 +85,7 @@ def _batch_options(ap: argparse.ArgumentParser):
                     help="prompt positions a turn may prefill in pieces of long prompts, beside the decoding rows' "
                          "step (default 2,048; 0: one piece a turn, the shortest gaps between other streams' tokens)")
     ap.add_argument("--prefill-whole", type=int, default=None,
-                    help="positions up to which a long prompt that finds nothing else running is prefilled in one "
+                    help="positions up to which a long prompt that finds no row decoding is prefilled in one "
                          "forward (default 8,192; 0: always in pieces, so a request that comes meanwhile never waits "
                          "for it)")
     ap.add_argument("--quantization", default=None, choices=("fp8", "int8", "int4"),
