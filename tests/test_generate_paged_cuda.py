@@ -189,6 +189,25 @@ def test_a_long_prompt_alone_goes_in_one_forward_and_steps_replay_over_its_block
     gm.close()
 
 
+def test_a_long_prompt_admitted_with_short_ones_goes_first_in_one_forward(monkeypatch):
+    """Queued together (the batch's lock held meanwhile): the long prompt's forward, then the
+    shorts' joined prompt forward, then replayed steps; every answer model.generate's."""
+    monkeypatch.setattr(server_mod, "CHUNK", 32)
+    monkeypatch.setattr(pieces, "WHOLE_FROM", 0)
+    model = _model()
+    gm = GraphedModule(model)
+    gm.generate(input_ids=torch.tensor([[5, 6, 7]], device=DEV), max_new_tokens=2, do_sample=False)
+    server = gm.__dict__["_gw_decode"]
+    g = torch.Generator().manual_seed(5)
+    reqs = [(torch.randint(2, 1000, (1, n), generator=g).to(DEV), 20) for n in (400, 5, 9, 17)]
+    with server.cond:
+        futures = [gm.submit_generate(input_ids=ids, max_new_tokens=k, do_sample=False) for ids, k in reqs]
+    _check(model, reqs, [f.result(timeout=300) for f in futures])
+    d = gm.stats()["decode"]
+    assert d["whole_prefills"] == 1 and d["prefill_pieces"] == 0, d
+    gm.close()
+
+
 @pytest.mark.parametrize("paged", [True, False])
 def test_long_prompts_in_pieces_beside_replayed_steps(monkeypatch, paged):
     monkeypatch.setattr(pieces, "WHOLE", 0)  # (a long prompt that finds the batch empty: in pieces too)

@@ -171,3 +171,21 @@ def test_a_model_that_raises_in_the_forward_fails_that_call_alone(chunk_8, monke
     d = gm.stats()["decode"]
     assert d["failed"] == 1 and d["whole_prefills"] == 1 and d["cache_blocks"]["used"] == 0, d
     gm.close()
+
+
+def test_admitted_with_short_prompts_it_goes_first_in_one_forward(chunk_8):
+    """A long prompt and short ones queued together (the batch's lock held meanwhile, so one turn
+    admits them all): the long one in one forward, the shorts' prompts after it, every answer
+    model.generate's."""
+    model = _model("llama")
+    gm = GraphedModule(model)
+    gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)  # (the batch made, its thread idle)
+    server = gm.__dict__["_gw_decode"]
+    prompts = _prompts([40, 5, 6, 7], seed=4)
+    with server.cond:
+        futures = [gm.submit_generate(torch.tensor([p]), max_new_tokens=8) for p in prompts]
+    for p, f in zip(prompts, futures):
+        assert torch.equal(f.result(timeout=60), _alone(model, p, max_new_tokens=8))
+    d = gm.stats()["decode"]
+    assert d["whole_prefills"] == 1 and d["prefill_pieces"] == 0, d
+    gm.close()
