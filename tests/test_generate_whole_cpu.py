@@ -189,3 +189,38 @@ def test_admitted_with_short_prompts_it_goes_first_in_one_forward(chunk_8):
     d = gm.stats()["decode"]
     assert d["whole_prefills"] == 1 and d["prefill_pieces"] == 0, d
     gm.close()
+
+
+def test_a_whole_prompts_streamer_that_raises_a_cancel_and_a_bad_request_each_end_alone(chunk_8):
+    """Under ``inference_mode``, queued together: a long prompt (one forward) whose streamer raises
+    on its first token, a long one cancelled while queued, a short one beside them, and a request
+    with a token id past the vocabulary (refused at once); the short gets model.generate's
+    tokens, the others end each with its own reason, and every block comes back."""
+    from test_generate_alone_cpu import Collect
+
+    from graphwrap import GraphwrapError
+
+    model = _model("llama")
+    gm = GraphedModule(model)
+    gm.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+    server = gm.__dict__["_gw_decode"]
+    long_one, other, short = _prompts([40, 41, 5], seed=6)
+    loud = Collect(raise_at=1, error=ValueError("the streamer's own error"))
+    with torch.inference_mode():
+        with server.cond:
+            failing = gm.submit_generate(torch.tensor([long_one]), max_new_tokens=8, streamer=loud)
+            cancelled = gm.submit_generate(torch.tensor([other]), max_new_tokens=8)
+            fine = gm.submit_generate(torch.tensor([short]), max_new_tokens=8)
+            assert cancelled.cancel()
+        with pytest.raises(GraphwrapError, match="vocabulary|token id"):
+            gm.generate(torch.tensor([[5, 6, 5000]]), max_new_tokens=4)
+        with pytest.raises(ValueError, match="the streamer's own error"):
+            failing.result(timeout=60)
+        assert torch.equal(fine.result(timeout=60), _alone(model, short, max_new_tokens=8))
+    assert cancelled.cancelled()
+    deadline = time.monotonic() + 30
+    while gm.stats()["decode"]["cache_blocks"]["used"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    d = gm.stats()["decode"]
+    assert d["whole_prefills"] == 1 and d["cache_blocks"]["used"] == 0, d
+    gm.close()
