@@ -119,7 +119,16 @@ def test_past_the_limit_or_with_it_off_a_long_prompt_alone_goes_in_pieces(chunk_
         gm.close()
 
 
-def test_beside_a_decoding_row_a_long_prompt_goes_in_pieces(chunk_8):
+def test_beside_a_decoding_row_a_long_prompt_goes_in_pieces(chunk_8, monkeypatch):
+    from graphwrap.decoding.engine.step import DecodeStep
+
+    step = DecodeStep.forward
+
+    def slow_step(self, *args, **kwargs):  # (the short row still decodes when the long prompt comes)
+        time.sleep(0.005)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeStep, "forward", slow_step)
     model = _model("llama")
     gm = GraphedModule(model)
     short, seen = _prompts([5], seed=2)[0], _Collect()
