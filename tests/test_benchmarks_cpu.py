@@ -30,16 +30,16 @@ def test_quick_suite_runs_on_cpu(tmp_path):
 def test_the_scheduler_benchmark_runs_every_part_on_a_cpu(tmp_path):
     """benchmarks/scheduler.py on a Llama of a few layers: the short requests alone and beside a
     long prompt (the first and a later one), prompts alone against eager, a burst, for each
-    budget asked; its figures written."""
+    budget asked (long prompts in pieces: ``--whole 0``); its figures written."""
     pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
     out = tmp_path / "s.json"
     r = subprocess.run([sys.executable, os.path.join("benchmarks", "scheduler.py"), "--model", "tiny", "--device",
                         "cpu", "--long", "600", "--alone", "100,600", "--bursts", "8", "--repeats", "1", "--budget",
-                        "0,1024", "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                        "0,1024", "--whole", "0", "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["shorts_alone"]["s"] > 0 and [s["budget"] for s in data["settings"]] == [0, 1024]
+    assert data["shorts_alone"]["s"] > 0 and [(s["budget"], s["whole"]) for s in data["settings"]] == [(0, 0), (1024, 0)]
     for s in data["settings"]:
         assert len(s["beside"]) == 2 and all(b["long_ttft_s"] <= b["shorts_s"] + 60 and b["long_ttft_s"] > 0
                                              for b in s["beside"])

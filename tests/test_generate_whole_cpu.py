@@ -134,7 +134,7 @@ def test_beside_a_decoding_row_a_long_prompt_goes_in_pieces(chunk_8, monkeypatch
     short, seen = _prompts([5], seed=2)[0], _Collect()
     beside = gm.submit_generate(torch.tensor([short]), max_new_tokens=100, streamer=seen)
     deadline = time.monotonic() + 60
-    while len(seen.got) < 3:  # (its prompt, then its first tokens: it decodes)
+    while len(seen.got) < len(short) + 2:  # (its prompt's ids, then its first tokens: it decodes)
         assert time.monotonic() < deadline
         time.sleep(0.002)
     prompt = _prompts([40], seed=3)[0]

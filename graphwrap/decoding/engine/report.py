@@ -4,7 +4,7 @@ import collections
 import heapq
 from typing import List, Tuple
 
-from . import pieces
+from . import collector, pieces
 
 SLOWEST = 5  # turns kept whole, with their parts
 
@@ -41,7 +41,7 @@ def report(server) -> dict:
         "queue_wait_ms": percentiles(server.waits), "ttft_ms": percentiles(server.ttft),
         "tpot_ms": percentiles(server.tpot), "turn_ms": dict(percentiles(server.turns.seconds), max=_max_ms(server.turns.seconds)),
         "slowest_turns": server.turns.slowest(),
-        "collector_pauses": server.gc.report(),  # (the process's, since its first batch: collector.py)
+        "collector_pauses": collector.clock().report(),  # (the process's, since its first batch)
         "delivery_lag_ms": dict(percentiles(server.lag), max=_max_ms(server.lag)),
         "thread_s": {k: round(v, 3) for k, v in server.spent.items()},
     }

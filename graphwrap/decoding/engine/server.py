@@ -51,7 +51,7 @@ from ..callers.errors import Closed, QueueFull
 from ..callers.settings import CallPlan, in_vocab, out_vocab
 from ..kernels import paged_attention
 from ..kernels.attention import folding, sdpa_model, without_cudnn
-from . import captures, collector, growth, pieces, steps
+from . import captures, growth, pieces, steps
 from .captures import Captures, on_stream
 from .grammar import before_sampling, matchers
 from .inflight import Tokens
@@ -123,8 +123,7 @@ class DecodeServer:
         self.prompts = Prompts(rows, min(max_len, self.chunk), self.store.scratch)
         # A piece and the step in one forward (steps.py): where the pool is read in place.
         self.mixed_engine = mixed_engine if piece_engine is not None and getattr(self.store, "kernel", False) else None
-        self.chunker = ChunkStep(model)
-        self.whole = WholeStep(model)  # a long prompt alone, in one forward (pieces.whole)
+        self.chunker, self.whole = ChunkStep(model), WholeStep(model)  # (a long prompt's piece; one in one forward)
         self.next_ids = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
         self.weights = Weights(model)
         self.prefixes_stale = False  # (set by a caller that saw the weights' values change: the cache is dropped)
@@ -144,8 +143,7 @@ class DecodeServer:
         self.spent: DefaultDict[str, float] = collections.defaultdict(float)  # seconds of the thread's turns, by part
         self.ttft: Deque[float] = collections.deque(maxlen=KEEP)
         self.tpot: Deque[float] = collections.deque(maxlen=KEEP)
-        self.turns = Turns(KEEP)  # the working turns' seconds (a stall shows here)
-        self.gc = collector.clock()  # (the collector's pauses stall the turns too)
+        self.turns = Turns(KEEP)  # the working turns' seconds (a stall shows here; the collector's pauses too)
         self.lag: Deque[float] = collections.deque(maxlen=KEEP)  # a token's made-to-streamer seconds
         self.sinks = Sinks(self.lag, _weak_abort(self))  # (a bound method would make the batch a cycle)
         self.waits: Deque[float] = collections.deque(maxlen=KEEP)
