@@ -44,8 +44,8 @@ IN_FLIGHT = 3  # pieces queued on the device at most (benchmarks/diagnostics/lon
 # in 0.39 s with 2,048 against 0.64 with one piece a turn, the rows' time 1.03x, their longest
 # gap 80 ms (one turn of 2,048 positions) against 23 (benchmarks/scheduler.py --budget 0,2048).
 BUDGET: Optional[int] = 2048
-# Positions up to which a long prompt with nothing else in the batch (no row decoding, no other
-# prompt in pieces, none of it found cached) is prefilled in one eager forward of the model's own
+# Positions up to which a long prompt that finds no row decoding (no other prompt in pieces, none
+# of it found cached) is prefilled in one eager forward of the model's own
 # attention, as ``model.generate`` prefills it, where the batch's ``decode={"prefill_whole": N}``
 # does not say (0 there: always in pieces). Pieces read the weights once a piece and attend
 # through the paged kernel; the one forward does neither. A request that comes meanwhile waits
@@ -85,13 +85,13 @@ def route(server, seqs):
 
 
 def whole_of(server) -> int:
-    """Positions up to which a long prompt alone is prefilled in one forward, the batch's or
+    """Positions up to which a long prompt that finds no row decoding is prefilled in one forward, the batch's or
     :data:`WHOLE` (0: never)."""
     return (WHOLE if server.whole_limit is None else server.whole_limit) or 0
 
 
 def alone(server, s, admitted=()) -> bool:
-    """Whether ``s``, a long prompt just admitted, is alone in the batch and within the bounds of
+    """Whether ``s``, a long prompt just admitted, finds no row decoding and is within the bounds of
     a whole forward (:func:`whole_of`, :data:`WHOLE_FROM`): no row decodes (the prompts
     ``admitted`` with it this turn do not yet: theirs are prefilled after its forward, so no row
     waits for it between two tokens) and no other prompt goes in pieces."""
@@ -124,7 +124,7 @@ def prefill_whole(server, s) -> bool:
         return True
     server.store.lengths[row:row + 1].fill_(len(feed))
     server.store.live[row:row + 1].fill_(1)
-    server.counts["prefill_whole"] += 1
+    server.counts["whole_prefills"] += 1
     server.first_tokens([s], logits, to_device(torch.tensor([len(feed)], dtype=torch.long), device))
     return True
 

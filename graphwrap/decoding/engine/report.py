@@ -33,7 +33,7 @@ def report(server) -> dict:
         "prefills": c["prefills"], "rows_per_prefill": c["prefill_rows"] / c["prefills"] if c["prefills"] else 0.0,
         "prefill_pieces": c["prefill_pieces"], "piece_turns_skipped": c["piece_turns_skipped"],
         "prefill_budget": pieces.budget_of(server), "budget_pieces": c["budget_pieces"],
-        "prefill_whole": pieces.whole_of(server), "whole_prefills": c["prefill_whole"],
+        "prefill_whole": pieces.whole_of(server), "whole_prefills": c["whole_prefills"],
         "whole_no_memory": c["whole_no_memory"],
         "mixed_steps": c["mixed_steps"], "mixed_failed": c["mixed_failed"],  # (a piece inside a step: steps.py)
         "mixed": server.mixed_engine.stats() if server.mixed_engine is not None else None,
