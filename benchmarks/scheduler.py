@@ -23,7 +23,7 @@ would be served from the cache.
 
 ``--log`` prints graphwrap's log (each capture beside the decode thread, with its time). ``--budget 0,2048`` runs parts 2 to 4 under each value of
 ``graphwrap.decoding.engine.pieces.BUDGET`` in turn (0: off; by default its own value), in this one process; ``--prefill-beside`` likewise sets
-``graphwrap.decoding.engine.server.PREFILL_BESIDE``, and ``--whole 8192,0`` ``pieces.WHOLE`` (a long prompt that finds the batch empty
+``graphwrap.decoding.engine.schedule.PREFILL_BESIDE``, and ``--whole 8192,0`` ``pieces.WHOLE`` (a long prompt that finds the batch empty
 in one forward, or in pieces). ``--json PATH`` writes every figure.
 
 ``python3 benchmarks/scheduler.py [--model llama3-8b] [--repeats 3]`` from the repository root, on a GPU.
@@ -43,7 +43,7 @@ from generate_large import SHAPES, big_model  # noqa: E402
 
 from graphwrap import GraphedModule  # noqa: E402
 from graphwrap.decoding.engine import pieces  # noqa: E402
-from graphwrap.decoding.engine import server as server_mod
+from graphwrap.decoding.engine import schedule as schedule_mod  # noqa: E402
 
 SHORT_IN, SHORT_NEW, SHORTS = 32, 64, 32
 # a Llama of a few layers, for a run of every part on a CPU (the test of this script)
@@ -214,9 +214,9 @@ def main():
     turns = [(b, p, w) for b in a.budget.split(",") for p in a.prefill_beside.split(",") for w in a.whole.split(",")]
     for budget, beside, whole in ((int(b), int(p), int(w)) for b, p, w in turns):
         pieces.BUDGET = budget or None
-        server_mod.PREFILL_BESIDE = beside or None
+        schedule_mod.PREFILL_BESIDE = beside or None
         pieces.WHOLE = whole
-        print(f"pieces.BUDGET {pieces.BUDGET}, PREFILL_BESIDE {server_mod.PREFILL_BESIDE}, WHOLE {whole}:", flush=True)
+        print(f"pieces.BUDGET {pieces.BUDGET}, PREFILL_BESIDE {schedule_mod.PREFILL_BESIDE}, WHOLE {whole}:", flush=True)
         s: Dict = {"budget": budget, "prefill_beside": beside, "whole": whole}
         if "beside" not in skip:
             s["beside"] = part_beside(out, gm, g, vocab, device, alone_s, a.repeats, a.long)

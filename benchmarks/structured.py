@@ -169,16 +169,16 @@ class HostClock:
     grammar's host work (RowMasks.fill), applying the masks (RowMasks.apply: launches only), the
     forward (captures.forward: a graph's replay launched), the sampler (RowSettings.next_tokens:
     launches), queueing the tokens' copy (Tokens.queue), and handing out each token read
-    (DecodeServer._token, per token)."""
+    (outputs.token, per token)."""
 
     def __init__(self):
-        from graphwrap.decoding.engine import captures, server
+        from graphwrap.decoding.engine import captures, outputs
         from graphwrap.decoding.engine.grammar import RowMasks
         from graphwrap.decoding.engine.inflight import Tokens
         from graphwrap.decoding.engine.sampling import RowSettings
 
         places = {"fill": RowMasks, "apply": RowMasks, "next_tokens": RowSettings, "queue": Tokens,
-                  "_token": server.DecodeServer, "forward": captures}
+                  "token": outputs, "forward": captures}
         self.spent = dict.fromkeys(places, 0.0)
         self.calls = dict.fromkeys(places, 0)
         for name, owner in places.items():

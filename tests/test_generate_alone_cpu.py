@@ -164,20 +164,20 @@ def test_a_slow_streamer_holds_up_only_its_own_call():
 
 
 def test_the_decode_thread_failing_ends_every_call_and_wakes_callers_waiting_for_room(monkeypatch):
-    from graphwrap.decoding.engine.server import DecodeServer
+    from graphwrap.decoding.engine import steps
 
     model = _model()
     gm = GraphedModule(model, decode={"rows": 1, "max_queue": 1})
     gm.generate(torch.tensor([[5, 6]]), max_new_tokens=2, do_sample=False)
     server = gm.__dict__["_gw_decode"]
     gate = threading.Event()
-    step = DecodeServer._step
+    step = steps.step
 
-    def failing(self, live):
+    def failing(server, live):
         gate.wait(10)
         raise Boom("a CUDA error at an event wait, say")
 
-    monkeypatch.setattr(DecodeServer, "_step", failing)
+    monkeypatch.setattr(steps, "step", failing)
     results = []
 
     def call(i):
@@ -195,7 +195,7 @@ def test_the_decode_thread_failing_ends_every_call_and_wakes_callers_waiting_for
         t.join(30)
     assert not any(t.is_alive() for t in threads), "a caller waiting for room was never woken"
     assert server.broken is not None and any(isinstance(r, Boom) for r in results)
-    monkeypatch.setattr(DecodeServer, "_step", step)
+    monkeypatch.setattr(steps, "step", step)
     # The next call gets a new batch.
     assert torch.equal(gm.generate(torch.tensor([[5, 6]]), max_new_tokens=4, do_sample=False),
                        _alone(model, [5, 6], max_new_tokens=4))

@@ -12,9 +12,12 @@ import torch
 from helpers import thread_results
 
 from graphwrap import GraphedModule
+from graphwrap.decoding.engine import outputs as outputs_mod
 from graphwrap.decoding.engine import pieces, probe
 from graphwrap.decoding.engine import pieces as pieces_mod
+from graphwrap.decoding.engine import schedule as schedule_mod
 from graphwrap.decoding.engine import server as server_mod
+from graphwrap.decoding.engine import steps as steps_mod
 from graphwrap.decoding.kernels import attention, paged_attention
 from graphwrap.decoding.kernels.attention import sdpa_model
 
@@ -286,9 +289,9 @@ def test_rows_preempted_beside_mixed_steps_are_recomputed_with_generates_tokens(
     gm.generate(torch.tensor([[5, 6]]), max_new_tokens=1)
     d = gm.stats()["decode"]
     assert d["cache_blocks"]["free"] == usable, d["cache_blocks"]
-    server, admitted = gm.__dict__["_gw_decode"], server_mod._admitted
+    server, admitted = gm.__dict__["_gw_decode"], schedule_mod.admitted
     calls = server.counts["calls"] + 4
-    monkeypatch.setattr(server_mod, "_admitted", lambda server: admitted(server) if server.counts["calls"] >= calls else [])
+    monkeypatch.setattr(schedule_mod, "admitted", lambda server: admitted(server) if server.counts["calls"] >= calls else [])
     _beside(gm, model, _prompts([5, 7, 4]), _prompts([30], seed=5), news=55, long_news=30,
             ready=lambda: len(server.sched.queue) == 3)
     d = gm.stats()["decode"]
@@ -304,12 +307,12 @@ def test_a_turn_with_a_mixed_step_leaves_its_tokens_in_flight_as_a_step_does(in_
     gm = GraphedModule(model)
     gm.generate(torch.tensor([[5, 6]]), max_new_tokens=1)
     seen = []
-    together, read = server_mod.steps.together, server_mod.DecodeServer.read
-    monkeypatch.setattr(server_mod.steps, "together", lambda server: seen.append(together(server)) or seen[-1])
-    monkeypatch.setattr(server_mod.DecodeServer, "read", lambda self, keep: seen.append(("keep", keep)) or read(self, keep))
+    together, read = steps_mod.together, outputs_mod.read
+    monkeypatch.setattr(steps_mod, "together", lambda server: seen.append(together(server)) or seen[-1])
+    monkeypatch.setattr(outputs_mod, "read", lambda server, keep: seen.append(("keep", keep)) or read(server, keep))
     _beside(gm, model, _prompts([3, 6]), _prompts([30], seed=2))
     after = [seen[i + 1] for i, x in enumerate(seen[:-1]) if x is True]
-    assert after and all(k == ("keep", server_mod.AHEAD) for k in after), after
+    assert after and all(k == ("keep", outputs_mod.AHEAD) for k in after), after
     gm.close()
 
 

@@ -425,9 +425,9 @@ def test_the_scheduler_admits_prompts_within_a_budget_of_tokens_and_always_one()
 
 
 def test_prompts_arriving_beside_decoding_rows_join_a_turn_at_a_time_within_the_budget(monkeypatch):
-    from graphwrap.decoding.engine import server as server_mod
+    from graphwrap.decoding.engine import schedule as schedule_mod
 
-    monkeypatch.setattr(server_mod, "PREFILL_BESIDE", 8)  # one prompt of 6 a turn while a row decodes
+    monkeypatch.setattr(schedule_mod, "PREFILL_BESIDE", 8)  # one prompt of 6 a turn while a row decodes
     model = _model("llama")
     gm = GraphedModule(model)
     gm.generate(torch.tensor([[4, 5]]), max_new_tokens=1)  # (the batch made)

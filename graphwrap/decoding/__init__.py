@@ -3,9 +3,10 @@
 - :mod:`.callers`: ``gm.generate``'s way in (``front``), what a call asks for (``settings``),
   a call's record and ending (``calls``), delivery off the decode thread (``delivery``), and the
   turns of calls the batch does not serve (``turns``).
-- :mod:`.engine`: the decode thread (``server``: admit, step, read, retire), the rows and the
-  queue (``scheduler``, plain Python), the forwards over the cache (``step``, ``steps``,
-  ``pieces``), sampling and grammars (``sampling``, ``grammar``), the tokens in flight
+- :mod:`.engine`: the batch and its decode thread (``server``), the thread's turn (``loop``:
+  ``schedule``, the run, ``outputs``), each sequence's record, the rows and the queue
+  (``scheduler``, plain Python), the forwards over the cache (``step``, ``prefill``,
+  ``first_token``, ``steps``, ``pieces``), sampling and grammars (``sampling``, ``grammar``), the tokens in flight
   (``inflight``), the shapes and their captures (``shapes``, ``captures``), the pool's growth
   and preemption (``growth``), the probe (``probe``), the weights watched (``weights``) and
   ``stats()`` (``report``).

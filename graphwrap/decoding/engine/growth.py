@@ -13,6 +13,7 @@ from typing import List, cast
 
 from ..cache.pages import PagedStore
 from ..cache.pool import Blocks
+from . import outputs
 from .scheduler import Seq
 
 logger = logging.getLogger("graphwrap")
@@ -42,8 +43,8 @@ def make_room(server, live: List[Seq]) -> List[Seq]:
                 continue
             elif not drained:  # every token in flight read: sequences done give their blocks back
                 drained = True
-                server.read(keep=0)
-                server.retire()
+                outputs.read(server, keep=0)
+                outputs.retire(server)
             else:
                 preempt(server, cast(Seq, sched.newest()))
     if rows:
@@ -55,7 +56,7 @@ def preempt(server, s: Seq):
     """``s`` (every token it launched read) gives back its row and blocks, to be recomputed once
     admitted again."""
     row = server.sched.preempt(s)
-    server.release([row])
+    outputs.release(server, [row])
     server.counts["preempted"] += 1
     logger.info("decode cache full: a sequence (%d tokens made of %d) gave back its row and blocks, to be "
                 "recomputed when blocks are free (%d preemptions so far)", len(s.tokens), s.settings.max_new,

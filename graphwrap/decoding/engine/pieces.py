@@ -33,11 +33,12 @@ from ..cache.rows import to_device
 from ..callers.delivery import OUTBOX
 from ..kernels.attention import without_cudnn
 from . import captures
+from .first_token import first_tokens
 from .scheduler import bucket_of
 
 logger = logging.getLogger("graphwrap")
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-IN_FLIGHT = 3  # pieces queued on the device at most (benchmarks/diagnostics/long_prompt_beside.py --in-flight)
+IN_FLIGHT = 3  # pieces queued on the device at most (benchmarks/results/h200-2026-11-27-pieces/, call 7)
 # Positions a turn's pieces may take in all, its first included (None: one piece a turn), where
 # the batch's ``decode={"prefill_budget": N}`` does not say (0 there: one piece a turn).
 # Beside 32 decoding rows on a Llama-3-8B shape (H200), a 7,900-token prompt's first token came
@@ -125,7 +126,7 @@ def prefill_whole(server, s) -> bool:
     server.store.lengths[row:row + 1].fill_(len(feed))
     server.store.live[row:row + 1].fill_(1)
     server.counts["whole_prefills"] += 1
-    server.first_tokens([s], logits, to_device(torch.tensor([len(feed)], dtype=torch.long), device))
+    first_tokens(server, [s], logits, to_device(torch.tensor([len(feed)], dtype=torch.long), device))
     return True
 
 
@@ -229,7 +230,7 @@ def ran(server, s, end: int, logits: torch.Tensor):
     server.sched.chunking.remove(s)
     s.prefilled = None
     server.store.live[row:row + 1].fill_(1)
-    server.first_tokens([s], logits, to_device(torch.tensor([end], dtype=torch.long), server.device))
+    first_tokens(server, [s], logits, to_device(torch.tensor([end], dtype=torch.long), server.device))
 
 
 def _ended(server) -> Optional[torch.cuda.Event]:

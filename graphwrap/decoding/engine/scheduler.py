@@ -33,7 +33,21 @@ GRANT = 8  # blocks a growing row takes at once where the pool has room (one tab
 
 @dataclass(eq=False)
 class Seq:
-    """One sequence of a call: its prompt, settings, tokens made so far and where it is."""
+    """One sequence's record, from its call's arrival to its end: what it asks, where it stands,
+    and what it made. Each group of fields has one writer:
+
+    - the request, set when its call is prepared: ``call`` (the future, the mailbox and sink its
+      tokens and end go through), ``index``, ``prompt``, ``settings``, ``seed``, ``matcher`` (its
+      grammar's state, moved on by each token read), ``submitted``;
+    - its place, the scheduler's (:class:`Scheduler`): ``row``, ``blocks``, ``resume``, ``order``,
+      ``preempted``, ``cached``, ``writes``, ``epoch``, and ``prefilled`` with the pieces' run;
+    - what the device has queued, told to the scheduler by the turn's run (``launched``,
+      ``advanced``, ``written``): ``length``, ``wrote``, ``launched``;
+    - its output, the turn's processing (:mod:`.outputs`): ``tokens``, ``done`` (also set where its
+      call ends early), ``first_at``, ``last_at``.
+
+    It takes its row once per admission and lets go of it once (:meth:`Scheduler.release`),
+    whether it ends, is cancelled, fails or is preempted."""
 
     call: Any  # the server's Call (this module knows no tensors and no futures)
     index: int  # its row in the call's input_ids
@@ -109,6 +123,7 @@ class Scheduler:
         self.chunking: Deque[Seq] = deque()  # admitted long prompts, prefilled a piece a turn, oldest first
         self.writing: Counter[int] = collections.Counter()  # chained hashes of full blocks admitted feeds write
         self.admitted = 0  # admissions so far (each sequence's ``order``)
+        self.released = 0  # rows given back so far (retired or preempted): ``admitted`` once none is held
         self.epoch = 0  # prefix caches dropped so far (drop_prefixes)
 
     def enqueue(self, seqs: Sequence[Seq]):
@@ -262,14 +277,7 @@ class Scheduler:
         """``s`` gives back its row and blocks and waits at the head of the queue, to prefill its
         prompt and the tokens it made so far when admitted again; its row (for the caller to
         release on the device). Every token it launched must have been read."""
-        row = cast(int, s.row)
-        self.holders[row] = None
-        heapq.heappush(self.free, row)
-        if self.pool is not None:
-            self._keep(s)
-            self.pool.give(s.blocks)
-        self._unwrite(s)
-        s.blocks, s.row = [], None
+        row = self.release(s)
         if s in self.chunking:
             self.chunking.remove(s)
         s.prefilled = None
@@ -305,19 +313,25 @@ class Scheduler:
     def retire(self) -> List[int]:
         """Rows whose sequences want no further step: given back (the caller releases them on
         the device before the next step)."""
-        out = []
-        for r, s in enumerate(self.holders):
-            if s is not None and not s.needs_steps:
-                self.holders[r] = None
-                s.row = None
-                if self.pool is not None:
-                    self._keep(s)
-                    self.pool.give(s.blocks)
-                    s.blocks = []
-                    self._unwrite(s)
-                heapq.heappush(self.free, r)
-                out.append(r)
-        return out
+        return [self.release(s) for s in self.holders if s is not None and not s.needs_steps]
+
+    def release(self, s: Seq) -> int:
+        """The one way a sequence lets go of its row and blocks (retired or preempted): the row
+        is free again, its full blocks written are cached (:meth:`_keep`), the others go back to
+        the pool; its row (for the caller to release on the device). Once per admission: a
+        sequence that holds no row is a bug of the caller's."""
+        row = s.row
+        if row is None or self.holders[row] is not s:
+            raise AssertionError(f"a sequence released twice, or never admitted (row {row})")
+        self.holders[row] = None
+        heapq.heappush(self.free, row)
+        if self.pool is not None:
+            self._keep(s)
+            self.pool.give(s.blocks)
+        self._unwrite(s)
+        s.blocks, s.row = [], None
+        self.released += 1
+        return row
 
     def drop_queued(self, pred) -> List[Seq]:
         """Take queued sequences for which ``pred`` holds out of the queue."""

@@ -1,26 +1,25 @@
-"""The thread that serves every ``generate`` call of a model from one shared decode batch.
+"""The shared decode batch of one model: its callers' side and the thread that serves them.
 
-Calls queue their sequences (:meth:`DecodeServer.prepare`, then :meth:`DecodeServer.enqueue`); the thread admits
-queued sequences into free rows, with the blocks of the cache they need where it is paged (one
-joined prompt forward; a long prompt a piece a turn), gives each growing row its next block (a
-CPU's pool grows; where none is free, the sequence admitted last is preempted and recomputed
-later, see :mod:`.scheduler`), runs one decode step over every live row,
-and hands each call its tokens when its last sequence ends. The cache is made by
-:func:`make_cache` (its size and layout: :mod:`.pool`). Steps are queued ahead:
-the tokens of a step are read on the host (through pinned memory and an event) after the next
-step has been launched, so the GPU never waits for the host's bookkeeping. A sequence found
-finished (an end-of-sequence token) has its row given back one step late; the token the extra
-step made for it is dropped.
+Calls queue their sequences (:meth:`DecodeServer.prepare`, then :meth:`DecodeServer.enqueue`); the
+decode thread turns (:mod:`.loop`): it schedules (queued sequences take free rows and the blocks
+of the cache they need where it is paged, :mod:`.schedule`), runs (the admitted prompts'
+forwards, a long prompt's piece, one step over every live row, each given its next block first:
+where none is free the sequence admitted last is preempted and recomputed later, see
+:mod:`.scheduler`) and processes outputs (:mod:`.outputs`). The cache is made by
+:func:`make_cache` (its size and layout: :mod:`.pool`). Steps are queued ahead: the tokens of a
+step are read on the host (through pinned memory and an event) after the next step has been
+launched, so the GPU never waits for the host's bookkeeping. A sequence found finished (an
+end-of-sequence token) has its row given back one step late; the token the extra step made for
+it is dropped.
 
-A call ends in one place (:meth:`DecodeServer.end_call`, on the decode thread): its sequences
-are marked done (their rows are given back, settings and all, at the next retire) and its
-streamer's end and its result are handed to it by a delivery worker (:mod:`.delivery`): no
-caller's code runs on the decode thread. A cancel, a streamer that raises and a closed batch
-reach the decode thread as calls to end (``self.cancelled``), under the lock.
-
-The decode thread's parts in other modules (:mod:`.steps`, :mod:`.pieces`, :mod:`.growth`,
-:mod:`.grammar`) act on the batch through :meth:`DecodeServer.end_call`, ``read``, ``retire``,
-``release`` and ``first_tokens``; the methods named with an underscore are the thread's own.
+Each sequence's record is its :class:`~.scheduler.Seq` (ids, settings, row, blocks, tokens, where
+it stands), pointing to its call's (:class:`~..callers.calls.Call`: the future, the mailbox and
+sink its tokens and end are delivered through). A call ends in one place
+(:meth:`DecodeServer.end_call`, on the decode thread): its sequences are marked done (their rows
+are given back, settings and all, at the next retire) and its streamer's end and its result are
+handed to it by a delivery worker (:mod:`.delivery`): no caller's code runs on the decode thread.
+A cancel, a streamer that raises and a closed batch reach the decode thread as calls to end
+(``self.cancelled``), under the lock.
 
 Lock rules: ``self.lock`` (``self.cond``) guards the scheduler's queue and rows, ``cancelled``,
 ``closed``, ``stopping`` and ``thread``; the decode thread takes it only to admit and retire,
@@ -35,7 +34,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
-from typing import Counter, DefaultDict, Deque, Dict, List, Optional, Tuple, cast
+from typing import Counter, DefaultDict, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -44,29 +43,25 @@ from ...core.engine import Engine
 from ...errors import GraphwrapError
 from ..cache.pages import PagedStore
 from ..cache.pool import CACHE_MEMORY, PIECE, PIECE_ALONE, Blocks, Prefixes, plan_cache
-from ..cache.rows import RowStore, to_device
-from ..callers.calls import Call, Logprobs, Sinks, check_call, finish, put_token
+from ..cache.rows import RowStore
+from ..callers.calls import Call, Sinks, check_call, finish
 from ..callers.delivery import OUTBOX, Mailbox, on_worker
 from ..callers.errors import Closed, QueueFull
 from ..callers.settings import CallPlan, in_vocab, out_vocab
 from ..kernels import paged_attention
 from ..kernels.attention import folding, sdpa_model, without_cudnn
-from . import captures, growth, pieces, steps
+from . import captures, loop
 from .captures import Captures, on_stream
-from .grammar import before_sampling, matchers
+from .grammar import matchers
 from .inflight import Tokens
 from .report import Turns, report
-from .sampling import Active, RowSettings, logprobs
+from .sampling import Active, RowSettings
 from .scheduler import Scheduler, Seq, buckets_upto
 from .shapes import Shapes
 from .step import CHUNK, ChunkStep, Prompts, WholeStep, cache_layout, layer_windows
 from .weights import Weights
 
 logger = logging.getLogger("graphwrap")
-# Prompt tokens a turn admits while rows decode (None: every queued prompt a row is free for).
-# A turn's prefill is time every decoding row waits for its next token
-# (``benchmarks/diagnostics/long_prompt_beside.py --prefill-beside`` measures it).
-PREFILL_BESIDE: Optional[int] = None
 _RUNNING: "weakref.WeakSet" = weakref.WeakSet()  # servers whose thread runs: closed at exit
 
 
@@ -87,14 +82,8 @@ def _close_at_exit():
 
 
 KEEP = 10_000  # latencies kept for the percentiles in stats()
-AHEAD = 2  # steps queued on the device before the host reads the oldest
 EXIT_WAIT = 5.0  # seconds the process waits at exit for every decode thread to stop
 LET_GO_WAIT = 60.0  # seconds an ended batch waits for its capturing thread before it gives its memory back
-
-
-def _rows(seqs: List[Seq]) -> List[int]:
-    """The rows of sequences that hold one (every sequence admitted)."""
-    return cast(List[int], [s.row for s in seqs])
 
 
 class DecodeServer:
@@ -134,7 +123,7 @@ class DecodeServer:
         self.broken: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
         self.cancelled: List[Call] = []
-        self.outgoing: List[tuple] = []  # (mailbox, delivery) of this turn, handed out at its end (_flush)
+        self.outgoing: List[tuple] = []  # (mailbox, delivery) of this turn, handed out at its end (flush)
         self.delivered = threading.Condition(threading.Lock())  # guards ``ending``: calls ended, result not yet delivered
         self.ending = 0
         self.inflight = Tokens(rows, self.device)
@@ -232,7 +221,7 @@ class DecodeServer:
         """GraphwrapError for a call the cache cannot hold or token ids the model has no row for."""
         check_call(plan, self.max_len, self.positions, self.cache, self.vocab, self.settings.vocab)
 
-    def _all_seqs(self):
+    def all_seqs(self):
         yield from self.sched.queue
         yield from (s for s in self.sched.holders if s is not None)
         for f in self.inflight.queued:
@@ -285,169 +274,28 @@ class DecodeServer:
     def _run(self):
         try:
             with on_stream(self.stream), torch.no_grad():
-                while self._turn():
-                    self._flush()
-                self._flush()
+                while loop.turn(self):
+                    self.flush()
+                self.flush()
         except BaseException as e:  # noqa: BLE001 - every call waiting must end, with this error
             logger.exception("the decode thread failed; every call it held fails with the error")
             with self.cond:
                 self.closed = True
                 self.broken = e
-                calls = {s.call for s in self._all_seqs()}
+                calls = {s.call for s in self.all_seqs()}
                 self.sched.queue.clear()
                 self.cond.notify_all()  # callers waiting for room find the batch closed
             for call in calls:
                 self.end_call(call, e)
-            self._flush()
+            self.flush()
 
-    def _flush(self):
+    def flush(self):
         """Hand the turn's tokens to their sinks, then its deliveries (tokens, ends) to the
         workers, in one go."""
         self.sinks.flush()
         if self.outgoing:
             OUTBOX.post_many(self.outgoing)
             self.outgoing = []
-
-    def _turn(self) -> bool:
-        """One round: admit, step, read; False once closed and nothing is left."""
-        with self.cond:
-            if self.stopping is not None:
-                calls = {s.call for s in self._all_seqs()}
-                self.sched.queue.clear()
-                self.cond.notify_all()
-                stopping = self.stopping
-            else:
-                calls = None
-        if calls is not None:
-            for call in calls:
-                self.end_call(call, stopping)
-            return False
-        with self.cond:
-            self._take_cancelled()
-            admitted = _admitted(self)
-            if admitted:
-                self.cond.notify_all()  # room in the queue
-                now = time.perf_counter()
-                self.waits.extend(now - s.submitted for s in admitted if not s.preempted)
-            elif not self.inflight.queued and not any(s is not None for s in self.sched.holders):
-                # Idle: nothing to read and no row held (a sequence just cancelled or ended still
-                # holds its row and blocks: the turn goes on, and its retire gives them back).
-                if self.closed and not self.sched.queue:
-                    return False
-                self._flush()  # (what a cancel just ended, before waiting)
-                self.cond.wait()
-                return True
-        clock = time.perf_counter
-        t0 = clock()
-        if admitted:
-            self._admit(admitted)
-        together = bool(self.sched.chunking) and steps.together(self)  # (a piece inside the step's forward)
-        first = self.piece if together else pieces.next_piece(self) if self.sched.chunking else 0
-        t1 = clock()
-        live = self.sched.live() if not together else []
-        if live:
-            self._step(live)
-        pieces.more_pieces(self, first)  # (where pieces.BUDGET is set: other prompts' pieces too)
-        t2 = clock()
-        self.read(keep=AHEAD if live or together else 0)  # (a mixed step queued the rows' tokens too)
-        t3 = clock()
-        self.retire()
-        spent = self.spent
-        spent["prefill"] += t1 - t0
-        spent["step"] += t2 - t1
-        spent["read"] += t3 - t2
-        t4 = clock()
-        spent["retire"] += t4 - t3
-        self.turns.add(t4 - t0, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), len(admitted), len(live))
-        return True
-
-    def _take_cancelled(self):
-        for call in self.cancelled:
-            if not call.ended:
-                self.sched.drop_queued(lambda s: s.call is call)
-                self.end_call(call, call.error)
-        self.cancelled.clear()
-
-    def _admit(self, seqs: List[Seq]):
-        if isinstance(self.store, PagedStore):
-            self.store.assign(_rows(seqs), [s.blocks for s in seqs])
-        seqs = pieces.route(self, seqs)
-        for group in self.prompts.groups([s.feed for s in seqs]):
-            batch = [seqs[i] for i in group]
-            try:
-                self._prefill(batch)
-            except Exception as e:  # noqa: BLE001 - a prompt that makes the model raise fails alone
-                if len(batch) == 1:
-                    self.end_call(batch[0].call, e)
-                    continue
-                for s in batch:
-                    try:
-                        self._prefill([s])
-                    except Exception as e1:  # noqa: BLE001
-                        self.end_call(s.call, e1)
-
-    def _prefill(self, seqs: List[Seq]):
-        rows = _rows(seqs)
-        prompts = [s.feed for s in seqs]
-        shape, how = self.shapes.pick(("prefill",) + self.prompts.shape(prompts))
-        inputs = self.prompts.inputs(prompts, rows, shape[1:], self.device)
-        width = shape[2]
-        logits = captures.forward(self, self.prefill_engine, shape, how, inputs, lambda s: s.prompt_window(width))[:len(seqs)]
-        self.first_tokens(seqs, logits, inputs[1][:len(seqs)])
-        self.counts["prefills"] += 1
-        self.counts["prefill_rows"] += len(seqs)
-
-    def first_tokens(self, seqs: List[Seq], logits: torch.Tensor, lengths: torch.Tensor):
-        """Each sequence's settings written into its row and its first token queued, from its
-        prompt's last logits (``lengths``: the prompts' lengths, on the device)."""
-        index, kept = _write_settings(self, seqs)
-        if len(kept) < len(seqs):  # (a sequence whose settings could not be written ended alone)
-            if not kept:
-                return
-            at = torch.tensor([i for i, s in enumerate(seqs) if s in kept], device=logits.device)
-            seqs, logits, lengths = kept, logits[at], lengths[at]
-        self.sched.written(seqs)
-        self.active = Active.of([s.settings for s in self.sched.holders if s is not None])
-        if self.active.grammar:
-            before_sampling(self, seqs)
-        tokens = self.settings.next_tokens(logits, index, lengths, self.active)
-        self.next_ids[index, 0] = tokens
-        self.inflight.queue(seqs, list(range(len(seqs))), tokens, _logprobs(self.active, logits, tokens))
-        self.sched.launched(seqs)
-
-    def _step(self, live: List[Seq]):
-        steps.step(self, live)
-
-    def read(self, keep: int):
-        """Hand out the tokens of every step but the last ``keep`` (and of any already done)."""
-        for f, tokens, now in self.inflight.read(keep, self.spent, self._flush):
-            for s, at in zip(f.seqs, f.rows):
-                if not s.done:
-                    k = s.settings.logprobs
-                    self._token(s, tokens[at], now, Logprobs(f.extras, at, f.most, k) if k >= 0 and f.extras else None)
-
-    def _token(self, s: Seq, token: int, now: float, lp: Optional[Logprobs] = None):
-        s.tokens.append(token)
-        if s.first_at is None:
-            s.first_at = now
-            self.ttft.append(now - s.submitted)
-        s.last_at = now
-        call = s.call
-        streamer = call.plan.streamer
-        if call.sink is not None:
-            self.sinks.add(call, token, now, lp)
-        elif streamer is not None:
-            self.outgoing.append((call.box, lambda: put_token(call, streamer, token, now, self.lag, lp)))
-        if s.matcher is not None and not s.matcher.made(token):
-            self.end_call(call, GraphwrapError(f"token {token} broke the call's grammar (a bug of the batch's masks)"))
-            return
-        if token in s.settings.eos or len(s.tokens) >= s.settings.max_new or (s.matcher is not None and s.matcher.ended):
-            s.done = True
-            if len(s.tokens) > 1:
-                self.tpot.append((s.last_at - s.first_at) / (len(s.tokens) - 1))
-            call.left -= 1
-            if call.left == 0:
-                self.end_call(call, None)
 
     def end_call(self, call: Call, error: Optional[BaseException]):
         """The one place a call ends: its sequences stop (their rows are given back at the next
@@ -479,45 +327,10 @@ class DecodeServer:
                 self.ending -= 1
                 self.delivered.notify_all()
 
-    def retire(self):
-        rows = self.sched.retire()
-        if rows:
-            self.release(rows)
-
-    def release(self, rows: List[int]):
-        """Rows given back: released on the device, settings and all."""
-        index = to_device(torch.tensor(rows, dtype=torch.long), self.device)
-        self.store.release(index)
-        self.settings.release(index, rows)
-        self.active = Active.of([s.settings for s in self.sched.holders if s is not None])
-        with self.cond:
-            self.cond.notify_all()
-
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> dict:
         return report(self)
-
-
-def _write_settings(server: DecodeServer, seqs: List[Seq]) -> Tuple[torch.Tensor, List[Seq]]:
-    """The sequences' settings written into their rows: ``(their rows on the device, the
-    sequences written)``. Where the rows cannot be written together, each is written alone, and a
-    sequence whose own cannot be fails alone (its call ends with the error): no request's
-    settings end another's, on any path that admits a sequence."""
-    try:
-        return server.settings.write(_rows(seqs), [s.settings for s in seqs], [s.feed for s in seqs],
-                                     [s.seed for s in seqs], [len(s.prompt) for s in seqs]), seqs
-    except Exception as e:  # noqa: BLE001 - one sequence's settings: its call's failure alone
-        if len(seqs) == 1:
-            logger.warning("a sequence's settings could not be written into its row: its call fails (%s)", e)
-            server.end_call(seqs[0].call, e)
-            return torch.empty(0, dtype=torch.long, device=server.device), []
-    kept, index = [], []
-    for s in seqs:
-        got, ok = _write_settings(server, [s])
-        kept += ok
-        index.append(got)
-    return torch.cat(index), kept
 
 
 def _weak_abort(server: DecodeServer):
@@ -566,20 +379,6 @@ def let_go(server: DecodeServer):
     server.store.free()
 
 
-def _admitted(server: DecodeServer) -> List[Seq]:
-    """Queued sequences given a row this turn, the pool grown first where they lack blocks and it
-    can; beside decoding rows, prompts of :data:`PREFILL_BESIDE` tokens at most (where set: each
-    token prefilled is time those rows wait)."""
-    if server.prefixes_stale:  # (the weights' values changed in place: weights.note_values)
-        server.prefixes_stale = False
-        server.sched.drop_prefixes()
-    budget = PREFILL_BESIDE if PREFILL_BESIDE and server.sched.live() else None
-    admitted = server.sched.admit(tokens=budget)
-    if server.sched.short and growth.grow_pool(server, server.sched.short):
-        admitted += server.sched.admit(tokens=budget)
-    return admitted
-
-
 def make_cache(model, rows: int, max_len: int, device: torch.device, cache_memory: float, paged: Optional[bool]):
     """``(plan, store, fold)``: the cache's layout and size (:mod:`.pool`), its tensors, and the
     attention the steps run in (grouped key heads folded; a paged pool read in place)."""
@@ -619,8 +418,3 @@ def _free_memory(device: torch.device) -> Optional[int]:
     free, _ = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return int(free + reserved)
-
-
-def _logprobs(active: Active, logits: torch.Tensor, tokens: torch.Tensor) -> Optional[torch.Tensor]:
-    """The rows' log-probabilities where a live row asked for them (:func:`sampling.logprobs`)."""
-    return logprobs(logits, tokens, active.logprobs) if active.logprobs >= 0 else None

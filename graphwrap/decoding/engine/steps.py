@@ -18,7 +18,7 @@ from typing import List, Optional
 import torch
 
 from ..cache.rows import to_device
-from . import captures, growth, pieces
+from . import captures, growth, outputs, pieces
 from .grammar import before_sampling
 from .sampling import logprobs
 from .shapes import EAGER
@@ -51,7 +51,7 @@ def sampled(server, logits: torch.Tensor, n: int, live: List):
     live row has a grammar, every step queued before is read first (its matcher moves on by its
     last token) and the rows' allowed tokens are filled while this step's forward runs."""
     if server.active.grammar:
-        server.read(keep=0)
+        outputs.read(server, keep=0)
         before_sampling(server, live)
     tokens = server.settings.next_tokens(logits, n, server.store.lengths[:n], server.active)
     k = server.active.logprobs
