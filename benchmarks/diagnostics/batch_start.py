@@ -20,7 +20,7 @@ sys.path.insert(0, ".")
 import generate as g  # noqa: E402
 
 from graphwrap import GraphedModule  # noqa: E402
-from graphwrap.decoding import front  # noqa: E402
+from graphwrap.decoding.callers import front  # noqa: E402
 
 
 def make(model, profile: bool):

@@ -3,8 +3,9 @@
 The bench ``generate`` workload (64 requests, prompts 16..128, 32..256 new tokens, greedy, fp16,
 random weights) on GPT-2 or the 1.1B Llama shape, in this process:
 
-1. a GraphedModule made here: its first burst (the batch made, every shape new), then three
-   warm bursts, then a burst with a streamer on each request (time to first token and per
+1. a GraphedModule made here: its first burst (the batch made, every shape new), then
+   ``--warm`` warm bursts (3; more, such as 12, with every burst's time, to set two trees side
+   by side, a process each, where three cannot tell them apart), then a burst with a streamer on each request (time to first token and per
    output token, from the streamers);
 2. a second GraphedModule of the same model (the process warm: cuBLAS, attention kernels and
    Triton set up; its batch and shapes new): its first burst;
@@ -13,8 +14,9 @@ random weights) on GPT-2 or the 1.1B Llama shape, in this process:
 
 Each part prints what the batch says of its shapes (captured, run eagerly, in a larger graph).
 Run from the project root, or from an older tree's root for a before/after:
-``python3 benchmarks/diagnostics/first_burst.py gpt2 [--seconds 5] [--compile [--compiled]]`` (``--compile``:
-part 1's bursts alone, with ``compile=True``; ``--compiled``: the warm bursts after every queued compile)
+``python3 benchmarks/diagnostics/first_burst.py gpt2 [--seconds 5] [--warm 3] [--only-warm] [--compile [--compiled]]`` (``--compile``:
+part 1's bursts alone, with ``compile=True``; ``--compiled``: the warm bursts after every queued compile;
+``--only-warm``: part 1's bursts alone)
 """
 
 import argparse
@@ -70,6 +72,8 @@ def main():
     ap.add_argument("--compiled", action="store_true", help="with --compile: wait for the queued compiles "
                     "after the first burst, so that the warm bursts run the compiled graphs")
     ap.add_argument("--no-cudnn", action="store_true", help="torch's cuDNN attention turned off for the run")
+    ap.add_argument("--warm", type=int, default=3, help="warm bursts after the first (their median, and each)")
+    ap.add_argument("--only-warm", action="store_true", help="the first burst and the warm ones, nothing else")
     a = ap.parse_args()
     if a.no_cudnn:
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -93,10 +97,13 @@ def main():
         print(f"[{a.model}] compile=True: the queued compiles done in {time.perf_counter() - t0:.1f} s "
               f"({'all' if done else 'not all, in 600 s'}); {shapes(gm)}", flush=True)
     vocab = model.config.vocab_size  # (each warm burst's prompts its own: a prompt sent again is a prefix cache hit)
-    warm = [g.burst(gm, g.renewed(reqs, 1 + r, vocab), dev)[0] for r in range(3)]
+    warm = [g.burst(gm, g.renewed(reqs, 1 + r, vocab), dev)[0] for r in range(a.warm)]
     w = statistics.median(warm)
-    print(f"[{a.model}] warm bursts: median {w:.3f} s (min {min(warm):.3f}, max {max(warm):.3f}; "
-          f"{tokens / w:,.0f} tokens/s); first / warm = {first / w:.2f}x", flush=True)
+    print(f"[{a.model}] {a.warm} warm bursts: median {w:.3f} s (min {min(warm):.3f}, max {max(warm):.3f}; "
+          f"{tokens / w:,.0f} tokens/s); first / warm = {first / w:.2f}x; each {[round(t, 3) for t in warm]}", flush=True)
+    if a.only_warm:
+        gm.close()
+        return
     if a.compile:
         print(f"[{a.model}] compile=True, after the bursts: {shapes(gm)}", flush=True)
         compile_costs(a.model)
