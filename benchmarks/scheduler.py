@@ -163,7 +163,7 @@ def main():
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", default=str(pieces.BUDGET or 0), help="pieces.BUDGET values, each in turn (0: off)")
-    ap.add_argument("--prefill-beside", default="0", help="server.PREFILL_BESIDE values, each in turn (0: off)")
+    ap.add_argument("--prefill-beside", default="0", help="schedule.PREFILL_BESIDE values, each in turn (0: off)")
     ap.add_argument("--whole", default=str(pieces.WHOLE), help="pieces.WHOLE values, each in turn (0: a long prompt "
                     "alone goes in pieces too)")
     ap.add_argument("--bursts", default="256,1024")
