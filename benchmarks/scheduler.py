@@ -148,13 +148,27 @@ def part_alone(gm, model, g, vocab, device, repeats, lengths):
 
 
 def part_bursts(gm, g, vocab, device, sizes, repeats):
+    """Each size's bursts: output tokens/s, and of the warm ones the decode thread's longest turn
+    (a turn is a gap in every decoding row's stream) and the time to first token, medians."""
     rows = {}
+    server = gm.__dict__["_gw_decode"]
     for n in sizes:
-        xs = [burst(gm, [ids(g, 128, vocab, device) for _ in range(n)], 128) for _ in range(1 + repeats)]
+        xs, longest, ttft = [], [], []
+        for _ in range(1 + repeats):
+            server.turns.seconds.clear()  # (this burst's turns and first tokens alone)
+            server.ttft.clear()
+            xs.append(burst(gm, [ids(g, 128, vocab, device) for _ in range(n)], 128))
+            longest.append(1e3 * max(server.turns.seconds))
+            ttft.append(sorted(server.ttft))
         rate = [n * 128 / x for x in xs]
-        rows[n] = {"first_tok_s": rate[0], "tok_s": statistics.median(rate[1:]), "spread": (min(rate[1:]), max(rate[1:]))}
+        pct = lambda q: statistics.median(1e3 * t[min(len(t) - 1, int(q * len(t)))] for t in ttft[1:])  # noqa: E731
+        rows[n] = {"first_tok_s": rate[0], "tok_s": statistics.median(rate[1:]), "spread": (min(rate[1:]), max(rate[1:])),
+                   "longest_turn_ms": statistics.median(longest[1:]), "first_longest_turn_ms": longest[0],
+                   "ttft_p50_ms": pct(0.5), "ttft_p99_ms": pct(0.99)}
         print(f"  {n} at once, 128 in and 128 out: {rows[n]['tok_s']:,.0f} output tokens/s "
-              f"({rows[n]['spread'][0]:,.0f}-{rows[n]['spread'][1]:,.0f}; first {rate[0]:,.0f})", flush=True)
+              f"({rows[n]['spread'][0]:,.0f}-{rows[n]['spread'][1]:,.0f}; first {rate[0]:,.0f}); longest turn "
+              f"{rows[n]['longest_turn_ms']:.0f} ms (first burst {longest[0]:.0f}); first token p50 "
+              f"{rows[n]['ttft_p50_ms']:.0f} / p99 {rows[n]['ttft_p99_ms']:.0f} ms", flush=True)
     return rows
 
 

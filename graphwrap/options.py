@@ -115,10 +115,10 @@ def _check_decode(value):
     if value is None or value is True or value is False:
         return
     keys = {"rows", "max_len", "max_queue", "cache_memory", "paged", "prefix_caching", "prefill_budget",
-            "prefill_whole"}
+            "prefill_whole", "prefill_beside"}
     if not isinstance(value, dict) or set(value) - keys:
         raise GraphwrapError("decode must be True, False or a dict of rows=, max_len=, max_queue=, cache_memory=, "
-                             f"paged=, prefix_caching=, prefill_budget=, prefill_whole=; got {value!r}")
+                             f"paged=, prefix_caching=, prefill_budget=, prefill_whole=, prefill_beside=; got {value!r}")
     for k, v in value.items():
         if k == "cache_memory":
             if not isinstance(v, numbers.Real) or isinstance(v, bool) or not 0 < float(v) <= 1:
@@ -132,6 +132,10 @@ def _check_decode(value):
         elif k == "prefill_budget":
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise GraphwrapError(f"decode['prefill_budget'] must be an int >= 0 (0: one piece a turn), got {v!r}")
+        elif k == "prefill_beside":
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise GraphwrapError(f"decode['prefill_beside'] must be an int >= 0 (0: no bound on the prompt tokens a "
+                                     f"turn admits while rows decode), got {v!r}")
         elif k == "prefill_whole":
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise GraphwrapError(f"decode['prefill_whole'] must be an int >= 0 (0: a long prompt always goes in "

@@ -44,7 +44,8 @@ def test_the_scheduler_benchmark_runs_every_part_on_a_cpu(tmp_path):
         assert len(s["beside"]) == 2 and all(b["long_ttft_s"] <= b["shorts_s"] + 60 and b["long_ttft_s"] > 0
                                              for b in s["beside"])
         assert set(s["alone"]) == {"100", "600"} and all(a["eager_s"] > 0 for a in s["alone"].values())
-        assert s["bursts"]["8"]["tok_s"] > 0
+        assert s["bursts"]["8"]["tok_s"] > 0 and s["bursts"]["8"]["longest_turn_ms"] > 0
+        assert 0 < s["bursts"]["8"]["ttft_p50_ms"] <= s["bursts"]["8"]["ttft_p99_ms"]
     assert "(first long prompt)" in r.stdout and data["settings"][1]["counts"]["budget_pieces"] > 0
 
 

@@ -486,10 +486,11 @@ def test_decode_options_are_checked():
     model = _model()
     for bad in ({"cache_memory": 0}, {"cache_memory": 1.5}, {"cache_memory": True}, {"paged": "yes"}, {"pages": 1},
                 {"prefill_budget": -1}, {"prefill_budget": True}, {"prefill_budget": 512.0},
-                {"prefill_whole": -1}, {"prefill_whole": False}, {"prefill_whole": 8192.0}):
+                {"prefill_whole": -1}, {"prefill_whole": False}, {"prefill_whole": 8192.0},
+                {"prefill_beside": -1}, {"prefill_beside": True}, {"prefill_beside": 8192.0}):
         with pytest.raises(GraphwrapError, match="decode"):
             GraphedModule(model, decode=bad)
-    GraphedModule(model, decode={"cache_memory": 0.5, "paged": None, "prefill_budget": 0})
+    GraphedModule(model, decode={"cache_memory": 0.5, "paged": None, "prefill_budget": 0, "prefill_beside": 0})
 
 
 def test_a_capture_puts_back_the_rows_lengths_and_leaves_the_cache_itself():

@@ -16,6 +16,7 @@ from test_generate_paged_cpu import _alone, _fixed_pool, _model, _prompts, _wind
 from graphwrap import GraphedModule
 from graphwrap.decoding.cache.pool import BLOCK, Blocks, Prefixes
 from graphwrap.decoding.callers.settings import SeqSettings
+from graphwrap.decoding.engine import schedule
 from graphwrap.decoding.engine.scheduler import Scheduler, Seq
 
 ON = {"prefix_caching": True}
@@ -533,10 +534,10 @@ def _metrics(port) -> dict:
             if line and not line.startswith("#")}
 
 
-def test_serve_prefill_budget_and_whole_reach_the_batch(tmp_path):
-    """``serve --prefill-budget N`` is the batch's ``decode={"prefill_budget": N}`` and
-    ``--prefill-whole N`` its ``prefill_whole``; without them the batch takes pieces.BUDGET and
-    pieces.WHOLE."""
+def test_serve_prefill_budget_whole_and_beside_reach_the_batch(tmp_path):
+    """``serve --prefill-budget N`` is the batch's ``decode={"prefill_budget": N}``,
+    ``--prefill-whole N`` its ``prefill_whole`` and ``--prefill-beside N`` its ``prefill_beside``;
+    without them the batch takes pieces.BUDGET, pieces.WHOLE and schedule.PREFILL_BESIDE."""
     pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
     import tiny_lm
     from test_http_cpu import _args
@@ -546,11 +547,14 @@ def test_serve_prefill_budget_and_whole_reach_the_batch(tmp_path):
     d = tiny_lm.make(str(tmp_path))
     assert cli.parser().parse_args([d]).prefill_whole is None
     assert cli.parser().parse_args([d, "--prefill-whole", "0"]).prefill_whole == 0
-    for budget, whole in ((None, None), (0, 0), (256, 4096)):
-        served = _load(_args(d, prefill_budget=budget, prefill_whole=whole))
+    assert cli.parser().parse_args([d, "--prefill-beside", "0"]).prefill_beside == 0
+    for budget, whole, beside in ((None, None, None), (0, 0, 0), (256, 4096, 1024)):
+        served = _load(_args(d, prefill_budget=budget, prefill_whole=whole, prefill_beside=beside))
         try:
             server = served.gm.__dict__["_gw_decode"]
-            assert server.budget == budget and server.whole_limit == whole
+            assert server.budget == budget and server.whole_limit == whole and server.beside == beside
+            want = schedule.PREFILL_BESIDE if beside is None else beside
+            assert served.gm.stats()["decode"]["prefill_beside"] == want
         finally:
             served.engine.close(cancel=True, timeout=30)
 

@@ -424,14 +424,29 @@ def test_the_scheduler_admits_prompts_within_a_budget_of_tokens_and_always_one()
     assert sched.admit(tokens=None) == [seqs[3]]
 
 
-def test_prompts_arriving_beside_decoding_rows_join_a_turn_at_a_time_within_the_budget(monkeypatch):
+def test_a_feed_that_goes_in_pieces_takes_a_chunk_of_the_turns_prompt_budget():
+    """Where feeds past the chunk (``whole``) go in pieces, such a feed counts the chunk against
+    the budget of a turn's prompt tokens, not its length: its turn prefills one piece of it."""
+    sched = Scheduler(8, 256, buckets_upto(8, (1, 2, 4)), buckets_upto(256, (64, 128)), whole=32)
+    seqs = [Seq(None, i, [1] * n, SeqSettings(max_new=4)) for i, n in enumerate((20, 200, 30, 10))]
+    sched.enqueue(seqs)
+    assert sched.admit(tokens=60) == seqs[:2], "20 + 32 (of 200) within 60; 30 more is past it"
+    assert sched.admit(tokens=60) == seqs[2:]
+
+
+@pytest.mark.parametrize("bound", ["option", "default"])
+def test_prompts_arriving_beside_decoding_rows_join_a_turn_at_a_time_within_the_budget(monkeypatch, bound):
+    """``decode={"prefill_beside": 8}``, or the default (schedule.PREFILL_BESIDE) set to 8: one prompt
+    of 6 tokens a turn while a row decodes."""
     from graphwrap.decoding.engine import schedule as schedule_mod
 
-    monkeypatch.setattr(schedule_mod, "PREFILL_BESIDE", 8)  # one prompt of 6 a turn while a row decodes
+    if bound == "default":
+        monkeypatch.setattr(schedule_mod, "PREFILL_BESIDE", 8)
     model = _model("llama")
-    gm = GraphedModule(model)
+    gm = GraphedModule(model, decode={"prefill_beside": 8} if bound == "option" else None)
     gm.generate(torch.tensor([[4, 5]]), max_new_tokens=1)  # (the batch made)
     server = gm.__dict__["_gw_decode"]
+    assert gm.stats()["decode"]["prefill_beside"] == 8
     long = threading.Thread(target=lambda: gm.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=100,
                                                        do_sample=False, min_new_tokens=100))
     long.start()

@@ -169,6 +169,7 @@ def _make(held: dict, module):
                           engines.get("mixed"), compiled, cfg.get("prefix_caching", True))
     server.budget = cfg.get("prefill_budget")  # (None: pieces.BUDGET)
     server.whole_limit = cfg.get("prefill_whole")  # (None: pieces.WHOLE)
+    server.beside = cfg.get("prefill_beside")  # (None: schedule.PREFILL_BESIDE)
     collector.clock()  # (the collector's pauses, from the process's first batch on: stats()["decode"])
     if cfg.get("prefix_caching") and server.sched.pool is None:  # (asked for: on by default, it says nothing)
         logger.warning("prefix caching needs the paged cache, and this batch's cache is whole rows (%s): every "

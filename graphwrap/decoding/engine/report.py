@@ -4,7 +4,7 @@ import collections
 import heapq
 from typing import List, Tuple
 
-from . import collector, pieces
+from . import collector, pieces, schedule
 
 SLOWEST = 5  # turns kept whole, with their parts
 
@@ -34,6 +34,7 @@ def report(server) -> dict:
         "prefill_pieces": c["prefill_pieces"], "piece_turns_skipped": c["piece_turns_skipped"],
         "prefill_budget": pieces.budget_of(server), "budget_pieces": c["budget_pieces"],
         "prefill_whole": pieces.whole_of(server), "whole_prefills": c["whole_prefills"],
+        "prefill_beside": schedule.beside_of(server),
         "whole_no_memory": c["whole_no_memory"],
         "mixed_steps": c["mixed_steps"], "mixed_failed": c["mixed_failed"],  # (a piece inside a step: steps.py)
         "mixed": server.mixed_engine.stats() if server.mixed_engine is not None else None,

@@ -12,10 +12,16 @@ from typing import List, Optional
 from . import growth
 from .scheduler import Seq
 
-# Prompt tokens a turn admits while rows decode (None: every queued prompt a row is free for).
-# A turn's prefill is time every decoding row waits for its next token
-# (``benchmarks/scheduler.py --prefill-beside`` measures it; benchmarks/results/h200-2026-11-27-step-norm/).
-PREFILL_BESIDE: Optional[int] = None
+# Prompt tokens a turn admits while rows decode, where the batch's ``decode={"prefill_beside": N}``
+# does not say (0 there: every queued prompt a row is free for). A turn's prefill is time every
+# decoding row waits for its next token. On a Llama-3-8B shape (H200), 1,024 requests of 128
+# tokens in and 128 out at once: with no bound a turn admitted 948 prompts and the rows decoding
+# waited 2.1-2.6 s for their next token; with 8,192 the longest turn was 0.40 s, the first
+# tokens' median 1.59 s against 2.25-2.60, at 0.98x the tokens/s (256 at once: 0.23 s against
+# 0.56-0.61, 1.01x); ``benchmarks/scheduler.py --prefill-beside 0,8192,4096,0``,
+# benchmarks/results/h200-2026-11-30-loop/. A feed that goes in pieces counts its first piece's
+# share (the chunk) only.
+PREFILL_BESIDE: Optional[int] = 8192
 
 
 @dataclass
@@ -71,13 +77,19 @@ def take_cancelled(server):
 
 def admitted(server) -> List[Seq]:
     """Queued sequences given a row this turn, the pool grown first where they lack blocks and it
-    can; beside decoding rows, prompts of :data:`PREFILL_BESIDE` tokens at most (where set: each
-    token prefilled is time those rows wait)."""
+    can; beside decoding rows, prompts of :func:`beside_of` tokens at most (each token prefilled is
+    time those rows wait)."""
     if server.prefixes_stale:  # (the weights' values changed in place: weights.note_values)
         server.prefixes_stale = False
         server.sched.drop_prefixes()
-    budget = PREFILL_BESIDE if PREFILL_BESIDE and server.sched.live() else None
+    bound = beside_of(server)
+    budget = bound if bound and server.sched.live() else None
     got = server.sched.admit(tokens=budget)
     if server.sched.short and growth.grow_pool(server, server.sched.short):
         got += server.sched.admit(tokens=budget)
     return got
+
+
+def beside_of(server) -> int:
+    """Prompt tokens a turn admits while rows decode, the batch's or :data:`PREFILL_BESIDE` (0: no bound)."""
+    return (PREFILL_BESIDE if server.beside is None else server.beside) or 0

@@ -153,9 +153,10 @@ class Scheduler:
             if s.done:
                 self.queue.popleft()
                 continue
-            if tokens is not None and out and taken + len(s.feed) > tokens:
+            cost = len(s.feed) if self.whole_feed is None else min(len(s.feed), self.whole_feed)  # (a longer one: pieces)
+            if tokens is not None and out and taken + cost > tokens:
                 break
-            taken += len(s.feed)
+            taken += cost
             if self.pool is not None:
                 prefixes = self.pool.prefixes
                 looks = prefixes is not None and self.cacheable(s, pieced)

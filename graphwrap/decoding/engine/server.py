@@ -91,6 +91,7 @@ class DecodeServer:
 
     budget: Optional[int] = None  # positions a turn's prompt pieces may take (decode={"prefill_budget"}; None: pieces.BUDGET)
     whole_limit: Optional[int] = None  # a long prompt alone prefilled in one forward up to (decode={"prefill_whole"}; None: pieces.WHOLE)
+    beside: Optional[int] = None  # prompt tokens a turn admits while rows decode (decode={"prefill_beside"}; None: schedule.PREFILL_BESIDE)
 
     def __init__(self, model, step_engine, prefill_engine, rows: int, max_len: int, max_queue: int,
                  positions: Optional[int] = None, cache_memory: float = CACHE_MEMORY, paged: Optional[bool] = None,

@@ -88,6 +88,9 @@ def _batch_options(ap: argparse.ArgumentParser):
                     help="positions up to which a long prompt that finds no row decoding is prefilled in one "
                          "forward (default 8,192; 0: always in pieces, so a request that comes meanwhile never waits "
                          "for it)")
+    ap.add_argument("--prefill-beside", type=int, default=None,
+                    help="prompt tokens a turn admits while other rows decode, so that a burst's prompts do not "
+                         "hold those rows' next token for seconds (default 8,192; 0: no bound)")
     ap.add_argument("--quantization", default=None, choices=("fp8", "int8", "int4"),
                     help="the model's linear layers in FP8 (compute capability 8.9 or later), or int8 or int4 "
                          "weight-only (int4 through torchao, on a GPU with --dtype bfloat16): graphwrap.quantize")
