@@ -72,18 +72,25 @@ def shorts(g, vocab, device) -> List[torch.Tensor]:
     return [ids(g, SHORT_IN, vocab, device) for _ in range(SHORTS)]
 
 
-def run_shorts(gm, prompts, long_ids=None) -> Dict[str, float]:
-    """The shorts at once (after ``long_ids``, where given): their seconds, and the long
-    prompt's time to its one token; the shorts' gaps between tokens."""
+def run_shorts(gm, prompts, long_ids=None, long_after=None) -> Dict[str, float]:
+    """The shorts at once (after ``long_ids``, where given; or ``long_after`` seconds after the
+    shorts, so that it finds their rows decoding): their seconds, and the long prompt's time to
+    its one token from when it was sent; the shorts' gaps between tokens."""
     t0 = time.perf_counter()
-    long_f = gm.submit_generate(input_ids=long_ids, max_new_tokens=1, do_sample=False) if long_ids is not None else None
+    submit_long = lambda: gm.submit_generate(input_ids=long_ids, max_new_tokens=1, do_sample=False)  # noqa: E731
+    long_f = submit_long() if long_ids is not None and long_after is None else None
     clocks = [Gaps() for _ in prompts]
     fs = [gm.submit_generate(input_ids=p, max_new_tokens=SHORT_NEW, do_sample=False, streamer=c)
           for p, c in zip(prompts, clocks)]
+    t_long = t0
+    if long_ids is not None and long_after is not None:
+        time.sleep(long_after)
+        t_long = time.perf_counter()
+        long_f = submit_long()
     long_s = None
     if long_f is not None:
         long_f.result()
-        long_s = time.perf_counter() - t0
+        long_s = time.perf_counter() - t_long
     for f in fs:
         f.result()
     took = time.perf_counter() - t0
@@ -120,13 +127,15 @@ def burst(gm, prompts, new: int) -> float:
     return time.perf_counter() - t0
 
 
-def part_beside(out, gm, g, vocab, device, alone_s, repeats, long: int):
+def part_beside(out, gm, g, vocab, device, alone_s, repeats, long: int, long_after=None):
     runs = []
     for i in range(1 + repeats):
-        r = run_shorts(gm, shorts(g, vocab, device), ids(g, long, vocab, device))
+        r = run_shorts(gm, shorts(g, vocab, device), ids(g, long, vocab, device), long_after)
         r["shorts_x_alone"] = r["shorts_s"] / alone_s
         runs.append(r)
         label = "first long prompt" if i == 0 and not out.get("beside") else f"warm run {i}"
+        if long_after is not None:
+            label += f", sent {long_after:g} s after the shorts"
         print(f"  beside a {long}-token prompt ({label}): shorts {r['shorts_s']:.3f} s ({r['shorts_x_alone']:.2f}x alone), "
               f"long prompt's first token {r['long_ttft_s']:.3f} s, shorts' gaps p50 {r['gap_p50_ms']:.1f} / longest "
               f"{r['gap_max_ms']:.1f} ms", flush=True)
@@ -177,10 +186,15 @@ def main():
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", default=str(pieces.BUDGET or 0), help="pieces.BUDGET values, each in turn (0: off)")
-    ap.add_argument("--prefill-beside", default="0", help="schedule.PREFILL_BESIDE values, each in turn (0: off)")
+    ap.add_argument("--prefill-beside", default=str(schedule_mod.PREFILL_BESIDE or 0),
+                    help="schedule.PREFILL_BESIDE values, each in turn (0: no bound)")
     ap.add_argument("--whole", default=str(pieces.WHOLE), help="pieces.WHOLE values, each in turn (0: a long prompt "
                     "alone goes in pieces too)")
     ap.add_argument("--bursts", default="256,1024")
+    ap.add_argument("--long-after", default="", help="part 2 again with the long prompt sent this many seconds "
+                    "after the shorts (each value in turn), so that it finds their rows decoding")
+    ap.add_argument("--whole-beside", default=str(int(pieces.WHOLE_BESIDE)), help="pieces.WHOLE_BESIDE values, each "
+                    "in turn (1: a long prompt within the turn's prompt budget goes in one forward beside decoding rows)")
     ap.add_argument("--skip", default="", help="parts to leave out: beside, alone, bursts")
     ap.add_argument("--long", type=int, default=7900, help="the long prompt's tokens (part 2)")
     ap.add_argument("--alone", default="1000,4000,7900", help="prompt lengths of part 3")
@@ -225,16 +239,21 @@ def main():
     print(f"shorts alone: {alone_s:.3f} s ({min(alone):.3f}-{max(alone):.3f}); the process's first run {warm:.3f} s "
           f"(the batch made {time.perf_counter() - t0:.1f} s before the runs after it)", flush=True)
     skip = set(a.skip.split(","))
-    turns = [(b, p, w) for b in a.budget.split(",") for p in a.prefill_beside.split(",") for w in a.whole.split(",")]
-    for budget, beside, whole in ((int(b), int(p), int(w)) for b, p, w in turns):
+    turns = [(b, p, w, x) for b in a.budget.split(",") for p in a.prefill_beside.split(",") for w in a.whole.split(",")
+             for x in a.whole_beside.split(",")]
+    for budget, beside, whole, whole_beside in ((int(b), int(p), int(w), int(x)) for b, p, w, x in turns):
         pieces.BUDGET = budget or None
         schedule_mod.PREFILL_BESIDE = beside or None
         pieces.WHOLE = whole
-        print(f"pieces.BUDGET {pieces.BUDGET}, PREFILL_BESIDE {schedule_mod.PREFILL_BESIDE}, WHOLE {whole}:", flush=True)
-        s: Dict = {"budget": budget, "prefill_beside": beside, "whole": whole}
+        pieces.WHOLE_BESIDE = bool(whole_beside)
+        print(f"pieces.BUDGET {pieces.BUDGET}, PREFILL_BESIDE {schedule_mod.PREFILL_BESIDE}, WHOLE {whole}, "
+              f"WHOLE_BESIDE {pieces.WHOLE_BESIDE}:", flush=True)
+        s: Dict = {"budget": budget, "prefill_beside": beside, "whole": whole, "whole_beside": whole_beside}
         if "beside" not in skip:
             s["beside"] = part_beside(out, gm, g, vocab, device, alone_s, a.repeats, a.long)
             out["beside"] = True
+            for after in (float(x) for x in a.long_after.split(",") if x):
+                s[f"beside_after_{after:g}"] = part_beside(out, gm, g, vocab, device, alone_s, a.repeats, a.long, after)
         if "alone" not in skip:
             s["alone"] = part_alone(gm, model, g, vocab, device, a.repeats, [int(x) for x in a.alone.split(",")])
         if "bursts" not in skip:

@@ -33,37 +33,43 @@ def test_where_pieces_are_graphs_a_prompt_goes_whole_only_from_enough_operations
     def server(graphs: bool, weights: int, holders=(None,)):
         sched = SimpleNamespace(chunking=[], holders=list(holders))
         store = pieces.PagedStore.__new__(pieces.PagedStore) if graphs else object()
-        return SimpleNamespace(whole_limit=None, sched=sched, store=store, piece_engine=object(),
+        return SimpleNamespace(whole_limit=None, beside=None, sched=sched, store=store, piece_engine=object(),
                                weights=SimpleNamespace(count=weights), device=torch.device("cuda" if graphs else "cpu"))
 
     def seq(n):
         return SimpleNamespace(feed=[1] * n)
 
     eight_b = 8_000_000_000
-    assert pieces.alone(server(True, eight_b), seq(2000))  # 3.2e13
-    assert not pieces.alone(server(True, eight_b), seq(1999))
-    assert not pieces.alone(server(True, 1_100_000_000), seq(8000)), "a 1.1B model's pieces stay graphs"
-    assert pieces.alone(server(False, 1_100_000_000), seq(600))
-    assert not pieces.alone(server(True, eight_b), seq(pieces.WHOLE + 1)), "past the limit"
+    assert pieces.goes_whole(server(True, eight_b), seq(2000))  # 3.2e13
+    assert not pieces.goes_whole(server(True, eight_b), seq(1999))
+    assert not pieces.goes_whole(server(True, 1_100_000_000), seq(8000)), "a 1.1B model's pieces stay graphs"
+    assert pieces.goes_whole(server(False, 1_100_000_000), seq(600))
+    assert not pieces.goes_whole(server(True, eight_b), seq(pieces.WHOLE + 1)), "past the limit"
 
 
-def test_a_long_prompt_goes_whole_beside_prompts_admitted_with_it_but_not_beside_decoding_rows():
-    """The prompts admitted in the same turn decode only after its forward (theirs are prefilled
-    after it); a row that decodes already would wait for it between two tokens."""
+def test_beside_decoding_rows_a_long_prompt_goes_whole_within_the_turns_prompt_budget():
+    """Within the prompt tokens a turn admits beside decoding rows (``decode={"prefill_beside"}``,
+    8,192 by default; 0: no bound) a long prompt goes in one forward, the rows waiting for it
+    once; past them, only where no row decodes yet: the prompts admitted in the same turn decode
+    only after its forward (theirs are prefilled after it)."""
     from types import SimpleNamespace
 
     long_one = SimpleNamespace(feed=[1] * 600, needs_steps=True)
     short = SimpleNamespace(feed=[1] * 5, needs_steps=True)
     done = SimpleNamespace(feed=[1] * 5, needs_steps=False)  # (ended, its row not yet given back)
     sched = SimpleNamespace(chunking=[], holders=[long_one, short, done, None])
-    server = SimpleNamespace(whole_limit=None, sched=sched, store=object(), piece_engine=None,
+    server = SimpleNamespace(whole_limit=None, beside=None, sched=sched, store=object(), piece_engine=None,
                              weights=SimpleNamespace(count=1), device=torch.device("cpu"))
-    assert pieces.alone(server, long_one, [long_one, short]), "the short came with it"
-    assert not pieces.alone(server, long_one, [long_one]), "the short decodes already"
+    assert pieces.goes_whole(server, long_one, [long_one]), "600 tokens within 8,192: the decoding short waits once"
+    server.beside = 0
+    assert pieces.goes_whole(server, long_one, [long_one]), "no bound"
+    server.beside = 599
+    assert pieces.goes_whole(server, long_one, [long_one, short]), "the short came with it"
+    assert not pieces.goes_whole(server, long_one, [long_one]), "the short decodes already"
     sched.holders[1] = None
-    assert pieces.alone(server, long_one, [long_one])
+    assert pieces.goes_whole(server, long_one, [long_one])
     sched.chunking.append(short)
-    assert not pieces.alone(server, long_one, [long_one]), "another prompt goes in pieces"
+    assert not pieces.goes_whole(server, long_one, [long_one]), "another prompt goes in pieces"
 
 
 @pytest.mark.parametrize("kind,paged", [("llama", True), ("llama", False), ("gpt2", True), ("mistral", True),
@@ -119,7 +125,10 @@ def test_past_the_limit_or_with_it_off_a_long_prompt_alone_goes_in_pieces(chunk_
         gm.close()
 
 
-def test_beside_a_decoding_row_a_long_prompt_goes_in_pieces(chunk_8, monkeypatch):
+@pytest.mark.parametrize("bound", [16, None])
+def test_beside_a_decoding_row_a_long_prompt_goes_in_pieces_past_the_turns_prompt_budget(chunk_8, monkeypatch, bound):
+    """A 40-token prompt beside a decoding row: in pieces where a turn admits 16 prompt tokens
+    beside decoding rows, in one forward within the default 8,192; generate's tokens either way."""
     from graphwrap.decoding.engine.step import DecodeStep
 
     step = DecodeStep.forward
@@ -130,7 +139,7 @@ def test_beside_a_decoding_row_a_long_prompt_goes_in_pieces(chunk_8, monkeypatch
 
     monkeypatch.setattr(DecodeStep, "forward", slow_step)
     model = _model("llama")
-    gm = GraphedModule(model)
+    gm = GraphedModule(model, decode={"prefill_beside": bound} if bound is not None else None)
     short, seen = _prompts([5], seed=2)[0], _Collect()
     beside = gm.submit_generate(torch.tensor([short]), max_new_tokens=100, streamer=seen)
     deadline = time.monotonic() + 60
@@ -141,7 +150,10 @@ def test_beside_a_decoding_row_a_long_prompt_goes_in_pieces(chunk_8, monkeypatch
     assert torch.equal(gm.generate(torch.tensor([prompt]), max_new_tokens=6), _alone(model, prompt, max_new_tokens=6))
     assert torch.equal(beside.result(timeout=60), _alone(model, short, max_new_tokens=100))
     d = gm.stats()["decode"]
-    assert d["whole_prefills"] == 0 and d["prefill_pieces"] >= 5, d
+    if bound is not None:
+        assert d["whole_prefills"] == 0 and d["prefill_pieces"] >= 5, d
+    else:
+        assert d["whole_prefills"] == 1 and d["prefill_pieces"] == 0, d
     gm.close()
 
 

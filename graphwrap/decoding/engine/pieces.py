@@ -17,9 +17,11 @@ With one, the host had queued two or three steps by the time the last piece ende
 piece waited behind them: beside 32 decoding rows on a Llama-3-8B shape the 6,000-token prompt
 took 2.10 s against 1.32 with three, the others' gaps p99 about the same (30-34 ms).
 
-A long prompt that finds no row decoding and no other prompt in pieces goes in one eager forward
-instead (:func:`prefill_whole`, up to :data:`WHOLE` positions), before the prompts admitted with
-it: no row waits for it between two tokens.
+A long prompt that finds no other prompt in pieces goes in one eager forward instead
+(:func:`prefill_whole`, up to :data:`WHOLE` positions), before the prompts admitted with it,
+where no row decodes or where it fits the prompt tokens a turn admits beside decoding rows
+(:func:`.schedule.beside_of`): those rows then wait for it once, as for a turn's short prompts.
+Longer prompts beside decoding rows go in pieces, so that the rows wait a piece's share a turn.
 """
 
 import functools
@@ -32,7 +34,7 @@ from ..cache.pages import PagedStore
 from ..cache.rows import to_device
 from ..callers.delivery import OUTBOX
 from ..kernels.attention import without_cudnn
-from . import captures
+from . import captures, schedule
 from .first_token import first_tokens
 from .scheduler import bucket_of
 
@@ -45,8 +47,8 @@ IN_FLIGHT = 3  # pieces queued on the device at most (benchmarks/results/h200-20
 # in 0.39 s with 2,048 against 0.64 with one piece a turn, the rows' time 1.03x, their longest
 # gap 80 ms (one turn of 2,048 positions) against 23 (benchmarks/scheduler.py --budget 0,2048).
 BUDGET: Optional[int] = 2048
-# Positions up to which a long prompt that finds no row decoding (no other prompt in pieces, none
-# of it found cached) is prefilled in one eager forward of the model's own
+# Positions up to which a long prompt (no other prompt in pieces, none of it found cached; beside
+# decoding rows, within the turn's prompt budget) is prefilled in one eager forward of the model's own
 # attention, as ``model.generate`` prefills it, where the batch's ``decode={"prefill_whole": N}``
 # does not say (0 there: always in pieces). Pieces read the weights once a piece and attend
 # through the paged kernel; the one forward does neither. A request that comes meanwhile waits
@@ -58,11 +60,21 @@ WHOLE = 8192
 # 1,000-token prompt alone took 0.039 s in one forward against 0.033 in pieces; 4,000 tokens
 # 0.116 against 0.134 (benchmarks/results/h200-2026-11-30-whole/). 3.2e13 is 2,000 positions there.
 WHOLE_FROM = 3.2e13
+# Whether a long prompt within a turn's prompt budget (schedule.beside_of) goes in one forward
+# beside decoding rows too, rather than in pieces. On a Llama-3-8B shape (H200), a 7,900-token
+# prompt sent while 32 short requests decoded: its first token in 0.246-0.252 s against
+# 0.325-0.330 in pieces (its prefill alone 0.250), the shorts 1.58-1.61x their time alone against
+# 1.68-1.70x, their longest gap 197-219 ms against 69-70 (one turn's pieces of 2,048 positions);
+# the process's first such prompt in pieces, its shapes captured meanwhile, made the shorts take
+# 2.89x (benchmarks/scheduler.py --whole-beside 0,1 --long-after 0.15,
+# benchmarks/results/h200-2026-11-30-loop/). ``decode={"prefill_beside": N}`` below a prompt's
+# length sends it to pieces.
+WHOLE_BESIDE = True
 
 
 def route(server, seqs):
     """Of sequences just admitted, those whose feed is prefilled whole now (one long prompt
-    that found no row decoding has been, by :func:`prefill_whole`); the others go in
+    that may go whole, :func:`goes_whole`, has been, by :func:`prefill_whole`); the others go in
     pieces: a feed longer than the chunk from its start, and one whose leading blocks were found
     cached from where they end (its row's length set there first: a step's write for the row,
     which the next piece writes over, then lands in a block of its own, never a shared one)."""
@@ -75,7 +87,7 @@ def route(server, seqs):
             if s.call.cached_to is not None:  # (graphwrap's server counts them: its usage's cached_tokens)
                 OUTBOX.post(s.call.box, functools.partial(s.call.cached_to, s.cached))
         elif len(s.feed) > server.chunk:
-            if not one and alone(server, s, seqs) and prefill_whole(server, s):
+            if not one and goes_whole(server, s, seqs) and prefill_whole(server, s):
                 one = True
                 continue
             s.prefilled = 0
@@ -86,19 +98,24 @@ def route(server, seqs):
 
 
 def whole_of(server) -> int:
-    """Positions up to which a long prompt that finds no row decoding is prefilled in one forward, the batch's or
+    """Positions up to which a long prompt is prefilled in one forward, the batch's or
     :data:`WHOLE` (0: never)."""
     return (WHOLE if server.whole_limit is None else server.whole_limit) or 0
 
 
-def alone(server, s, admitted=()) -> bool:
-    """Whether ``s``, a long prompt just admitted, finds no row decoding and is within the bounds of
-    a whole forward (:func:`whole_of`, :data:`WHOLE_FROM`): no row decodes (the prompts
-    ``admitted`` with it this turn do not yet: theirs are prefilled after its forward, so no row
-    waits for it between two tokens) and no other prompt goes in pieces."""
+def goes_whole(server, s, admitted=()) -> bool:
+    """Whether ``s``, a long prompt just admitted, goes in one forward: within the bounds of a
+    whole forward (:func:`whole_of`, :data:`WHOLE_FROM`), no other prompt in pieces, and either
+    within the prompt tokens a turn admits beside decoding rows (:data:`WHOLE_BESIDE`) or no row
+    decoding (the prompts ``admitted`` with it this turn do not yet: theirs are prefilled after
+    its forward)."""
     n = len(s.feed)
     if n > whole_of(server) or server.sched.chunking or (_replays(server) and 2 * server.weights.count * n < WHOLE_FROM):
         return False
+    if WHOLE_BESIDE:
+        bound = schedule.beside_of(server)
+        if not bound or n <= bound:
+            return True
     new = {id(a) for a in admitted}
     return not any(h is not None and h is not s and h.needs_steps and id(h) not in new for h in server.sched.holders)
 

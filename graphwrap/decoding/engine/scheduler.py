@@ -153,7 +153,9 @@ class Scheduler:
             if s.done:
                 self.queue.popleft()
                 continue
-            cost = len(s.feed) if self.whole_feed is None else min(len(s.feed), self.whole_feed)  # (a longer one: pieces)
+            cost = len(s.feed)  # (a feed past the chunk and the budget goes in pieces: a chunk of it this turn)
+            if tokens is not None and self.whole_feed is not None and cost > tokens:
+                cost = min(cost, self.whole_feed)
             if tokens is not None and out and taken + cost > tokens:
                 break
             taken += cost

@@ -121,7 +121,7 @@ class ChunkStep(ModelForward):
 
 
 class WholeStep(ModelForward):
-    """A long prompt that finds no row decoding, in one eager forward into its row:
+    """A long prompt in one eager forward into its row (:func:`.pieces.goes_whole`):
     ``[1, L]`` token ids and ``slot`` ``[1]`` (its row, on the device) -> the logits of its last
     position ``[1, vocab]``. The model is given no mask and no positions, as for a prompt in a
     fresh cache with every position valid: it builds its own mask, or none where its attention
