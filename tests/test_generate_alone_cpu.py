@@ -400,12 +400,21 @@ def test_close_from_a_callers_callback_does_not_wait_for_itself():
 # ------------------------------------------------------------------ 12. and 13. asyncio, cancels
 
 
-def test_agenerate_under_a_full_queue_streams_the_prompt_once_keeps_its_seed_and_honours_cancel():
+def test_agenerate_under_a_full_queue_streams_the_prompt_once_keeps_its_seed_and_honours_cancel(monkeypatch):
+    from graphwrap.decoding.engine.step import DecodeStep
+
     model = _model()
     gm = GraphedModule(model, decode={"rows": 1, "max_queue": 1})
     kw = dict(max_new_tokens=8, do_sample=True, temperature=0.8)
     torch.manual_seed(11)
     with_room = gm.generate(torch.tensor([[5, 6, 7]]), **kw)
+    step = DecodeStep.forward
+
+    def slow_step(self, *args, **kwargs):  # (the first blocker still decodes while the tasks queue: 120 steps >= 0.6 s)
+        time.sleep(0.005)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeStep, "forward", slow_step)
 
     async def main():
         blockers = [gm.submit_generate(torch.tensor([[9, i + 2]]), max_new_tokens=120, do_sample=False)
