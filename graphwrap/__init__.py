@@ -25,8 +25,8 @@ __getattr__, __dir__ = exports(__name__, {
     "save_compile_cache": (".capture.compiled", "save_cache"),
     **{name: (".core.buckets", name) for name in ("Adaptive", "BucketTable", "default_buckets", "exact_buckets",
                                                    "fit_buckets", "padded_rows")},
-    "Grammar": (".decoding.engine.grammar", "Grammar"),
-    "GrammarError": (".decoding.engine.grammar", "GrammarError"),
+    "Grammar": (".decoding.callers.grammar", "Grammar"),
+    "GrammarError": (".decoding.callers.grammar", "GrammarError"),
     "GraphwrapError": (".errors", "GraphwrapError"),
     "Batcher": (".loops.batcher", "Batcher"),
     "Inputs": (".loops.pipeline", "Inputs"),
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
         fit_buckets,
         padded_rows,
     )
-    from .decoding.engine.grammar import Grammar, GrammarError
+    from .decoding.callers.grammar import Grammar, GrammarError
     from .errors import GraphwrapError
     from .loops.batcher import Batcher
     from .loops.pipeline import Inputs

@@ -21,7 +21,8 @@ jsonschema = pytest.importorskip("jsonschema", reason="needs jsonschema: pip ins
 import tiny_lm  # noqa: E402
 
 from graphwrap import Grammar, GrammarError, GraphedModule  # noqa: E402
-from graphwrap.decoding.engine.grammar import RowMasks, check  # noqa: E402
+from graphwrap.decoding.callers.grammar import check  # noqa: E402
+from graphwrap.decoding.engine.grammar import RowMasks  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import structured  # noqa: E402

@@ -42,3 +42,15 @@ def test_the_servers_side_of_the_engine_imports_no_torch_nor_the_http_side():
                "from graphwrap.serve.api import cli, engine_process, engines, fronts, loading, remote, routed\n"
                "print(sorted(m for m in ('torch', 'transformers', 'fastapi', 'uvicorn') if m in sys.modules))")
     assert out == "[]"
+
+
+def test_the_http_apps_own_modules_import_no_torch():
+    """The app, its client and its grammar checks (``graphwrap/decoding/callers/grammar.py``) and
+    the packed log-probabilities it unpacks (``logprobs.py``) are plain Python: the torch an HTTP
+    process holds comes from the tokenizer's transformers alone."""
+    pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+    out = _run("import sys\n"
+               "import graphwrap.serve.api.app\n"
+               "from graphwrap.decoding.callers import grammar, logprobs\n"
+               "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    assert out == "[]"

@@ -1,8 +1,9 @@
 """Many generations at once: concurrent ``gm.generate`` calls share one decode step.
 
 - :mod:`.callers`: ``gm.generate``'s way in (``front``), what a call asks for (``settings``),
-  a call's record and ending (``calls``), delivery off the decode thread (``delivery``), and the
-  turns of calls the batch does not serve (``turns``).
+  a call's record and ending (``calls``), delivery off the decode thread (``delivery``), a call's
+  grammar (``grammar``), packed log-probabilities (``logprobs``), and the turns of calls the batch
+  does not serve (``turns``).
 - :mod:`.engine`: the batch and its decode thread (``server``), the thread's turn (``loop``:
   ``schedule``, the run, ``outputs``), each sequence's record, the rows and the queue
   (``scheduler``, plain Python), the forwards over the cache (``step``, ``prefill``,

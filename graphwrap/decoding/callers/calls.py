@@ -3,11 +3,10 @@ ends (its streamer's tokens and end, then its result or error, delivered off the
 thread), and the errors a caller gets where the batch takes no call (:mod:`.errors`)."""
 
 import logging
-import struct
 import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -15,6 +14,7 @@ from ...errors import GraphwrapError
 from ..cache.pool import CachePlan, blocks_for
 from ..engine.scheduler import Seq
 from .delivery import Mailbox
+from .logprobs import Logprobs
 from .settings import CallPlan
 
 logger = logging.getLogger("graphwrap")
@@ -38,25 +38,6 @@ class Call:
     def __post_init__(self):
         self.sink = getattr(self.plan.streamer, "sink", None)
         self.cached_to = getattr(self.plan.streamer, "put_cached", None)
-
-
-class Logprobs(NamedTuple):
-    """A token's log-probabilities, still packed: its step's rows as float32 bytes
-    (:func:`~.sampling.logprobs`: each row the chosen token's log-probability, then the ``most``
-    highest and their ids), its row, and how many of the highest its sequence asked for (``k``).
-    Made on the decode thread without a Python number per value, pickled with its step's bytes
-    once per message, unpacked where the numbers are wanted (:meth:`unpack`)."""
-
-    step: bytes
-    row: int
-    most: int
-    k: int
-
-    def unpack(self) -> Tuple[float, List[Tuple[int, float]]]:
-        """``(log-probability, [(id, log-probability), ...])``, the ``k`` most likely first."""
-        width = 1 + 2 * self.most
-        v = struct.unpack_from(f"{width}f", self.step, 4 * width * self.row)
-        return v[0], [(int(v[1 + self.most + j]), v[1 + j]) for j in range(min(self.k, self.most))]
 
 
 def put_token(call: Call, streamer, token: int, made: float = 0.0, lag: Optional[Deque[float]] = None,

@@ -26,12 +26,12 @@ from ...loops import decode
 from ...loops.positions import check_positions
 from ..cache.pool import CACHE_MEMORY, MIN_ROWS
 from ..engine import collector
-from ..engine.grammar import GrammarError
 from ..engine.scheduler import buckets_upto
 from ..engine.step import model_positions
 from ..engine.weights import note_values
 from ..kernels.attention import without_cudnn
 from . import turns
+from .grammar import GrammarError
 from .settings import PENALTY_KWARGS, CallPlan, plan_call
 
 logger = logging.getLogger("graphwrap")

@@ -132,7 +132,7 @@ def plan_call(model, args, kwargs) -> Union[CallPlan, str]:
 def _compiled(model, grammar, tokenizer, s: SeqSettings):
     """The call's grammar compiled for the model's scores (GrammarError where it cannot be served:
     never the one-call loop, which would not apply it)."""
-    from ..engine.grammar import Grammar, GrammarError, compile_for
+    from .grammar import Grammar, GrammarError, compile_for
 
     if not isinstance(grammar, Grammar):
         raise GrammarError(f"grammar= takes a graphwrap Grammar (Grammar.json_schema(...), ...), not {type(grammar).__name__}")

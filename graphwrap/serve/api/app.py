@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from ...decoding.callers.errors import Closed, QueueFull
-from ...decoding.engine.grammar import GrammarError, check
+from ...decoding.callers.grammar import GrammarError, check
 from . import logprobs
 from .client import Client, Cut, Piece, TokenLogprob
 from .engines import EngineGone, Failed, Unservable

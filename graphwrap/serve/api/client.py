@@ -15,7 +15,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Set, Tuple
 
-from ...decoding.callers.calls import Logprobs
+from ...decoding.callers.logprobs import Logprobs
 from .metrics import Metrics
 from .text import Detokenizer, StopText, decoder
 

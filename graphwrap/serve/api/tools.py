@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from ...decoding.engine.grammar import Grammar
+from ...decoding.callers.grammar import Grammar
 
 PARSERS = ("auto", "hermes", "llama3_json", "none")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
