@@ -1,9 +1,8 @@
 """Scenario "quantized": quantized weights (``graphwrap.quantize``) beside fp16, in one process.
 
 One model of ``--model``'s shape (random weights, fp16, seed 0) and a twin of it for each of
-``--kinds`` (a deep copy, then ``graphwrap.quantize(..., kind)``: ``fp8``, ``int8`` weight-only,
-``int4`` weight-only from a bfloat16 copy, which needs torchao), each through its own
-GraphedModule:
+``--kinds`` (a deep copy, then ``graphwrap.quantize(..., kind)``: ``fp8``, ``int8`` or ``int4``
+weight-only), each through its own GraphedModule:
 
 - **agreement**, teacher-forced: ``--agree-seqs`` random sequences of ``--agree-len`` tokens
   through both eager models; at each position, whether the twin's argmax is fp16's, or within 0.01
@@ -166,9 +165,8 @@ def main():
 
 
 def twin_of(full, kind: str):
-    """A copy of ``full`` in ``kind`` (int4: from a bfloat16 copy, the dtype torch's int4 kernel takes)."""
-    twin = copy.deepcopy(full)
-    return graphwrap.quantize(twin.to(torch.bfloat16) if kind == "int4" else twin, kind)
+    """A copy of ``full`` in ``kind``."""
+    return graphwrap.quantize(copy.deepcopy(full), kind)
 
 
 def _agree(full, name: str, other, a, device) -> dict:

@@ -1,5 +1,5 @@
-"""FP8 and int8 weights for the graphs: a model's ``nn.Linear`` layers, in place, as
-:class:`Fp8Linear` or :class:`Int8Linear`.
+"""FP8, int8 and int4 weights for the graphs: a model's ``nn.Linear`` layers, in place, as
+:class:`Fp8Linear`, :class:`Int8Linear` or :class:`Int4Linear`.
 
 ``graphwrap.quantize(model, "fp8")`` (``nn.Linear`` and transformers' ``Conv1D``) before the wrap (``GraphedModule(graphwrap.quantize(model,
 "fp8"))``, ``serve --quantization fp8``): each weight in FP8 E4M3 with a scale per output
@@ -22,10 +22,13 @@ one kernel.
 largest magnitude over 127) as :class:`Int8Linear`, the activations as they are: on a GPU with
 Triton, in fp16 or bf16, :func:`few_rows` reads the int8 weights (each made fp16 by its bits);
 elsewhere the weight scaled back and torch's product. Its groups share buffers as FP8's do.
-(``"int4"``: torchao's, :mod:`.weight_only`.)
+``graphwrap.quantize(model, "int4")``: :class:`Int4Linear`, each weight a value 0-15 in
+groups of 128 inputs with a scale and an offset each (:mod:`.weight_only` packs them and makes
+the product), the activations as they are; its groups share buffers too.
 
-Left in their dtype: the output head (``lm_head``, or any module named in ``skip``), and
-layers whose sizes are not multiples of 16 (what ``_scaled_mm`` takes). A GPU below compute
+Left in their dtype: the output head (``lm_head``, or any module named in ``skip``), FP8
+layers whose sizes are not multiples of 16 (what ``_scaled_mm`` takes), and int4 layers whose
+inputs are not a multiple of 128. A GPU below compute
 capability 8.9 has no FP8 products: refused with the reason. On a CPU, torch's own kernel
 runs it (slowly: for tests). A model quantized again is left as it is.
 """
@@ -40,11 +43,12 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from . import weight_only
 from .errors import GraphwrapError
 
 logger = logging.getLogger("graphwrap")
 
-KINDS = ("fp8", "int8", "int4")  # (int8 and int4: weight-only; int4 through torchao, weight_only.py)
+KINDS = ("fp8", "int8", "int4")  # (int8 and int4: weight-only; int4's packing and product in weight_only.py)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 TINY = 1e-12  # (a row of zeros: its scale, so that nothing divides by zero)
@@ -62,19 +66,21 @@ _HERE = threading.local()  # exact: this thread's Fp8Linear products unrounded (
 
 class QuantizedLinear(nn.Module):
     """What graphwrap's quantized linear layers share: the weight in an integer or FP8 buffer
-    named :attr:`QUANTIZED` (``[out, in]``), its scales ``weight_scale [1, out]`` (float32, per
-    output channel), the bias, if any, added in the input's dtype, and the product of a call's
-    rows (:meth:`rows`)."""
+    named :attr:`QUANTIZED` (``[out, in]``; int4's ``[out, in / 2]``), its scales
+    ``weight_scale`` (FP8's and int8's ``[1, out]``, float32, per output channel; int4's per
+    group, along dimension :attr:`SCALES_BY_OUTPUT` = 0), the bias, if any, added in the input's
+    dtype, and the product of a call's rows (:meth:`rows`)."""
 
     QUANTIZED = ""  # the weight's buffer
     KIND = ""
+    SCALES_BY_OUTPUT = 1  # weight_scale's dimension along the outputs
     weight_scale: Tensor
 
     def __init__(self, linear: nn.Module, weight: Tensor, scale: Tensor):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer(self.QUANTIZED, weight)
-        self.register_buffer("weight_scale", scale[None, :].contiguous())
+        self.register_buffer("weight_scale", scale.contiguous())
         bias = cast(Optional[Tensor], linear.bias)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.train(linear.training)  # (an eval model's layer stays in eval: a training one runs eagerly)
@@ -130,7 +136,7 @@ class Fp8Linear(QuantizedLinear):
     def __init__(self, linear: nn.Module):
         w = _weight(linear)
         scale = w.float().abs().amax(dim=1).clamp(min=TINY) / FP8_MAX
-        super().__init__(linear, (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale)
+        super().__init__(linear, (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale[None, :])
 
     @staticmethod
     def rows(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
@@ -153,7 +159,8 @@ class Int8Linear(QuantizedLinear):
     def __init__(self, linear: nn.Module):
         w = _weight(linear).float()
         scale = w.abs().amax(dim=1).clamp(min=TINY) / INT8_MAX
-        super().__init__(linear, (w / scale[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale)
+        super().__init__(linear, (w / scale[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8),
+                         scale[None, :])
 
     @staticmethod
     def rows(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
@@ -164,6 +171,34 @@ class Int8Linear(QuantizedLinear):
                 rows = rows.contiguous()
             return few_rows(rows, None, weight, scale, rows.dtype)
         return nn.functional.linear(rows, (weight.to(torch.float32) * scale.t()).to(rows.dtype))
+
+
+class Int4Linear(QuantizedLinear):
+    """``nn.Linear``'s product from int4 weights (:mod:`.weight_only`): ``weight_int4 [out, in /
+    2]`` (uint8, two values a byte) and ``weight_scale [out, in / 128, 2]`` (fp16: each group's
+    scale and offset), the input as it is; the bias, if any, added in the input's dtype. On a GPU
+    with Triton, in fp16 or bf16, graphwrap's kernel reads the packed bytes; elsewhere the weight
+    made again in the input's dtype and torch's product."""
+
+    QUANTIZED = "weight_int4"
+    KIND = "int4"
+    SCALES_BY_OUTPUT = 0
+    weight_int4: Tensor
+
+    def __init__(self, linear: nn.Module):
+        weight, scale = weight_only.pack(_weight(linear))
+        super().__init__(linear, weight, scale)
+        self.in_features = weight.shape[1] * 2
+
+    @staticmethod
+    def rows(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+        rows = x.reshape(-1, weight.shape[1] * 2)
+        if (rows.is_cuda and rows.dtype in (torch.float16, torch.bfloat16) and _triton()
+                and not torch.compiler.is_compiling()):
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            return weight_only.product(rows, weight, scale, _processors(rows.device))
+        return nn.functional.linear(rows, weight_only.unpack(weight, scale).to(rows.dtype))
 
 
 def product(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dtype: torch.dtype) -> Tensor:
@@ -278,8 +313,8 @@ def together(x: Tensor, layers: Sequence[nn.Module]) -> Optional[List[Tensor]]:
         return None
     mods = cast(Sequence[QuantizedLinear], layers)
     weight = _joined([getattr(m, m.QUANTIZED) for m in mods], 0)
-    scale = _joined([m.weight_scale for m in mods], 1)
-    if weight is None or scale is None or weight.shape[1] != x.shape[-1] or weight.device != x.device:
+    scale = _joined([m.weight_scale for m in mods], mods[0].SCALES_BY_OUTPUT)
+    if weight is None or scale is None or mods[0].in_features != x.shape[-1] or weight.device != x.device:
         return None
     out = mods[0].rows(x, weight, scale)
     outs, at = [], 0
@@ -298,7 +333,12 @@ def gated(x: Tensor, gate: nn.Module, up: nn.Module, down: nn.Module) -> Optiona
     in one kernel (``silu_product_to_fp8``: on an H200 at 256 rows of the Llama-3-8B shape, three
     kernels of 4.8, 5.4 and 7.7 us before); None where that kernel does not run here (a CPU, no
     Triton, rows wider than :data:`WIDEST`, another dtype than fp16 and bf16, exact products on
-    this thread) or the layers' widths do not chain."""
+    this thread) or the layers' widths do not chain. Weight-only layers (int8, int4) whose gate
+    and up share a buffer: their two products as one (:func:`together`), then the module's own
+    steps."""
+    if type(gate) in (Int8Linear, Int4Linear):
+        pair = together(x, [gate, up])
+        return None if pair is None else down(nn.functional.silu(pair[0]) * pair[1])
     if (getattr(_HERE, "exact", False) or not all(type(m) is Fp8Linear and _plain(m) for m in (gate, up, down))
             or not x.is_cuda
             or x.dtype not in (torch.float16, torch.bfloat16) or not _triton() or torch.compiler.is_compiling()):
@@ -344,21 +384,23 @@ def _plain(m: nn.Module) -> bool:
 
 
 def _joined(parts: Sequence[Tensor], dim: int) -> Optional[Tensor]:
-    """The tensor ``parts`` make along ``dim`` where they are its consecutive views (each dense,
-    the next beginning where the last ends in one storage), else None."""
+    """The dense tensor ``parts`` make along ``dim`` where they are its consecutive views (each
+    dense, the next beginning where the last ends in one storage), else None. Along a dimension
+    past the first, the dimensions before it must be 1 (scales ``[1, out]``)."""
     first = parts[0]
     at = first.storage_offset()
     for t in parts:
         if (not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device or t.storage_offset() != at
                 or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                or t.shape[1 - dim] != first.shape[1 - dim]):
+                or t.shape[:dim] != first.shape[:dim] or t.shape[dim + 1:] != first.shape[dim + 1:]):
             return None
         at += t.numel()
-    if dim == 1 and first.shape[0] != 1:
-        return None  # (scales [1, out]: along dim 1 their views are dense only as one row)
+    if any(n != 1 for n in first.shape[:dim]):
+        return None  # (along a later dimension the views are dense only where those before are 1)
     shape = list(first.shape)
     shape[dim] = sum(t.shape[dim] for t in parts)
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, (shape[1], 1))
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape,
+                                   torch.empty(shape, device="meta").stride())
 
 
 @contextlib.contextmanager
@@ -513,18 +555,14 @@ def fp8_supported(device: torch.device) -> Optional[str]:
 
 def quantize(model: nn.Module, kind: str = "fp8", skip: Iterable[str] = ("lm_head",)) -> nn.Module:
     """``model`` with its linear layers (``nn.Linear``, ``Conv1D``) in ``kind``, in place, returned:
-    ``"fp8"`` or ``"int8"`` weight-only (here), or ``"int4"`` weight-only (``nn.Linear``, through
-    torchao: :mod:`.weight_only`). The modules named (last part of the name) in ``skip`` are left as they
-    are, and in FP8 layers of sizes not multiples of 16. The log says how many were quantized."""
+    ``"fp8"``, or ``"int8"`` or ``"int4"`` weight-only. The modules named (last part of the name)
+    in ``skip`` are left as they are, and FP8 layers of sizes not multiples of 16, and int4 layers
+    whose inputs are not a multiple of 128. The log says how many were quantized."""
     if kind not in KINDS:
         raise GraphwrapError(f"quantize: kind must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
-    if kind == "int4":
-        from . import weight_only
-
-        return weight_only.quantize(model, kind, skip)
     skip = set(skip)
-    if kind == "int8":
-        return _int8(model, skip)
+    if kind in ("int8", "int4"):
+        return _weight_only(model, skip, kind)
     counts: Dict[str, int] = {"quantized": 0, "skipped": 0, "sizes": 0}
     targets = []
     for name, module in model.named_modules():
@@ -579,34 +617,43 @@ def _share(module: nn.Module) -> List[int]:
             continue
         if _joined([getattr(m, name) for m in mods], 0) is not None:
             continue  # (shared already)
+        by = mods[0].SCALES_BY_OUTPUT
         weight = torch.cat([getattr(m, name) for m in mods])
-        scale = torch.cat([m.weight_scale for m in mods], dim=1)
+        scale = torch.cat([m.weight_scale for m in mods], dim=by)
         at = 0
         for m in mods:
             m._buffers[name] = weight[at:at + m.out_features]
-            m._buffers["weight_scale"] = scale[:, at:at + m.out_features]
+            m._buffers["weight_scale"] = scale.narrow(by, at, m.out_features)
             at += m.out_features
         done[-1] = 1
     return done
 
 
-def _int8(model: nn.Module, skip: Set[str]) -> nn.Module:
+def _weight_only(model: nn.Module, skip: Set[str], kind: str) -> nn.Module:
     """``model``'s linear layers (``nn.Linear``, ``Conv1D``) but those named in ``skip`` as
-    :class:`Int8Linear`, in place, each group of :data:`SHARED` in one buffer."""
-    targets, skipped = [], 0
+    :class:`Int8Linear` or :class:`Int4Linear` (``kind``), in place, each group of :data:`SHARED`
+    in one buffer. int4 leaves layers whose inputs are not a multiple of its groups' 128, or
+    whose groups' scales are past fp16's range (:func:`.weight_only.fits`); the log counts each."""
+    cls = Int8Linear if kind == "int8" else Int4Linear
+    targets, left = [], {"name": 0, "size": 0, "range": 0}
     for module in model.modules():
         for name, child in module.named_children():
-            if _linear(child):
-                if name in skip:
-                    skipped += 1
-                else:
-                    targets.append((module, name, child))
+            if not _linear(child):
+                continue
+            why = "name" if name in skip else (weight_only.fits(_weight(child)) if cls is Int4Linear else None)
+            if why:
+                left[why] += 1
+            else:
+                targets.append((module, name, child))
     for module, name, child in targets:
-        setattr(module, name, Int8Linear(child))
+        setattr(module, name, cls(child))
     shared = [sum(n) for n in zip(*(_share(m) for m in model.modules()))] or [0] * len(SHARED)
-    logger.info("quantize int8: %d linear layers in int8 weight-only (sharing a buffer: %s); %d left as they are by "
-                "name (%s)", len(targets), ", ".join(f"{n} groups of {'/'.join(g)}" for g, n in zip(SHARED, shared)),
-                skipped, ", ".join(sorted(skip)) or "none")
+    sizes = (f", {left['size']} whose inputs are not a multiple of {weight_only.GROUP}, {left['range']} past fp16's "
+             "range" if cls is Int4Linear else "")
+    logger.info("quantize %s: %d linear layers in %s weight-only (sharing a buffer: %s); %d left as they are by "
+                "name (%s)%s", kind, len(targets), kind, ", ".join(f"{n} groups of {'/'.join(g)}"
+                                                                   for g, n in zip(SHARED, shared)),
+                left["name"], ", ".join(sorted(skip)) or "none", sizes)
     if not targets:
-        logger.warning("quantize int8: no linear layer of this model could be quantized: it runs as it was")
+        logger.warning("quantize %s: no linear layer of this model could be quantized: it runs as it was", kind)
     return model

@@ -1,67 +1,101 @@
-"""Int4 weight-only layers through torchao (``graphwrap.quantize(model, "int4")``).
+"""Int4 weights, graphwrap's own: how :class:`~.quantized.Int4Linear` packs them and makes its
+product (``graphwrap.quantize(model, "int4")``).
 
 For one stream and small batches a decode step is bound by reading the weights, and int4
-weight-only layers read a quarter of fp16's bytes. torchao's ``Int4WeightOnlyConfig``, in groups
-of 128 along the input, packed for torch's own int4 kernel (``tile_packed_to_4d``: tinygemm, no
-other library), on a CUDA GPU with the model in bfloat16, which that kernel takes; refused
-elsewhere, with the reason. Its layers are tensor subclasses whose every step is a device
-operation: a graph captures and replays them like any other. (int8 weight-only layers are
-graphwrap's own: :class:`~.quantized.Int8Linear`.)
-
-A model quantized with torchao's ``quantize_`` by its owner (int8 or int4) wraps the same way:
-nothing here is needed for it. torchao is an optional extra: ``pip install "graphwrap[quant]"``.
+weight-only layers read a little over a quarter of fp16's bytes. Each weight is a value 0-15 in
+groups of :data:`GROUP` inputs, each group with a scale and an offset (a weight is ``offset +
+value * scale``: the group's smallest weight and its range over 15, both in fp16), two values a
+byte (:func:`pack`). On a GPU with Triton, in fp16 or bf16, one kernel of graphwrap's
+(``_int4_triton.int4_product``) makes the product reading those bytes (:func:`product`);
+elsewhere the layer makes the weight again (:func:`unpack`) and takes torch's product. Every step
+is a device operation, so graphs capture and replay it like any other.
 """
 
-import logging
-from typing import Iterable
+from typing import Optional, Tuple
 
 import torch
-import torch.nn as nn
+from torch import Tensor
 
-from .errors import GraphwrapError
+GROUP = 128  # inputs sharing a scale and an offset (the kernel's step)
+HALF = GROUP // 2  # a group's bytes: input j in the low four bits of byte j, input HALF + j in the high four
+LEVELS = 15  # the largest value (four bits)
+ROWS = 16  # at most this many rows take shape_of_work; more, TILES
+TILES = (64, 64, 1, 4, 3)  # past ROWS rows: (rows, outputs a program, parts, warps, stages)
 
-logger = logging.getLogger("graphwrap")
-GROUP = 128  # int4: input positions sharing a scale and a zero point
+
+def pack(weight: Tensor) -> Tuple[Tensor, Tensor]:
+    """``weight [out, in]`` (``in`` a multiple of :data:`GROUP`) as its int4 bytes ``[out, in / 2]``
+    (uint8) and each group's scale and offset ``[out, in / GROUP, 2]`` (fp16). The scale and
+    offset are rounded to fp16 first, and each value is the nearest of 0-15 on that grid; a group
+    of one value keeps it as its offset."""
+    w = weight.detach().float()
+    out, k = w.shape
+    groups = w.reshape(out, k // GROUP, GROUP)
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    scale = ((high - low) / LEVELS).to(torch.float16)
+    offset = low.to(torch.float16)
+    step = scale.float()[..., None]
+    values = ((groups - offset.float()[..., None]) / torch.where(step > 0, step, torch.ones_like(step)))
+    values = torch.where(step > 0, values.round().clamp(0, LEVELS), torch.zeros_like(values)).to(torch.uint8)
+    bytes_ = values[..., :HALF] | (values[..., HALF:] << 4)
+    return bytes_.reshape(out, k // 2).contiguous(), torch.stack([scale, offset], dim=2).contiguous()
 
 
-def refused(model: nn.Module, kind: str) -> "str | None":
-    """Why ``kind`` (torchao's: int4) cannot be served for ``model`` here (None where it can)."""
-    try:
-        import torchao  # noqa: F401
-    except ImportError:
-        return f"{kind} weights need torchao: pip install 'graphwrap[quant]'"
-    p = next(model.parameters(), None)
-    if p is None or p.device.type != "cuda":
-        return "int4 weights run on a CUDA GPU only (torch's int4 kernel); this model is on " + (
-            str(p.device) if p is not None else "no device")
-    if p.dtype != torch.bfloat16:
-        return (f"int4 weights need the model in bfloat16 (torch's int4 kernel takes it), not {p.dtype}: "
-                "model.bfloat16() (serve: --dtype bfloat16)")
+def unpack(packed: Tensor, scales: Tensor) -> Tensor:
+    """The weight ``[out, in]`` (float32) that :func:`pack`'s bytes and scales stand for."""
+    out, half = packed.shape
+    b = packed.reshape(out, half // HALF, HALF)
+    values = torch.cat([b & 0xF, b >> 4], dim=2).float()
+    s = scales.float()
+    return (s[..., 1:] + values * s[..., :1]).reshape(out, half * 2)
+
+
+def fits(weight: Tensor) -> Optional[str]:
+    """Why ``weight [out, in]`` cannot be packed (None where it can): its inputs are not a
+    multiple of :data:`GROUP`, or its groups' scales or offsets are past fp16's range."""
+    if weight.shape[1] % GROUP:
+        return "size"
+    w = weight.detach().float().reshape(weight.shape[0], -1, GROUP)
+    if not (torch.isfinite(w.amin(dim=2).half()).all() and torch.isfinite(((w.amax(dim=2) - w.amin(dim=2)) / LEVELS)
+                                                                         .half()).all()):
+        return "range"
     return None
 
 
-def quantize(model: nn.Module, kind: str, skip: Iterable[str]) -> nn.Module:
-    """``model``'s ``nn.Linear`` layers but those named in ``skip`` in ``kind`` (int4), in place,
-    by torchao's ``quantize_``; raises :class:`GraphwrapError` with the reason where it cannot."""
-    why = refused(model, kind)
-    if why is not None:
-        raise GraphwrapError(f"quantize(..., {kind!r}): {why}")
-    skip = set(skip)
-    from torchao.quantization import Int4WeightOnlyConfig, quantize_
+def product(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, bm: Optional[int] = None,
+            bn: Optional[int] = None, split: Optional[int] = None, warps: Optional[int] = None,
+            stages: Optional[int] = None) -> Tensor:
+    """``rows [m, in]`` (fp16 or bf16, on a GPU) times the int4 weight ``weight``, ``scale``
+    (:func:`pack`'s), in ``rows``' dtype, by ``int4_product``, on a chip of ``processors`` SMs.
+    Up to :data:`ROWS` rows, the shape of work of :func:`shape_of_work`; more, tiles of
+    :data:`TILES`. ``bm``, ``bn``, ``split``, ``warps``, ``stages``: that shape given
+    (``fp8_products.py --weight-only --tune``)."""
+    import triton
 
-    taken = []
+    from ._fp8_triton import sum_parts
+    from ._int4_triton import int4_product
 
-    def chosen(module: nn.Module, name: str) -> bool:
-        ok = type(module) is nn.Linear and name.rsplit(".", 1)[-1] not in skip
-        if ok:
-            taken.append(name)
-        return ok
+    m, k = rows.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=rows.dtype, device=rows.device)
+    if m == 0:
+        return out
+    shape = (16, *shape_of_work(n, k, processors)) if m <= ROWS else TILES
+    bm, bn, split, warps, stages = (c if v is None else v for v, c in zip((bm, bn, split, warps, stages), shape))
+    parts = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=rows.device)
+    groups = k // GROUP
+    int4_product[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
+        rows, weight, scale, parts, m, n, groups, -(-groups // split), rows.stride(0), weight.stride(0), scale.stride(0),
+        n, m * n, BM=bm, BN=bn, SPLIT=split, BF16=rows.dtype == torch.bfloat16, num_warps=warps, num_stages=stages)
+    if split > 1:
+        sum_parts[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
+    return out
 
-    # (set_inductor_config: torchao's default sets Inductor's options for the whole process)
-    config = Int4WeightOnlyConfig(group_size=GROUP, int4_packing_format="tile_packed_to_4d", set_inductor_config=False)
-    quantize_(model, config, filter_fn=chosen)
-    logger.info("quantize %s: %d linear layers by torchao; left as they are by name: %s", kind, len(taken),
-                ", ".join(sorted(skip)) or "none")
-    if not taken:
-        logger.warning("quantize %s: no linear layer of this model could be quantized: it runs as it was", kind)
-    return model
+
+def shape_of_work(n: int, k: int, processors: int) -> Tuple[int, int, int, int]:
+    """:func:`product`'s ``(bn, split, warps, stages)`` for a few rows of ``n`` outputs of ``k``
+    inputs on a chip of ``processors`` SMs: outputs a program as for FP8's few rows
+    (:func:`graphwrap.quantized.shape_of_work`), the groups in 4 parts where the inputs are at
+    least 8,192 and the programs fewer than the SMs."""
+    bn = next((b for b in (64, 32) if 2 * -(-n // b) >= processors), 16)
+    return bn, 4 if k >= 8192 and -(-n // bn) < processors else 1, 4, 4

@@ -76,9 +76,9 @@ def test_quantize_refuses_what_it_cannot_serve(monkeypatch):
     assert type(model[0]) is nn.Linear, "refused: nothing changed"
 
 
-def _llama():
+def _llama(hidden=64, intermediate=128):
     torch.manual_seed(0)
-    cfg = tr.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    cfg = tr.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=101, max_position_embeddings=256, bos_token_id=1,
                          eos_token_id=None, pad_token_id=0)
     return tr.AutoModelForCausalLM.from_config(cfg).eval()
@@ -395,22 +395,98 @@ def test_a_model_quantized_by_torchao_itself_wraps_and_decodes_in_the_shared_bat
     gm.close()
 
 
-def test_int4_and_a_missing_torchao_are_refused_with_the_reason_and_int8_needs_no_torchao(monkeypatch):
-    from graphwrap.quantized import Int8Linear
+def test_int4_and_int8_need_no_torchao_and_an_unknown_kind_is_refused(monkeypatch):
+    from graphwrap.quantized import Int4Linear, Int8Linear
 
-    model = _llama()
-    try:
-        import torchao  # noqa: F401
-    except ImportError:
-        pass
-    else:  # (torchao here: int4 needs a CUDA GPU)
-        with pytest.raises(GraphwrapError, match="CUDA GPU"):
-            graphwrap.quantize(model, "int4")
     monkeypatch.setitem(__import__("sys").modules, "torchao", None)  # (an import of it now fails)
-    with pytest.raises(GraphwrapError, match=r"torchao: pip install 'graphwrap\[quant\]'"):
-        graphwrap.quantize(model, "int4")
-    assert all(type(m) is not Fp8Linear for m in model.modules()) and type(model.lm_head.weight) is nn.Parameter
-    graphwrap.quantize(model, "int8")  # (graphwrap's own: no torchao)
+    model = graphwrap.quantize(_llama(hidden=128, intermediate=256), "int4")
+    assert type(model.model.layers[0].self_attn.q_proj) is Int4Linear
+    graphwrap.quantize(model, "int8")  # (what int4 took is quantized already: left as it is)
+    assert type(model.model.layers[0].self_attn.q_proj) is Int4Linear
+    model = graphwrap.quantize(_llama(), "int8")
     assert type(model.model.layers[0].self_attn.q_proj) is Int8Linear
     with pytest.raises(GraphwrapError, match="kind must be one of 'fp8', 'int8', 'int4'"):
         graphwrap.quantize(model, "int2")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_an_int4_layer_packs_groups_of_128_two_values_a_byte_and_is_its_unpacked_weights_product(bias):
+    """Int4Linear: each group of 128 inputs as values 0-15 on the grid of its scale and offset
+    (fp16: the group's range over 15 and its smallest weight), byte j holding input j low and
+    input 64 + j high; the product is the unpacked weight's; a dtype change keeps the bytes and
+    the fp16 scales."""
+    from graphwrap.quantized import Int4Linear
+    from graphwrap.weight_only import unpack
+
+    torch.manual_seed(2)
+    linear = nn.Linear(256, 24, bias=bias)
+    with torch.no_grad():
+        linear.weight[3, :128] = 0.25  # (a group of one value: kept as its offset, exactly)
+    layer = Int4Linear(linear)
+    w = linear.weight.detach()
+    assert layer.weight_int4.dtype == torch.uint8 and layer.weight_int4.shape == (24, 128)
+    assert layer.weight_scale.dtype == torch.float16 and layer.weight_scale.shape == (24, 2, 2)
+    assert (layer.in_features, layer.out_features) == (256, 24)
+    groups = w.reshape(24, 2, 128)
+    scale, offset = layer.weight_scale[..., 0].float(), layer.weight_scale[..., 1].float()
+    assert torch.equal(offset, groups.amin(dim=2).half().float())
+    assert torch.equal(scale, ((groups.amax(dim=2) - groups.amin(dim=2)) / 15).half().float())
+    b = layer.weight_int4[5, 64:128]  # (row 5's second group)
+    values = ((groups[5, 1] - offset[5, 1]) / scale[5, 1]).round().clamp(0, 15).to(torch.uint8)
+    assert torch.equal(b & 0xF, values[:64]) and torch.equal(b >> 4, values[64:])
+    back = unpack(layer.weight_int4, layer.weight_scale)
+    assert torch.equal(back[3, :128], torch.full((128,), 0.25))
+    assert ((back - w).abs().reshape(24, 2, 128) <= scale[..., None] / 2 + 1e-3 * scale[..., None] + 1e-7).all(), \
+        "each weight within half a step of its group's grid"
+    x = torch.randn(3, 5, 256)
+    want = x @ back.t() + (linear.bias.detach() if bias else 0)
+    torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+    rel = (layer(x) - linear(x)).norm() / linear(x).norm()
+    assert 0 < rel < 0.1, rel
+    layer.half()
+    assert layer.weight_int4.dtype == torch.uint8 and layer.weight_scale.dtype == torch.float16
+    assert layer(x.half()).dtype == torch.float16
+
+
+def test_int4_leaves_layers_whose_inputs_are_not_a_multiple_of_128_and_says_so(gw_log):
+    from graphwrap.quantized import Int4Linear
+
+    model = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 128), nn.Linear(128, 10))
+    graphwrap.quantize(model, "int4")
+    assert type(model[0]) is Int4Linear and type(model[2]) is nn.Linear and type(model[3]) is Int4Linear
+    assert "quantize int4: 2 linear layers in int4 weight-only (sharing a buffer: 0 groups of q_proj/k_proj/v_proj, " \
+        "0 groups of gate_proj/up_proj); 0 left as they are by name (lm_head), 1 whose inputs are not a multiple of " \
+        "128, 0 past fp16's range" in gw_log.text
+    big = nn.Linear(128, 16)
+    with torch.no_grad():
+        big.weight[0, 0] = 1e6  # (a group's range over 15 past fp16's largest)
+    wrapped = nn.Sequential(big)
+    graphwrap.quantize(wrapped, "int4")
+    assert type(wrapped[0]) is nn.Linear and "1 past fp16's range" in gw_log.text
+
+
+def test_int4_weight_only_layers_give_the_shared_batch_the_quantized_models_own_tokens(gw_log):
+    """graphwrap's own int4 layers: every linear but the head, q/k/v and gate/up in one buffer
+    each (together makes q/k/v as one product and gated gate/up as one, each the layers' own
+    output); the shared batch gives the quantized model's own greedy tokens, and the wrapper's
+    forward its logits."""
+    from graphwrap.quantized import Int4Linear, gated, together
+
+    model = graphwrap.quantize(_llama(hidden=128, intermediate=256), "int4")
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[1].mlp
+    assert type(attn.q_proj) is Int4Linear and type(mlp.down_proj) is Int4Linear
+    assert type(model.lm_head) is nn.Linear, "the head stays in its dtype"
+    assert "quantize int4: 14 linear layers in int4 weight-only (sharing a buffer: 2 groups of q_proj/k_proj/v_proj, " \
+        "2 groups of gate_proj/up_proj); 1 left as they are by name (lm_head)" in gw_log.text
+    x = torch.randn(2, 3, 128)
+    outs = together(x, [attn.q_proj, attn.k_proj, attn.v_proj])
+    assert outs is not None
+    for m, o in zip((attn.q_proj, attn.k_proj, attn.v_proj), outs):
+        torch.testing.assert_close(o, m(x), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(gated(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj), mlp(x), atol=1e-6, rtol=1e-6)
+    gm = own_tokens(model, (4, 11, 23), new=10, seed=4)
+    assert gm.stats()["generate"] == {"graphwrap's shared decode batch": 3}
+    x = torch.randint(2, 101, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(gm(x).logits, model(x).logits)
+    gm.close()

@@ -1,5 +1,5 @@
 """``graphwrap.quantize(model, "fp8")`` on a GPU of compute capability 8.9 or later (and "int8"
-weight-only, graphwrap's own, and "int4", through torchao, where it is installed): the FP8
+and "int4" weight-only, graphwrap's own): the FP8
 product (torch's row-wise product, fast accumulation) against the same arithmetic written
 out; an attention layer's three projections as one product against each layer's own; graphwrap's kernel that scales rows to E4M3 against the torch steps it replaces, bit for bit; a GraphedModule over a quantized MLP replays a graph and gives eager's output; the shared
 decode batch over a quantized model gives that model's own greedy tokens (fp32 around the
@@ -285,11 +285,60 @@ def test_the_shared_batch_over_int8_layers_in_fp16_takes_one_product_for_q_k_and
 
 
 
-@pytest.mark.parametrize("kind, dtype", [("int8", torch.float32), ("int4", torch.bfloat16)])
-def test_weight_only_layers_replay_in_graphs_and_the_shared_batch_gives_the_models_own_tokens(kind, dtype):
-    if kind == "int4":
-        pytest.importorskip("torchao", reason="needs torchao (the quant extra): pip install 'graphwrap[quant]'")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 64, 256])
+@pytest.mark.parametrize("k, n", [(4096, 6144), (14336, 4096), (256, 40)])
+def test_an_int4_layers_product_on_the_gpu_is_its_unpacked_weights_written_out(dtype, rows, k, n):
+    """Int4Linear through graphwrap's kernel (the few rows' shape of work, its groups in parts
+    for 14,336 inputs; tiles past 16 rows) against the unpacked weight's product written out in
+    fp32: each value exact in the input's dtype, each group's sum scaled in fp32, rounded once."""
+    from graphwrap.quantized import Int4Linear
+    from graphwrap.weight_only import unpack
+
+    torch.manual_seed(rows + k)
+    layer = Int4Linear(nn.Linear(k, n, bias=False).to(DEV, dtype))
+    x = torch.randn(rows, k, device=DEV, dtype=dtype)
+    got = layer(x)
+    want = x.float() @ unpack(layer.weight_int4, layer.weight_scale).t()
+    assert got.dtype == dtype and got.shape == (rows, n)
+    err = ((got.float() - want).abs().max() / want.abs().max()).item()
+    assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_shared_batch_over_int4_layers_takes_one_product_for_q_k_v_and_for_gate_and_up(monkeypatch, dtype):
+    """The batch's forwards make an int4 attention layer's q, k and v as one product and the MLP's
+    gate and up as one (together), and each of its tokens is, teacher-forced through the eager
+    model on the batch's own sequence, within 1% of the logits' spread of that model's best; a
+    graph of an int4 MLP replays eager's output."""
+    from graphwrap import quantized
+
+    made = []
+    real = quantized.together
+    monkeypatch.setattr(quantized, "together", lambda x, layers: made.append((len(layers), real(x, layers))) or made[-1][1])
+    mlp = graphwrap.quantize(nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).to(DEV, dtype).eval(),
+                             "int4")
+    gm = GraphedModule(mlp)
+    for n in (3, 17, 3):
+        x = torch.randn(n, 256, device=DEV, dtype=dtype)
+        with torch.no_grad():
+            assert torch.equal(gm(x), mlp(x))
+    assert gm.stats()["eager_calls"] == {}
+    gm.close()
+    model = graphwrap.quantize(_llama(hidden=128, intermediate=256).to(DEV, dtype), "int4")
+    gm = near_the_eager_best(model)
+    d = gm.stats()["decode"]
+    assert d["steps"] > 0 and any(k["status"] == "graphed" for k in d["step"]["keys"]), d["step"]["keys"]
+    assert {n for n, o in made if o is not None} == {2, 3}, "q, k and v as one product; gate and up as one"
+    gm.close()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_weight_only_layers_replay_in_graphs_and_the_shared_batch_gives_the_models_own_tokens(kind):
+    """In fp32 (the layers' weight made again and torch's product), a graph replays eager's
+    output and the shared batch gives model.generate's greedy tokens."""
     torch.manual_seed(0)
+    dtype = torch.float32
     mlp = graphwrap.quantize(nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).to(DEV, dtype).eval(),
                              kind)
     gm = GraphedModule(mlp)
@@ -300,7 +349,7 @@ def test_weight_only_layers_replay_in_graphs_and_the_shared_batch_gives_the_mode
     s = gm.stats()
     assert s["eager_calls"] == {} and sum(b["replays"] for b in s["keys"][0]["buckets"].values()) >= 2, s
     gm.close()
-    model = graphwrap.quantize(_llama().to(DEV, dtype), kind)
+    model = graphwrap.quantize(_llama(hidden=128, intermediate=256).to(DEV, dtype), kind)
     gm = own_tokens(model, (5, 17, 40, 9), new=16, seed=1, device=DEV, rounds=2)
     d = gm.stats()["decode"]
     assert d["steps"] > 0 and any(k["status"] == "graphed" for k in d["step"]["keys"]), d["step"]["keys"]

@@ -10,6 +10,11 @@ read their own), median of 20, with the weights' bytes over the time and the pro
 repository root, on a GPU of compute capability 8.9 or later; ``--tune`` times shapes of work of
 graphwrap's kernel (outputs a program takes, the inner dimension's step and parts, warps, stages) at 1 and
 16 rows (``graphwrap.quantized.ROWS``), each checked against the product written out in fp32.
+
+``--weight-only``: the int8 and int4 weight-only layers' products instead (``Int8Linear``,
+``Int4Linear``) beside fp16's, the same widths and timing; with ``--tune``, the int4 kernel's
+shapes of work at 1 row and its tiles at 64 and 256 rows, each checked against the unpacked
+weight's product in fp32.
 """
 
 import argparse
@@ -90,17 +95,71 @@ def tune():
                 print(f"    {1e3 * t:7.1f} us ({n * k / 1e9 / t:4.2f} TB/s) {kw} largest difference {err:.1e}", flush=True)
 
 
+def weight_only(rows: int):
+    from graphwrap.quantized import Int4Linear, Int8Linear
+
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    print(f"{rows} rows, weight-only:", flush=True)
+    for label, (k, n) in WIDTHS.items():
+        x = torch.randn(rows, k, generator=g, device=DEV).half()
+        linear = torch.nn.Linear(k, n, bias=False, device=DEV, dtype=torch.float16)
+        l8, l4 = Int8Linear(linear), Int4Linear(linear)
+        c16 = itertools.cycle(_copies([linear.weight.detach()]))
+        c8 = itertools.cycle(_copies([l8.weight_int8, l8.weight_scale]))
+        c4 = itertools.cycle(_copies([l4.weight_int4, l4.weight_scale]))
+        times = {"fp16 cuBLAS": (graph_ms(lambda: x @ next(c16)[0].t()), 2 * n * k),
+                 "int8": (graph_ms(lambda: Int8Linear.rows(x, *next(c8))), n * k),
+                 "int4": (graph_ms(lambda: Int4Linear.rows(x, *next(c4))), n * k // 2 + l4.weight_scale.numel() * 2)}
+        cells = [f"{name} {1e3 * t:7.1f} us ({b / 1e9 / t:4.2f} TB/s)" for name, (t, b) in times.items()]
+        print(f"  {label:18s} [{k}, {n}]: " + "; ".join(cells), flush=True)
+
+
+def tune_int4():
+    from graphwrap.quantized import Int4Linear, _processors
+    from graphwrap.weight_only import product, unpack
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    sms = _processors(torch.device(DEV))
+    few = [dict(bn=bn, split=sp, warps=w, stages=st) for bn, sp, w, st in
+           itertools.product((16, 32, 64), (1, 2, 4), (2, 4), (3, 4))]
+    tiles = [dict(bm=bm, bn=bn, warps=w, stages=st) for bm, bn, w, st in
+             itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3))]
+    for rows, configs in ((1, few), (64, tiles), (256, tiles)):
+        for label in ("q, k and v as one", "q or o", "gate and up as one", "down"):
+            k, n = WIDTHS[label]
+            x = torch.randn(rows, k, generator=g, device=DEV).half()
+            l4 = Int4Linear(torch.nn.Linear(k, n, bias=False, device=DEV, dtype=torch.float16))
+            want = x.float() @ unpack(l4.weight_int4, l4.weight_scale).t()
+            turn = itertools.cycle(_copies([l4.weight_int4, l4.weight_scale]))
+            found = []
+            for kw in configs:
+                try:
+                    got = product(x, l4.weight_int4, l4.weight_scale, sms, **kw)
+                    err = ((got.float() - want).abs().max() / want.abs().max()).item()
+                    t = graph_ms(lambda: product(x, *next(turn), sms, **kw))
+                except Exception as e:  # noqa: BLE001 - a shape of work this card cannot run: said
+                    print(f"    {kw}: {type(e).__name__}", flush=True)
+                    continue
+                found.append((t, kw, err))
+            found.sort(key=lambda f: f[0])
+            default = graph_ms(lambda: product(x, *next(turn), sms))
+            print(f"  int4, {rows} rows, {label} [{k}, {n}]: the default {1e3 * default:.1f} us; fastest:", flush=True)
+            for t, kw, err in found[:4]:
+                print(f"    {1e3 * t:7.1f} us ({n * k / 2e9 / t:4.2f} TB/s) {kw} largest difference {err:.1e}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,16,64,256")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--weight-only", action="store_true", help="int8 and int4 weight-only layers' products instead")
     a = ap.parse_args()
     print(f"fp8_products: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
           f"graphwrap's products take fast accumulation: {FAST_ACCUM}", flush=True)
     for rows in map(int, a.rows.split(",")):
-        compare(rows)
+        (weight_only if a.weight_only else compare)(rows)
     if a.tune:
-        tune()
+        (tune_int4 if a.weight_only else tune)()
 
 
 if __name__ == "__main__":

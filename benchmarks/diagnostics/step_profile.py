@@ -4,7 +4,8 @@ burst (or with ``--burst N``, N requests of 128 tokens in and 128 out at once, a
 ``concurrency.py``'s; each burst's prompts its own), its tokens/s, the decode thread's turn and its
 parts, then the ``--rows``-row step captured by hand over ``--span`` positions (each row at half of
 it, as midway through the burst): a bare replay's
-time, the bytes it must read (weights, and the live keys and values) over the bandwidth, and the
+time, the bytes it must read (weights but the input embeddings' table, and the live keys and
+values) over the bandwidth, and the
 profiler's kernels of one replay by kind (matrix products, attention, the rest), then the
 kernels of a whole warm burst by kind, with the GPU's busy share of the burst's wall time and
 where the GPU idled (gaps between kernels by the kinds either side, the longest ones).
@@ -112,6 +113,20 @@ def say_ops(gm, rows: int, span: int):
             print(f"    {t / 1e3:8.3f} ms  {e.count // 4:4d}x  {e.key:28s} {str(e.input_shapes)[:110]}", flush=True)
 
 
+def read_bytes(model) -> int:
+    """The bytes of weights a step reads: every parameter and buffer of two dimensions or more
+    (quantized weights and their scales), each storage once, but the input embeddings' table,
+    of which a step reads only its rows' (unless the output head shares it)."""
+    head = model.get_output_embeddings()
+    kept = {head.weight.data_ptr()} if head is not None and hasattr(head, "weight") else set()
+    table = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)} - kept
+    seen = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if t.dim() >= 2 and t.data_ptr() not in table:
+            seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+    return sum(seen.values())
+
+
 def main():
     from torch.profiler import ProfilerActivity, profile
 
@@ -121,7 +136,7 @@ def main():
     ap.add_argument("--rows", type=int, default=64, help="the rows of the step captured by hand")
     ap.add_argument("--burst", type=int, default=0, help="N requests of 128 in and 128 out at once, not the "
                     "generate workload")
-    ap.add_argument("--quantize", default=None, help="the model through graphwrap.quantize first (fp8)")
+    ap.add_argument("--quantize", default=None, help="the model through graphwrap.quantize first (fp8, int8, int4)")
     ap.add_argument("--ops", action="store_true", help="also the operators of eager steps, with their shapes")
     ap.add_argument("--compile", action="store_true", help="then compile=True's warm bursts and their kernels")
     ap.add_argument("--cards", action="store_true", help="also the bare replay with the gated-MLP kernel's shape "
@@ -155,7 +170,7 @@ def main():
     print(f"the decode thread's seconds by part, all bursts: {parts}; steps {d['steps']}", flush=True)
     rows = a.rows
     replay = statistics.median(g.step_graph(gm, rows, a.span))
-    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if t.dim() == 2)
+    weights = read_bytes(model)
     kv = rows * (a.span // 2) * server.cache.token_bytes
     floor = (weights + kv) / bw
     flops = 2 * rows * sum(m.in_features * m.out_features for m in model.modules() if hasattr(m, "in_features"))

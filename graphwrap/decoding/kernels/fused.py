@@ -25,14 +25,15 @@ graphwrap's in Triton) that computes the same to rounding:
 - **The attention's query, key and value projections** (the attention ``forward`` of Llama,
   Mistral and Qwen2, instruction for instruction) are three launches of cuBLAS; :mod:`.qkv` is
   one (Triton; and a sum of two parts where its tiles are fewer than the SMs) for a step's few
-  rows, and the module's own ``forward`` runs over them. FP8 projections whose weights share a
-  buffer (``graphwrap.quantize``'s) make theirs as one product at any number of rows
-  (:func:`graphwrap.quantized.together`).
+  rows, and the module's own ``forward`` runs over them. Quantized projections (FP8, int8,
+  int4) whose weights share a buffer (``graphwrap.quantize``'s) make theirs as one product at any
+  number of rows (:func:`graphwrap.quantized.together`).
 - **Llama's gated MLP** (``LlamaMLP``'s forward, and each family's copy: Mistral, Qwen2, ...)
   runs the gate's and the up projection's products, SiLU and their product; :mod:`.mlp` is one
   kernel (Triton) for a step's few rows, where the activation is SiLU and there are no biases.
   With FP8 layers, SiLU, the product and the down projection's row scaling are one kernel at
-  any number of rows (:func:`graphwrap.quantized.gated`).
+  any number of rows; with int8 and int4 layers the gate and up projections are one product
+  (:func:`graphwrap.quantized.gated`).
 - **An RMSNorm whose output goes to FP8 layers** (``quantize`` marks the norms before the
   attention and the MLP) writes that output's rows in E4M3 with their scales in the same kernel
   (:func:`graphwrap.quantized.normed`), which those layers then read instead of scaling again.
@@ -109,7 +110,7 @@ def _fused_mlp(own: Callable) -> Callable:
         if fuses(x) and _silu(self.act_fn):
             if mlp.applies(x, self.gate_proj, self.up_proj):
                 return self.down_proj(mlp.gate_up(x, self.gate_proj.weight, self.up_proj.weight))
-            out = quantized.gated(x, self.gate_proj, self.up_proj, self.down_proj)  # (FP8 layers)
+            out = quantized.gated(x, self.gate_proj, self.up_proj, self.down_proj)  # (quantized layers)
             if out is not None:
                 return out
         return own(self, x)

@@ -1,0 +1,56 @@
+"""The Triton kernel of :mod:`.weight_only`'s int4 layers: imported only where it runs (a GPU
+with Triton), never at graphwrap's import."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _nibbles(b):
+    """Bytes ``b`` (uint8) as their low and high four bits, each a value 0-15 in fp16, exact:
+    the bits under 0x6400's exponent are 1024 + the value, less 1024."""
+    lo = ((b & 0xF).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+    hi = ((b >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+    return (lo - 1024.0).to(tl.float16), (hi - 1024.0).to(tl.float16)
+
+
+@triton.jit
+def int4_product(X, W, S, O, M, N, GROUPS, PER, sxm, swn, ssn, som, sop, BM: tl.constexpr, BN: tl.constexpr,
+                 SPLIT: tl.constexpr, BF16: tl.constexpr):
+    """``O[m, n] = sum over groups g of (X[m, g] . Q[n, g]) * scale[n, g] + sum(X[m, g]) * offset[n, g]``:
+    rows ``X`` in fp16 or bf16 (bf16 where ``BF16``), weights ``W [N, K / 2]`` in int4 values
+    0-15, two a byte, in groups of 128 inputs: byte ``j`` of a group's 64 holds input ``j`` in its
+    low four bits and input ``64 + j`` in its high four; ``S [N, K / 128, 2]`` each group's scale
+    and offset (a weight is ``offset + value * scale``). Each value is exact in fp16 and bf16, so
+    the products are the rows' own, summed in fp32, each group's sum scaled in fp32, rounded once
+    to ``O``'s dtype. A program takes ``BN`` outputs of ``BM`` rows and reads those weights
+    once: ``PER`` of the ``GROUPS`` groups from the ``program_id(2)``-th; with ``SPLIT`` > 1 it
+    writes that part's sum in fp32 to ``O``'s part ``program_id(2)`` (``sop`` apart), for
+    ``sum_parts``."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rm = tl.program_id(1) * BM + tl.arange(0, BM)
+    rj = tl.arange(0, 64)
+    in_m = rm < M
+    in_n = rn < N
+    first = tl.program_id(2) * PER
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for i in range(0, PER):
+        g = first + i
+        here = g < GROUPS  # (the last part may hold fewer groups: the rest read as zeros)
+        at = X + rm[:, None] * sxm + g * 128 + rj[None, :]
+        xl = tl.load(at, mask=in_m[:, None] & here, other=0.0)
+        xh = tl.load(at + 64, mask=in_m[:, None] & here, other=0.0)
+        b = tl.load(W + rn[None, :] * swn + g * 64 + rj[:, None], mask=in_n[None, :] & here, other=0)
+        lo, hi = _nibbles(b)
+        if BF16:
+            part = tl.dot(xl, lo.to(tl.bfloat16))
+            part = tl.dot(xh, hi.to(tl.bfloat16), part)
+        else:
+            part = tl.dot(xl, lo)
+            part = tl.dot(xh, hi, part)
+        scale = tl.load(S + rn * ssn + g * 2, mask=in_n & here, other=0.0).to(tl.float32)
+        offset = tl.load(S + rn * ssn + g * 2 + 1, mask=in_n & here, other=0.0).to(tl.float32)
+        sums = tl.sum(xl.to(tl.float32), 1) + tl.sum(xh.to(tl.float32), 1)
+        acc += part * scale[None, :] + sums[:, None] * offset[None, :]
+    at = O + tl.program_id(2) * sop + rm[:, None] * som + rn[None, :]
+    tl.store(at, acc.to(O.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
