@@ -20,7 +20,7 @@ GROUP = 128  # inputs sharing a scale and an offset (the kernel's step)
 HALF = GROUP // 2  # a group's bytes: input j in the low four bits of byte j, input HALF + j in the high four
 LEVELS = 15  # the largest value (four bits)
 ROWS = 16  # at most this many rows take shape_of_work; more, TILES
-TILES = (64, 64, 1, 4, 3)  # past ROWS rows: (rows, outputs a program, parts, warps, stages)
+TILES = (64, 64, 1, 1, 4, 3)  # past ROWS rows: (rows, outputs a program, groups a step, parts, warps, stages)
 
 
 def pack(weight: Tensor) -> Tuple[Tensor, Tensor]:
@@ -63,13 +63,15 @@ def fits(weight: Tensor) -> Optional[str]:
 
 
 def product(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, bm: Optional[int] = None,
-            bn: Optional[int] = None, split: Optional[int] = None, warps: Optional[int] = None,
-            stages: Optional[int] = None) -> Tensor:
+            bn: Optional[int] = None, step: Optional[int] = None, split: Optional[int] = None,
+            warps: Optional[int] = None, stages: Optional[int] = None) -> Tensor:
     """``rows [m, in]`` (fp16 or bf16, on a GPU) times the int4 weight ``weight``, ``scale``
     (:func:`pack`'s), in ``rows``' dtype, by ``int4_product``, on a chip of ``processors`` SMs.
     Up to :data:`ROWS` rows, the shape of work of :func:`shape_of_work`; more, tiles of
-    :data:`TILES`. ``bm``, ``bn``, ``split``, ``warps``, ``stages``: that shape given
-    (``fp8_products.py --weight-only --tune``)."""
+    :data:`TILES`. ``bm``, ``bn``, ``step``, ``split``, ``warps``, ``stages``: that shape given
+    (``fp8_products.py --weight-only --tune``). The weights are made in ``rows``' dtype as
+    :func:`unpack` makes them (in fp32, then rounded once), so the product is the eager layer's up
+    to the order of its sums."""
     import triton
 
     from ._fp8_triton import sum_parts
@@ -81,21 +83,23 @@ def product(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, bm: Op
     if m == 0:
         return out
     shape = (16, *shape_of_work(n, k, processors)) if m <= ROWS else TILES
-    bm, bn, split, warps, stages = (c if v is None else v for v, c in zip((bm, bn, split, warps, stages), shape))
+    given = (bm, bn, step, split, warps, stages)
+    bm, bn, step, split, warps, stages = (c if v is None else v for v, c in zip(given, shape))
     parts = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=rows.device)
     groups = k // GROUP
+    per = -(-groups // (split * step)) * step  # (each part's groups: whole steps)
     int4_product[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
-        rows, weight, scale, parts, m, n, groups, -(-groups // split), rows.stride(0), weight.stride(0), scale.stride(0),
-        n, m * n, BM=bm, BN=bn, SPLIT=split, BF16=rows.dtype == torch.bfloat16, num_warps=warps, num_stages=stages)
+        rows, weight, scale, parts, m, n, groups, per, rows.stride(0), weight.stride(0), scale.stride(0), n, m * n,
+        BM=bm, BN=bn, STEP=step, SPLIT=split, num_warps=warps, num_stages=stages)
     if split > 1:
         sum_parts[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
     return out
 
 
-def shape_of_work(n: int, k: int, processors: int) -> Tuple[int, int, int, int]:
-    """:func:`product`'s ``(bn, split, warps, stages)`` for a few rows of ``n`` outputs of ``k``
-    inputs on a chip of ``processors`` SMs: outputs a program as for FP8's few rows
-    (:func:`graphwrap.quantized.shape_of_work`), the groups in 4 parts where the inputs are at
-    least 8,192 and the programs fewer than the SMs."""
+def shape_of_work(n: int, k: int, processors: int) -> Tuple[int, int, int, int, int]:
+    """:func:`product`'s ``(bn, step, split, warps, stages)`` for a few rows of ``n`` outputs of
+    ``k`` inputs on a chip of ``processors`` SMs: outputs a program as for FP8's few rows
+    (:func:`graphwrap.quantized.shape_of_work`), two groups a step, the groups in 4 parts where
+    the inputs are at least 8,192 and the programs fewer than the SMs."""
     bn = next((b for b in (64, 32) if 2 * -(-n // b) >= processors), 16)
-    return bn, 4 if k >= 8192 and -(-n // bn) < processors else 1, 4, 4
+    return bn, 2, 4 if k >= 8192 and -(-n // bn) < processors else 1, 4, 3

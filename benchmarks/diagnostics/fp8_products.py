@@ -120,10 +120,10 @@ def tune_int4():
 
     g = torch.Generator(device=DEV).manual_seed(0)
     sms = _processors(torch.device(DEV))
-    few = [dict(bn=bn, split=sp, warps=w, stages=st) for bn, sp, w, st in
-           itertools.product((16, 32, 64), (1, 2, 4), (2, 4), (3, 4))]
-    tiles = [dict(bm=bm, bn=bn, warps=w, stages=st) for bm, bn, w, st in
-             itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3))]
+    few = [dict(bn=bn, step=step, split=sp, warps=w, stages=3) for bn, step, sp, w in
+           itertools.product((32, 64), (1, 2, 4), (1, 2, 4), (2, 4))]
+    tiles = [dict(bm=bm, bn=bn, step=step, warps=w, stages=3) for bm, bn, step, w in
+             itertools.product((64, 128), (64, 128), (1, 2), (4, 8))]
     for rows, configs in ((1, few), (64, tiles), (256, tiles)):
         for label in ("q, k and v as one", "q or o", "gate and up as one", "down"):
             k, n = WIDTHS[label]
