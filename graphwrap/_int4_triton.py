@@ -16,39 +16,79 @@ def _nibbles(b):
 
 @triton.jit
 def int4_product(X, W, S, O, M, N, GROUPS, PER, sxm, swn, ssn, som, sop, BM: tl.constexpr, BN: tl.constexpr,
-                 STEP: tl.constexpr, SPLIT: tl.constexpr):
-    """``O = X @ Wt``: rows ``X`` (fp16 or bf16) times the weights that ``W`` and ``S`` stand for,
-    made in ``X``'s dtype as the layer's own unpacking makes them (``offset + value * scale`` in
-    fp32, rounded once), summed in fp32, rounded once to ``O``'s dtype. ``W [N, K / 2]``: int4
-    values 0-15, two a byte, in groups of 128 inputs: byte ``j`` of a group's 64 holds input ``j``
-    in its low four bits and input ``64 + j`` in its high four. ``S [N, K / 128, 2]``: each
-    group's scale and offset. A program takes ``BN`` outputs of ``BM`` rows and reads those
-    weights once, ``STEP`` groups at a time: ``PER`` of the ``GROUPS`` groups (a multiple of
-    ``STEP``) from the ``program_id(2)``-th ``PER``; with ``SPLIT`` > 1 it writes that part's sum
-    in fp32 to ``O``'s part ``program_id(2)`` (``sop`` apart), for ``sum_parts``."""
+                 SPLIT: tl.constexpr, BF16: tl.constexpr):
+    """``O[m, n] = sum over groups g of (X[m, g] . Q[n, g]) * scale[n, g] + sum(X[m, g]) * offset[n, g]``:
+    rows ``X`` in fp16 or bf16 (bf16 where ``BF16``), weights ``W [N, K / 2]`` in int4 values
+    0-15, two a byte, in groups of 128 inputs: byte ``j`` of a group's 64 holds input ``j`` in its
+    low four bits and input ``64 + j`` in its high four; ``S [N, K / 128, 2]`` each group's scale
+    and offset (a weight is ``offset + value * scale``). Each value is exact in fp16 and bf16, so
+    the products are the rows' own, summed in fp32, each group's sum scaled in fp32, rounded once
+    to ``O``'s dtype. A program takes ``BN`` outputs of ``BM`` rows and reads those weights
+    once: ``PER`` of the ``GROUPS`` groups from the ``program_id(2)``-th; with ``SPLIT`` > 1 it
+    writes that part's sum in fp32 to ``O``'s part ``program_id(2)`` (``sop`` apart), for
+    ``sum_parts``."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
-    c = tl.arange(0, STEP * 64)  # a step's bytes of one output
-    of = c // 64  # the group of each, within the step
-    low = of * 128 + c % 64  # the input of each byte's low four bits (its high four: 64 on)
+    rj = tl.arange(0, 64)
     in_m = rm < M
     in_n = rn < N
-    dtype = X.dtype.element_ty
+    first = tl.program_id(2) * PER
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for i in range(0, PER):
+        g = first + i
+        here = g < GROUPS  # (the last part may hold fewer groups: the rest read as zeros)
+        at = X + rm[:, None] * sxm + g * 128 + rj[None, :]
+        xl = tl.load(at, mask=in_m[:, None] & here, other=0.0)
+        xh = tl.load(at + 64, mask=in_m[:, None] & here, other=0.0)
+        b = tl.load(W + rn[None, :] * swn + g * 64 + rj[:, None], mask=in_n[None, :] & here, other=0)
+        lo, hi = _nibbles(b)
+        if BF16:
+            part = tl.dot(xl, lo.to(tl.bfloat16))
+            part = tl.dot(xh, hi.to(tl.bfloat16), part)
+        else:
+            part = tl.dot(xl, lo)
+            part = tl.dot(xh, hi, part)
+        scale = tl.load(S + rn * ssn + g * 2, mask=in_n & here, other=0.0).to(tl.float32)
+        offset = tl.load(S + rn * ssn + g * 2 + 1, mask=in_n & here, other=0.0).to(tl.float32)
+        sums = tl.sum(xl.to(tl.float32), 1) + tl.sum(xh.to(tl.float32), 1)
+        acc += part * scale[None, :] + sums[:, None] * offset[None, :]
+    at = O + tl.program_id(2) * sop + rm[:, None] * som + rn[None, :]
+    tl.store(at, acc.to(O.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+
+
+@triton.jit
+def int4_row(X, W, S, O, N, GROUPS, PER, sxm, swn, ssn, som, sop, BN: tl.constexpr, STEP: tl.constexpr):
+    """Row ``program_id(0)`` of :func:`int4_product`'s ``O`` without the tensor cores, for a
+    step's one row or few: ``W`` read as int32 words (a group's 64 bytes are 16 words; word ``u``
+    holds inputs ``4u + i`` in bits ``8i`` to ``8i + 3`` and inputs ``64 + 4u + i`` in the four
+    above), each value made float32 by its bits (under 0x4B000000's exponent it is 2^23 + the
+    value, less 2^23: exact), the weight ``offset + value * scale`` in fp32, and each product
+    summed in fp32 across the words of ``STEP`` groups at a time, then across words once at the
+    end. A program takes ``BN`` outputs, reading their weights once (a second row's programs
+    run beside the first's and find them in the L2 cache); ``PER`` groups from the
+    ``program_id(2)``-th, its sum to ``O``'s part ``program_id(2)`` (``sop`` apart)."""
+    r = tl.program_id(0)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    in_n = rn < N
+    u = tl.arange(0, STEP * 16)
+    of = u // 16  # the group of each word, within the step
+    col = of * 128 + (u % 16) * 4  # the input of each word's first low four bits
+    acc = tl.zeros((STEP * 16, BN), dtype=tl.float32)
     first = tl.program_id(2) * PER
     for i in range(0, PER, STEP):
         g = first + i
-        here = (g + of) < GROUPS  # (past the last group: zeros)
-        at = X + rm[:, None] * sxm + g * 128 + low[None, :]
-        xl = tl.load(at, mask=in_m[:, None] & here[None, :], other=0.0)
-        xh = tl.load(at + 64, mask=in_m[:, None] & here[None, :], other=0.0)
+        here = (g + of) < GROUPS
         keep = in_n[None, :] & here[:, None]
-        b = tl.load(W + rn[None, :] * swn + g * 64 + c[:, None], mask=keep, other=0)
+        w = tl.load(W + rn[None, :] * swn + g * 16 + u[:, None], mask=keep, other=0)
         sat = S + rn[None, :] * ssn + (g + of[:, None]) * 2
         scale = tl.load(sat, mask=keep, other=0.0).to(tl.float32)
         offset = tl.load(sat + 1, mask=keep, other=0.0).to(tl.float32)
-        lo, hi = _nibbles(b)
-        acc = tl.dot(xl, (offset + lo.to(tl.float32) * scale).to(dtype), acc)
-        acc = tl.dot(xh, (offset + hi.to(tl.float32) * scale).to(dtype), acc)
-    at = O + tl.program_id(2) * sop + rm[:, None] * som + rn[None, :]
-    tl.store(at, acc.to(O.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+        at = X + r * sxm + g * 128 + col
+        for j in tl.static_range(4):
+            xl = tl.load(at + j, mask=here, other=0.0).to(tl.float32)
+            xh = tl.load(at + 64 + j, mask=here, other=0.0).to(tl.float32)
+            ql = (((w >> (8 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            qh = (((w >> (8 * j + 4)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            acc += xl[:, None] * (offset + ql * scale) + xh[:, None] * (offset + qh * scale)
+    out = tl.sum(acc, 0)
+    tl.store(O + tl.program_id(2) * sop + r * som + rn, out.to(O.dtype.element_ty), mask=in_n)

@@ -5,8 +5,10 @@ For one stream and small batches a decode step is bound by reading the weights, 
 weight-only layers read a little over a quarter of fp16's bytes. Each weight is a value 0-15 in
 groups of :data:`GROUP` inputs, each group with a scale and an offset (a weight is ``offset +
 value * scale``: the group's smallest weight and its range over 15, both in fp16), two values a
-byte (:func:`pack`). On a GPU with Triton, in fp16 or bf16, one kernel of graphwrap's
-(``_int4_triton.int4_product``) makes the product reading those bytes (:func:`product`);
+byte (:func:`pack`). On a GPU with Triton, in fp16 or bf16, graphwrap's kernels make the
+product reading those bytes (:func:`product`): for a decode step's one row or few,
+``_int4_triton.int4_row`` on the CUDA cores, a row a program; for more, ``int4_product`` in
+tiles on the tensor cores;
 elsewhere the layer makes the weight again (:func:`unpack`) and takes torch's product. Every step
 is a device operation, so graphs capture and replay it like any other.
 """
@@ -19,8 +21,9 @@ from torch import Tensor
 GROUP = 128  # inputs sharing a scale and an offset (the kernel's step)
 HALF = GROUP // 2  # a group's bytes: input j in the low four bits of byte j, input HALF + j in the high four
 LEVELS = 15  # the largest value (four bits)
-ROWS = 16  # at most this many rows take shape_of_work; more, TILES
-TILES = (64, 64, 1, 1, 4, 3)  # past ROWS rows: (rows, outputs a program, groups a step, parts, warps, stages)
+ONE_BY_ONE = 4  # at most this many rows take int4_row (CUDA cores, a row a program)
+ROWS = 16  # at most this many rows take shape_of_work's tiles; more, TILES
+TILES = (64, 128, 1, 4, 3)  # past ROWS rows: (rows, outputs a program, parts, warps, stages)
 
 
 def pack(weight: Tensor) -> Tuple[Tensor, Tensor]:
@@ -63,15 +66,13 @@ def fits(weight: Tensor) -> Optional[str]:
 
 
 def product(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, bm: Optional[int] = None,
-            bn: Optional[int] = None, step: Optional[int] = None, split: Optional[int] = None,
-            warps: Optional[int] = None, stages: Optional[int] = None) -> Tensor:
+            bn: Optional[int] = None, split: Optional[int] = None, warps: Optional[int] = None,
+            stages: Optional[int] = None) -> Tensor:
     """``rows [m, in]`` (fp16 or bf16, on a GPU) times the int4 weight ``weight``, ``scale``
     (:func:`pack`'s), in ``rows``' dtype, by ``int4_product``, on a chip of ``processors`` SMs.
-    Up to :data:`ROWS` rows, the shape of work of :func:`shape_of_work`; more, tiles of
-    :data:`TILES`. ``bm``, ``bn``, ``step``, ``split``, ``warps``, ``stages``: that shape given
-    (``fp8_products.py --weight-only --tune``). The weights are made in ``rows``' dtype as
-    :func:`unpack` makes them (in fp32, then rounded once), so the product is the eager layer's up
-    to the order of its sums."""
+    Up to :data:`ONE_BY_ONE` rows, :func:`by_rows`; up to :data:`ROWS`, the shape of work of
+    :func:`shape_of_work`; more, tiles of :data:`TILES`. ``bm``, ``bn``, ``split``, ``warps``, ``stages``: that shape given
+    (``fp8_products.py --weight-only --tune``)."""
     import triton
 
     from ._fp8_triton import sum_parts
@@ -82,24 +83,53 @@ def product(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, bm: Op
     out = torch.empty((m, n), dtype=rows.dtype, device=rows.device)
     if m == 0:
         return out
+    if m <= ONE_BY_ONE and bm is None:
+        return by_rows(rows, weight, scale, processors, out)
     shape = (16, *shape_of_work(n, k, processors)) if m <= ROWS else TILES
-    given = (bm, bn, step, split, warps, stages)
-    bm, bn, step, split, warps, stages = (c if v is None else v for v, c in zip(given, shape))
+    bm, bn, split, warps, stages = (c if v is None else v for v, c in zip((bm, bn, split, warps, stages), shape))
     parts = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=rows.device)
     groups = k // GROUP
-    per = -(-groups // (split * step)) * step  # (each part's groups: whole steps)
     int4_product[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
-        rows, weight, scale, parts, m, n, groups, per, rows.stride(0), weight.stride(0), scale.stride(0), n, m * n,
-        BM=bm, BN=bn, STEP=step, SPLIT=split, num_warps=warps, num_stages=stages)
+        rows, weight, scale, parts, m, n, groups, -(-groups // split), rows.stride(0), weight.stride(0), scale.stride(0),
+        n, m * n, BM=bm, BN=bn, SPLIT=split, BF16=rows.dtype == torch.bfloat16, num_warps=warps, num_stages=stages)
     if split > 1:
         sum_parts[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
     return out
 
 
-def shape_of_work(n: int, k: int, processors: int) -> Tuple[int, int, int, int, int]:
-    """:func:`product`'s ``(bn, step, split, warps, stages)`` for a few rows of ``n`` outputs of
-    ``k`` inputs on a chip of ``processors`` SMs: outputs a program as for FP8's few rows
-    (:func:`graphwrap.quantized.shape_of_work`), two groups a step, the groups in 4 parts where
-    the inputs are at least 8,192 and the programs fewer than the SMs."""
-    bn = next((b for b in (64, 32) if 2 * -(-n // b) >= processors), 16)
-    return bn, 2, 4 if k >= 8192 and -(-n // bn) < processors else 1, 4, 3
+def by_rows(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, out: Tensor, bn: Optional[int] = None,
+            step: int = 2, split: Optional[int] = None, warps: int = 4, stages: int = 3) -> Tensor:
+    """:func:`product` for up to :data:`ONE_BY_ONE` rows by ``int4_row`` (no tensor cores: a
+    row's tile of 16 would be 15 rows of zeros), into ``out``. ``bn`` outputs a program (64 where
+    that makes programs for half the SMs a row, else 32), ``step`` groups at a time, ``split``
+    parts of the groups (4 where the programs are fewer than the SMs), ``warps``, ``stages``."""
+    import triton
+
+    from ._fp8_triton import sum_parts
+    from ._int4_triton import int4_row
+
+    m, k = rows.shape
+    n = weight.shape[0]
+    if bn is None:
+        bn = 64 if 2 * m * -(-n // 64) >= processors else 32
+    if split is None:
+        split = 4 if m * -(-n // bn) < processors else 1
+    parts = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=rows.device)
+    groups = k // GROUP
+    per = -(-groups // (split * step)) * step  # (each part's groups: whole steps)
+    int4_row[(m, triton.cdiv(n, bn), split)](
+        rows, weight.view(torch.int32), scale, parts, n, groups, per, rows.stride(0), weight.stride(0) // 4,
+        scale.stride(0), n, m * n, BN=bn, STEP=step, num_warps=warps, num_stages=stages)
+    if split > 1:
+        sum_parts[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
+    return out
+
+
+def shape_of_work(n: int, k: int, processors: int) -> Tuple[int, int, int, int]:
+    """:func:`product`'s ``(bn, split, warps, stages)`` for a few rows (past
+    :data:`ONE_BY_ONE`) of ``n`` outputs of ``k`` inputs on a chip of ``processors`` SMs: 64
+    outputs a program, the groups in 4 parts, 2 warps, 3 stages (``fp8_products.py --weight-only
+    --tune`` on an H200 at one row, the Llama-3-8B shape's widths: 19.9, 15.2, 72.2 and 40.0 us for
+    the q/k/v, output, gate-and-up and down widths, against 33.5, 28.3, 86.5 and 72.7 with 64,
+    4 and 1 or 4 parts as FP8's)."""
+    return 64, 4, 2, 3

@@ -12,9 +12,9 @@ graphwrap's kernel (outputs a program takes, the inner dimension's step and part
 16 rows (``graphwrap.quantized.ROWS``), each checked against the product written out in fp32.
 
 ``--weight-only``: the int8 and int4 weight-only layers' products instead (``Int8Linear``,
-``Int4Linear``) beside fp16's, the same widths and timing; with ``--tune``, the int4 kernel's
-shapes of work at 1 row and its tiles at 64 and 256 rows, each checked against the unpacked
-weight's product in fp32.
+``Int4Linear``) beside fp16's, the same widths and timing; with ``--tune``, the int4 kernels'
+shapes of work at 1 row (``by_rows``) and its tiles at 64 and 256 rows, each checked against
+the unpacked weight's product in fp32.
 """
 
 import argparse
@@ -116,27 +116,33 @@ def weight_only(rows: int):
 
 def tune_int4():
     from graphwrap.quantized import Int4Linear, _processors
-    from graphwrap.weight_only import product, unpack
+    from graphwrap.weight_only import by_rows, product, unpack
 
     g = torch.Generator(device=DEV).manual_seed(0)
     sms = _processors(torch.device(DEV))
-    few = [dict(bn=bn, step=step, split=sp, warps=w, stages=3) for bn, step, sp, w in
-           itertools.product((32, 64), (1, 2, 4), (1, 2, 4), (2, 4))]
-    tiles = [dict(bm=bm, bn=bn, step=step, warps=w, stages=3) for bm, bn, step, w in
-             itertools.product((64, 128), (64, 128), (1, 2), (4, 8))]
-    for rows, configs in ((1, few), (64, tiles), (256, tiles)):
+    one = [dict(bn=bn, step=step, split=sp, warps=w) for bn, step, sp, w in
+           itertools.product((32, 64), (1, 2, 4), (1, 2, 4), (2, 4, 8))]
+    tiles = [dict(bm=bm, bn=bn, split=1, warps=w, stages=3) for bm, bn, w in
+             itertools.product((64, 128), (64, 128), (4, 8))]
+    for rows, configs in ((1, one), (64, tiles), (256, tiles)):
         for label in ("q, k and v as one", "q or o", "gate and up as one", "down"):
             k, n = WIDTHS[label]
             x = torch.randn(rows, k, generator=g, device=DEV).half()
             l4 = Int4Linear(torch.nn.Linear(k, n, bias=False, device=DEV, dtype=torch.float16))
             want = x.float() @ unpack(l4.weight_int4, l4.weight_scale).t()
             turn = itertools.cycle(_copies([l4.weight_int4, l4.weight_scale]))
+
+            def run(w, s, kw):
+                if rows == 1:
+                    return by_rows(x, w, s, sms, torch.empty((rows, n), dtype=x.dtype, device=DEV), **kw)
+                return product(x, w, s, sms, **kw)
+
             found = []
             for kw in configs:
                 try:
-                    got = product(x, l4.weight_int4, l4.weight_scale, sms, **kw)
+                    got = run(l4.weight_int4, l4.weight_scale, kw)
                     err = ((got.float() - want).abs().max() / want.abs().max()).item()
-                    t = graph_ms(lambda: product(x, *next(turn), sms, **kw))
+                    t = graph_ms(lambda: run(*next(turn), kw))
                 except Exception as e:  # noqa: BLE001 - a shape of work this card cannot run: said
                     print(f"    {kw}: {type(e).__name__}", flush=True)
                     continue
