@@ -289,7 +289,7 @@ def test_the_shared_batch_over_int8_layers_in_fp16_takes_one_product_for_q_k_and
 @pytest.mark.parametrize("rows", [1, 4, 7, 16, 17, 64, 256])
 @pytest.mark.parametrize("k, n", [(4096, 6144), (14336, 4096), (256, 40)])
 def test_an_int4_layers_product_on_the_gpu_is_its_unpacked_weights_written_out(dtype, rows, k, n):
-    """Int4Linear through graphwrap's kernels (a row a program up to 4 rows, then the few rows'
+    """Int4Linear through graphwrap's kernels (one row on the CUDA cores, then the few rows'
     tiles, its groups in parts; tiles past 16 rows) against the unpacked weight's product
     written out in fp32: each value exact, summed and scaled in fp32, rounded once."""
     from graphwrap.quantized import Int4Linear
