@@ -120,11 +120,13 @@ def tune_int4():
 
     g = torch.Generator(device=DEV).manual_seed(0)
     sms = _processors(torch.device(DEV))
-    one = [dict(bn=bn, step=step, split=sp, warps=w) for bn, step, sp, w in
-           itertools.product((32, 64), (1, 2, 4), (1, 2, 4), (2, 4, 8))]
+    one = [dict(by_rows=True, bn=bn, step=step, split=sp, warps=4) for bn, step, sp in
+           itertools.product((32, 64), (2, 4), (1, 4))]
+    few = [dict(bm=16, bn=bn, split=sp, warps=w, stages=3) for bn, sp, w in
+           itertools.product((32, 64, 128), (1, 2, 4), (2, 4))]
     tiles = [dict(bm=bm, bn=bn, split=1, warps=w, stages=3) for bm, bn, w in
              itertools.product((64, 128), (64, 128), (4, 8))]
-    for rows, configs in ((1, one), (64, tiles), (256, tiles)):
+    for rows, configs in ((1, one + few), (16, few), (64, tiles), (256, tiles)):
         for label in ("q, k and v as one", "q or o", "gate and up as one", "down"):
             k, n = WIDTHS[label]
             x = torch.randn(rows, k, generator=g, device=DEV).half()
@@ -133,7 +135,8 @@ def tune_int4():
             turn = itertools.cycle(_copies([l4.weight_int4, l4.weight_scale]))
 
             def run(w, s, kw):
-                if rows == 1:
+                if kw.get("by_rows"):
+                    kw = {k: v for k, v in kw.items() if k != "by_rows"}
                     return by_rows(x, w, s, sms, torch.empty((rows, n), dtype=x.dtype, device=DEV), **kw)
                 return product(x, w, s, sms, **kw)
 
