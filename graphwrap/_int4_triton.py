@@ -4,7 +4,6 @@ with Triton), never at graphwrap's import."""
 import triton
 import triton.language as tl
 
-
 # Four bytes (one register) to their four low (LOW) or high (HIGH) four bits as fp16, two a
 # register: prmt spreads the bytes to (b0, 0, b1, 0) and (b2, 0, b3, 0); lop3 keeps each
 # half's four bits under 0x6400 (fp16 1024, whose unit in the last place is 1); the low bits are
