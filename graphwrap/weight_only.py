@@ -23,7 +23,8 @@ HALF = GROUP // 2  # a group's bytes: input j in the low four bits of byte j, in
 LEVELS = 15  # the largest value (four bits)
 ONE_BY_ONE = 1  # at most this many rows take int4_row (CUDA cores, a row a program; at 4 rows 2-3x the tiles' time)
 ROWS = 16  # at most this many rows take shape_of_work's tiles; more, TILES
-TILES = (64, 128, 1, 4, 3)  # past ROWS rows: (rows, outputs a program, parts, warps, stages)
+TILES = (64, 64, 1, 4, 3)  # past ROWS rows: (rows, outputs a program, parts, warps, stages)
+WIDE = 64  # past this many rows, 128 outputs a program (the tiles' tune on an H200: 64 rows 64, 256 rows 128)
 
 
 def pack(weight: Tensor) -> Tuple[Tensor, Tensor]:
@@ -70,9 +71,10 @@ def product(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, bm: Op
             stages: Optional[int] = None) -> Tensor:
     """``rows [m, in]`` (fp16 or bf16, on a GPU) times the int4 weight ``weight``, ``scale``
     (:func:`pack`'s), in ``rows``' dtype, by ``int4_product``, on a chip of ``processors`` SMs.
-    Up to :data:`ONE_BY_ONE` rows, :func:`by_rows`; up to :data:`ROWS`, the shape of work of
-    :func:`shape_of_work`; more, tiles of :data:`TILES`. ``bm``, ``bn``, ``split``, ``warps``, ``stages``: that shape given
-    (``fp8_products.py --weight-only --tune``)."""
+    Up to :data:`ONE_BY_ONE` rows, :func:`by_rows`; up to :data:`ROWS`, tiles of 16 rows in the
+    shape of work of :func:`shape_of_work`; more, tiles of :data:`TILES` (:data:`WIDE`). ``bm``,
+    ``bn``, ``split``, ``warps``, ``stages``: that shape given (``fp8_products.py --weight-only
+    --tune``)."""
     import triton
 
     from ._fp8_triton import sum_parts
@@ -85,7 +87,10 @@ def product(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, bm: Op
         return out
     if m <= ONE_BY_ONE and bm is None:
         return by_rows(rows, weight, scale, processors, out)
-    shape = (16, *shape_of_work(n, k, processors)) if m <= ROWS else TILES
+    if m <= ROWS:
+        shape = (16, *shape_of_work(n, k, processors))
+    else:
+        shape = (TILES[0], 128 if m > WIDE else TILES[1], *TILES[2:])
     bm, bn, split, warps, stages = (c if v is None else v for v, c in zip((bm, bn, split, warps, stages), shape))
     parts = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=rows.device)
     groups = k // GROUP
@@ -130,9 +135,9 @@ def by_rows(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, out: T
 
 def shape_of_work(n: int, k: int, processors: int) -> Tuple[int, int, int, int]:
     """:func:`product`'s ``(bn, split, warps, stages)`` for a few rows (past
-    :data:`ONE_BY_ONE`) of ``n`` outputs of ``k`` inputs on a chip of ``processors`` SMs: 64
-    outputs a program, the groups in 4 parts, 2 warps, 3 stages (``fp8_products.py --weight-only
-    --tune`` on an H200 at one row, the Llama-3-8B shape's widths: 19.9, 15.2, 72.2 and 40.0 us for
-    the q/k/v, output, gate-and-up and down widths, against 33.5, 28.3, 86.5 and 72.7 with 64,
-    4 and 1 or 4 parts as FP8's)."""
-    return 64, 4, 2, 3
+    :data:`ONE_BY_ONE`, up to :data:`ROWS`) of ``n`` outputs of ``k`` inputs on a chip of
+    ``processors`` SMs: 128 outputs a program, the groups in 4 parts, 4 warps, 3 stages
+    (``fp8_products.py --weight-only --tune`` on an H200 at 16 rows, the Llama-3-8B shape's
+    widths: 19.4, 13.5 and 34.1 us for the q/k/v, output and down widths against 18.7, 15.1 and
+    39.6 with 64 outputs and 2 warps; gate and up as one 54.9-56.7 with 2 warps against 73.9)."""
+    return 128, 4, 4, 3
