@@ -327,7 +327,7 @@ def _plain(q, x):
 # ------------------------------------------------------------------ int8 and int4 weight-only
 
 def _torchao():
-    return pytest.importorskip("torchao", reason="needs torchao (the quant extra): pip install 'graphwrap[quant]'")
+    return pytest.importorskip("torchao", reason="needs torchao, which graphwrap does not install: pip install torchao")
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -93,7 +93,7 @@ def _batch_options(ap: argparse.ArgumentParser):
                          "hold those rows' next token for seconds (default 8,192; 0: no bound)")
     ap.add_argument("--quantization", default=None, choices=("fp8", "int8", "int4"),
                     help="the model's linear layers in FP8 (compute capability 8.9 or later), or int8 or int4 "
-                         "weight-only (int4 through torchao, on a GPU with --dtype bfloat16): graphwrap.quantize")
+                         "weight-only (graphwrap's own, fp16 or bf16): graphwrap.quantize")
 
 
 def load(a: argparse.Namespace, engine: Optional[str] = None):
