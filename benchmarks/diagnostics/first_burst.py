@@ -14,9 +14,11 @@ random weights) on GPT-2 or the 1.1B Llama shape, in this process:
 
 Each part prints what the batch says of its shapes (captured, run eagerly, in a larger graph).
 Run from the project root, or from an older tree's root for a before/after:
-``python3 benchmarks/diagnostics/first_burst.py gpt2 [--seconds 5] [--warm 3] [--only-warm] [--compile [--compiled]]`` (``--compile``:
-part 1's bursts alone, with ``compile=True``; ``--compiled``: the warm bursts after every queued compile;
-``--only-warm``: part 1's bursts alone)
+``python3 benchmarks/diagnostics/first_burst.py gpt2 [--seconds 5] [--warm 3] [--only-warm] [--compile [--compiled]]
+[--ahead first|every]`` (``--compile``: part 1's bursts alone, with ``compile=True``; ``--compiled``: the warm
+bursts after every queued compile; ``--only-warm``: part 1's bursts alone; ``--ahead``: part 1's
+GraphedModule first captures ahead, ``gm.capture_generate(shapes=...)``, timed apart, as ``serve``
+does before it answers)
 """
 
 import argparse
@@ -74,6 +76,8 @@ def main():
     ap.add_argument("--no-cudnn", action="store_true", help="torch's cuDNN attention turned off for the run")
     ap.add_argument("--warm", type=int, default=3, help="warm bursts after the first (their median, and each)")
     ap.add_argument("--only-warm", action="store_true", help="the first burst and the warm ones, nothing else")
+    ap.add_argument("--ahead", choices=["first", "every"], default=None,
+                    help="gm.capture_generate(shapes=...) before the first burst, timed apart")
     a = ap.parse_args()
     if a.no_cudnn:
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -88,6 +92,11 @@ def main():
     tokens = sum(k for _, k in reqs)
 
     gm = GraphedModule(model, compile=True) if a.compile else GraphedModule(model)
+    if a.ahead:
+        t0 = time.perf_counter()
+        done = gm.capture_generate(shapes=a.ahead)
+        print(f"[{a.model}] capture_generate(shapes={a.ahead!r}): {time.perf_counter() - t0:.2f} s (done: {done}); "
+              f"{shapes(gm)}", flush=True)
     first, *_ = g.burst(gm, reqs, dev)
     print(f"[{a.model}] first burst: {first:.3f} s ({tokens / first:,.0f} tokens/s); {shapes(gm)}; decode thread "
           f"{gm.stats()['decode']['thread_s']}", flush=True)
