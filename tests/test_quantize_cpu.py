@@ -330,6 +330,20 @@ def _torchao():
     return pytest.importorskip("torchao", reason="needs torchao, which graphwrap does not install: pip install torchao")
 
 
+def _its_product_through_a_dtype_change(layer, linear, weight, within, stored, scales):
+    """``layer``'s output is ``x @ weight.T`` (+ the bias), within ``within`` of ``linear``'s
+    (relative); after ``half()`` its quantized weight stays ``stored`` and its scales ``scales``,
+    and it answers in fp16."""
+    x = torch.randn(3, 5, linear.in_features)
+    want = x @ weight.t() + (linear.bias.detach() if linear.bias is not None else 0)
+    torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+    rel = (layer(x) - linear(x)).norm() / linear(x).norm()
+    assert 0 < rel < within, rel
+    layer.half()
+    assert getattr(layer, layer.QUANTIZED).dtype == stored and layer.weight_scale.dtype == scales
+    assert layer(x.half()).dtype == torch.float16
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_an_int8_layer_is_its_weight_rounded_per_channel_and_near_the_full_product(bias):
     """Int8Linear: the weight rounded to int8 with a scale per output channel (its largest
@@ -345,39 +359,8 @@ def test_an_int8_layer_is_its_weight_rounded_per_channel_and_near_the_full_produ
     assert layer.weight_int8.dtype == torch.int8 and layer.weight_int8.shape == (24, 40)
     assert torch.equal(layer.weight_int8, (w / scale[:, None]).round().to(torch.int8))
     assert layer.weight_int8.abs().amax(dim=1).eq(127).all(), "each channel's largest magnitude is 127"
-    x = torch.randn(3, 5, 40)
-    want = x @ (layer.weight_int8.float() * scale[:, None]).t() + (linear.bias.detach() if bias else 0)
-    torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
-    rel = (layer(x) - linear(x)).norm() / linear(x).norm()
-    assert 0 < rel < 0.01, rel
-    layer.half()
-    assert layer.weight_int8.dtype == torch.int8 and layer.weight_scale.dtype == torch.float32
-    assert layer(x.half()).dtype == torch.float16
-
-
-def test_int8_weight_only_layers_give_the_shared_batch_the_quantized_models_own_tokens(gw_log):
-    """graphwrap's own int8 layers (no torchao): every linear but the head, q/k/v and gate/up in
-    one buffer each (together makes q/k/v as one product, each layer's own output); the shared
-    batch gives the quantized model's own greedy tokens, and the wrapper's forward its logits."""
-    from graphwrap.quantized import Int8Linear, together
-
-    model = graphwrap.quantize(_llama(), "int8")
-    attn = model.model.layers[0].self_attn
-    assert type(attn.q_proj) is Int8Linear and type(model.model.layers[1].mlp.down_proj) is Int8Linear
-    assert type(model.lm_head) is nn.Linear, "the head stays in its dtype"
-    assert "14 linear layers in int8 weight-only (sharing a buffer: 2 groups of q_proj/k_proj/v_proj, 2 groups of " \
-        "gate_proj/up_proj); 1 left as they are by name (lm_head)" in gw_log.text
-    x = torch.randn(2, 3, 64)
-    outs = together(x, [attn.q_proj, attn.k_proj, attn.v_proj])
-    assert outs is not None
-    for m, o in zip((attn.q_proj, attn.k_proj, attn.v_proj), outs):
-        torch.testing.assert_close(o, m(x), atol=1e-6, rtol=1e-6)
-    gm = own_tokens(model, (4, 11, 23), new=10, seed=4)
-    assert gm.stats()["generate"] == {"graphwrap's shared decode batch": 3}
-    x = torch.randint(2, 101, (2, 9), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        assert torch.equal(gm(x).logits, model(x).logits)
-    gm.close()
+    _its_product_through_a_dtype_change(layer, linear, (layer.weight_int8.float() * scale[:, None]), 0.01,
+                                        torch.int8, torch.float32)
 
 
 def test_a_model_quantized_by_torchao_itself_wraps_and_decodes_in_the_shared_batch():
@@ -438,14 +421,7 @@ def test_an_int4_layer_packs_groups_of_128_two_values_a_byte_and_is_its_unpacked
     assert torch.equal(back[3, :128], torch.full((128,), 0.25))
     assert ((back - w).abs().reshape(24, 2, 128) <= scale[..., None] / 2 + 1e-3 * scale[..., None] + 1e-7).all(), \
         "each weight within half a step of its group's grid"
-    x = torch.randn(3, 5, 256)
-    want = x @ back.t() + (linear.bias.detach() if bias else 0)
-    torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
-    rel = (layer(x) - linear(x)).norm() / linear(x).norm()
-    assert 0 < rel < 0.1, rel
-    layer.half()
-    assert layer.weight_int4.dtype == torch.uint8 and layer.weight_scale.dtype == torch.float16
-    assert layer(x.half()).dtype == torch.float16
+    _its_product_through_a_dtype_change(layer, linear, back, 0.1, torch.uint8, torch.float16)
 
 
 def test_int4_leaves_layers_whose_inputs_are_not_a_multiple_of_128_and_says_so(gw_log):
@@ -465,19 +441,21 @@ def test_int4_leaves_layers_whose_inputs_are_not_a_multiple_of_128_and_says_so(g
     assert type(wrapped[0]) is nn.Linear and "1 past fp16's range" in gw_log.text
 
 
-def test_int4_weight_only_layers_give_the_shared_batch_the_quantized_models_own_tokens(gw_log):
-    """graphwrap's own int4 layers: every linear but the head, q/k/v and gate/up in one buffer
-    each (together makes q/k/v as one product and gated gate/up as one, each the layers' own
-    output); the shared batch gives the quantized model's own greedy tokens, and the wrapper's
-    forward its logits."""
-    from graphwrap.quantized import Int4Linear, gated, together
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_weight_only_layers_give_the_shared_batch_the_quantized_models_own_tokens(gw_log, kind):
+    """graphwrap's own int8 and int4 layers (no torchao): every linear but the head, q/k/v and
+    gate/up in one buffer each (together makes q/k/v as one product and gated gate/up as one,
+    each the layers' own output); the shared batch gives the quantized model's own greedy
+    tokens, and the wrapper's forward its logits."""
+    from graphwrap.quantized import Int4Linear, Int8Linear, gated, together
 
-    model = graphwrap.quantize(_llama(hidden=128, intermediate=256), "int4")
+    cls = Int8Linear if kind == "int8" else Int4Linear
+    model = graphwrap.quantize(_llama(hidden=128, intermediate=256), kind)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[1].mlp
-    assert type(attn.q_proj) is Int4Linear and type(mlp.down_proj) is Int4Linear
+    assert type(attn.q_proj) is cls and type(mlp.down_proj) is cls
     assert type(model.lm_head) is nn.Linear, "the head stays in its dtype"
-    assert "quantize int4: 14 linear layers in int4 weight-only (sharing a buffer: 2 groups of q_proj/k_proj/v_proj, " \
-        "2 groups of gate_proj/up_proj); 1 left as they are by name (lm_head)" in gw_log.text
+    assert f"quantize {kind}: 14 linear layers in {kind} weight-only (sharing a buffer: 2 groups of " \
+        "q_proj/k_proj/v_proj, 2 groups of gate_proj/up_proj); 1 left as they are by name (lm_head)" in gw_log.text
     x = torch.randn(2, 3, 128)
     outs = together(x, [attn.q_proj, attn.k_proj, attn.v_proj])
     assert outs is not None
