@@ -133,6 +133,31 @@ def test_serve_quantization_fp8_serves_the_quantized_models_greedy_text(tmp_path
     assert cli.parser().parse_args([d, "--quantization", "fp8"]).quantization == "fp8"
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_serve_quantization_int8_and_int4_serve_the_quantized_models_greedy_text(tmp_path, kind):
+    """GPT-2's Conv1D layers (their weight [in, out]) in int8 or int4 behind the server: its
+    greedy text is the quantized model's own."""
+    pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+    pytest.importorskip("uvicorn", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+    import tiny_lm
+    from test_http_cpu import Running, _args, greedy, post
+
+    from graphwrap.quantized import Int4Linear, Int8Linear
+    from graphwrap.serve.api import cli
+
+    d = tiny_lm.make(str(tmp_path), width=128)  # (int4's groups: inputs a multiple of 128)
+    r = Running(cli.load(_args(d, served_model_name="tiny", quantization=kind)))
+    try:
+        layers = [m for m in r.served.gm.module.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+        assert len(layers) == 8 and all(type(m) is (Int8Linear if kind == "int8" else Int4Linear) for m in layers)
+        ids = r.served.tokenizer("the quick brown fox")["input_ids"]
+        status, body, _ = post(r.port, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 8,
+                                                           "temperature": 0})
+        assert status == 200 and body["choices"][0]["text"] == greedy(r, ids, 8)[1], body
+    finally:
+        r.stop()
+
+
 @needs_fp8
 def test_a_model_quantized_behind_its_wrapper_is_served_quantized():
     """quantize after the wrap (the batch made over the full model): the next call sees the new
@@ -422,6 +447,22 @@ def test_an_int4_layer_packs_groups_of_128_two_values_a_byte_and_is_its_unpacked
     assert ((back - w).abs().reshape(24, 2, 128) <= scale[..., None] / 2 + 1e-3 * scale[..., None] + 1e-7).all(), \
         "each weight within half a step of its group's grid"
     _its_product_through_a_dtype_change(layer, linear, back, 0.1, torch.uint8, torch.float16)
+
+
+def test_an_int4_layer_from_gpt2s_conv1d_takes_its_weight_the_right_way_round():
+    """transformers' Conv1D holds its weight [in, out]: the int4 layer packs it as [out, in], so
+    its output is near the Conv1D's own."""
+    from transformers.pytorch_utils import Conv1D
+
+    from graphwrap.quantized import Int4Linear
+
+    torch.manual_seed(3)
+    conv = Conv1D(384, 128)  # (384 outputs of 128 inputs)
+    layer = Int4Linear(conv)
+    assert (layer.in_features, layer.out_features) == (128, 384)
+    x = torch.randn(4, 128)
+    rel = (layer(x) - conv(x)).norm() / conv(x).norm()
+    assert rel < 0.1, rel
 
 
 def test_int4_leaves_layers_whose_inputs_are_not_a_multiple_of_128_and_says_so(gw_log):

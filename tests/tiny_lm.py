@@ -10,7 +10,7 @@ TEXT = ["the quick brown fox jumps over the lazy dog", "graphs replay kernels wi
         "a shared batch serves many callers at once", "héllo wörld, ünïcode bytes split over tokens: 東京"]
 
 
-def make(path: str, positions: int = 256, layers: int = 2, seed: int = 0) -> str:
+def make(path: str, positions: int = 256, layers: int = 2, seed: int = 0, width: int = 64) -> str:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
@@ -27,7 +27,7 @@ def make(path: str, positions: int = 256, layers: int = 2, seed: int = 0) -> str
     tok.save_pretrained(path)
     torch.manual_seed(seed)
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
-    cfg = GPT2Config(n_layer=layers, n_head=2, n_embd=64, vocab_size=len(tok), n_positions=positions,
+    cfg = GPT2Config(n_layer=layers, n_head=2, n_embd=width, vocab_size=len(tok), n_positions=positions,
                      bos_token_id=eos, eos_token_id=eos)
     GPT2LMHeadModel(cfg).eval().save_pretrained(path)
     return path
