@@ -6,11 +6,10 @@ weight-only layers read a little over a quarter of fp16's bytes. Each weight is 
 groups of :data:`GROUP` inputs, each group with a scale and an offset (a weight is ``offset +
 value * scale``: the group's smallest weight and its range over 15, both in fp16), two values a
 byte (:func:`pack`). On a GPU with Triton, in fp16 or bf16, graphwrap's kernels make the
-product reading those bytes (:func:`product`): for a decode step's one row or few,
-``_int4_triton.int4_row`` on the CUDA cores, a row a program; for more, ``int4_product`` in
-tiles on the tensor cores;
-elsewhere the layer makes the weight again (:func:`unpack`) and takes torch's product. Every step
-is a device operation, so graphs capture and replay it like any other.
+product reading those bytes (:func:`product`): for one row (a decode step at batch 1)
+``_int4_triton.int4_row`` on the CUDA cores; for more, ``int4_product`` in tiles on the tensor
+cores. Elsewhere the layer makes the weight again (:func:`unpack`) and takes torch's product.
+Every step is a device operation, so graphs capture and replay it like any other.
 """
 
 from typing import Optional, Tuple
