@@ -158,19 +158,26 @@ def test_serve_quantization_int8_and_int4_serve_the_quantized_models_greedy_text
         r.stop()
 
 
-@needs_fp8
-def test_a_model_quantized_behind_its_wrapper_is_served_quantized():
-    """quantize after the wrap (the batch made over the full model): the next call sees the new
-    layers and gives the quantized model's tokens, not the old batch's."""
-    model = _llama()
+@pytest.mark.parametrize("kind", [pytest.param("fp8", marks=needs_fp8), "int8", "int4"])
+def test_a_model_quantized_behind_its_wrapper_is_served_quantized(monkeypatch, kind):
+    """quantize after the wrap (the batch made over the full model), the next call under
+    inference_mode: its forwards run the new layers (counted: on this random model the
+    quantized tokens may be the full model's) and give the quantized model's tokens."""
+    from graphwrap import quantized
+
+    cls = {"fp8": quantized.Fp8Linear, "int8": quantized.Int8Linear, "int4": quantized.Int4Linear}[kind]
+    model = _llama(hidden=128, intermediate=256)
     gm = GraphedModule(model)
     prompt = torch.randint(2, 101, (1, 20), generator=torch.Generator().manual_seed(3))
     before = gm.generate(prompt, max_new_tokens=10, do_sample=False)
-    graphwrap.quantize(model, "fp8")
+    graphwrap.quantize(model, kind)
     with torch.inference_mode():
-        got = gm.generate(prompt, max_new_tokens=10, do_sample=False)
         want = model.generate(input_ids=prompt, max_new_tokens=10, do_sample=False)
-    assert torch.equal(got, want)
+        calls = []
+        real = cls.rows
+        monkeypatch.setattr(cls, "rows", staticmethod(lambda *a: calls.append(1) or real(*a)))
+        got = gm.generate(prompt, max_new_tokens=10, do_sample=False)
+    assert torch.equal(got, want) and calls, "the batch's forwards ran the quantized layers"
     assert gm.stats()["generate"] == {"graphwrap's shared decode batch": 2}
     assert before.shape == got.shape
     gm.close()
