@@ -399,8 +399,12 @@ def _joined(parts: Sequence[Tensor], dim: int) -> Optional[Tensor]:
         return None  # (along a later dimension the views are dense only where those before are 1)
     shape = list(first.shape)
     shape[dim] = sum(t.shape[dim] for t in parts)
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape,
-                                   torch.empty(shape, device="meta").stride())
+    strides: List[int] = []
+    step = 1
+    for n in reversed(shape):
+        strides.insert(0, step)
+        step *= n
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, strides)
 
 
 @contextlib.contextmanager
