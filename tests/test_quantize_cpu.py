@@ -110,52 +110,31 @@ def test_the_shared_batch_over_a_quantized_model_gives_its_own_greedy_tokens():
     gm.close()
 
 
-@needs_fp8
-def test_serve_quantization_fp8_serves_the_quantized_models_greedy_text(tmp_path):
-    pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
-    pytest.importorskip("uvicorn", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
-    import tiny_lm
-    from test_http_cpu import Running, _args, greedy, post
-
-    from graphwrap.serve.api import cli
-
-    d = tiny_lm.make(str(tmp_path))
-    r = Running(cli.load(_args(d, served_model_name="tiny", quantization="fp8")))
-    try:
-        model = r.served.gm.module
-        assert any(isinstance(m, Fp8Linear) for m in model.modules())
-        ids = r.served.tokenizer("the quick brown fox")["input_ids"]
-        status, body, _ = post(r.port, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 8,
-                                                           "temperature": 0})
-        assert status == 200 and body["choices"][0]["text"] == greedy(r, ids, 8)[1], body
-    finally:
-        r.stop()
-    assert cli.parser().parse_args([d, "--quantization", "fp8"]).quantization == "fp8"
-
-
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_serve_quantization_int8_and_int4_serve_the_quantized_models_greedy_text(tmp_path, kind):
-    """GPT-2's Conv1D layers (their weight [in, out]) in int8 or int4 behind the server: its
+@pytest.mark.parametrize("kind", [pytest.param("fp8", marks=needs_fp8), "int8", "int4"])
+def test_serve_quantization_serves_the_quantized_models_greedy_text(tmp_path, kind):
+    """GPT-2's Conv1D layers (their weight [in, out]) in FP8, int8 or int4 behind the server: its
     greedy text is the quantized model's own."""
     pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
     pytest.importorskip("uvicorn", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
     import tiny_lm
     from test_http_cpu import Running, _args, greedy, post
 
-    from graphwrap.quantized import Int4Linear, Int8Linear
+    from graphwrap.quantized import Int4Linear, Int8Linear, QuantizedLinear
     from graphwrap.serve.api import cli
 
+    cls = {"fp8": Fp8Linear, "int8": Int8Linear, "int4": Int4Linear}[kind]
     d = tiny_lm.make(str(tmp_path), width=128)  # (int4's groups: inputs a multiple of 128)
     r = Running(cli.load(_args(d, served_model_name="tiny", quantization=kind)))
     try:
-        layers = [m for m in r.served.gm.module.modules() if isinstance(m, (Int8Linear, Int4Linear))]
-        assert len(layers) == 8 and all(type(m) is (Int8Linear if kind == "int8" else Int4Linear) for m in layers)
+        layers = [m for m in r.served.gm.module.modules() if isinstance(m, QuantizedLinear)]
+        assert len(layers) == 8 and all(type(m) is cls for m in layers)
         ids = r.served.tokenizer("the quick brown fox")["input_ids"]
         status, body, _ = post(r.port, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 8,
                                                            "temperature": 0})
         assert status == 200 and body["choices"][0]["text"] == greedy(r, ids, 8)[1], body
     finally:
         r.stop()
+    assert cli.parser().parse_args([d, "--quantization", kind]).quantization == kind
 
 
 @pytest.mark.parametrize("kind", [pytest.param("fp8", marks=needs_fp8), "int8", "int4"])
