@@ -2,14 +2,18 @@
 
 One model of ``--model``'s shape (random weights, fp16, seed 0) and a twin of it for each of
 ``--kinds`` (a deep copy, then ``graphwrap.quantize(..., kind)``: ``fp8``, ``int8`` or ``int4``
-weight-only), each through its own GraphedModule:
+weight-only; ``kv8``: the fp16 model with its shared batch's cache in FP8,
+``decode={"kv_cache_dtype": "fp8"}``; ``fp8+kv8``: both), each through its own GraphedModule:
 
 - **agreement**, teacher-forced: ``--agree-seqs`` random sequences of ``--agree-len`` tokens
   through both eager models; at each position, whether the twin's argmax is fp16's, or within 0.01
   of the fp16 logits' spread (max - min) of fp16's best; and the logits' relative error. The
   same for a bf16 copy, as the yardstick: random weights give flat logits (their top two a
   small share of the spread apart), so a few percent of noise moves many argmaxes, and the
-  8B shape's 32 random layers magnify noise (see :func:`scale_outputs`);
+  8B shape's 32 random layers magnify noise (see :func:`scale_outputs`). With ``kv8``, the twin
+  reads each sequence in pieces of :data:`KV8_PIECE` through a cache that keeps keys and values
+  as the FP8 pool does (the batch's scales), so every piece after the first attends over what
+  the cache read back;
 - **batch 1**: one call of ``--prompt`` random tokens and ``--new`` new tokens at a time
   (greedy, no end-of-sequence), a first call apart, then the median of ``--repeats``, as
   milliseconds per new token;
@@ -40,17 +44,20 @@ from prefix import model_of  # noqa: E402  (the same shapes: tiny, or generate_l
 import graphwrap  # noqa: E402
 from graphwrap import GraphedModule  # noqa: E402
 
+KV8_PIECE = 64  # positions a kv8 twin's teacher-forced forward takes at a time
+
 
 def agreement(full, twin, vocab: int, seqs: int, length: int, device) -> dict:
     """Teacher-forced: the share of positions where the twin's argmax is fp16's, exactly or within
-    0.01 of the fp16 logits' spread."""
+    0.01 of the fp16 logits' spread (``twin``: a model, or a function of the ids to its logits)."""
     g = torch.Generator().manual_seed(5)
     same = near = total = 0
     err, tops = [], []
     with torch.no_grad():
         for _ in range(seqs):
             ids = torch.randint(3, vocab, (1, length), generator=g).to(device)
-            a, b = full(ids).logits[0].float(), twin(ids).logits[0].float()
+            a = full(ids).logits[0].float()
+            b = (twin(ids).logits if isinstance(twin, torch.nn.Module) else twin(ids))[0].float()
             best, got = a.argmax(-1), b.argmax(-1)
             spread = a.max(-1).values - a.min(-1).values
             gap = a.max(-1).values - a.gather(-1, got[:, None])[:, 0]
@@ -91,8 +98,8 @@ def calls(gm, prompts, new, device) -> float:
     return time.perf_counter() - t0
 
 
-def one(model, label, a, device) -> dict:
-    gm = GraphedModule(model)
+def one(model, label, a, device, decode=None) -> dict:
+    gm = GraphedModule(model, decode=decode)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     single = [torch.randint(3, vocab, (1, a.prompt), generator=g).to(device)]
@@ -134,7 +141,8 @@ def main():
     ap.add_argument("--agree-len", type=int, default=512)
     ap.add_argument("--scale-outputs", action=argparse.BooleanOptionalAction, default=False,
                     help="scale the random weights of each layer's output projections by 1/sqrt(2 x layers)")
-    ap.add_argument("--kinds", default="fp8", help="what graphwrap.quantize makes, each beside fp16: fp8, int8, int4")
+    ap.add_argument("--kinds", default="fp8", help="what graphwrap.quantize makes, each beside fp16: fp8, int8, "
+                                                   "int4; kv8 (the cache in FP8), or a kind+kv8")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -147,9 +155,9 @@ def main():
     agree = {"bf16": _agree(full, "bf16", copy.deepcopy(full).to(torch.bfloat16), a, device)}
     rows, ratio = [one(full, "fp16", a, device)], {}
     for kind in a.kinds.split(","):
-        twin = twin_of(full, kind)
-        agree[kind] = _agree(full, kind, twin, a, device)
-        rows.append(one(twin, kind, a, device))
+        twin, decode = twin_of(full, kind)
+        agree[kind] = _agree(full, kind, kv8_logits(twin, a, device) if decode else twin, a, device)
+        rows.append(one(twin, kind, a, device, decode))
         del twin
         gc.collect()
         if device.type == "cuda":
@@ -165,8 +173,42 @@ def main():
 
 
 def twin_of(full, kind: str):
-    """A copy of ``full`` in ``kind``."""
-    return graphwrap.quantize(copy.deepcopy(full), kind)
+    """``(model, decode)``: a copy of ``full`` quantized as ``kind`` says (``full`` itself for
+    ``kv8`` alone), and the decode options of its GraphedModule (the cache in FP8 with kv8)."""
+    parts = kind.split("+")
+    weights = [p for p in parts if p != "kv8"]
+    model = graphwrap.quantize(copy.deepcopy(full), weights[0]) if weights else full
+    return model, ({"kv_cache_dtype": "fp8"} if "kv8" in parts else None)
+
+
+def kv8_logits(model, a, device):
+    """The logits of ``model`` over ids read in pieces of :data:`KV8_PIECE` through a cache that
+    keeps keys and values as the batch's FP8 pool does, with the scales the batch takes."""
+    from transformers import DynamicCache
+
+    from graphwrap.decoding.cache import fp8
+    from graphwrap.decoding.engine.step import kv_scales
+    from graphwrap.loops.decode import cache_keyword
+
+    scales = kv_scales(model, device, fp8.CALIBRATION)
+
+    def logits(ids):
+        cache = DynamicCache(config=model.config)
+        for layer, s in zip(cache.layers, scales):
+            layer.update = _stored(layer.update, s)
+        out = []
+        with torch.no_grad():
+            for i in range(0, ids.shape[1], KV8_PIECE):
+                out.append(model(input_ids=ids[:, i:i + KV8_PIECE], use_cache=True,
+                                 **{cache_keyword(model): cache}).logits)
+        return torch.cat(out, 1)
+    return logits
+
+
+def _stored(update, s):
+    from graphwrap.decoding.cache import fp8
+
+    return lambda k, v, *args, **kw: update(fp8.round_trip(k, s.keys), fp8.round_trip(v, s.values), *args, **kw)
 
 
 def _agree(full, name: str, other, a, device) -> dict:

@@ -118,7 +118,8 @@ class GraphedModule(nn.Module):
             ``max_queue``: sequences waiting for a row; ``cache_memory``: the share of the GPU
             memory free when the batch is made that its cache may take; ``paged``: the cache's
             layout (None: whole rows where they fit that share, else blocks of a pool that
-            sequences take as they are admitted; on a CPU, a pool that grows).
+            sequences take as they are admitted; on a CPU, a pool that grows); ``kv_cache_dtype``:
+            ``"auto"`` (the model's dtype) or ``"fp8"`` (E4M3, docs/quantization.md).
 
     .. warning::
         With ``outputs="view"``, the returned tensors are overwritten by the next call of this

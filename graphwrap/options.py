@@ -115,11 +115,20 @@ def _check_decode(value):
     if value is None or value is True or value is False:
         return
     keys = {"rows", "max_len", "max_queue", "cache_memory", "paged", "prefix_caching", "prefill_budget",
-            "prefill_whole", "prefill_beside"}
+            "prefill_whole", "prefill_beside", "kv_cache_dtype"}
     if not isinstance(value, dict) or set(value) - keys:
         raise GraphwrapError("decode must be True, False or a dict of rows=, max_len=, max_queue=, cache_memory=, "
-                             f"paged=, prefix_caching=, prefill_budget=, prefill_whole=, prefill_beside=; got {value!r}")
+                             "paged=, prefix_caching=, prefill_budget=, prefill_whole=, prefill_beside=, "
+                             f"kv_cache_dtype=; got {value!r}")
+    if value.get("kv_cache_dtype") in ("fp8", "fp8_e4m3") and value.get("paged") is False:
+        raise GraphwrapError("decode['kv_cache_dtype']='fp8' keeps the cache in the paged pool; it cannot be "
+                             "paged=False (leave paged out, or use kv_cache_dtype='auto')")
     for k, v in value.items():
+        if k == "kv_cache_dtype":
+            if v not in (None, "auto", "fp8", "fp8_e4m3"):
+                raise GraphwrapError(f"decode['kv_cache_dtype'] must be 'auto' (the model's dtype) or 'fp8' (E4M3 "
+                                     f"with scales per layer), got {v!r}")
+            continue
         if k == "cache_memory":
             if not isinstance(v, numbers.Real) or isinstance(v, bool) or not 0 < float(v) <= 1:
                 raise GraphwrapError(f"decode['cache_memory'] must be a fraction in (0, 1], got {v!r}")

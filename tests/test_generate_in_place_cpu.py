@@ -30,7 +30,7 @@ def in_place(monkeypatch):
     """The batch reads its pool in place as on a GPU (where the model's attention is sdpa), and
     prompts past 8 positions go in pieces, one a turn (no ``pieces.BUDGET``): each inside the
     decoding rows' step, which these tests count."""
-    monkeypatch.setattr(server_mod, "reads_in_place", lambda model, device: sdpa_model(model))
+    monkeypatch.setattr(server_mod, "reads_in_place", lambda model, device, kv=None: sdpa_model(model))
     monkeypatch.setattr(server_mod, "CHUNK", 8)
     monkeypatch.setattr(pieces_mod, "WHOLE", 0)  # (these long prompts go in pieces, found alone or not)
     monkeypatch.setattr(pieces, "BUDGET", None)

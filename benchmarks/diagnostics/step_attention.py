@@ -2,11 +2,12 @@
 over 64 rows of the 1.1B Llama shape (32 query heads over 4, 64 wide) and a 7-8B shape (32 over
 8, 128 wide), fp16, each row at ``S`` positions of a scattered paged pool; each timed over ten
 calls in a CUDA graph (as the step's graph runs it), median of 20, with the keys' and values'
-bytes over the time, and checked against the torch reference.
+bytes over the time, and checked against the torch reference. With ``--kv fp8``, the pools are
+FP8 (graphwrap/decoding/cache/fp8.py), read back with their scales; ``--rows`` sets the rows.
 
-``python3 benchmarks/diagnostics/step_attention.py [--tune]`` from the repository root, on a
-GPU; without ``--tune`` only the defaults; with it, every tile of positions, warps and pipeline
-stages, the 12 fastest of each case.
+``python3 benchmarks/diagnostics/step_attention.py [--tune] [--kv fp8] [--rows 256] [--shape 7-8B]``
+from the repository root, on a GPU; without ``--tune`` only the defaults; with it, every tile
+of positions, warps and pipeline stages, the 12 fastest of each case.
 """
 
 import argparse
@@ -16,6 +17,7 @@ import time
 import torch
 from piece_attention import graph_ms
 
+from graphwrap.decoding.cache import fp8
 from graphwrap.decoding.kernels import paged_attention
 
 DEV = torch.device("cuda")
@@ -26,29 +28,44 @@ ROWS, BLOCK = 64, 16
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--kv", default="fp16", choices=("fp16", "fp8", "fp8k", "fp8v"),
+                    help="the pools' dtype (fp8k, fp8v: only the keys', only the values' pool FP8)")
+    ap.add_argument("--rows", type=int, default=ROWS)
+    ap.add_argument("--shape", default=None, choices=tuple(SHAPES))
     a = ap.parse_args()
+    rows = a.rows
+    scales = fp8.Scales(0.02, 0.01) if a.kv != "fp16" else None
     print(f"step_attention{' --tune' if a.tune else ''}: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}; defaults: (tile, warps, stages) "
+          f"{time.strftime('%Y-%m-%d')}; {rows} rows, pools {a.kv}; defaults: (tile, warps, stages) "
           f"{paged_attention.shape_of_work(64)} for 64-wide heads, {paged_attention.shape_of_work(128)} for 128", flush=True)
     configs = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3))) if a.tune else [None]
     g = torch.Generator(device=DEV).manual_seed(0)
     for name, (hq, hkv, d) in SHAPES.items():
+        if a.shape not in (None, name):
+            continue
         for S in (192, 1024, 4096):
             lines = S // BLOCK
-            blocks = ROWS * lines + 1
+            blocks = rows * lines + 1
             k_pool = torch.randn(blocks, BLOCK, hkv, d, generator=g, device=DEV).half()
             v_pool = torch.randn(blocks, BLOCK, hkv, d, generator=g, device=DEV).half()
-            table = (torch.randperm(blocks - 1, generator=g, device=DEV)[:ROWS * lines] + 1).view(ROWS, lines)
-            lengths = torch.full((ROWS,), S, device=DEV)
-            q = torch.randn(ROWS, hq, 1, d, generator=g, device=DEV).half()
-            want = paged_attention.reference(q, k_pool, v_pool, table, lengths, d ** -0.5)
-            gb = 2 * ROWS * S * hkv * d * 2 / 1e9
+            ks, vs = 1.0, 1.0
+            if scales is not None:
+                if a.kv in ("fp8", "fp8k"):
+                    k_pool, ks = fp8.encode(k_pool, scales.keys), scales.keys
+                if a.kv in ("fp8", "fp8v"):
+                    v_pool, vs = fp8.encode(v_pool, scales.values), scales.values
+            table = (torch.randperm(blocks - 1, generator=g, device=DEV)[:rows * lines] + 1).view(rows, lines)
+            lengths = torch.full((rows,), S, device=DEV)
+            q = torch.randn(rows, hq, 1, d, generator=g, device=DEV).half()
+            want = paged_attention.reference(q, k_pool, v_pool, table, lengths, d ** -0.5, None, None, ks, vs)
+            gb = rows * S * hkv * d * (k_pool.element_size() + v_pool.element_size()) / 1e9
             found = []
             for c in configs:
                 kw = {} if c is None else dict(zip(("tile", "warps", "stages"), c))
 
                 def f(kw=kw):
-                    return paged_attention._launch(q[:, :, 0], k_pool, v_pool, table, lengths, d ** -0.5, 0, 0.0, **kw)
+                    return paged_attention._launch(q[:, :, 0], k_pool, v_pool, table, lengths, d ** -0.5, 0, 0.0,
+                                                   k_scale=ks, v_scale=vs, **kw)
                 try:
                     err = (f()[:, None].float() - want.float()).abs().max().item()
                     found.append((graph_ms(f), c, err))

@@ -137,6 +137,7 @@ def main():
     ap.add_argument("--burst", type=int, default=0, help="N requests of 128 in and 128 out at once, not the "
                     "generate workload")
     ap.add_argument("--quantize", default=None, help="the model through graphwrap.quantize first (fp8, int8, int4)")
+    ap.add_argument("--kv-cache-dtype", default=None, help="the shared batch's cache: auto or fp8")
     ap.add_argument("--ops", action="store_true", help="also the operators of eager steps, with their shapes")
     ap.add_argument("--compile", action="store_true", help="then compile=True's warm bursts and their kernels")
     ap.add_argument("--cards", action="store_true", help="also the bare replay with the gated-MLP kernel's shape "
@@ -152,7 +153,7 @@ def main():
     vocab = model.config.vocab_size
     if a.quantize:
         graphwrap.quantize(model, a.quantize)
-    gm = GraphedModule(model)
+    gm = GraphedModule(model, decode={"kv_cache_dtype": a.kv_cache_dtype} if a.kv_cache_dtype else None)
     if a.burst:
         reqs = [(p, NEW) for p in requests(a.burst, vocab)]
     else:

@@ -9,13 +9,15 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..kernels import step_write
+from . import fp8
 from .pool import blocks_for
 
 Tensor = torch.Tensor
 
 
 class WindowLayer(CacheLayerMixin):
-    """What every layer of a window answers: ``span`` positions, already allocated."""
+    """What every layer of a window answers: ``span`` positions, already allocated (``scales``:
+    the layer's FP8 scales where its pools are FP8, see :mod:`.fp8`; None in the model's dtype)."""
 
     is_compileable = True
     is_sliding = False
@@ -25,6 +27,14 @@ class WindowLayer(CacheLayerMixin):
         self.keys, self.values = keys, values
         self.span = span
         self.is_initialized = True
+        self.scales: Optional[fp8.Scales] = getattr(keys, "_gw_scales", None)
+
+    def read(self, got: Tensor, values: bool, dtype: torch.dtype) -> Tensor:
+        """Positions gathered from the pool of keys (of values), in ``dtype``: read back from FP8
+        with the layer's scale where the pool is FP8."""
+        if self.scales is None:
+            return got
+        return fp8.decode(got, self.scales.values if values else self.scales.keys, dtype)
 
     def lazy_initialization(self, key_states, value_states, *args, **kwargs):
         pass
@@ -134,10 +144,12 @@ class PagedLayer(RowLayer):
             slots.where, slots.offset, pos = _row_slots(self, n)
             slots.seen = pos + 1 if direct else None
         where, offset = slots.where, slots.offset
-        step_write.put(self.keys, self.values, where, offset, key_states[:, :, -1], value_states[:, :, -1])
+        step_write.put(self.keys, self.values, where, offset, key_states[:, :, -1], value_states[:, :, -1],
+                       self.scales)
         if direct:
             return self.direct, self.values
-        return self._gather(self.keys, n), self._gather(self.values, n)
+        dtype = key_states.dtype
+        return self.read(self._gather(self.keys, n), False, dtype), self.read(self._gather(self.values, n), True, dtype)
 
     def _gather(self, pool: Tensor, n: int) -> Tensor:
         lines = self.table[:n, :self.lines]
@@ -183,7 +195,8 @@ class PagedPromptLayer(RowLayer):
         k, width = key_states.shape[0], key_states.shape[2]
         where = self.table.index_select(0, self.slots[:k])[:, self.pos_block[:width]]
         offset = self.pos_offset[:width]
-        step_write.put(self.keys, self.values, where, offset, key_states.transpose(1, 2), value_states.transpose(1, 2))
+        step_write.put(self.keys, self.values, where, offset, key_states.transpose(1, 2), value_states.transpose(1, 2),
+                       self.scales)
         return key_states, value_states
 
     def get_seq_length(self, *args, **kwargs):
@@ -205,8 +218,9 @@ class PagedChunkLayer(WindowLayer):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
         step_write.put(self.keys, self.values, self.where, self.offset, key_states[0].transpose(0, 1),
-                       value_states[0].transpose(0, 1))
-        return self._seen(self.keys), self._seen(self.values)
+                       value_states[0].transpose(0, 1), self.scales)
+        dtype = key_states.dtype
+        return self.read(self._seen(self.keys), False, dtype), self.read(self._seen(self.values), True, dtype)
 
     def _seen(self, pool: Tensor) -> Tensor:
         got = pool[self.lines].flatten(0, 1)[:self.end]  # [end, heads, dim]
@@ -236,14 +250,17 @@ class PagedPieceLayer(WindowLayer):
         at = store.at
         line, where, offset = _piece_slots(store, self.steps)
         step_write.put(self.keys, self.values, where, offset, key_states[0].transpose(0, 1),
-                       value_states[0].transpose(0, 1))
+                       value_states[0].transpose(0, 1), self.scales)
         if store.base.direct:  # the pools themselves, marked with the row's line and the piece's place
             view = self.keys.view(self.keys.shape)
             setattr(view, "_gw_piece", (line, at))
             setattr(view, "_gw_window", self.window)
+            setattr(view, "_gw_scales", self.scales)
             return view, self.values
         seen = line[:self.lines]
-        return self._seen(self.keys, seen), self._seen(self.values, seen)
+        dtype = key_states.dtype
+        return (self.read(self._seen(self.keys, seen), False, dtype),
+                self.read(self._seen(self.values, seen), True, dtype))
 
     def _seen(self, pool: Tensor, seen: Tensor) -> Tensor:
         return pool[seen].flatten(0, 1).transpose(0, 1)[None]  # [1, heads, span, dim]
@@ -275,9 +292,9 @@ class PagedMixedLayer(PagedLayer):
             slots.seen = pos + 1
             slots.piece = _piece_slots(store, self.steps)
         k, v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)  # [n + width, heads, dim]
-        step_write.put(self.keys, self.values, slots.where, slots.offset, k[:n], v[:n])
+        step_write.put(self.keys, self.values, slots.where, slots.offset, k[:n], v[:n], self.scales)
         line, where, offset = slots.piece
-        step_write.put(self.keys, self.values, where, offset, k[n:], v[n:])
+        step_write.put(self.keys, self.values, where, offset, k[n:], v[n:], self.scales)
         setattr(self.direct, "_gw_mixed", (n, line, store.at))
         return self.direct, self.values
 

@@ -37,6 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..kernels import paged_attention
+from . import fp8
 from .pool import blocks_for
 from .rows import Store, _layers, to_device
 
@@ -65,23 +66,35 @@ class PagedStore(Store):
         self.at = torch.zeros(3, dtype=torch.long, device=self.device)  # a piece's start, valid positions and row
         self.piece_windows: Dict[Tuple[int, int], object] = {}
         self.mixed_windows: Dict[Tuple[int, int], object] = {}
+        self.scales: Optional[List[fp8.Scales]] = None  # each layer's, where the pool is FP8 (set before allocate)
 
     def allocate(self, layer_keys: List[Tensor], layer_values: List[Tensor]):
-        """Allocate every layer's pool from one prompt cache's tensors (``[batch, heads, len, dim]``)."""
+        """Allocate every layer's pool from one prompt cache's tensors (``[batch, heads, len, dim]``):
+        of their dtype, or FP8 where the store has scales."""
         for k, v in zip(layer_keys, layer_values):
-            self.keys.append(self._pool(self.blocks, k.shape[1], k.shape[3], k.dtype))
-            self.values.append(self._pool(self.blocks, v.shape[1], v.shape[3], v.dtype))
+            self.keys.append(self._pool(self.blocks, k.shape[1], k.shape[3], self._dtype(k.dtype)))
+            self.values.append(self._pool(self.blocks, v.shape[1], v.shape[3], self._dtype(v.dtype)))
         self._mark()
 
+    def _dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype if self.scales is None else fp8.FORMAT
+
     def _mark(self):
-        """Each layer's pool as the attention gets it: a view marked with this store (whose table
-        and lengths the attention reads) and the layer's sliding window (None: full attention)."""
+        """Each layer's pool tagged with its FP8 scales (``_gw_scales``, None in the model's dtype:
+        what its layers write and read with), and, where steps read it in place, the pool as the
+        attention gets it: a view marked with this store (whose table and lengths the attention
+        reads), the layer's sliding window (None: full attention) and its scales."""
+        scales: List[Optional[fp8.Scales]] = list(self.scales) if self.scales else [None] * len(self.keys)
+        for k, v, s in zip(self.keys, self.values, scales):
+            setattr(k, "_gw_scales", s)
+            setattr(v, "_gw_scales", s)
         self.direct_keys = []
         if self.kernel:
-            for t, window in zip(self.keys, self.layer_windows or [None] * len(self.keys)):
+            for t, window, s in zip(self.keys, self.layer_windows or [None] * len(self.keys), scales):
                 view = t.view(t.shape)
                 setattr(view, "_gw_pages", self)
                 setattr(view, "_gw_window", window)
+                setattr(view, "_gw_scales", s)
                 self.direct_keys.append(view)
 
     def twin(self) -> "PagedStore":

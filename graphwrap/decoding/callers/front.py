@@ -24,6 +24,7 @@ from ...core.engine import Engine
 from ...errors import GraphwrapError
 from ...loops import decode
 from ...loops.positions import check_positions
+from ..cache import fp8
 from ..cache.pool import CACHE_MEMORY, MIN_ROWS
 from ..engine import collector
 from ..engine.scheduler import buckets_upto
@@ -104,6 +105,10 @@ def server_of(held: dict, module) -> Tuple[object, Optional[str]]:
         if why is not None:
             held["_gw_decode_why"] = why
             logger.info("generate calls take turns on the model, one at a time (%s)", why)
+            asked = held["_gw_options"].decode
+            if isinstance(asked, dict) and fp8.wanted(asked.get("kv_cache_dtype")):
+                logger.warning("decode={'kv_cache_dtype': 'fp8'} is the shared batch's cache, and there is none: "
+                               "each call decodes with the model's own cache, in its dtype")
         else:
             held["_gw_decode"] = server
             logger.info("the shared decode batch made in %.1f s (its probe of the model, the cache, the engines)",
@@ -121,11 +126,10 @@ def _make(held: dict, module):
     cfg = decode_options(opts.decode, getattr(module, "config", None))
     if cfg is None:
         return None, "decode=False"
-    why = decode.unsupported(module)
-    if why is not None:
+    why = decode.unsupported(module) or (getattr(module.config, "is_encoder_decoder", False) and
+                                         "an encoder-decoder model (the shared batch serves decoder-only models)")
+    if why:
         return None, why
-    if getattr(module.config, "is_encoder_decoder", False):
-        return None, "an encoder-decoder model (the shared batch serves decoder-only models)"
     from ...quantized import exact_products
     from ..cache.pool import rows_possible
     from ..engine.probe import probe, probe_mixed
@@ -133,16 +137,18 @@ def _make(held: dict, module):
     from ..engine.step import DecodeStep, MixedStep, PieceStep, PrefillStep
 
     device = next(module.parameters()).device
-    in_place = reads_in_place(module, device)
+    kv = cfg.get("kv_cache_dtype")
+    in_place = reads_in_place(module, device, kv)
     # (its eager forwards meet new shapes: see attention.py; FP8 layers: see exact_products)
     with without_cudnn(device), exact_products():
-        why = probe(module, device, rows_possible(cfg.get("paged"), device.type == "cuda", in_place), in_place)
+        whole_rows = rows_possible(cfg.get("paged"), device.type == "cuda", in_place) and not fp8.wanted(kv)
+        why = probe(module, device, whole_rows, in_place)  # (an FP8 cache is paged)
         mixed_why = probe_mixed(module, device) if why is None and in_place else "the pool is not read in place"
     if why is not None:
         return None, why
     if in_place and mixed_why is not None:
         logger.info("a long prompt's pieces run apart from the decode steps of %s: %s", type(module).__name__, mixed_why)
-    rows = cfg["rows"] or _default_rows(module, device, cfg.get("cache_memory", CACHE_MEMORY))
+    rows = cfg["rows"] or _default_rows(module, device, cfg.get("cache_memory", CACHE_MEMORY), kv)
     # Each shape's graph is a key of its own (over its own twin of the cache, see captures.py):
     # the reference run warms it up, and one warm-up more does (cuBLAS, Triton) where nothing is
     # compiled; a compiled forward keeps the caller's warm-ups.
@@ -166,7 +172,7 @@ def _make(held: dict, module):
         engine.logged = held["_gw_engine"].logged
     server = DecodeServer(module, engines["step"], engines["prefill"], rows, cfg["max_len"], cfg["max_queue"],
                           cfg["positions"], cfg.get("cache_memory", CACHE_MEMORY), cfg.get("paged"), engines["piece"],
-                          engines.get("mixed"), compiled, cfg.get("prefix_caching", True))
+                          engines.get("mixed"), compiled, cfg.get("prefix_caching", True), kv)
     server.budget = cfg.get("prefill_budget")  # (None: pieces.BUDGET)
     server.whole_limit = cfg.get("prefill_whole")  # (None: pieces.WHOLE)
     server.beside = cfg.get("prefill_beside")  # (None: schedule.PREFILL_BESIDE)
@@ -177,7 +183,7 @@ def _make(held: dict, module):
     return server, None
 
 
-def _default_rows(module, device: torch.device, fraction: float) -> int:
+def _default_rows(module, device: torch.device, fraction: float, kv_cache_dtype: Optional[str] = None) -> int:
     """Rows a step may hold where the caller did not say: what the pool would hold (pool.rows_for)."""
     from ..cache.pool import rows_for
     from ..engine.server import _free_memory, _token_bytes
@@ -188,7 +194,7 @@ def _default_rows(module, device: torch.device, fraction: float) -> int:
         return rows_for(0, None)
     with without_cudnn(device):
         keys, values = cache_layout(module, device)
-    return rows_for(_token_bytes(keys, values), free, fraction)
+    return rows_for(_token_bytes(keys, values, kv_cache_dtype), free, fraction)
 
 
 def _shapes(rows: int, max_len: int) -> int:

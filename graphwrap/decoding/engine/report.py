@@ -4,6 +4,7 @@ import collections
 import heapq
 from typing import List, Tuple
 
+from ..cache import fp8
 from . import collector, pieces, schedule
 
 SLOWEST = 5  # turns kept whole, with their parts
@@ -21,7 +22,7 @@ def report(server) -> dict:
     return {
         "rows": server.rows, "max_len": server.max_len, "device": str(server.device), "cache_bytes": server.store.nbytes(),
         "cache": "paged" if server.cache.paged else "rows", "cache_budget_bytes": server.cache.budget,
-        "cache_blocks": blocks, "prefix_cache": cached,
+        "cache_blocks": blocks, "prefix_cache": cached, "kv_cache": fp8.describe(getattr(server.store, "scales", None)),
         "calls": c["calls"], "sequences": c["sequences"], "done": c["done"], "failed": c["failed"],
         "cancelled": c["cancelled"], "queued": queued, "rows_busy": busy, "preempted": c["preempted"],
         "steps": c["steps"], "rows_per_step": c["step_rows"] / c["steps"] if c["steps"] else 0.0,

@@ -41,6 +41,7 @@ import torch
 from ...capture.cuda import stream_after, use_device
 from ...core.engine import Engine
 from ...errors import GraphwrapError
+from ..cache import fp8
 from ..cache.pages import PagedStore
 from ..cache.pool import CACHE_MEMORY, PIECE, PIECE_ALONE, Blocks, Prefixes, plan_cache
 from ..cache.rows import RowStore
@@ -58,7 +59,7 @@ from .report import Turns, report
 from .sampling import Active, RowSettings
 from .scheduler import Scheduler, Seq, buckets_upto
 from .shapes import Shapes
-from .step import CHUNK, ChunkStep, Prompts, WholeStep, cache_layout, layer_windows
+from .step import CHUNK, ChunkStep, Prompts, WholeStep, cache_layout, kv_scales, layer_windows
 from .weights import Weights
 
 logger = logging.getLogger("graphwrap")
@@ -96,13 +97,13 @@ class DecodeServer:
     def __init__(self, model, step_engine, prefill_engine, rows: int, max_len: int, max_queue: int,
                  positions: Optional[int] = None, cache_memory: float = CACHE_MEMORY, paged: Optional[bool] = None,
                  piece_engine=None, mixed_engine=None, compiled: Optional[Dict[str, Engine]] = None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, kv_dtype: Optional[str] = None):
         self.model, self.engine, self.prefill_engine = model, step_engine, prefill_engine
         self.piece_engine = piece_engine  # a long prompt's pieces, in the paged pool (see pieces.py)
         p = next(model.parameters())
         self.device = p.device
         self.rows, self.max_len, self.max_queue, self.positions = rows, max_len, max_queue, positions
-        self.cache, self.store, self.fold = make_cache(model, rows, max_len, self.device, cache_memory, paged)
+        self.cache, self.store, self.fold = make_cache(model, rows, max_len, self.device, cache_memory, paged, kv_dtype)
         self.sched = Scheduler(rows, max_len, buckets_upto(rows, (1, 2, 4, 8, 16)), buckets_upto(max_len, (64, 128, 256)),
                                Blocks(self.cache.blocks, self.cache.scratch, Prefixes(self.cache.block) if prefix_caching
                                       else None) if self.cache.paged else None, self.cache.block, CHUNK)
@@ -380,36 +381,58 @@ def let_go(server: DecodeServer):
     server.store.free()
 
 
-def make_cache(model, rows: int, max_len: int, device: torch.device, cache_memory: float, paged: Optional[bool]):
+def make_cache(model, rows: int, max_len: int, device: torch.device, cache_memory: float, paged: Optional[bool],
+               kv_cache_dtype: Optional[str] = None):
     """``(plan, store, fold)``: the cache's layout and size (:mod:`.pool`), its tensors, and the
-    attention the steps run in (grouped key heads folded; a paged pool read in place)."""
+    attention the steps run in (grouped key heads folded; a paged pool read in place). With
+    ``kv_cache_dtype="fp8"``, the pool is paged and FP8, its scales from a calibration forward
+    (:mod:`..cache.fp8`)."""
+    scales = None
     with without_cudnn(device):
         keys, values = cache_layout(model, device)
-    in_place = reads_in_place(model, device)
-    plan = plan_cache(rows, max_len, _token_bytes(keys, values), _free_memory(device), cache_memory, paged, in_place)
-    logger.info("decode cache of %s: %s", type(model).__name__, plan.why)
+        if fp8.wanted(kv_cache_dtype):
+            scales = kv_scales(model, device, min(fp8.CALIBRATION, max_len))
+    in_place = reads_in_place(model, device, kv_cache_dtype)
+    token_bytes = _token_bytes(keys, values, kv_cache_dtype)
+    plan = plan_cache(rows, max_len, token_bytes, _free_memory(device), cache_memory,
+                      True if scales is not None else paged, in_place)
+    logger.info("decode cache of %s: %s%s", type(model).__name__, plan.why, _scales_line(scales, in_place))
     store = PagedStore(rows, max_len, device, plan.block, plan.blocks, kernel=in_place) if plan.paged \
         else RowStore(rows, max_len, device)
     fold = folding(model, store)
     if isinstance(store, PagedStore):
         store.kernel = fold.store is not None
         store.layer_windows = layer_windows(model)
+        store.scales = scales
     store.allocate(keys, values)
     return plan, store, fold
 
 
-def reads_in_place(model, device: torch.device) -> bool:
+def _scales_line(scales, in_place: bool) -> str:
+    if scales is None:
+        return ""
+    ks, vs = [s.keys for s in scales], [s.values for s in scales]
+    return (f"; keys and values in FP8 E4M3, scales per layer from a calibration forward (keys {min(ks):.3g}-"
+            f"{max(ks):.3g}, values {min(vs):.3g}-{max(vs):.3g}), "
+            + ("read in place" if in_place else "gathered and read back before the model's attention"))
+
+
+def reads_in_place(model, device: torch.device, kv_cache_dtype: Optional[str] = None) -> bool:
     """Whether a step of ``model`` can read the paged pool in place: the Triton kernel, on CUDA,
     where the model's attention is transformers' sdpa and its weights are of a dtype the kernel
-    serves (fp16, bf16, fp32; elsewhere, ``model.double()`` say, each row's blocks are gathered)."""
+    serves (fp16, bf16, fp32; elsewhere, ``model.double()`` say, each row's blocks are gathered),
+    and, for an FP8 pool, the GPU's kernels read E4M3 (compute capability 8.9 on)."""
     p = next(model.parameters(), None)
     served = p is None or p.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    return paged_attention.available() and device.type == "cuda" and sdpa_model(model) and served
+    fp8_read = not fp8.wanted(kv_cache_dtype) or fp8.kernels_read(device)
+    return paged_attention.available() and device.type == "cuda" and sdpa_model(model) and served and fp8_read
 
 
-def _token_bytes(keys, values) -> int:
-    """Bytes of one position's keys and values over every layer (from ``[batch, heads, len, dim]``)."""
-    return sum(t.shape[1] * t.shape[3] * t.element_size() for t in list(keys) + list(values))
+def _token_bytes(keys, values, kv_cache_dtype: Optional[str] = None) -> int:
+    """Bytes of one position's keys and values over every layer (from ``[batch, heads, len, dim]``;
+    one a value where the pool is FP8)."""
+    size = (lambda t: 1) if fp8.wanted(kv_cache_dtype) else (lambda t: t.element_size())
+    return sum(t.shape[1] * t.shape[3] * size(t) for t in list(keys) + list(values))
 
 
 def _free_memory(device: torch.device) -> Optional[int]:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ...loops.decode import cache_keyword
+from ..cache import fp8
 from ..cache.rows import row_mask, to_device
 from .scheduler import bucket_of, buckets_upto
 
@@ -289,6 +290,19 @@ def cache_layout(model, device):
         one = torch.ones((1, 1), dtype=torch.long, device=device)
         out = model(input_ids=one, attention_mask=one, use_cache=True, return_dict=True)
     return _layers(output_cache(out))
+
+
+def kv_scales(model, device, n: int) -> List["fp8.Scales"]:
+    """Each layer's FP8 scales (:mod:`..cache.fp8`) from one eager forward of the calibration
+    prompt of ``n`` tokens through the model's own cache."""
+    vocab = int(getattr(model.config, "vocab_size", 2) or 2)
+    ids = torch.tensor([fp8.calibration_ids(vocab, n)], dtype=torch.long, device=device)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, return_dict=True)
+    keys, values = _layers(output_cache(out))
+    if keys is None or values is None:
+        raise ValueError("the model's own cache has no per-layer keys and values to take scales from")
+    return fp8.scales_for([float(k.abs().amax()) for k in keys], [float(v.abs().amax()) for v in values])
 
 
 def output_cache(out):

@@ -24,7 +24,7 @@ def paged_walk(q, K, V, T, b, h, begin, end, n_pos, first, scale, softcap, skb, 
         blk = tl.load(T + b * stb + pos // BLOCK, mask=pm, other=0)
         base = blk.to(tl.int64) * skb + (pos % BLOCK) * skt + h * skh
         kv_mask = pm[:, None] & dm[None, :]
-        k = tl.load(K + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(K + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # (an FP8 pool: read back)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -37,7 +37,7 @@ def paged_walk(q, K, V, T, b, h, begin, end, n_pos, first, scale, softcap, skb, 
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -47,10 +47,12 @@ def paged_walk(q, K, V, T, b, h, begin, end, n_pos, first, scale, softcap, skb, 
 
 
 @triton.jit
-def paged_decode(Q, K, V, T, L, O, scale, window, softcap, sqb, sqh, skb, skt, skh, stb, sob, soh,
+def paged_decode(Q, K, V, T, L, O, scale, v_scale, window, softcap, sqb, sqh, skb, skt, skh, stb, sob, soh,
                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
                  TILE: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
-    """Program ``(b, h)``: row ``b``'s query heads of key head ``h`` over the row's positions."""
+    """Program ``(b, h)``: row ``b``'s query heads of key head ``h`` over the row's positions
+    (``scale``: the scores', times the keys' FP8 scale where the pool is FP8; ``v_scale``: the
+    values', 1 in the model's dtype)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_pos = tl.load(L + b)
@@ -63,7 +65,7 @@ def paged_decode(Q, K, V, T, L, O, scale, window, softcap, sqb, sqh, skb, skt, s
     first = tl.where(window > 0, tl.maximum(n_pos - window, 0), 0)  # a sliding window's first position
     m_i, l_i, acc = paged_walk(q, K, V, T, b, h, (first // TILE) * TILE, n_pos, n_pos, first, scale, softcap,
                                skb, skt, skh, stb, GP, D, DP, BLOCK, TILE, IEEE, SOFTCAP)
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i)[:, None]
     tl.store(O + b * sob + heads[:, None] * soh + d[None, :], out.to(O.dtype.element_ty),
              mask=gm[:, None] & dm[None, :])
 
@@ -97,7 +99,7 @@ def paged_decode_part(Q, K, V, T, L, P, scale, window, softcap, sqb, sqh, skb, s
 
 
 @triton.jit
-def paged_decode_join(L, P, O, window, sob, soh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+def paged_decode_join(L, P, O, v_scale, window, sob, soh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, TILE: tl.constexpr, S: tl.constexpr):
     """Program ``(b, h)``: row ``b``'s parts for key head ``h``, each rescaled to the largest
     maximum, over the summed denominators."""
@@ -124,6 +126,6 @@ def paged_decode_join(L, P, O, window, sob, soh, G: tl.constexpr, GP: tl.constex
         den += w * tl.load(P + row * (DP + 2) + DP, mask=gm, other=0.0)
         acc += w[:, None] * tl.load(P + row[:, None] * (DP + 2) + d[None, :], mask=gm[:, None] & dm[None, :],
                                     other=0.0)
-    out = acc / den[:, None]
+    out = acc * (v_scale / den)[:, None]
     tl.store(O + b * sob + (h * G + g)[:, None] * soh + d[None, :], out.to(O.dtype.element_ty),
              mask=gm[:, None] & dm[None, :])

@@ -6,7 +6,7 @@ import triton.language as tl
 
 
 @triton.jit
-def paged_piece(Q, K, V, LINE, AT, O, PART, ML, scale, window, softcap, sqh, sqi, skb, skt, skh, soi, soh,
+def paged_piece(Q, K, V, LINE, AT, O, PART, ML, scale, v_scale, window, softcap, sqh, sqi, skb, skt, skh, soi, soh,
                 G: tl.constexpr, W: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
                 TILE: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr,
                 SOFTCAP: tl.constexpr):
@@ -43,6 +43,7 @@ def paged_piece(Q, K, V, LINE, AT, O, PART, ML, scale, window, softcap, sqh, sqi
     for kstart in range(mid, b, TILE):
         m_i, l_i, acc = _tile(q, K, V, LINE, m_i, l_i, acc, kstart, end, last, qpos, d, dm, h, scale, window, softcap,
                               skb, skt, skh, BLOCK, TILE, PREC, SOFTCAP, True)
+    acc = acc * v_scale  # (the values' FP8 scale; 1 in the model's dtype)
     if SPLITS == 1:
         out = acc / l_i[:, None]
         tl.store(O + i[:, None] * soi + heads[:, None] * soh + d[None, :], out.to(O.dtype.element_ty),
@@ -64,7 +65,7 @@ def _tile(q, K, V, LINE, m_i, l_i, acc, kstart, end, last, qpos, d, dm, h, scale
     blk = tl.load(LINE + pos // BLOCK, mask=pm, other=0)
     base = blk.to(tl.int64) * skb + (pos % BLOCK) * skt + h * skh
     kv_mask = pm[:, None] & dm[None, :]
-    k = tl.load(K + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(K + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # (an FP8 pool: read back)
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     if SOFTCAP:
         s = s * scale
@@ -82,7 +83,7 @@ def _tile(q, K, V, LINE, m_i, l_i, acc, kstart, end, last, qpos, d, dm, h, scale
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(V + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
 

@@ -50,7 +50,7 @@ def folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
 
         line, at = piece
         return attend_piece(query, key, value, line, at, scaling, getattr(key, "_gw_window", None),
-                            kwargs.get("softcap")), None
+                            kwargs.get("softcap"), getattr(key, "_gw_scales", None)), None
     store = getattr(key, "_gw_pages", None)
     if store is not None:  # the paged pool itself (see PagedLayer): each row over its own blocks
         from .paged_attention import attend
@@ -60,7 +60,7 @@ def folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
         seen = slots.seen if slots is not None and slots.seen is not None else store.lengths[:n] + 1
         return attend(query, key, value, store.table[:n], seen, scaling,
                       getattr(key, "_gw_window", None), kwargs.get("softcap"),
-                      slots.splits if slots is not None else 1), None
+                      slots.splits if slots is not None else 1, getattr(key, "_gw_scales", None)), None
     if not _folds(module, query, key, attention_mask, position_bias, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, position_bias=position_bias, **kwargs)
@@ -85,9 +85,10 @@ def _mixed(query, key, value, mixed, scaling, window, softcap):
     n, line, at = mixed
     slots = key._gw_slots
     store = key._gw_pages
+    scales = getattr(key, "_gw_scales", None)
     rows = attend(query[0, :, :n].transpose(0, 1)[:, :, None], key, value, store.table[:n], slots.seen, scaling,
-                  window, softcap, slots.splits)  # [n, 1, hq, d]
-    piece = attend_piece(query[:, :, n:], key, value, line, at, scaling, window, softcap)  # [1, W, hq, d]
+                  window, softcap, slots.splits, scales)  # [n, 1, hq, d]
+    piece = attend_piece(query[:, :, n:], key, value, line, at, scaling, window, softcap, scales)  # [1, W, hq, d]
     return torch.cat([rows.transpose(0, 1), piece], dim=1)
 
 

@@ -57,25 +57,28 @@ def splits_for(span: int) -> int:
 
 def attend(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor,
            scale: Optional[float] = None, window: Optional[int] = None, softcap: Optional[float] = None,
-           splits: int = 1) -> Tensor:
+           splits: int = 1, fp8_scales=None) -> Tensor:
     """``query [n, hq, 1, d]`` over each row's first ``lengths[i]`` positions of the pools
     ``[blocks, block, hkv, d]`` (row ``i``'s blocks in ``table[i]``) -> ``[n, 1, hq, d]``. With
     ``window``, only the last ``window`` positions (transformers' sliding window: the query at
     ``p`` sees keys after ``p - window``); with ``softcap``, scores are ``softcap * tanh(s /
     softcap)`` (Gemma 2). With ``splits`` above 1, each row's positions go to up to that many
-    programs (as many as make tiles of their own), and a second kernel joins their parts. An
+    programs (as many as make tiles of their own), and a second kernel joins their parts. With
+    ``fp8_scales`` (the layer's :class:`~..cache.fp8.Scales`), the pools are FP8: a key reads
+    back as its stored value times ``fp8_scales.keys``, a value times ``fp8_scales.values``. An
     operator of torch's own (``graphwrap::paged_attend``), so that ``torch.compile`` calls the
     kernel as it is, around what it compiles (Inductor could not compile the kernel's source
     into its own)."""
     d = query.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    ks, vs = (float(fp8_scales.keys), float(fp8_scales.values)) if fp8_scales is not None else (1.0, 1.0)
     return paged_attend(query[:, :, 0], k_pool, v_pool, table, lengths, scale, int(window or 0),
-                        float(softcap or 0.0), int(splits))[:, None]
+                        float(softcap or 0.0), int(splits), ks, vs)[:, None]
 
 
 def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor, scale: float, window: int,
             softcap: float, tile: Optional[int] = None, warps: Optional[int] = None,
-            stages: Optional[int] = None, splits: int = 1) -> Tensor:
+            stages: Optional[int] = None, splits: int = 1, k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
     """The kernel over ``q [n, hq, d]`` -> ``[n, hq, d]`` (``tile``, ``warps``, ``stages``: its
     shape of work, ``shape_of_work(d)``'s unless given, for ``step_attention.py --tune``;
     ``splits``: programs a row's positions go to at most, their parts joined by a second kernel)."""
@@ -93,34 +96,40 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: T
                  SOFTCAP=bool(softcap), num_warps=warps, **({} if stages is None else {"num_stages": stages}))
     args = (q, k_pool, v_pool, table, lengths)
     strides = (q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), table.stride(0))
+    scale = scale * k_scale  # (the keys' FP8 scale: the scores'; the values' scales the output)
     if splits <= 1:
-        _triton().paged_decode[(n, hkv)](*args, out, scale, window, softcap, *strides, out.stride(0), out.stride(1), **shape)
+        _triton().paged_decode[(n, hkv)](*args, out, scale, v_scale, window, softcap, *strides, out.stride(0),
+                                         out.stride(1), **shape)
         return out
     parts = torch.empty((n, hkv, splits, gp, dp + 2), dtype=torch.float32, device=q.device)  # each part's sums, max
     _triton().paged_decode_part[(n, hkv, splits)](*args, parts, scale, window, softcap, *strides, S=splits, **shape)
-    _triton().paged_decode_join[(n, hkv)](lengths, parts, out, window, out.stride(0), out.stride(1), G=group, GP=gp,
-                                          D=d, DP=dp, TILE=tile, S=splits, num_warps=4)
+    _triton().paged_decode_join[(n, hkv)](lengths, parts, out, v_scale, window, out.stride(0), out.stride(1), G=group,
+                                          GP=gp, D=d, DP=dp, TILE=tile, S=splits, num_warps=4)
     return out
 
 
 @torch.library.custom_op("graphwrap::paged_attend", mutates_args=())
 def paged_attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor, scale: float,
-                 window: int, softcap: float, splits: int = 1) -> Tensor:
+                 window: int, softcap: float, splits: int = 1, k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
     """``_launch`` as torch's operator ``graphwrap::paged_attend`` (off a GPU, :func:`reference`:
     what the batch's tests read the pool in place with on a CPU)."""
     if not q.is_cuda:
-        return reference(q[:, :, None], k_pool, v_pool, table, lengths, scale, window, softcap)[:, 0]
-    return _launch(q, k_pool, v_pool, table, lengths, scale, window, softcap, splits=splits)
+        return reference(q[:, :, None], k_pool, v_pool, table, lengths, scale, window, softcap, k_scale,
+                         v_scale)[:, 0]
+    return _launch(q, k_pool, v_pool, table, lengths, scale, window, softcap, splits=splits, k_scale=k_scale,
+                   v_scale=v_scale)
 
 
 @paged_attend.register_fake
-def _(q, k_pool, v_pool, table, lengths, scale, window, softcap, splits=1):
+def _(q, k_pool, v_pool, table, lengths, scale, window, softcap, splits=1, k_scale=1.0, v_scale=1.0):
     return q.new_empty(q.shape)
 
 
 def reference(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor,
-              scale: Optional[float] = None, window: Optional[int] = None, softcap: Optional[float] = None) -> Tensor:
-    """What :func:`attend` computes, in torch (each row gathered and attended alone): for tests."""
+              scale: Optional[float] = None, window: Optional[int] = None, softcap: Optional[float] = None,
+              k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
+    """What :func:`attend` computes, in torch (each row gathered and attended alone, an FP8
+    pool's keys and values read back with their scales): for tests."""
     n, hq, _, d = query.shape
     block, hkv = k_pool.shape[1], k_pool.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -130,6 +139,7 @@ def reference(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, leng
         lines = table[i, :-(-L // block)]
         k = k_pool[lines].flatten(0, 1)[:L].transpose(0, 1).repeat_interleave(hq // hkv, 0).float()  # [hq, L, d]
         v = v_pool[lines].flatten(0, 1)[:L].transpose(0, 1).repeat_interleave(hq // hkv, 0).float()
+        k, v = read_back(k, k_scale, query.dtype), read_back(v, v_scale, query.dtype)
         s = (query[i].float() @ k.transpose(1, 2)) * scale  # [hq, 1, L]
         if softcap:
             s = softcap * torch.tanh(s / softcap)
@@ -137,6 +147,12 @@ def reference(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, leng
             s[..., :max(0, L - window)] = float("-inf")
         out.append((s.softmax(-1) @ v).to(query.dtype))
     return torch.stack(out).transpose(1, 2)
+
+
+def read_back(x: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
+    """Positions gathered in fp32 from a pool, times the layer's scale (1 for a pool of the
+    model's dtype: unchanged), in the model's dtype, as the batch's gathered windows read them."""
+    return (x * scale).to(dtype).float()
 
 
 def _pow2(x: int) -> int:

@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from .paged_attention import read_back
+
 Tensor = torch.Tensor
 TILE = 64  # key positions a program reads at a time
 ROWS = 64  # query rows (heads of a group x positions) a program takes
@@ -39,18 +41,20 @@ WIDE = dict(rows=128, warps=8, stages=4, splits=1)  # ... where the tiles of ROW
 
 def attend_piece(query: Tensor, k_pool: Tensor, v_pool: Tensor, line: Tensor, at: Tensor,
                  scale: Optional[float] = None, window: Optional[int] = None,
-                 softcap: Optional[float] = None) -> Tensor:
+                 softcap: Optional[float] = None, fp8_scales=None) -> Tensor:
     """``query [1, hq, W, d]`` of a piece at ``at = (start, valid, row)`` (a device tensor) over
     its row's blocks ``line`` in the pools ``[blocks, block, hkv, d]`` -> ``[1, W, hq, d]``.
     Query ``i`` sees positions up to ``start + min(i, valid - 1)`` (a padding query sees what
     the last valid one sees); with ``window``, only after ``start + i - window``; with
-    ``softcap``, scores are ``softcap * tanh(s / softcap)``."""
+    ``softcap``, scores are ``softcap * tanh(s / softcap)``; with ``fp8_scales`` (the layer's
+    :class:`~..cache.fp8.Scales`), the pools are FP8, read back times their scales."""
     d = query.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    ks, vs = (float(fp8_scales.keys), float(fp8_scales.values)) if fp8_scales is not None else (1.0, 1.0)
     if not query.is_cuda:  # (off a GPU: the torch reference, what the batch's tests read the pool in place with)
-        return reference(query, k_pool, v_pool, line, at, scale, window, softcap)
+        return reference(query, k_pool, v_pool, line, at, scale, window, softcap, ks, vs)
     return _launch(query[0], k_pool, v_pool, line, at, scale, int(window or 0), float(softcap or 0.0),
-                   **_shape_of_work(query, k_pool))[None]
+                   k_scale=ks, v_scale=vs, **_shape_of_work(query, k_pool))[None]
 
 
 def _shape_of_work(query: Tensor, k_pool: Tensor) -> dict:
@@ -65,7 +69,7 @@ def _shape_of_work(query: Tensor, k_pool: Tensor) -> dict:
 
 def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, line: Tensor, at: Tensor, scale: float, window: int,
             softcap: float, rows: int = ROWS, tile: int = TILE, warps: int = 4, stages: Optional[int] = STAGES,
-            splits: int = SPLITS) -> Tensor:
+            splits: int = SPLITS, k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
     """The kernel over ``q [hq, W, d]`` -> ``[W, hq, d]`` (``rows``, ``tile``, ``warps``, ``stages``,
     ``splits``: its shape of work, for ``benchmarks/diagnostics/piece_attention.py --tune``; with
     ``splits``, each tile of query rows is taken by that many programs, each over its share of the
@@ -87,7 +91,7 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, line: Tensor, at: Tensor,
         part = ml = out
     extra = {} if stages is None else {"num_stages": stages}
     _kernel()[(hkv, triton.cdiv(group * width, rows), splits)](
-        q, k_pool, v_pool, line, at, out, part, ml, scale, window, softcap,
+        q, k_pool, v_pool, line, at, out, part, ml, scale * k_scale, v_scale, window, softcap,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         out.stride(0), out.stride(1),
         G=group, W=width, D=d, DP=dp, BLOCK=block, TILE=tile, ROWS=rows, SPLITS=splits,
@@ -99,8 +103,10 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, line: Tensor, at: Tensor,
 
 
 def reference(query: Tensor, k_pool: Tensor, v_pool: Tensor, line: Tensor, at: Tensor,
-              scale: Optional[float] = None, window: Optional[int] = None, softcap: Optional[float] = None) -> Tensor:
-    """What :func:`attend_piece` computes, in torch (the row gathered, each query masked): for tests."""
+              scale: Optional[float] = None, window: Optional[int] = None, softcap: Optional[float] = None,
+              k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
+    """What :func:`attend_piece` computes, in torch (the row gathered, each query masked; an FP8
+    pool's keys and values read back with their scales): for tests."""
     _, hq, width, d = query.shape
     block, hkv = k_pool.shape[1], k_pool.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -109,6 +115,7 @@ def reference(query: Tensor, k_pool: Tensor, v_pool: Tensor, line: Tensor, at: T
     blocks = line[:-(-end // block)]
     k = k_pool[blocks].flatten(0, 1)[:end].transpose(0, 1).repeat_interleave(hq // hkv, 0).float()  # [hq, end, d]
     v = v_pool[blocks].flatten(0, 1)[:end].transpose(0, 1).repeat_interleave(hq // hkv, 0).float()
+    k, v = read_back(k, k_scale, query.dtype), read_back(v, v_scale, query.dtype)
     s = (query[0].float() @ k.transpose(1, 2)) * scale  # [hq, W, end]
     if softcap:
         s = softcap * torch.tanh(s / softcap)

@@ -21,53 +21,76 @@ import torch
 from . import paged_attention
 
 Tensor = torch.Tensor
+FP8_LARGEST = 448.0  # E4M3's largest finite value: what a key over its scale is held within (cache/fp8.py)
 
 
 def applies(keys: Tensor, values: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether :func:`write` takes these: pools ``[blocks, block, heads, d]`` alike and dense,
-    the new key and value ``[n, heads, d]`` of the pools' dtype with their last dimension dense,
-    on a GPU where the kernel runs."""
+    the new key and value ``[n, heads, d]`` of the pools' dtype (or any, into FP8 pools) with
+    their last dimension dense, on a GPU where the kernel runs."""
+    fp8_pools = keys.dtype == values.dtype == torch.float8_e4m3fn
     return (k.is_cuda and not torch.compiler.is_compiling() and paged_attention.available()
             and keys.shape == values.shape and keys.stride() == values.stride() and keys.is_contiguous()
-            and k.shape == v.shape and k.dim() == 3 and k.shape[1:] == keys.shape[2:]
-            and k.dtype == v.dtype == keys.dtype == values.dtype and k.stride(-1) == 1 and v.stride(-1) == 1)
+            and k.shape == v.shape and k.dim() == 3 and k.shape[1:] == keys.shape[2:] and k.dtype == v.dtype
+            and (fp8_pools or k.dtype == keys.dtype == values.dtype) and k.stride(-1) == 1 and v.stride(-1) == 1)
 
 
-def write(keys: Tensor, values: Tensor, where: Tensor, offset: Tensor, k: Tensor, v: Tensor) -> None:
+def write(keys: Tensor, values: Tensor, where: Tensor, offset: Tensor, k: Tensor, v: Tensor,
+          k_scale: float = 0.0, v_scale: float = 0.0) -> None:
     """``keys[where, offset] = k`` and ``values[where, offset] = v`` (``k``, ``v``: ``[n, heads,
-    d]``; ``where``, ``offset``: ``[n]``), in one kernel."""
+    d]``; ``where``, ``offset``: ``[n]``), in one kernel; with scales (FP8 pools), each over its
+    scale, saturated and rounded as :func:`..cache.fp8.encode` does."""
     from ._step_write_triton import write_slots
 
     n, h, d = k.shape
+    scaled = k_scale > 0
     write_slots[(n,)](k, v, keys, values, where, offset, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                      keys.stride(0), keys.stride(1), keys.stride(2), H=h, D=d,
-                      BH=max(1, 1 << (h - 1).bit_length()), DP=max(16, 1 << (d - 1).bit_length()), num_warps=1)
+                      keys.stride(0), keys.stride(1), keys.stride(2), 1.0 / k_scale if scaled else 1.0,
+                      1.0 / v_scale if scaled else 1.0, H=h, D=d,
+                      BH=max(1, 1 << (h - 1).bit_length()), DP=max(16, 1 << (d - 1).bit_length()), SCALED=scaled,
+                      LARGEST=FP8_LARGEST, num_warps=1)
 
 
-def reference(keys: Tensor, values: Tensor, where: Tensor, offset: Tensor, k: Tensor, v: Tensor) -> None:
+def reference(keys: Tensor, values: Tensor, where: Tensor, offset: Tensor, k: Tensor, v: Tensor,
+              k_scale: float = 0.0, v_scale: float = 0.0) -> None:
     """What :func:`write` does, by indexed assignment."""
-    keys[where, offset] = k
-    values[where, offset] = v
+    if k_scale > 0:
+        k, v = scaled(k, k_scale), scaled(v, v_scale)
+    keys[where, offset] = k.to(keys.dtype)
+    values[where, offset] = v.to(values.dtype)
 
 
-def put(keys: Tensor, values: Tensor, where: Tensor, offset: Tensor, k: Tensor, v: Tensor) -> None:
-    """``keys[where, offset] = k`` and ``values[where, offset] = v``, cast to the pools' dtype: one
-    kernel where :func:`write` applies, else indexed assignment; while torch.compile traces,
-    through :func:`put_slots` (see the module's note)."""
+def scaled(x: Tensor, scale: float) -> Tensor:
+    """``x`` times one over ``scale`` in fp32, held within +-:data:`FP8_LARGEST`: what an FP8
+    pool's write rounds (as the kernel computes it)."""
+    return (x.float() * (1.0 / scale)).clamp_(-FP8_LARGEST, FP8_LARGEST)
+
+
+def put(keys: Tensor, values: Tensor, where: Tensor, offset: Tensor, k: Tensor, v: Tensor,
+        scales=None) -> None:
+    """``keys[where, offset] = k`` and ``values[where, offset] = v``, cast to the pools' dtype
+    (``scales``: the layer's :class:`~..cache.fp8.Scales` where the pools are FP8): one kernel
+    where :func:`write` applies, else indexed assignment; while torch.compile traces, through
+    :func:`put_slots` (see the module's note)."""
+    ks, vs = (float(scales.keys), float(scales.values)) if scales is not None else (0.0, 0.0)
     if torch.compiler.is_compiling():
-        put_slots(keys, values, where, offset, k, v)
+        put_slots(keys, values, where, offset, k, v, ks, vs)
     elif applies(keys, values, k, v):
-        write(keys, values, where, offset, k, v)
+        write(keys, values, where, offset, k, v, ks, vs)
     else:
-        reference(keys, values, where, offset, k.to(keys.dtype), v.to(values.dtype))
+        reference(keys, values, where, offset, k, v, ks, vs)
 
 
 @torch.library.custom_op("graphwrap::put_slots", mutates_args=("keys", "values"))
-def put_slots(keys: Tensor, values: Tensor, where: Tensor, offset: Tensor, k: Tensor, v: Tensor) -> None:
+def put_slots(keys: Tensor, values: Tensor, where: Tensor, offset: Tensor, k: Tensor, v: Tensor,
+              k_scale: float = 0.0, v_scale: float = 0.0) -> None:
     """:func:`put` as torch's operator (run as it is inside compiled code)."""
-    put(keys, values, where, offset, k, v)
+    if applies(keys, values, k, v):
+        write(keys, values, where, offset, k, v, k_scale, v_scale)
+    else:
+        reference(keys, values, where, offset, k, v, k_scale, v_scale)
 
 
 @put_slots.register_fake
-def _(keys, values, where, offset, k, v):
+def _(keys, values, where, offset, k, v, k_scale=0.0, v_scale=0.0):
     return None

@@ -94,6 +94,9 @@ def _batch_options(ap: argparse.ArgumentParser):
     ap.add_argument("--quantization", default=None, choices=("fp8", "int8", "int4"),
                     help="the model's linear layers in FP8 (compute capability 8.9 or later), or int8 or int4 "
                          "weight-only (graphwrap's own, fp16 or bf16): graphwrap.quantize")
+    ap.add_argument("--kv-cache-dtype", default=None, choices=("auto", "fp8"),
+                    help="the KV cache's dtype: auto (the model's) or fp8 (E4M3 with scales per layer: half the "
+                         "memory a position, twice the positions; docs/quantization.md)")
 
 
 def load(a: argparse.Namespace, engine: Optional[str] = None):

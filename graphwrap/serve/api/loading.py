@@ -32,7 +32,8 @@ def load_here(a: argparse.Namespace):
     decode = {k: v for k, v in (("rows", a.rows), ("max_len", a.max_len), ("max_queue", a.max_queue),
                                 ("cache_memory", a.cache_memory), ("prefill_budget", getattr(a, "prefill_budget", None)),
                                 ("prefill_whole", getattr(a, "prefill_whole", None)),
-                                ("prefill_beside", getattr(a, "prefill_beside", None)))
+                                ("prefill_beside", getattr(a, "prefill_beside", None)),
+                                ("kv_cache_dtype", getattr(a, "kv_cache_dtype", None)))
               if v is not None}
     if getattr(a, "prefix_caching", None) is not None:
         decode["prefix_caching"] = a.prefix_caching
