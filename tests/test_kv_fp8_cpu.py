@@ -22,17 +22,18 @@ SHARED = "graphwrap's shared decode batch"
 FP8 = {"kv_cache_dtype": "fp8"}
 
 
-def _model(kind="llama", gain=3.0):
-    """A tiny model whose weights are ``gain`` times their initial values: large enough that
-    FP8's rounding of its keys and values changes its greedy tokens (the tests check it does)."""
+def _model(kind="llama", gain=3.0, width=64, vocab=101, positions=256):
+    """A small model of two layers whose weights are ``gain`` times their initial values (3 for
+    the tiny one: large enough that FP8's rounding of its keys and values changes its greedy
+    tokens, which the tests check)."""
     torch.manual_seed(0)
     if kind == "gpt2":
-        cfg = tr.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=101, n_positions=256, bos_token_id=1,
-                            eos_token_id=None, pad_token_id=0)
+        cfg = tr.GPT2Config(n_layer=2, n_embd=width, n_head=4, vocab_size=vocab, n_positions=positions,
+                            bos_token_id=1, eos_token_id=None, pad_token_id=0)
     else:
-        cfg = tr.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=101, max_position_embeddings=256, bos_token_id=1,
-                             eos_token_id=None, pad_token_id=0)
+        cfg = tr.LlamaConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=positions,
+                             bos_token_id=1, eos_token_id=None, pad_token_id=0)
     model = tr.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():

@@ -6,6 +6,7 @@ a cache kept as the FP8 pool keeps it."""
 
 import pytest
 import torch
+from test_kv_fp8_cpu import _model as small_model
 from test_kv_fp8_cpu import _stored_as_fp8
 
 pytestmark = pytest.mark.cuda
@@ -99,15 +100,7 @@ def test_the_piece_attention_kernel_reads_fp8_pools_back_with_their_scales(dtype
 
 
 def _model(kind, dtype):
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        cfg = tr.GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=1000, n_positions=2048, bos_token_id=1,
-                            eos_token_id=None, pad_token_id=0)
-    else:
-        cfg = tr.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=1000, max_position_embeddings=2048, bos_token_id=1,
-                             eos_token_id=None, pad_token_id=0)
-    return tr.AutoModelForCausalLM.from_config(cfg).to(DEV, dtype).eval()
+    return small_model(kind, gain=1.0, width=256, vocab=1000, positions=2048).to(DEV, dtype)
 
 
 def _teacher_forced(model, prompt, out, scales, whole: bool):

@@ -1,7 +1,8 @@
 """The shared batch's first seconds: a first burst against warm ones, and a closed loop from cold.
 
 The bench ``generate`` workload (64 requests, prompts 16..128, 32..256 new tokens, greedy, fp16,
-random weights) on GPT-2 or the 1.1B Llama shape, in this process:
+random weights) on GPT-2, the 1.1B Llama shape or the Llama-3-8B shape (``--times K``: K such
+sets of prompts at once), in this process:
 
 1. a GraphedModule made here: its first burst (the batch made, every shape new), then
    ``--warm`` warm bursts (3; more, such as 12, with every burst's time, to set two trees side
@@ -66,7 +67,9 @@ def compile_costs(name: str):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("model", choices=["gpt2", "llama"])
+    ap.add_argument("model", choices=["gpt2", "llama", "llama3-8b"])
+    ap.add_argument("--times", type=int, default=1, help="the workload's 64 requests this many times over, each "
+                    "set with prompts of its own, at once")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--log", action="store_true", help="graphwrap's log on stderr, ms since the process began")
     ap.add_argument("--compile", action="store_true", help="GraphedModule(model, compile=True): the first burst "
@@ -87,8 +90,14 @@ def main():
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"graphwrap from {os.path.dirname(sys.modules['graphwrap'].__file__)}", flush=True)
-    model = g._model(a.model, dev)
-    reqs = g.workload(model.config.vocab_size)
+    if a.model == "llama3-8b":
+        from generate_large import big_model
+
+        model = big_model(a.model, dev)
+    else:
+        model = g._model(a.model, dev)
+    base = g.workload(model.config.vocab_size)
+    reqs = base + [r for i in range(1, a.times) for r in g.renewed(base, 100 + i, model.config.vocab_size)]
     tokens = sum(k for _, k in reqs)
 
     gm = GraphedModule(model, compile=True) if a.compile else GraphedModule(model)
