@@ -99,6 +99,8 @@ def calls(gm, prompts, new, device) -> float:
 
 
 def one(model, label, a, device, decode=None) -> dict:
+    if a.cache_memory is not None:  # (the pool's share of the free memory, for each setting alike)
+        decode = {**(decode or {}), "cache_memory": a.cache_memory}
     gm = GraphedModule(model, decode=decode)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -122,10 +124,13 @@ def one(model, label, a, device, decode=None) -> dict:
     out["at_once_first_tokens_s"] = made / first
     out["at_once_tokens_s"] = made / statistics.median(warm)
     out["at_once_spread"] = [made / max(warm), made / min(warm)]
+    d = gm.stats()["decode"]
+    out["cache"] = {"rows": d["rows"], "cache_bytes": d["cache_bytes"], "preempted": d["preempted"]}
     print(f"{label}: batch 1 {out['batch1_ms_per_token']:.2f} ms a token ({out['batch1_spread'][0]:.2f}-"
           f"{out['batch1_spread'][1]:.2f}; first call {out['batch1_first_ms_per_token']:.2f}); {a.concurrency} at once "
           f"{out['at_once_tokens_s']:,.0f} tokens/s ({out['at_once_spread'][0]:,.0f}-{out['at_once_spread'][1]:,.0f}; "
-          f"first burst {out['at_once_first_tokens_s']:,.0f})", flush=True)
+          f"first burst {out['at_once_first_tokens_s']:,.0f}); rows {d['rows']}, cache {d['cache_bytes'] / 1e9:.1f} GB, "
+          f"preempted {d['preempted']}", flush=True)
     gm.close()
     return out
 
@@ -143,6 +148,8 @@ def main():
                     help="scale the random weights of each layer's output projections by 1/sqrt(2 x layers)")
     ap.add_argument("--kinds", default="fp8", help="what graphwrap.quantize makes, each beside fp16: fp8, int8, "
                                                    "int4; kv8 (the cache in FP8), or a kind+kv8")
+    ap.add_argument("--cache-memory", type=float, default=None,
+                    help="decode={'cache_memory': F} for every setting: a pool too small for every request at once")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

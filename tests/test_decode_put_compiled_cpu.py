@@ -63,3 +63,25 @@ def test_a_compiled_step_writes_the_pools_in_place_and_attends_over_what_it_wrot
     shape = ", ".join(str(s) for s in keys.shape)
     copies = [line for c in code for line in c.splitlines() if re.search(r"empty_strided\w*\(\(" + shape + r"\)", line)]
     assert not copies, f"a buffer of the pool's size in the compiled code: {copies}"
+
+
+def _fp8_step(keys, values, direct, where, offset, k, v, q, table, lengths):
+    """:func:`_step` over FP8 pools (graphwrap/decoding/cache/fp8.py): the write scales, the
+    attention reads back with the same scales."""
+    from graphwrap.decoding.cache.fp8 import Scales
+
+    scales = Scales(0.05, 0.02)
+    step_write.put(keys, values, where, offset, k, v, scales)
+    return paged_attention.attend(q, direct, values, table, lengths, fp8_scales=scales)
+
+
+def test_a_compiled_step_over_fp8_pools_writes_and_reads_them_as_eager_does():
+    torch._dynamo.reset()
+    keys, values = (t.to(torch.float8_e4m3fn) for t in _pools())
+    ek, ev = keys.clone(), values.clone()
+    args = _inputs(keys)
+    want = _fp8_step(ek, ev, ek.view(ek.shape), *args)
+    got = torch.compile(_fp8_step, fullgraph=True)(keys, values, keys.view(keys.shape), *args)
+    assert torch.equal(keys.view(torch.uint8), ek.view(torch.uint8))
+    assert torch.equal(values.view(torch.uint8), ev.view(torch.uint8))
+    assert torch.allclose(got, want, atol=1e-5) and want.abs().sum() > 0

@@ -246,3 +246,27 @@ def test_an_fp8_pool_read_in_place_with_pieces_inside_steps_gives_the_same_token
     assert server.store.kernel and server.mixed_engine is not None
     assert d["mixed_steps"] > 0 and not d["mixed_failed"], d
     gm.close()
+
+
+def test_serve_kv_cache_dtype_fp8_reaches_the_batch(tmp_path):
+    """``serve --kv-cache-dtype fp8`` is the batch's ``decode={"kv_cache_dtype": "fp8"}``; without
+    it the cache is the model's dtype."""
+    pytest.importorskip("fastapi", reason='needs FastAPI and uvicorn: pip install -e ".[serve]"')
+    import tiny_lm
+    from test_http_cpu import _args
+
+    from graphwrap.serve.api import cli
+
+    d = tiny_lm.make(str(tmp_path))
+    assert cli.parser().parse_args([d]).kv_cache_dtype is None
+    with pytest.raises(SystemExit):
+        cli.parser().parse_args([d, "--kv-cache-dtype", "int8"])
+    for kv in (None, "fp8"):
+        served = cli.load(_args(d, kv_cache_dtype=kv))
+        try:
+            store = served.gm.__dict__["_gw_decode"].store
+            want = torch.float8_e4m3fn if kv else torch.float32
+            assert all(t.dtype == want for t in store.keys + store.values)
+            assert (served.gm.stats()["decode"]["kv_cache"] is None) == (kv is None)
+        finally:
+            served.engine.close(cancel=True, timeout=30)
