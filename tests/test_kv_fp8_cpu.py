@@ -270,3 +270,35 @@ def test_serve_kv_cache_dtype_fp8_reaches_the_batch(tmp_path):
             assert (served.gm.stats()["decode"]["kv_cache"] is None) == (kv is None)
         finally:
             served.engine.close(cancel=True, timeout=30)
+
+
+def test_weights_changed_in_place_make_the_fp8_batch_again_with_new_scales():
+    """The scales came from the weights the batch was made with: where their values change in
+    place (``load_state_dict``, ``mul_``), the next call finds the batch stale, and a new one,
+    with scales taken again, gives the changed model's tokens over an FP8 cache."""
+    model = _model()
+    gm = GraphedModule(model, decode=FP8)
+    prompt = _prompts([7])[0]
+    gm.generate(torch.tensor([prompt]), max_new_tokens=4)
+    first = gm.__dict__["_gw_decode"]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    out = gm.generate(torch.tensor([prompt]), max_new_tokens=20)
+    again = gm.__dict__["_gw_decode"]
+    assert again is not first and again.store.scales != first.store.scales
+    assert torch.equal(out, _fp8_alone(model, prompt, 20, again.store.scales))
+    gm.close()
+
+
+def test_a_batch_in_the_models_dtype_keeps_serving_when_values_change_in_place():
+    model = _model()
+    gm = GraphedModule(model)
+    gm.generate(torch.tensor([[5, 6]]), max_new_tokens=2)
+    first = gm.__dict__["_gw_decode"]
+    with torch.no_grad():
+        next(model.parameters()).mul_(1.5)
+    out = gm.generate(torch.tensor([[5, 6]]), max_new_tokens=6)
+    assert gm.__dict__["_gw_decode"] is first  # (its cache is the model's dtype: only the prefixes go)
+    assert torch.equal(out, _alone(model, [5, 6], 6))
+    gm.close()

@@ -85,8 +85,8 @@ def server_of(held: dict, module) -> Tuple[object, Optional[str]]:
         if _current(server):
             return server, None
         if _usable(server):  # its model changed
-            logger.warning("the model's weights changed (dtype, device or storage) since its decode batch "
-                           "was made; the batch finishes what it holds and is made again")
+            logger.warning("the model's weights changed (dtype, device or storage; with an FP8 cache, values) "
+                           "since its decode batch was made; the batch finishes what it holds and is made again")
             close(held)
         old = held.pop("_gw_decode_closing", None)
         if old is not None and old.thread is not None:

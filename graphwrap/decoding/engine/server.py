@@ -268,8 +268,11 @@ class DecodeServer:
 
     def stale(self) -> bool:
         """Whether the model's weights moved, or changed dtype or device, since the batch was
-        made (``model.half()``, ``model.to(...)``): its cache no longer fits the model."""
-        return self.weights.changed()
+        made (``model.half()``, ``model.to(...)``): its cache no longer fits the model. With an
+        FP8 cache, also where their values changed in place: its scales came from the old."""
+        if self.weights.changed():
+            return True
+        return getattr(self.store, "scales", None) is not None and self.weights.values_since_made()
 
     # ------------------------------------------------------------------ the thread
 

@@ -23,7 +23,7 @@ class Weights:
         self.params = list(model.parameters())
         self.seen = self._read()
         self.tensors = self.params + list(model.buffers())
-        self.versions = self._versions()
+        self.versions = self.made = self._versions()
         self.count = sum(t.numel() for t in self.tensors)  # (weights a forward reads, about: pieces.WHOLE_FROM)
 
     def _versions(self):
@@ -37,6 +37,10 @@ class Weights:
             return False
         self.versions = now
         return True
+
+    def values_since_made(self) -> bool:
+        """Whether a parameter's or buffer's values changed in place since the batch was made."""
+        return self._versions() != self.made
 
     def _read(self):
         return [(p.data_ptr(), p.dtype, p.device) for p in self.params]
