@@ -30,6 +30,11 @@ def _model(kind="llama", gain=3.0, width=64, vocab=101, positions=256):
     if kind == "gpt2":
         cfg = tr.GPT2Config(n_layer=2, n_embd=width, n_head=4, vocab_size=vocab, n_positions=positions,
                             bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    elif kind == "mistral":  # (a sliding window of 4)
+        cfg = tr.MistralConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                               max_position_embeddings=positions, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+                               sliding_window=4)
     else:
         cfg = tr.LlamaConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=positions,
@@ -185,7 +190,7 @@ def test_fp8_asked_of_a_model_the_batch_does_not_serve_says_so(caplog, monkeypat
 # ------------------------------------------------------------------ the batch's tokens
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mistral"])
 def test_the_batch_in_fp8_gives_the_tokens_of_the_model_over_an_fp8_cache(kind):
     model = _model(kind)
     gm = GraphedModule(model, decode=FP8)
@@ -230,7 +235,7 @@ def test_long_prompts_in_pieces_over_an_fp8_cache_give_the_model_alones_tokens(m
     gm.close()
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mistral"])
 def test_an_fp8_pool_read_in_place_with_pieces_inside_steps_gives_the_same_tokens(monkeypatch, kind):
     """As a GPU reads the pool (each row to its own length; a long prompt's pieces inside the
     decoding rows' step), with the kernels' torch references."""
