@@ -307,3 +307,16 @@ def test_a_batch_in_the_models_dtype_keeps_serving_when_values_change_in_place()
     assert gm.__dict__["_gw_decode"] is first  # (its cache is the model's dtype: only the prefixes go)
     assert torch.equal(out, _alone(model, [5, 6], 6))
     gm.close()
+
+
+@pytest.mark.parametrize("weights", ["fp8", "int8"])
+def test_quantized_weights_beside_an_fp8_cache_give_that_models_tokens(weights):
+    """``graphwrap.quantize`` and the FP8 cache together: the quantized model's greedy tokens
+    decoding alone over an FP8 cache."""
+    import graphwrap
+
+    model = graphwrap.quantize(_model(), weights)
+    gm = GraphedModule(model, decode=FP8)
+    _batch_against_fp8_alone(gm, model, _prompts([3, 11, 6, 20]), [25, 10, 30, 12])
+    assert gm.__dict__["_gw_decode"].store.scales is not None
+    gm.close()
