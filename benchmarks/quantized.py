@@ -16,9 +16,12 @@ weight-only; ``kv8``: the fp16 model with its shared batch's cache in FP8,
   the cache read back;
 - **batch 1**: one call of ``--prompt`` random tokens and ``--new`` new tokens at a time
   (greedy, no end-of-sequence), a first call apart, then the median of ``--repeats``, as
-  milliseconds per new token;
+  milliseconds per new token (after the first call, the shapes it queued for capture beside the
+  decode thread are waited for, so that the timed calls share the GPU with no capture;
+  ``--no-settle``: not, as before 2026-11-30's FP8-cache runs, whose batch-1 medians moved by
+  20-30% between calls);
 - **at once**: ``--concurrency`` such calls submitted together, output tokens/s, a first burst
-  apart, then the median of ``--repeats``.
+  apart (then its captures waited for likewise), then the median of ``--repeats``.
 
 The ratios are each kind's against fp16's, measured side by side. ``python3 benchmarks/quantized.py
 [--model llama3-8b]`` on a GPU of compute capability 8.9 or later; ``--model tiny`` runs on a
@@ -89,6 +92,13 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def settle(gm, a):
+    """The shapes queued for capture beside the decode thread, waited for (``--settle``)."""
+    captures = getattr(gm.__dict__.get("_gw_decode"), "captures", None)
+    if a.settle and captures is not None and not captures.finish(600):
+        print("captures still queued after 600 s: the timed calls share the GPU with them", flush=True)
+
+
 def calls(gm, prompts, new, device) -> float:
     _sync(device)
     t0 = time.perf_counter()
@@ -114,11 +124,13 @@ def one(model, label, a, device, decode=None) -> dict:
               flush=True)
         gm.close()
         return {**out, "off": off, "batch1_first_ms_per_token": 1e3 * first / a.new}
+    settle(gm, a)
     warm = [calls(gm, single, a.new, device) for _ in range(a.repeats)]
     out["batch1_first_ms_per_token"] = 1e3 * first / a.new
     out["batch1_ms_per_token"] = 1e3 * statistics.median(warm) / a.new
     out["batch1_spread"] = [1e3 * min(warm) / a.new, 1e3 * max(warm) / a.new]
     first = calls(gm, many, a.new, device)
+    settle(gm, a)
     warm = [calls(gm, many, a.new, device) for _ in range(a.repeats)]
     made = a.concurrency * a.new
     out["at_once_first_tokens_s"] = made / first
@@ -148,6 +160,8 @@ def main():
                     help="scale the random weights of each layer's output projections by 1/sqrt(2 x layers)")
     ap.add_argument("--kinds", default="fp8", help="what graphwrap.quantize makes, each beside fp16: fp8, int8, "
                                                    "int4; kv8 (the cache in FP8), or a kind+kv8")
+    ap.add_argument("--settle", action=argparse.BooleanOptionalAction, default=True,
+                    help="wait for the shapes queued for capture after each first call before the timed ones")
     ap.add_argument("--cache-memory", type=float, default=None,
                     help="decode={'cache_memory': F} for every setting: a pool too small for every request at once")
     ap.add_argument("--out", default=None)
