@@ -320,3 +320,18 @@ def test_quantized_weights_beside_an_fp8_cache_give_that_models_tokens(weights):
     _batch_against_fp8_alone(gm, model, _prompts([3, 11, 6, 20]), [25, 10, 30, 12])
     assert gm.__dict__["_gw_decode"].store.scales is not None
     gm.close()
+
+
+def test_only_a_gpu_of_compute_capability_8_9_on_has_its_kernels_write_and_read_e4m3(monkeypatch):
+    """Elsewhere (an A100, compute capability 8.0) an FP8 pool is written by indexed assignment
+    and gathered for the model's attention, in torch: Triton does not convert E4M3 there."""
+    monkeypatch.setattr(server_mod.paged_attention, "available", lambda: True)  # (Triton on a GPU, as if)
+    model, gpu = _model(), torch.device("cuda", 0)
+    for capability, want in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
+        step_write.writes_e4m3.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert fp8.kernels_read(gpu) is want
+        assert server_mod.reads_in_place(model, gpu, "fp8") is want
+        assert server_mod.reads_in_place(model, gpu, "auto") is True  # (the model's dtype: any such GPU)
+    step_write.writes_e4m3.cache_clear()
+    assert not fp8.kernels_read(torch.device("cpu"))

@@ -85,9 +85,7 @@ def round_trip(x: Tensor, scale: float) -> Tensor:
 def kernels_read(device: torch.device) -> bool:
     """Whether graphwrap's Triton kernels can read and write E4M3 on ``device`` (compute
     capability 8.9 and later); elsewhere the pool's blocks are gathered and read back in torch."""
-    if device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return step_write.writes_e4m3(torch.device(device))
 
 
 def describe(scales: Optional[List[Scales]]) -> Optional[dict]:

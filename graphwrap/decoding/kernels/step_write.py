@@ -16,6 +16,8 @@ H200), which made ``compile=True``'s warm bursts 2.2x slower than the default's
 (``benchmarks/diagnostics/step_profile.py --compile``). The operator is written in place.
 """
 
+import functools
+
 import torch
 
 from . import paged_attention
@@ -26,13 +28,21 @@ FP8_LARGEST = 448.0  # E4M3's largest finite value: what a key over its scale is
 
 def applies(keys: Tensor, values: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether :func:`write` takes these: pools ``[blocks, block, heads, d]`` alike and dense,
-    the new key and value ``[n, heads, d]`` of the pools' dtype (or any, into FP8 pools) with
-    their last dimension dense, on a GPU where the kernel runs."""
+    the new key and value ``[n, heads, d]`` of the pools' dtype (or any, into FP8 pools on a GPU
+    whose kernels write E4M3) with their last dimension dense, on a GPU where the kernel runs."""
     fp8_pools = keys.dtype == values.dtype == torch.float8_e4m3fn
     return (k.is_cuda and not torch.compiler.is_compiling() and paged_attention.available()
             and keys.shape == values.shape and keys.stride() == values.stride() and keys.is_contiguous()
             and k.shape == v.shape and k.dim() == 3 and k.shape[1:] == keys.shape[2:] and k.dtype == v.dtype
-            and (fp8_pools or k.dtype == keys.dtype == values.dtype) and k.stride(-1) == 1 and v.stride(-1) == 1)
+            and ((fp8_pools and writes_e4m3(k.device)) or k.dtype == keys.dtype == values.dtype)
+            and k.stride(-1) == 1 and v.stride(-1) == 1)
+
+
+@functools.lru_cache(maxsize=None)
+def writes_e4m3(device: torch.device) -> bool:
+    """Whether Triton's kernels convert to and from E4M3 on ``device``: a GPU of compute
+    capability 8.9 or later (elsewhere an FP8 pool is written and read in torch)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def write(keys: Tensor, values: Tensor, where: Tensor, offset: Tensor, k: Tensor, v: Tensor,
