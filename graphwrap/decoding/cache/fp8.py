@@ -29,7 +29,6 @@ FORMAT = torch.float8_e4m3fn
 LARGEST = step_write.FP8_LARGEST  # E4M3's largest finite value
 HEADROOM = 2.0  # how far past the calibration's largest key a key is still held unsaturated
 CALIBRATION = 256  # tokens of the calibration forward (at most the batch's max_len)
-NAMES = ("auto", "fp8", "fp8_e4m3")  # decode={"kv_cache_dtype": ...}: "auto" is the model's own dtype
 
 
 @dataclass(frozen=True)
