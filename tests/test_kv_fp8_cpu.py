@@ -335,3 +335,25 @@ def test_only_a_gpu_of_compute_capability_8_9_on_has_its_kernels_write_and_read_
         assert server_mod.reads_in_place(model, gpu, "auto") is True  # (the model's dtype: any such GPU)
     step_write.writes_e4m3.cache_clear()
     assert not fp8.kernels_read(torch.device("cpu"))
+
+
+def test_an_fp8_batch_under_inference_mode_serves_good_calls_beside_a_bad_one_and_a_cancel():
+    """As users call it: under ``torch.inference_mode()``, a token outside the vocabulary gets its
+    own clear error and a cancelled call frees its row, while the others get the model's tokens
+    over an FP8 cache."""
+    model = _model()
+    gm = GraphedModule(model, decode={**FP8, "rows": 2})
+    prompts = _prompts([5, 9, 4])
+    with torch.inference_mode():
+        with pytest.raises(GraphwrapError, match="token id 500 is outside"):
+            gm.generate(torch.tensor([[5, 500]]), max_new_tokens=3)
+        long = gm.submit_generate(torch.tensor([[5, 6, 7]]), max_new_tokens=200)
+        good = [gm.submit_generate(torch.tensor([p]), max_new_tokens=20) for p in prompts]
+        assert long.cancel()
+        outs = [f.result(timeout=60) for f in good]
+    scales = gm.__dict__["_gw_decode"].store.scales
+    for p, out in zip(prompts, outs):
+        assert torch.equal(out, _fp8_alone(model, p, 20, scales))
+    d = gm.stats()["decode"]
+    assert d["cancelled"] == 1 and d["rows_busy"] == 0 and d["done"] == len(prompts)
+    gm.close()
