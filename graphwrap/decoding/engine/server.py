@@ -414,9 +414,10 @@ def make_cache(model, rows: int, max_len: int, device: torch.device, cache_memor
 def _scales_line(scales, in_place: bool) -> str:
     if scales is None:
         return ""
-    ks, vs = [s.keys for s in scales], [s.values for s in scales]
-    return (f"; keys and values in FP8 E4M3, scales per layer from a calibration forward (keys {min(ks):.3g}-"
-            f"{max(ks):.3g}, values {min(vs):.3g}-{max(vs):.3g}), "
+    d = fp8.describe(scales) or {}
+    (k0, k1), (v0, v1) = d["key_scale"], d["value_scale"]
+    return (f"; keys and values in FP8 E4M3, scales per layer from a calibration forward (keys {k0:.3g}-"
+            f"{k1:.3g}, values {v0:.3g}-{v1:.3g}), "
             + ("read in place" if in_place else "gathered and read back before the model's attention"))
 
 
