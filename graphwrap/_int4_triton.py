@@ -80,38 +80,60 @@ def int4_product(X, W, S, O, M, N, GROUPS, PER, sxm, swn, ssn, som, sop, BM: tl.
 
 
 @triton.jit
-def int4_row(X, W, S, O, N, GROUPS, PER, sxm, swn, ssn, som, sop, BN: tl.constexpr, STEP: tl.constexpr):
+def _level(w, BITS: tl.constexpr):
+    """The four bits of int32 words ``w`` under ``BITS`` (a mask of bits 0-19), times
+    ``BITS``' lowest bit, in float32: or-ed under 0x4B000000's exponent they are 2^23 plus that
+    value, less 2^23 (exact: under 2^23)."""
+    return ((w & BITS) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def int4_row(X, W, S, O, N, GROUPS, sxm, swn, ssn, som, sop, BN: tl.constexpr, STEP: tl.constexpr,
+             PER: tl.constexpr):
     """Row ``program_id(0)`` of :func:`int4_product`'s ``O`` without the tensor cores, for a
-    step's one row or few: ``W`` read as int32 words (a group's 64 bytes are 16 words; word ``u``
-    holds inputs ``4u + i`` in bits ``8i`` to ``8i + 3`` and inputs ``64 + 4u + i`` in the four
-    above), each value made float32 by its bits (under 0x4B000000's exponent it is 2^23 + the
-    value, less 2^23: exact), the weight ``offset + value * scale`` in fp32, and each product
-    summed in fp32 across the words of ``STEP`` groups at a time, then across words once at the
-    end. A program takes ``BN`` outputs, reading their weights once (a second row's programs
-    run beside the first's and find them in the L2 cache); ``PER`` groups from the
-    ``program_id(2)``-th, its sum to ``O``'s part ``program_id(2)`` (``sop`` apart)."""
+    step's one row: ``W`` read as int32 words (a group's 64 bytes are 16 words; word ``u`` holds
+    inputs ``4u + i`` in bits ``8i`` to ``8i + 3`` and inputs ``64 + 4u + i`` in the four above),
+    ``S`` as int32 words (each group's scale in the low half, its offset in the high).
+    ``O[n] = sum over groups of scale * (sum of value * x) + offset * (sum of x)``, each sum in
+    fp32. Each value is made float32 by its bits where they lie (:func:`_level`: the value times
+    2^b for bits ``b`` to ``b + 3``; the top three values of a word shifted down 12 bits first)
+    and multiplied by its input times 2^-b: exactly value times input, two instructions and a
+    multiply-add a value. A program takes ``BN`` outputs, reading their weights once, ``STEP``
+    groups at a time over ``PER`` groups (unrolled) from the ``program_id(2) * PER``-th; its sum to
+    ``O``'s part ``program_id(2)`` (``sop`` apart)."""
     r = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    in_n = rn < N
-    u = tl.arange(0, STEP * 16)
-    of = u // 16  # the group of each word, within the step
-    col = of * 128 + (u % 16) * 4  # the input of each word's first low four bits
-    acc = tl.zeros((STEP * 16, BN), dtype=tl.float32)
+    n = rn[None, None, :]
+    u = tl.arange(0, 16)[None, :, None]
+    acc = tl.zeros((STEP, 16, BN), dtype=tl.float32)
     first = tl.program_id(2) * PER
-    for i in range(0, PER, STEP):
-        g = first + i
-        here = (g + of) < GROUPS
-        keep = in_n[None, :] & here[:, None]
-        w = tl.load(W + rn[None, :] * swn + g * 16 + u[:, None], mask=keep, other=0)
-        sat = S + rn[None, :] * ssn + (g + of[:, None]) * 2
-        scale = tl.load(sat, mask=keep, other=0.0).to(tl.float32)
-        offset = tl.load(sat + 1, mask=keep, other=0.0).to(tl.float32)
-        at = X + r * sxm + g * 128 + col
-        for j in tl.static_range(4):
-            xl = tl.load(at + j, mask=here, other=0.0).to(tl.float32)
-            xh = tl.load(at + 64 + j, mask=here, other=0.0).to(tl.float32)
-            ql = (((w >> (8 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            qh = (((w >> (8 * j + 4)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            acc += xl[:, None] * (offset + ql * scale) + xh[:, None] * (offset + qh * scale)
-    out = tl.sum(acc, 0)
-    tl.store(O + tl.program_id(2) * sop + r * som + rn, out.to(O.dtype.element_ty), mask=in_n)
+    for i in tl.static_range(0, PER, STEP):
+        g = first + i + tl.arange(0, STEP)[:, None, None]
+        here = g < GROUPS
+        keep = here & (n < N)
+        w = tl.load(W + n * swn + g * 16 + u, mask=keep, other=0)
+        pair = tl.load(S + n * ssn + g, mask=keep, other=0)
+        scale = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        offset = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        at = X + r * sxm + g * 128 + u * 4
+        x0 = tl.load(at, mask=here, other=0.0).to(tl.float32)  # (bits 0-3: input 4u)
+        x1 = tl.load(at + 64, mask=here, other=0.0).to(tl.float32)  # (bits 4-7: input 64 + 4u)
+        x2 = tl.load(at + 1, mask=here, other=0.0).to(tl.float32)
+        x3 = tl.load(at + 65, mask=here, other=0.0).to(tl.float32)
+        x4 = tl.load(at + 2, mask=here, other=0.0).to(tl.float32)
+        x5 = tl.load(at + 66, mask=here, other=0.0).to(tl.float32)
+        x6 = tl.load(at + 3, mask=here, other=0.0).to(tl.float32)
+        x7 = tl.load(at + 67, mask=here, other=0.0).to(tl.float32)
+        sums = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+        top = w >> 12  # (bits 20-31 to 8-19)
+        part = _level(w, 0xF) * x0
+        part += _level(w, 0xF0) * (x1 * 0.0625)
+        part += _level(w, 0xF00) * (x2 * 0.00390625)
+        part += _level(w, 0xF000) * (x3 * 0.000244140625)
+        part += _level(w, 0xF0000) * (x4 * 0.0000152587890625)
+        part += _level(top, 0xF00) * (x5 * 0.00390625)
+        part += _level(top, 0xF000) * (x6 * 0.000244140625)
+        part += _level(top, 0xF0000) * (x7 * 0.0000152587890625)
+        acc += part * scale + sums * offset
+    out = tl.sum(tl.sum(acc, 1), 0)
+    tl.store(O + tl.program_id(2) * sop + r * som + rn, out.to(O.dtype.element_ty), mask=rn < N)

@@ -23,6 +23,7 @@ LEVELS = 15  # the largest value (four bits)
 ONE_BY_ONE = 1  # at most this many rows take int4_row (CUDA cores, a row a program; at 4 rows 2-3x the tiles' time)
 ROWS = 16  # at most this many rows take shape_of_work's tiles; more, TILES
 TILES = (64, 64, 1, 4, 3)  # past ROWS rows: (rows, outputs a program, parts, warps, stages)
+UNROLLED = 32  # at most this many groups in one part of int4_row's (its loop is unrolled)
 WIDE = 64  # past this many rows, 128 outputs a program (the tiles' tune on an H200: 64 rows 64, 256 rows 128)
 
 
@@ -101,15 +102,16 @@ def product(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, bm: Op
     return out
 
 
-def by_rows(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, out: Tensor, bn: Optional[int] = None,
-            step: int = 4, split: Optional[int] = None, warps: int = 4, stages: int = 3) -> Tensor:
+def by_rows(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, out: Tensor, bn: int = 16,
+            step: int = 2, split: Optional[int] = None, warps: int = 2) -> Tensor:
     """:func:`product` for up to :data:`ONE_BY_ONE` rows by ``int4_row`` (no tensor cores: a
-    row's tile of 16 would be 15 rows of zeros), into ``out``. ``bn`` outputs a program (64 where
-    that makes programs for half the SMs a row, else 32), ``step`` groups at a time, ``split``
-    parts of the groups (4 where the programs are fewer than the SMs), ``warps``, ``stages``
-    (``fp8_products.py --weight-only --tune`` on an H200 at one row, the Llama-3-8B shape's
-    widths: 14.4-14.6, 10.7, 46.2-47.0 and 25.4 us for the q/k/v, output, gate-and-up and down
-    widths; fp16's cuBLAS 16.1, 13.7, 55.8 and 31.7)."""
+    row's tile of 16 would be 15 rows of zeros), into ``out``: ``bn`` outputs a program, ``step``
+    groups at a time, the groups in ``split`` parts (None: :func:`row_parts`), ``warps``.
+    (The fastest of ``fp8_products.py --weight-only --tune`` on an H200 at one row, the
+    Llama-3-8B shape's widths: 12.4, 10.8, 41.6 and 25.9 us for the q/k/v, output, gate-and-up
+    and down widths, against 14.0, 11.6, 49.7 and 27.2 for the kernel before, which made each
+    weight in fp32 and took more instructions a value; fp16's cuBLAS 16.2, 13.6, 56.6 and
+    32.2.) ``processors`` is kept for :func:`product`'s other shapes."""
     import triton
 
     from ._fp8_triton import sum_parts
@@ -117,19 +119,27 @@ def by_rows(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, out: T
 
     m, k = rows.shape
     n = weight.shape[0]
-    if bn is None:
-        bn = 64 if 2 * m * -(-n // 64) >= processors else 32
-    if split is None:
-        split = 4 if m * -(-n // bn) < processors else 1
-    parts = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=rows.device)
     groups = k // GROUP
-    per = -(-groups // (split * step)) * step  # (each part's groups: whole steps)
+    split, per = row_parts(groups, step) if split is None else (split, -(-groups // (split * step)) * step)
+    parts = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=rows.device)
     int4_row[(m, triton.cdiv(n, bn), split)](
-        rows, weight.view(torch.int32), scale, parts, n, groups, per, rows.stride(0), weight.stride(0) // 4,
-        scale.stride(0), n, m * n, BN=bn, STEP=step, num_warps=warps, num_stages=stages)
+        rows, weight.view(torch.int32), scale.view(torch.int32), parts, n, groups, rows.stride(0),
+        weight.stride(0) // 4, scale.stride(0) // 2, n, m * n, BN=bn, STEP=step, PER=per, num_warps=warps,
+        num_stages=1)
     if split > 1:
         sum_parts[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
     return out
+
+
+def row_parts(groups: int, step: int) -> Tuple[int, int]:
+    """``int4_row``'s parts of ``groups`` groups and each part's groups (whole steps of ``step``
+    groups): four parts (the fastest at each of the Llama-3-8B shape's widths on an H200, 2 or 8
+    up to 16% slower), more where a part would pass :data:`UNROLLED` groups, fewer where there
+    are too few groups for four. Each part's loop is unrolled, so the kernel is compiled once for
+    each inner dimension."""
+    split = max(1, min(groups, max(4, -(-groups // UNROLLED))))
+    per = -(-groups // (split * step)) * step
+    return -(-groups // per), per
 
 
 def shape_of_work(n: int, k: int, processors: int) -> Tuple[int, int, int, int]:

@@ -451,6 +451,20 @@ def test_an_int4_layer_from_gpt2s_conv1d_takes_its_weight_the_right_way_round():
     assert rel < 0.1, rel
 
 
+@pytest.mark.parametrize("groups", [1, 2, 3, 7, 32, 34, 112, 500])
+@pytest.mark.parametrize("step", [1, 2, 4])
+def test_the_one_row_int4_kernels_parts_cover_each_group_once_in_unrolled_steps(groups, step):
+    """The one-row kernel's plan (``row_parts``): its parts, each of whole steps and at most
+    UNROLLED groups (its loop is unrolled), cover every group, none starts past the last, and the
+    Llama-3-8B shape's inner dimensions take four parts."""
+    from graphwrap.weight_only import UNROLLED, row_parts
+
+    split, per = row_parts(groups, step)
+    assert per % step == 0 and per <= max(UNROLLED, step)
+    assert split * per >= groups and (split - 1) * per < groups
+    if groups in (32, 112):  # (4,096 and 14,336 inputs)
+        assert split == 4
+
 def test_int4_leaves_layers_whose_inputs_are_not_a_multiple_of_128_and_says_so(gw_log):
     from graphwrap.quantized import Int4Linear
 

@@ -120,8 +120,8 @@ def tune_int4():
 
     g = torch.Generator(device=DEV).manual_seed(0)
     sms = _processors(torch.device(DEV))
-    one = [dict(by_rows=True, bn=bn, step=step, split=sp, warps=4) for bn, step, sp in
-           itertools.product((32, 64), (2, 4), (1, 4))]
+    one = [dict(by_rows=True, bn=bn, step=step, split=sp, warps=w) for (bn, w), step, sp in
+           itertools.product(((16, 2), (32, 2), (32, 4), (64, 4)), (2, 4), (2, 4, 8))]
     few = [dict(bm=16, bn=bn, split=sp, warps=w, stages=3) for bn, sp, w in
            itertools.product((32, 64, 128), (1, 2, 4), (2, 4))]
     tiles = [dict(bm=bm, bn=bn, split=1, warps=w, stages=3) for bm, bn, w in
