@@ -86,7 +86,7 @@ def product(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, bm: Op
     if m == 0:
         return out
     if m <= ONE_BY_ONE and bm is None:
-        return by_rows(rows, weight, scale, processors, out)
+        return by_rows(rows, weight, scale, out)
     if m <= ROWS:
         shape = (16, *shape_of_work(n, k, processors))
     else:
@@ -102,8 +102,8 @@ def product(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, bm: Op
     return out
 
 
-def by_rows(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, out: Tensor, bn: int = 16,
-            step: int = 2, split: Optional[int] = None, warps: int = 2) -> Tensor:
+def by_rows(rows: Tensor, weight: Tensor, scale: Tensor, out: Tensor, bn: int = 16, step: int = 2,
+            split: Optional[int] = None, warps: int = 2) -> Tensor:
     """:func:`product` for up to :data:`ONE_BY_ONE` rows by ``int4_row`` (no tensor cores: a
     row's tile of 16 would be 15 rows of zeros), into ``out``: ``bn`` outputs a program, ``step``
     groups at a time, the groups in ``split`` parts (None: :func:`row_parts`), ``warps``.
@@ -111,7 +111,7 @@ def by_rows(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, out: T
     Llama-3-8B shape's widths: 12.4, 10.8, 41.6 and 25.9 us for the q/k/v, output, gate-and-up
     and down widths, against 14.0, 11.6, 49.7 and 27.2 for the kernel before, which made each
     weight in fp32 and took more instructions a value; fp16's cuBLAS 16.2, 13.6, 56.6 and
-    32.2.) ``processors`` is kept for :func:`product`'s other shapes."""
+    32.2.)"""
     import triton
 
     from ._fp8_triton import sum_parts

@@ -465,6 +465,7 @@ def test_the_one_row_int4_kernels_parts_cover_each_group_once_in_unrolled_steps(
     if groups in (32, 112):  # (4,096 and 14,336 inputs)
         assert split == 4
 
+
 def test_int4_leaves_layers_whose_inputs_are_not_a_multiple_of_128_and_says_so(gw_log):
     from graphwrap.quantized import Int4Linear
 

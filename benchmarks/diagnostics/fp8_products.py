@@ -137,7 +137,7 @@ def tune_int4():
             def run(w, s, kw):
                 if kw.get("by_rows"):
                     kw = {k: v for k, v in kw.items() if k != "by_rows"}
-                    return by_rows(x, w, s, sms, torch.empty((rows, n), dtype=x.dtype, device=DEV), **kw)
+                    return by_rows(x, w, s, torch.empty((rows, n), dtype=x.dtype, device=DEV), **kw)
                 return product(x, w, s, sms, **kw)
 
             found = []
