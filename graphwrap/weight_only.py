@@ -120,7 +120,7 @@ def by_rows(rows: Tensor, weight: Tensor, scale: Tensor, out: Tensor, bn: int = 
     m, k = rows.shape
     n = weight.shape[0]
     groups = k // GROUP
-    split, per = row_parts(groups, step) if split is None else (split, -(-groups // (split * step)) * step)
+    split, per = row_parts(groups, step, split)
     parts = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=rows.device)
     int4_row[(m, triton.cdiv(n, bn), split)](
         rows, weight.view(torch.int32), scale.view(torch.int32), parts, n, groups, rows.stride(0),
@@ -131,13 +131,14 @@ def by_rows(rows: Tensor, weight: Tensor, scale: Tensor, out: Tensor, bn: int = 
     return out
 
 
-def row_parts(groups: int, step: int) -> Tuple[int, int]:
+def row_parts(groups: int, step: int, split: Optional[int] = None) -> Tuple[int, int]:
     """``int4_row``'s parts of ``groups`` groups and each part's groups (whole steps of ``step``
-    groups): four parts (the fastest at each of the Llama-3-8B shape's widths on an H200, 2 or 8
-    up to 16% slower), more where a part would pass :data:`UNROLLED` groups, fewer where there
-    are too few groups for four. Each part's loop is unrolled, so the kernel is compiled once for
-    each inner dimension."""
-    split = max(1, min(groups, max(4, -(-groups // UNROLLED))))
+    groups): ``split`` parts where given, else four (the fastest at each of the Llama-3-8B
+    shape's widths on an H200, 2 or 8 up to 16% slower), more where a part would pass
+    :data:`UNROLLED` groups, fewer where there are too few groups for four. Each part's loop is
+    unrolled, so the kernel is compiled once for each inner dimension."""
+    if split is None:
+        split = max(1, min(groups, max(4, -(-groups // UNROLLED))))
     per = -(-groups // (split * step)) * step
     return -(-groups // per), per
 
