@@ -89,6 +89,33 @@ def rows_product(X, XS, W, WS, O, M, N, K, sxm, swn, som, sop, BM: tl.constexpr,
 
 
 @triton.jit
+def one_row(X, XS, W, WS, O, N, K, swn, BN: tl.constexpr, BK: tl.constexpr, HAS_XS: tl.constexpr,
+            EVEN: tl.constexpr):
+    """:func:`rows_product` for one row (a decode step at batch 1) on the CUDA cores: ``O[n] = (X .
+    W[n]) * XS * WS[n]``. A program takes ``BN`` outputs over the whole inner dimension, ``BK`` at
+    a time; each weight and input is made float32 (an E4M3 or int8 value exactly), their
+    products summed in fp32 column by column, then across the columns in a fixed order, scaled
+    and rounded once. ``EVEN``: ``N`` a multiple of ``BN`` and ``K`` of ``BK`` (no masks)."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        if EVEN:
+            x = tl.load(X + kk)
+            w = tl.load(W + rn[:, None] * swn + kk[None, :])
+        else:
+            x = tl.load(X + kk, mask=kk < K, other=0.0)
+            w = tl.load(W + rn[:, None] * swn + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    out = tl.sum(acc, 1)
+    if HAS_XS:
+        out = out * tl.load(XS)
+    out = out * tl.load(WS + rn, mask=rn < N, other=0.0)
+    tl.store(O + rn, out.to(O.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
 def sum_parts(P, O, NUMEL, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """``O[i] = sum(P[s, i] for s in range(SPLIT))``, in that order (the same sum every call),
     rounded once to ``O``'s dtype: :func:`rows_product`'s parts made one."""

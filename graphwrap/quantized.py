@@ -230,7 +230,8 @@ def few_rows(q: Tensor, scale: Optional[Tensor], weight: Tensor, weight_scale: T
     in a fixed order), ``warps``, ``stages``: the shape of work (None: :func:`shape_of_work`;
     ``fp8_products.py --tune``, one row). ``scale`` None: rows in fp16 or bf16 as they are and
     weights in int8 (:class:`Int8Linear`), at any number of rows (past
-    :data:`ROWS`, tiles of 64 rows by 64 outputs)."""
+    :data:`ROWS`, tiles of 64 rows by 64 outputs). One row with no shape given goes to
+    :func:`one_row` where :func:`row_shape` says it is faster."""
     import triton
 
     from ._fp8_triton import rows_product, sum_parts
@@ -240,6 +241,10 @@ def few_rows(q: Tensor, scale: Optional[Tensor], weight: Tensor, weight_scale: T
     out = torch.empty((m, n), dtype=dtype, device=q.device)
     if m == 0:
         return out
+    if m == 1 and bn is None and bk is None and split is None:
+        row = row_shape(n, k, scale is not None)
+        if row is not None:
+            return one_row(q, scale, weight, weight_scale, out, *row)
     shape = shape_of_work(n, k, _processors(q.device)) if m <= ROWS else (64, 64, 1)
     bn, bk, split = (c if v is None else v for v, c in zip((bn, bk, split), shape))
     bm = min(64, max(16, 1 << (m - 1).bit_length()))
@@ -252,6 +257,38 @@ def few_rows(q: Tensor, scale: Optional[Tensor], weight: Tensor, weight_scale: T
     if split > 1:
         sum_parts[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
     return out
+
+
+def one_row(q: Tensor, scale: Optional[Tensor], weight: Tensor, weight_scale: Tensor, out: Tensor, bn: int = 4,
+            bk: int = 1024, warps: int = 4) -> Tensor:
+    """:func:`few_rows` for one row into ``out [1, n]``, on the CUDA cores (``_fp8_triton.one_row``):
+    ``bn`` outputs a program over the whole inner dimension, ``bk`` at a time, on ``warps``
+    (:func:`row_shape`'s, or given: ``fp8_products.py --tune``)."""
+    import triton
+
+    from ._fp8_triton import one_row as kernel
+
+    n, k = weight.shape
+    bk = min(bk, max(16, 1 << (k - 1).bit_length()))
+    kernel[(triton.cdiv(n, bn),)](q, weight_scale if scale is None else scale,
+                                  weight.view(torch.int8) if scale is None else weight, weight_scale, out, n, k,
+                                  weight.stride(0), BN=bn, BK=bk, HAS_XS=scale is not None,
+                                  EVEN=n % bn == 0 and k % bk == 0, num_warps=warps)
+    return out
+
+
+def row_shape(n: int, k: int, fp8: bool) -> Optional[Tuple[int, int, int]]:
+    """:func:`one_row`'s ``(bn, bk, warps)`` for ``n`` outputs of ``k`` inputs, or None where
+    :func:`shape_of_work`'s tiles on the tensor cores are faster for one row. On an H200, the
+    Llama-3-8B shape's widths at one row (``fp8_products.py --tune``; us, against those tiles):
+    FP8 9.5 / 7.3 / 17.8 against 10.7 / 9.1 / 19.4 for q, k and v as one, the output and the down
+    projection, where the gate and up projections as one (28,672 outputs) take 31.7 in tiles
+    against 32.6; int8 11.8 / 8.9 / 38.1 / 23.4 against 15.6 / 10.3 / 41.9 / 23.4 (gate and up
+    as one included). Four outputs a program on 4 warps; the inner dimension 1,024 at a time, but
+    512 between 4,096 and 16,384 outputs (q, k and v as one: 9.5 against 10.5 us in FP8)."""
+    if fp8 and n > 16384:
+        return None
+    return 4, 512 if 4096 < n <= 16384 else 1024, 4
 
 
 def shape_of_work(n: int, k: int, processors: int) -> Tuple[int, int, int]:

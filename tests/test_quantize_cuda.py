@@ -185,6 +185,41 @@ def test_a_few_rows_product_is_the_fp8_product_written_out(dtype, rows, k, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind, k, n", [(kind, k, n) for kind in ("fp8", "int8")
+                                        for k, n in ((4096, 6144), (4096, 28672), (14336, 4096), (256, 48))]
+                         + [("int8", 200, 40)])
+def test_one_row_goes_where_row_shape_says_and_gives_the_tiles_product(monkeypatch, dtype, kind, k, n):
+    """At one row few_rows takes the CUDA cores' kernel (one_row) where row_shape gives it a
+    shape, the tiles elsewhere; each within rounding of the other and of the product written
+    out in fp32 (uneven widths through the kernel's masks)."""
+    from graphwrap import quantized
+    from graphwrap.quantized import Int8Linear, few_rows, row_shape
+
+    g = torch.Generator(device=DEV).manual_seed(k + n)
+    x = torch.randn(1, k, generator=g, device=DEV).to(dtype)
+    linear = nn.Linear(k, n, bias=False).to(DEV, dtype)
+    if kind == "fp8":
+        layer = Fp8Linear(linear)
+        q, s, w = *rows_to_fp8(x), layer.weight_fp8
+        want = (q.float() * s) @ (w.float() * layer.weight_scale.t()).t()
+    else:
+        layer = Int8Linear(linear)
+        q, s, w = x, None, layer.weight_int8
+        want = x.float() @ (w.float() * layer.weight_scale.t()).t()
+    rows = []
+    real = quantized.one_row
+    monkeypatch.setattr(quantized, "one_row", lambda *a, **kw: rows.append(1) or real(*a, **kw))
+    got = few_rows(q, s, w, layer.weight_scale, dtype)
+    tiles = few_rows(q, s, w, layer.weight_scale, dtype, bn=32, bk=256, split=1)
+    assert len(rows) == (row_shape(n, k, kind == "fp8") is not None)
+    assert got.dtype == dtype and got.shape == (1, n)
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    for out in (got, tiles):
+        assert ((out.float() - want).abs().max() / want.abs().max()).item() < tol
+    assert ((got.float() - tiles.float()).abs().max() / want.abs().max()).item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 16, 256])
 @pytest.mark.parametrize("shared", [True, False])
 def test_silu_the_product_and_the_row_scaling_as_one_kernel_are_the_mlps_own(dtype, rows, shared):

@@ -9,7 +9,8 @@ read their own), median of 20, with the weights' bytes over the time and the pro
 ``python3 benchmarks/diagnostics/fp8_products.py [--rows 1,16,64,256] [--tune]`` from the
 repository root, on a GPU of compute capability 8.9 or later; ``--tune`` times shapes of work of
 graphwrap's kernel (outputs a program takes, the inner dimension's step and parts, warps, stages) at 1 and
-16 rows (``graphwrap.quantized.ROWS``), each checked against the product written out in fp32.
+16 rows (``graphwrap.quantized.ROWS``), and at one row its CUDA cores' kernel (``one_row``) for FP8
+and int8 weights, each checked against the product written out in fp32.
 
 ``--weight-only``: the int8 and int4 weight-only layers' products instead (``Int8Linear``,
 ``Int4Linear``) beside fp16's, the same widths and timing; with ``--tune``, the int4 kernels'
@@ -25,7 +26,7 @@ import torch
 from piece_attention import graph_ms
 from step_products import _copies
 
-from graphwrap.quantized import FAST_ACCUM, FP8, few_rows, rows_to_fp8
+from graphwrap.quantized import FAST_ACCUM, FP8, few_rows, one_row, rows_to_fp8
 
 DEV = torch.device("cuda")
 K, I = 4096, 14336
@@ -67,30 +68,50 @@ def compare(rows: int):
         print(f"  {label:18s} [{k}, {n}]: " + "; ".join(cells), flush=True)
 
 
+def _int8_weight(g, n, k):
+    w = torch.randn(n, k, generator=g, device=DEV) / k ** 0.5
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale[None, :].contiguous()
+
+
+def _product(q, s, w, ws, kw):
+    """few_rows' tiles at the shape ``kw``, or its one-row kernel where ``kw`` says ``one_row``."""
+    if kw.get("one_row"):
+        out = torch.empty((1, w.shape[0]), dtype=torch.float16, device=DEV)
+        return one_row(q, s, w, ws, out, kw["bn"], kw["bk"], kw["warps"])
+    return few_rows(q, s, w, ws, torch.float16, **kw)
+
+
 def tune():
+    """few_rows' shapes of work at 1 and 16 rows (FP8), and at one row its CUDA cores' kernel
+    (one_row) beside them, for FP8 and int8 weights."""
     g = torch.Generator(device=DEV).manual_seed(0)
-    configs = list(itertools.product((16, 32, 64), (128, 256), (1, 4), (4,), (4, 6)))
-    for rows in (1, 16):
+    tiles = [dict(bn=bn, bk=bk, split=sp, warps=w, stages=st)
+             for bn, bk, sp, w, st in itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 4), (4,), (4, 6))]
+    rows_ = [dict(one_row=True, bn=bn, bk=bk, warps=w) for bn, bk, w in itertools.product((4, 8, 16), (512, 1024), (2, 4, 8))]
+    for kind, rows in (("fp8", 1), ("int8", 1), ("fp8", 16)):
         for label, (k, n) in WIDTHS.items():
             x = torch.randn(rows, k, generator=g, device=DEV).half()
-            q, s = rows_to_fp8(x)
-            w8, ws = _fp8_weight(g, n, k)
-            want = (q.float() * s) @ (w8.float() * ws.t()).t()
+            if kind == "fp8":
+                (q, s), (w8, ws) = rows_to_fp8(x), _fp8_weight(g, n, k)
+                want = (q.float() * s) @ (w8.float() * ws.t()).t()
+            else:
+                q, s, (w8, ws) = x, None, _int8_weight(g, n, k)
+                want = x.float() @ (w8.float() * ws.t()).t()
             turn = itertools.cycle(_copies([w8, ws]))
             found = []
-            for bn, bk, split, warps, stages in configs:
-                kw = dict(bn=bn, bk=bk, split=split, warps=warps, stages=stages)
+            for kw in tiles + (rows_ if rows == 1 else []):
                 try:
-                    got = few_rows(q, s, w8, ws, torch.float16, **kw)
+                    got = _product(q, s, w8, ws, kw)
                     err = ((got.float() - want).abs().max() / want.abs().max()).item()
-                    t = graph_ms(lambda: few_rows(q, s, *next(turn), torch.float16, **kw))
+                    t = graph_ms(lambda: _product(q, s, *next(turn), kw))
                 except Exception as e:  # noqa: BLE001 - a shape of work this card cannot run: said
                     print(f"    {kw}: {type(e).__name__}", flush=True)
                     continue
                 found.append((t, kw, err))
             found.sort(key=lambda f: f[0])
             default = graph_ms(lambda: few_rows(q, s, *next(turn), torch.float16))
-            print(f"  {rows} rows, {label} [{k}, {n}]: the default {1e3 * default:.1f} us; fastest:", flush=True)
+            print(f"  {kind}, {rows} rows, {label} [{k}, {n}]: the default {1e3 * default:.1f} us; fastest:", flush=True)
             for t, kw, err in found[:5]:
                 print(f"    {1e3 * t:7.1f} us ({n * k / 1e9 / t:4.2f} TB/s) {kw} largest difference {err:.1e}", flush=True)
 
