@@ -655,3 +655,17 @@ def test_the_piece_kernels_shape_of_work_follows_how_many_tiles_of_query_rows_a_
     assert shape(16, 8, 512, 256) == {"splits": pa.SPLITS}  # 8 x 1,024 / 64 = 128 tiles: fewer than 132
     assert shape(32, 8, 512, 256) == {"splits": 1}  # 256 tiles, heads of 256
     assert shape(4, 2, 512, 64) == {"splits": pa.SPLITS}  # a small model's piece: 32 tiles
+
+
+def test_a_steps_attention_splits_each_rows_positions_where_its_rows_leave_sms_idle(monkeypatch):
+    """splits_at: a window that splits keeps its splits; else 8 programs a row where the rows'
+    programs (a row and key head each) are a quarter of the SMs at most, 4 where they are as
+    many at most, none past that; and never off a GPU."""
+    from graphwrap.decoding.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "_processors", lambda device: 132)
+    gpu = torch.device("cuda", 0)
+    assert [pa.splits_at(1, rows, 8, gpu) for rows in (1, 4, 5, 16, 17, 256)] == [8, 8, 4, 4, 1, 1]
+    assert pa.splits_at(pa.SPLITS, 1, 8, gpu) == pa.SPLITS and pa.splits_at(pa.SPLITS, 256, 8, gpu) == pa.SPLITS
+    assert pa.splits_at(1, 8, 4, gpu) == 8, "a small model's 4 key heads: 32 programs at 8 rows"
+    assert pa.splits_at(1, 1, 8, torch.device("cpu")) == 1

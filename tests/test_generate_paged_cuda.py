@@ -395,6 +395,28 @@ def test_steps_over_long_rows_replay_a_graph_whose_kernel_splits_each_rows_posit
     gm.close()
 
 
+def test_a_step_of_few_rows_splits_each_rows_positions_and_gives_generates_tokens(monkeypatch):
+    """Below SPLIT_FROM a step of few rows leaves most SMs idle at one program a row and key
+    head: its attention splits each row's positions (splits_at's 8 or 4), the parts joined;
+    tokens as ``model.generate``'s, one request alone and four at once."""
+    from graphwrap.decoding.kernels import paged_attention
+
+    seen, attend = [], paged_attention.attend
+    monkeypatch.setattr(paged_attention, "attend", lambda *a: seen.append((a[0].shape[0], a[8])) or attend(*a))
+    model = _model()
+    gm = GraphedModule(model)
+    for n in (1, 4):
+        reqs = _requests(n, seed=7 + n, lens=(20, 90), news=(30, 60))
+        got = thread_results(lambda i: gm.generate(input_ids=reqs[i][0], max_new_tokens=reqs[i][1], do_sample=False), n)
+        _check(model, reqs, got)
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    steps = {(rows, splits) for rows, splits in seen if splits != paged_attention.SPLITS}
+    assert steps and all(splits == paged_attention.splits_at(1, rows, KV_HEADS, torch.device(DEV)) for rows, splits in steps)
+    assert any(splits > 1 for _, splits in steps) and (sms < 4 * KV_HEADS or (1, 8) in steps), steps
+    _replayed(gm.stats()["decode"])
+    gm.close()
+
+
 def test_a_sliding_window_model_shares_replayed_steps_read_in_place(monkeypatch):
     monkeypatch.setattr(server_mod, "CHUNK", 16)
     torch.manual_seed(0)

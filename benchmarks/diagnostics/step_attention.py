@@ -5,9 +5,11 @@ calls in a CUDA graph (as the step's graph runs it), median of 20, with the keys
 bytes over the time, and checked against the torch reference. With ``--kv fp8``, the pools are
 FP8 (graphwrap/decoding/cache/fp8.py), read back with their scales; ``--rows`` sets the rows.
 
-``python3 benchmarks/diagnostics/step_attention.py [--tune] [--kv fp8] [--rows 256] [--shape 7-8B]``
-from the repository root, on a GPU; without ``--tune`` only the defaults; with it, every tile
-of positions, warps and pipeline stages, the 12 fastest of each case.
+``python3 benchmarks/diagnostics/step_attention.py [--tune] [--kv fp8] [--rows 256] [--shape 7-8B]
+[--positions 192,1024,4096] [--splits]`` from the repository root, on a GPU; without ``--tune`` only
+the defaults; with it, every tile of positions, warps and pipeline stages, the 12 fastest of each
+case; with ``--splits``, the default shape with each row's positions split between 1 to 16
+programs, and the split ``paged_attention.splits_at`` takes there.
 """
 
 import argparse
@@ -32,6 +34,9 @@ def main():
                     help="the pools' dtype (fp8k, fp8v: only the keys', only the values' pool FP8)")
     ap.add_argument("--rows", type=int, default=ROWS)
     ap.add_argument("--shape", default=None, choices=tuple(SHAPES))
+    ap.add_argument("--positions", default="192,1024,4096", help="each row's positions, comma-separated")
+    ap.add_argument("--splits", action="store_true",
+                    help="the default shape at 1, 2, 4, 8 and 16 programs a row (and what splits_at takes)")
     a = ap.parse_args()
     rows = a.rows
     scales = fp8.Scales(0.02, 0.01) if a.kv != "fp16" else None
@@ -39,11 +44,13 @@ def main():
           f"{time.strftime('%Y-%m-%d')}; {rows} rows, pools {a.kv}; defaults: (tile, warps, stages) "
           f"{paged_attention.shape_of_work(64)} for 64-wide heads, {paged_attention.shape_of_work(128)} for 128", flush=True)
     configs = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3))) if a.tune else [None]
+    if a.splits:
+        configs = [("splits", s) for s in (1, 2, 4, 8, 16)]
     g = torch.Generator(device=DEV).manual_seed(0)
     for name, (hq, hkv, d) in SHAPES.items():
         if a.shape not in (None, name):
             continue
-        for S in (192, 1024, 4096):
+        for S in map(int, a.positions.split(",")):
             lines = S // BLOCK
             blocks = rows * lines + 1
             k_pool = torch.randn(blocks, BLOCK, hkv, d, generator=g, device=DEV).half()
@@ -61,7 +68,7 @@ def main():
             gb = rows * S * hkv * d * (k_pool.element_size() + v_pool.element_size()) / 1e9
             found = []
             for c in configs:
-                kw = {} if c is None else dict(zip(("tile", "warps", "stages"), c))
+                kw = {} if c is None else {c[0]: c[1]} if c[0] == "splits" else dict(zip(("tile", "warps", "stages"), c))
 
                 def f(kw=kw):
                     return paged_attention._launch(q[:, :, 0], k_pool, v_pool, table, lengths, d ** -0.5, 0, 0.0,
@@ -71,8 +78,12 @@ def main():
                     found.append((graph_ms(f), c, err))
                 except Exception as e:  # (a shape of work the chip's shared memory does not hold)
                     print(f"  {name} S={S}: {c}: refused: {str(e).splitlines()[0][:90]}", flush=True)
+            if a.splits:
+                print(f"  {name} S={S:5d}: splits_at takes "
+                      f"{paged_attention.splits_at(paged_attention.splits_for(S), rows, hkv, DEV)}", flush=True)
             for t, c, err in sorted(found, key=lambda x: x[0])[:12]:
-                label = "defaults" if c is None else "tile {} warps {} stages {}".format(*c)
+                label = ("defaults" if c is None else f"splits {c[1]}" if c[0] == "splits"
+                         else "tile {} warps {} stages {}".format(*c))
                 print(f"  {name} S={S:5d}: {label:28s} {t:7.4f} ms  ({gb / t:5.2f} TB/s)  max error {err:.4f}",
                       flush=True)
 

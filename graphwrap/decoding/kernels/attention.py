@@ -53,14 +53,14 @@ def folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
                             kwargs.get("softcap"), getattr(key, "_gw_scales", None)), None
     store = getattr(key, "_gw_pages", None)
     if store is not None:  # the paged pool itself (see PagedLayer): each row over its own blocks
-        from .paged_attention import attend
+        from .paged_attention import attend, splits_at
 
         n = query.shape[0]
         slots = getattr(key, "_gw_slots", None)  # (each row's positions, found once a forward)
         seen = slots.seen if slots is not None and slots.seen is not None else store.lengths[:n] + 1
-        return attend(query, key, value, store.table[:n], seen, scaling,
-                      getattr(key, "_gw_window", None), kwargs.get("softcap"),
-                      slots.splits if slots is not None else 1, getattr(key, "_gw_scales", None)), None
+        splits = splits_at(slots.splits if slots is not None else 1, n, key.shape[2], query.device)
+        return attend(query, key, value, store.table[:n], seen, scaling, getattr(key, "_gw_window", None),
+                      kwargs.get("softcap"), splits, getattr(key, "_gw_scales", None)), None
     if not _folds(module, query, key, attention_mask, position_bias, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, position_bias=position_bias, **kwargs)
@@ -79,7 +79,7 @@ def _mixed(query, key, value, mixed, scaling, window, softcap):
     """``query [1, hq, n + W, d]`` of a mixed forward: the first ``n`` positions (a row each) by
     the step's kernel over each row's own positions, the last ``W`` by the piece's over its
     row's -> ``[1, n + W, hq, d]``."""
-    from .paged_attention import attend
+    from .paged_attention import attend, splits_at
     from .piece_attention import attend_piece
 
     n, line, at = mixed
@@ -87,7 +87,7 @@ def _mixed(query, key, value, mixed, scaling, window, softcap):
     store = key._gw_pages
     scales = getattr(key, "_gw_scales", None)
     rows = attend(query[0, :, :n].transpose(0, 1)[:, :, None], key, value, store.table[:n], slots.seen, scaling,
-                  window, softcap, slots.splits, scales)  # [n, 1, hq, d]
+                  window, softcap, splits_at(slots.splits, n, key.shape[2], query.device), scales)  # [n, 1, hq, d]
     piece = attend_piece(query[:, :, n:], key, value, line, at, scaling, window, softcap, scales)  # [1, W, hq, d]
     return torch.cat([rows.transpose(0, 1), piece], dim=1)
 
