@@ -60,9 +60,9 @@ def splits_at(splits: int, rows: int, key_heads: int, device: torch.device) -> i
     ``splits`` (:func:`splits_for`) where it splits; else, where the rows' programs (one a row
     and key head) leave the SMs idle, 8 where they are a quarter of the SMs at most and 4 where
     they are as many at most. On an H200, 32 query heads over 8 of 128 (``step_attention.py
-    --splits``): one row at 256, 512 and 1,024 positions 6.9, 8.2 and 9.6 us against 8.4, 14.6
-    and 26.9 unsplit (at 128 positions, two tiles, 6.1 against 5.2); 16 rows at 512 and 1,024
-    positions split in four 12.2 and 24.6 us against 15.8 and 37.9."""
+    --splits``): one row at 256, 512 and 1,024 positions in 8, 6.8, 8.4 and 9.7 us against 8.5,
+    14.1 and 26.0 unsplit (at 128 positions, two tiles, 5.8 against 5.0); 16 rows at 512 and
+    1,024 positions in 4, 12.1 and 24.4 us against 15.8 and 38.6 (at 128, 7.8 against 5.8)."""
     programs = rows * key_heads
     if splits > 1 or device.type != "cuda":
         return splits
