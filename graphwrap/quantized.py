@@ -217,8 +217,8 @@ def product(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dtyp
 
 
 def few_rows(q: Tensor, scale: Optional[Tensor], weight: Tensor, weight_scale: Tensor, dtype: torch.dtype,
-             bn: Optional[int] = None, bk: Optional[int] = None, split: Optional[int] = None, warps: int = 4,
-             stages: int = 4) -> Tensor:
+             bn: Optional[int] = None, bk: Optional[int] = None, split: Optional[int] = None,
+             warps: Optional[int] = None, stages: Optional[int] = None, bm: Optional[int] = None) -> Tensor:
     """:func:`product` for a few rows (a decode step's at low load), in one Triton kernel that
     reads each weight once. torch's row-wise product costs at least about 13.5 us a call on an
     H200, where fp16's takes 8-14 us at such rows for the Llama-3-8B shape's smaller widths, so
@@ -227,11 +227,11 @@ def few_rows(q: Tensor, scale: Optional[Tensor], weight: Tensor, weight_scale: T
     against torch's 14.0 / 13.6 / 20.6 / 36.9). At 64 rows torch's is faster (14.2 against 23.0
     us for the query-key-value width): hence :data:`ROWS`. ``bn`` outputs a program, ``bk`` the
     inner dimension's step, ``split`` its parts (each a program's, then summed in a second kernel
-    in a fixed order), ``warps``, ``stages``: the shape of work (None: :func:`shape_of_work`;
-    ``fp8_products.py --tune``, one row). ``scale`` None: rows in fp16 or bf16 as they are and
-    weights in int8 (:class:`Int8Linear`), at any number of rows (past
-    :data:`ROWS`, tiles of 64 rows by 64 outputs). One row with no shape given goes to
-    :func:`one_row` where :func:`row_shape` says it is faster."""
+    in a fixed order), ``warps``, ``stages``, ``bm`` (rows a program): the shape of work (None:
+    :func:`shape_of_work`; ``fp8_products.py --tune``, one row). ``scale`` None: rows in fp16 or
+    bf16 as they are and weights in int8 (:class:`Int8Linear`), at any number of rows (past
+    :data:`ROWS`, :func:`tiles`). One row with no shape given goes to :func:`one_row` where
+    :func:`row_shape` says it is faster."""
     import triton
 
     from ._fp8_triton import rows_product, sum_parts
@@ -245,9 +245,12 @@ def few_rows(q: Tensor, scale: Optional[Tensor], weight: Tensor, weight_scale: T
         row = row_shape(n, k, scale is not None)
         if row is not None:
             return one_row(q, scale, weight, weight_scale, out, *row)
-    shape = shape_of_work(n, k, _processors(q.device)) if m <= ROWS else (64, 64, 1)
-    bn, bk, split = (c if v is None else v for v, c in zip((bn, bk, split), shape))
-    bm = min(64, max(16, 1 << (m - 1).bit_length()))
+    if m <= ROWS:
+        shape = (min(64, max(16, 1 << (m - 1).bit_length())), *shape_of_work(n, k, _processors(q.device)), 4, 4)
+    else:
+        shape = tiles(m)
+    bm, bn, bk, split, warps, stages = (c if v is None else v
+                                        for v, c in zip((bm, bn, bk, split, warps, stages), shape))
     parts = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=q.device)
     rows_product[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
         q, weight_scale if scale is None else scale, weight.view(torch.uint8) if scale is None else weight,
@@ -257,6 +260,14 @@ def few_rows(q: Tensor, scale: Optional[Tensor], weight: Tensor, weight_scale: T
     if split > 1:
         sum_parts[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
     return out
+
+
+def tiles(m: int) -> Tuple[int, int, int, int, int, int]:
+    """:func:`few_rows`' ``(bm, bn, bk, split, warps, stages)`` for ``m`` rows past :data:`ROWS`
+    (int8 weight-only layers): tiles of 64 rows by 64 outputs up to 64 rows, of 128 by 128 on 8
+    warps past them, where a step's many rows make the product a matter of the tensor cores
+    (``fp8_products.py --weight-only --tune``)."""
+    return (64, 64, 64, 1, 4, 4) if m <= 64 else (128, 128, 64, 1, 8, 3)
 
 
 def one_row(q: Tensor, scale: Optional[Tensor], weight: Tensor, weight_scale: Tensor, out: Tensor, bn: int = 4,

@@ -12,6 +12,7 @@ graphwrap's kernel (outputs a program takes, the inner dimension's step and part
 16 rows (``graphwrap.quantized.ROWS``), and at one row its CUDA cores' kernel (``one_row``) for FP8
 and int8 weights, each checked against the product written out in fp32.
 
+``--int8-tiles``: only the int8 layers' tiles past 16 rows at 64 and 256 rows, by shape of work.
 ``--weight-only``: the int8 and int4 weight-only layers' products instead (``Int8Linear``,
 ``Int4Linear``) beside fp16's, the same widths and timing; with ``--tune``, the int4 kernels'
 shapes of work at 1 row (``by_rows``) and its tiles at 64 and 256 rows, each checked against
@@ -178,14 +179,53 @@ def tune_int4():
                 print(f"    {1e3 * t:7.1f} us ({n * k / 2e9 / t:4.2f} TB/s) {kw} largest difference {err:.1e}", flush=True)
 
 
+def tune_int8_tiles():
+    """The int8 layers' tiles past ROWS rows (``graphwrap.quantized.tiles``) at 64 and 256 rows:
+    rows and outputs a program, the inner dimension's step, warps, stages; beside fp16's cuBLAS."""
+    from graphwrap.quantized import tiles
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    shapes = [dict(bm=bm, bn=bn, bk=bk, split=1, warps=w, stages=st) for bm, bn, bk, w, st in
+              ((64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 4, 4),
+               (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3))]
+    for rows in (64, 256):
+        for label in ("q, k and v as one", "q or o", "gate and up as one", "down"):
+            k, n = WIDTHS[label]
+            x = torch.randn(rows, k, generator=g, device=DEV).half()
+            w8, ws = _int8_weight(g, n, k)
+            want = x.float() @ (w8.float() * ws.t()).t()
+            w16 = (w8.float() * ws.t()).half()
+            turn, c16 = itertools.cycle(_copies([w8, ws])), itertools.cycle(_copies([w16]))
+            base = graph_ms(lambda: x @ next(c16)[0].t())
+            found = []
+            for kw in shapes:
+                try:
+                    got = few_rows(x, None, w8, ws, torch.float16, **kw)
+                    err = ((got.float() - want).abs().max() / want.abs().max()).item()
+                    t = graph_ms(lambda: few_rows(x, None, *next(turn), torch.float16, **kw))
+                except Exception as e:  # noqa: BLE001 - a shape of work this card cannot run: said
+                    print(f"    {kw}: {type(e).__name__}", flush=True)
+                    continue
+                found.append((t, kw, err))
+            found.sort(key=lambda f: f[0])
+            default = graph_ms(lambda: few_rows(x, None, *next(turn), torch.float16))
+            print(f"  int8, {rows} rows, {label} [{k}, {n}]: fp16 cuBLAS {1e3 * base:.1f} us; the default "
+                  f"{tiles(rows)} {1e3 * default:.1f} us; fastest:", flush=True)
+            for t, kw, err in found[:4]:
+                print(f"    {1e3 * t:7.1f} us {kw} largest difference {err:.1e}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,16,64,256")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--weight-only", action="store_true", help="int8 and int4 weight-only layers' products instead")
+    ap.add_argument("--int8-tiles", action="store_true", help="only the int8 layers' tiles past 16 rows, by shape")
     a = ap.parse_args()
     print(f"fp8_products: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
           f"graphwrap's products take fast accumulation: {FAST_ACCUM}", flush=True)
+    if a.int8_tiles:
+        return tune_int8_tiles()
     for rows in map(int, a.rows.split(",")):
         (weight_only if a.weight_only else compare)(rows)
     if a.tune:
