@@ -265,8 +265,11 @@ def few_rows(q: Tensor, scale: Optional[Tensor], weight: Tensor, weight_scale: T
 def tiles(m: int) -> Tuple[int, int, int, int, int, int]:
     """:func:`few_rows`' ``(bm, bn, bk, split, warps, stages)`` for ``m`` rows past :data:`ROWS`
     (int8 weight-only layers): tiles of 64 rows by 64 outputs up to 64 rows, of 128 by 128 on 8
-    warps past them, where a step's many rows make the product a matter of the tensor cores
-    (``fp8_products.py --weight-only --tune``)."""
+    warps past them. On an H200 (Llama-3-8B shape, ``benchmarks/results/h200-2026-11-30-one-row/``)
+    the larger tiles took 256 requests at once from 0.52x fp16's tokens/s to 0.58x; at 256 rows
+    alone (``fp8_products.py --int8-tiles``) tiles of 128 by 64 on 4 warps were faster for q/k/v,
+    the output and down (51.0, 37.7, 125.7 us against 59.9, 59.1, 204.4), 128 by 128 on 4 for gate
+    and up (159.4 against 179.4): a choice by width not yet measured end to end."""
     return (64, 64, 64, 1, 4, 4) if m <= 64 else (128, 128, 64, 1, 8, 3)
 
 
