@@ -69,6 +69,23 @@ def compare(rows: int):
         print(f"  {label:18s} [{k}, {n}]: " + "; ".join(cells), flush=True)
 
 
+def _timed(shapes, run, weights, turn, want):
+    """Each shape of work in ``shapes`` (``run(*weights, kw)``: the product at that shape), timed
+    over the copies in ``turn`` and checked against ``want``: ``(ms, kw, largest relative
+    difference)``, fastest first; a shape this card cannot run is said and left out."""
+    found = []
+    for kw in shapes:
+        try:
+            got = run(*weights, kw)
+            err = ((got.float() - want).abs().max() / want.abs().max()).item()
+            t = graph_ms(lambda: run(*next(turn), kw))
+        except Exception as e:  # noqa: BLE001 - a shape of work this card cannot run: said
+            print(f"    {kw}: {type(e).__name__}", flush=True)
+            continue
+        found.append((t, kw, err))
+    return sorted(found, key=lambda f: f[0])
+
+
 def _int8_weight(g, n, k):
     w = torch.randn(n, k, generator=g, device=DEV) / k ** 0.5
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
@@ -100,17 +117,8 @@ def tune():
                 q, s, (w8, ws) = x, None, _int8_weight(g, n, k)
                 want = x.float() @ (w8.float() * ws.t()).t()
             turn = itertools.cycle(_copies([w8, ws]))
-            found = []
-            for kw in tiles + (rows_ if rows == 1 else []):
-                try:
-                    got = _product(q, s, w8, ws, kw)
-                    err = ((got.float() - want).abs().max() / want.abs().max()).item()
-                    t = graph_ms(lambda: _product(q, s, *next(turn), kw))
-                except Exception as e:  # noqa: BLE001 - a shape of work this card cannot run: said
-                    print(f"    {kw}: {type(e).__name__}", flush=True)
-                    continue
-                found.append((t, kw, err))
-            found.sort(key=lambda f: f[0])
+            found = _timed(tiles + (rows_ if rows == 1 else []), lambda w, ws_, kw: _product(q, s, w, ws_, kw),
+                           (w8, ws), turn, want)
             default = graph_ms(lambda: few_rows(q, s, *next(turn), torch.float16))
             print(f"  {kind}, {rows} rows, {label} [{k}, {n}]: the default {1e3 * default:.1f} us; fastest:", flush=True)
             for t, kw, err in found[:5]:
@@ -162,17 +170,7 @@ def tune_int4():
                     return by_rows(x, w, s, torch.empty((rows, n), dtype=x.dtype, device=DEV), **kw)
                 return product(x, w, s, sms, **kw)
 
-            found = []
-            for kw in configs:
-                try:
-                    got = run(l4.weight_int4, l4.weight_scale, kw)
-                    err = ((got.float() - want).abs().max() / want.abs().max()).item()
-                    t = graph_ms(lambda: run(*next(turn), kw))
-                except Exception as e:  # noqa: BLE001 - a shape of work this card cannot run: said
-                    print(f"    {kw}: {type(e).__name__}", flush=True)
-                    continue
-                found.append((t, kw, err))
-            found.sort(key=lambda f: f[0])
+            found = _timed(configs, run, (l4.weight_int4, l4.weight_scale), turn, want)
             default = graph_ms(lambda: product(x, *next(turn), sms))
             print(f"  int4, {rows} rows, {label} [{k}, {n}]: the default {1e3 * default:.1f} us; fastest:", flush=True)
             for t, kw, err in found[:4]:
@@ -197,17 +195,8 @@ def tune_int8_tiles():
             w16 = (w8.float() * ws.t()).half()
             turn, c16 = itertools.cycle(_copies([w8, ws])), itertools.cycle(_copies([w16]))
             base = graph_ms(lambda: x @ next(c16)[0].t())
-            found = []
-            for kw in shapes:
-                try:
-                    got = few_rows(x, None, w8, ws, torch.float16, **kw)
-                    err = ((got.float() - want).abs().max() / want.abs().max()).item()
-                    t = graph_ms(lambda: few_rows(x, None, *next(turn), torch.float16, **kw))
-                except Exception as e:  # noqa: BLE001 - a shape of work this card cannot run: said
-                    print(f"    {kw}: {type(e).__name__}", flush=True)
-                    continue
-                found.append((t, kw, err))
-            found.sort(key=lambda f: f[0])
+            found = _timed(shapes, lambda w, ws_, kw: few_rows(x, None, w, ws_, torch.float16, **kw), (w8, ws),
+                           turn, want)
             default = graph_ms(lambda: few_rows(x, None, *next(turn), torch.float16))
             print(f"  int8, {rows} rows, {label} [{k}, {n}]: fp16 cuBLAS {1e3 * base:.1f} us; the default "
                   f"{tiles(rows)} {1e3 * default:.1f} us; fastest:", flush=True)
