@@ -294,13 +294,15 @@ def one_row(q: Tensor, scale: Optional[Tensor], weight: Tensor, weight_scale: Te
 def row_shape(n: int, k: int, fp8: bool) -> Optional[Tuple[int, int, int]]:
     """:func:`one_row`'s ``(bn, bk, warps)`` for ``n`` outputs of ``k`` inputs, or None where
     :func:`shape_of_work`'s tiles on the tensor cores are faster for one row. On an H200, the
-    Llama-3-8B shape's widths at one row (``fp8_products.py --tune``; us, against those tiles):
-    FP8 9.5 / 7.3 / 17.8 against 10.7 / 9.1 / 19.4 for q, k and v as one, the output and the down
-    projection, where the gate and up projections as one (28,672 outputs) take 31.7 in tiles
-    against 32.6; int8 11.8 / 8.9 / 38.1 / 23.4 against 15.6 / 10.3 / 41.9 / 23.4 (gate and up
-    as one included). Four outputs a program on 4 warps; the inner dimension 1,024 at a time, but
+    Llama-3-8B shape's widths at one row (``benchmarks/results/h200-2026-11-30-one-row/``; us,
+    against those tiles): FP8 9.5 / 7.3 / 17.8 against 10.7 / 9.1 / 19.4 for q, k and v as one,
+    the output and the down projection, and 4.4 against 7.8 for k or v alone; past 8,192 outputs
+    FP8 keeps the tiles (the gate or the up projection alone, 14,336 outputs, 17.4 in tiles
+    against 20.1; both as one, 28,672, 31.7 against 32.6). int8 at every width: 11.8 / 8.9 / 38.1
+    / 23.4 against 15.6 / 10.3 / 41.9 / 23.4 (gate and up as one included), 22.6 against 23.2 for
+    the gate alone. Four outputs a program on 4 warps; the inner dimension 1,024 at a time, but
     512 between 4,096 and 16,384 outputs (q, k and v as one: 9.5 against 10.5 us in FP8)."""
-    if fp8 and n > 16384:
+    if fp8 and n > 8192:
         return None
     return 4, 512 if 4096 < n <= 16384 else 1024, 4
 

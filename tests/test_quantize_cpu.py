@@ -328,10 +328,10 @@ def test_the_few_rows_products_shape_of_work_follows_the_outputs_and_the_chips_s
 
 
 def test_one_row_takes_the_cuda_cores_at_every_width_but_fp8s_widest():
-    """What fp8_products.py --tune found at one row on an H200: the CUDA cores' kernel (one_row)
-    for int8 at every width and for FP8 but the gate and up projections as one (28,672 outputs,
-    as fast in tiles); four outputs a program; 512 inputs a step between 4,096 and 16,384
-    outputs, else 1,024."""
+    """What the forms timed at one row on an H200 found: the CUDA cores' kernel (one_row) for
+    int8 at every width and for FP8 up to 8,192 outputs (the gate or up projection, 14,336, and
+    both as one, 28,672, are faster in tiles); four outputs a program; 512 inputs a step between
+    4,096 and 16,384 outputs, else 1,024."""
     from graphwrap.quantized import row_shape
 
     assert row_shape(6144, 4096, fp8=True) == (4, 512, 4)
@@ -339,7 +339,8 @@ def test_one_row_takes_the_cuda_cores_at_every_width_but_fp8s_widest():
     assert row_shape(4096, 14336, fp8=True) == (4, 1024, 4)
     assert row_shape(28672, 4096, fp8=True) is None
     assert row_shape(28672, 4096, fp8=False) == (4, 1024, 4)
-    assert row_shape(16384, 4096, fp8=True) == (4, 512, 4) and row_shape(16385, 4096, fp8=True) is None
+    assert row_shape(14336, 4096, fp8=True) is None and row_shape(14336, 4096, fp8=False) == (4, 512, 4)
+    assert row_shape(8192, 4096, fp8=True) == (4, 512, 4) and row_shape(8193, 4096, fp8=True) is None
 
 
 def test_int8_layers_past_64_rows_take_tiles_of_128_by_128():
