@@ -1,6 +1,7 @@
 """Version gates and feature detection for the torch versions graphwrap supports (2.1 and newer)."""
 
 import contextlib
+import functools
 import inspect
 
 import torch
@@ -19,6 +20,12 @@ _AUTOCAST_BY_DEVICE = hasattr(torch, "get_autocast_dtype")
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
+    """The streaming multiprocessors of the CUDA ``device`` (the kernels' shapes of work follow them)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def autocast_state(device_type: str = "cuda"):

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from . import weight_only
+from . import _compat, weight_only
 from .errors import GraphwrapError
 
 logger = logging.getLogger("graphwrap")
@@ -197,7 +197,7 @@ class Int4Linear(QuantizedLinear):
                 and not torch.compiler.is_compiling()):
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            return weight_only.product(rows, weight, scale, _processors(rows.device))
+            return weight_only.product(rows, weight, scale, _compat.multiprocessors(rows.device))
         return nn.functional.linear(rows, weight_only.unpack(weight, scale).to(rows.dtype))
 
 
@@ -246,7 +246,7 @@ def few_rows(q: Tensor, scale: Optional[Tensor], weight: Tensor, weight_scale: T
         if row is not None:
             return one_row(q, scale, weight, weight_scale, out, *row)
     if m <= ROWS:
-        shape = (min(64, max(16, 1 << (m - 1).bit_length())), *shape_of_work(n, k, _processors(q.device)), 4, 4)
+        shape = (min(64, max(16, 1 << (m - 1).bit_length())), *shape_of_work(n, k, _compat.multiprocessors(q.device)), 4, 4)
     else:
         shape = tiles(m)
     bm, bn, bk, split, warps, stages = (c if v is None else v
@@ -322,11 +322,6 @@ def shape_of_work(n: int, k: int, processors: int) -> Tuple[int, int, int]:
     bn = next((b for b in (64, 32) if 2 * -(-n // b) >= processors), 16)
     programs = -(-n // bn)
     return bn, 128 if programs > 2 * processors else 256, 4 if k >= 8192 and programs < processors else 1
-
-
-@functools.lru_cache(maxsize=None)
-def _processors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _WRITES: Dict[Tuple[torch.device, torch.dtype], bool] = {}

@@ -6,7 +6,8 @@ The kernel itself runs on a GPU: tests/test_decode_products_cuda.py."""
 import pytest
 import torch
 
-from graphwrap.decoding.kernels import mlp, qkv
+from graphwrap import _compat
+from graphwrap.decoding.kernels import mlp
 
 DEV = torch.device("cuda", 0)
 
@@ -15,7 +16,7 @@ DEV = torch.device("cuda", 0)
 def card(monkeypatch):
     def named(name: str, sms: int = 132):
         monkeypatch.setattr(mlp, "_card", lambda device: name)
-        monkeypatch.setattr(qkv, "processors", lambda device: sms)
+        monkeypatch.setattr(_compat, "multiprocessors", lambda device: sms)
     return named
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import thread_results
 
-from graphwrap import GraphedModule, GraphwrapError
+from graphwrap import GraphedModule, GraphwrapError, _compat
 from graphwrap.decoding.cache.pool import (
     BLOCK,
     PIECE_ALONE,
@@ -645,7 +645,7 @@ def test_the_piece_kernels_shape_of_work_follows_how_many_tiles_of_query_rows_a_
     keep 64 rows); pieces of 128 beside decoding rows make 64 tiles: four programs share each."""
     from graphwrap.decoding.kernels import piece_attention as pa
 
-    monkeypatch.setattr(pa, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(_compat, "multiprocessors", lambda device: 132)
 
     def shape(hq, hkv, width, d):
         return pa._shape_of_work(torch.empty(1, hq, width, d, device="meta"), torch.empty(8, 16, hkv, d, device="meta"))
@@ -663,7 +663,7 @@ def test_a_steps_attention_splits_each_rows_positions_where_its_rows_leave_sms_i
     many at most, none past that; and never off a GPU."""
     from graphwrap.decoding.kernels import paged_attention as pa
 
-    monkeypatch.setattr(pa, "_processors", lambda device: 132)
+    monkeypatch.setattr(_compat, "multiprocessors", lambda device: 132)
     gpu = torch.device("cuda", 0)
     assert [pa.splits_at(1, rows, 8, gpu) for rows in (1, 4, 5, 16, 17, 256)] == [8, 8, 4, 4, 1, 1]
     assert pa.splits_at(pa.SPLITS, 1, 8, gpu) == pa.SPLITS and pa.splits_at(pa.SPLITS, 256, 8, gpu) == pa.SPLITS

@@ -145,11 +145,12 @@ def weight_only(rows: int):
 
 
 def tune_int4():
-    from graphwrap.quantized import Int4Linear, _processors
+    from graphwrap._compat import multiprocessors
+    from graphwrap.quantized import Int4Linear
     from graphwrap.weight_only import by_rows, product, unpack
 
     g = torch.Generator(device=DEV).manual_seed(0)
-    sms = _processors(torch.device(DEV))
+    sms = multiprocessors(torch.device(DEV))
     one = [dict(by_rows=True, bn=bn, step=step, split=sp, warps=w) for (bn, w), step, sp in
            itertools.product(((16, 2), (32, 2), (32, 4), (64, 4)), (2, 4), (2, 4, 8))]
     few = [dict(bm=16, bn=bn, split=sp, warps=w, stages=3) for bn, sp, w in

@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ... import _compat
 from . import paged_attention, qkv
 
 Tensor = torch.Tensor
@@ -45,7 +46,7 @@ def by_outputs(n: int, device: torch.device) -> int:
     """Outputs a program takes: 64 where that still makes a program for each SM (the 7-8B shape's
     14,336 outputs: 63.5 us, against 73-87 in tiles of 16 or 32), else 16 (the 1.1B shape's 5,632
     in 88 tiles of 64 left SMs idle: 17.9 us in tiles of 16, 19.3 in tiles of 64)."""
-    return 64 if -(-n // 64) >= qkv.processors(device) else 16
+    return 64 if -(-n // 64) >= _compat.multiprocessors(device) else 16
 
 
 @functools.lru_cache(maxsize=None)

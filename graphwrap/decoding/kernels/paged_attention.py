@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from ... import _compat
+
 Tensor = torch.Tensor
 TILE = 64  # positions a program reads at a time (heads wider than 128)
 SPLIT_FROM = 1024  # a step's graph over rows past this many positions splits each row's positions
@@ -66,13 +68,8 @@ def splits_at(splits: int, rows: int, key_heads: int, device: torch.device) -> i
     programs = rows * key_heads
     if splits > 1 or device.type != "cuda":
         return splits
-    sms = _processors(device)
+    sms = _compat.multiprocessors(device)
     return 8 if 4 * programs <= sms else 4 if programs <= sms else 1
-
-
-@functools.lru_cache(maxsize=None)
-def _processors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def attend(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor,

@@ -18,12 +18,12 @@ device, so one graph of the piece's width serves any place and any length. The k
 is :mod:`._piece_triton`.
 """
 
-import functools
 import math
 from typing import Optional
 
 import torch
 
+from ... import _compat
 from .paged_attention import read_back
 
 Tensor = torch.Tensor
@@ -62,7 +62,7 @@ def _shape_of_work(query: Tensor, k_pool: Tensor) -> dict:
     multiprocessors (a piece of 512 alone), else :data:`SPLITS` programs to each tile."""
     _, hq, width, d = query.shape
     hkv = k_pool.shape[2]
-    if hkv * -(-(hq // hkv) * width // ROWS) < _multiprocessors(query.device):
+    if hkv * -(-(hq // hkv) * width // ROWS) < _compat.multiprocessors(query.device):
         return {"splits": SPLITS}
     return WIDE if d <= 128 else {"splits": 1}
 
@@ -126,11 +126,6 @@ def reference(query: Tensor, k_pool: Tensor, v_pool: Tensor, line: Tensor, at: T
         seen &= j > start + i - window
     s = s.masked_fill(~seen, float("-inf"))
     return (s.softmax(-1) @ v).to(query.dtype).transpose(0, 1)[None]
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _kernel():

@@ -16,11 +16,11 @@ is but for its three projections, which give the products already made for the v
 they were made from (any other input goes to the projection itself).
 """
 
-import functools
 from typing import List, Optional, Sequence
 
 import torch
 
+from ... import _compat
 from . import paged_attention
 
 Tensor = torch.Tensor
@@ -81,7 +81,7 @@ def project(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tens
     outs = [torch.empty((m, n), dtype=x.dtype, device=x.device) for n in ns]
     tiles = [triton.cdiv(n, bn) for n in ns]
     if split is None:  # (the 1.1B shape's 80 tiles on an H200's 132 SMs: 11.2 -> 8.9 us with two)
-        split = 2 if sum(tiles) < processors(x.device) else 1
+        split = 2 if sum(tiles) < _compat.multiprocessors(x.device) else 1
     has_bias = biases[0] is not None
     b = list(biases) if has_bias else [weights[0]] * 3  # (never read without biases)
     ks = triton.cdiv(triton.cdiv(k, split), bk) * bk  # each part a whole number of steps
@@ -99,10 +99,6 @@ def project(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tens
     return [o.view(*x.shape[:-1], n) for o, n in zip(outs[:made], ns)]
 
 
-@functools.lru_cache(maxsize=None)
-def processors(device: torch.device) -> int:
-    """The streaming multiprocessors of ``device``."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def reference(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]]) -> List[Tensor]:
