@@ -99,10 +99,13 @@ def paged_decode_part(Q, K, V, T, L, P, scale, window, softcap, sqb, sqh, skb, s
 
 
 @triton.jit
-def paged_decode_join(L, P, O, v_scale, window, sob, soh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                      DP: tl.constexpr, TILE: tl.constexpr, S: tl.constexpr):
+def paged_decode_join(L, P, O, v_scale, window, sob, soh, G: tl.constexpr, GP: tl.constexpr, GJ: tl.constexpr,
+                      D: tl.constexpr, DP: tl.constexpr, TILE: tl.constexpr, S: tl.constexpr):
     """Program ``(b, h)``: row ``b``'s parts for key head ``h``, each rescaled to the largest
-    maximum, over the summed denominators."""
+    maximum, over the summed denominators. The ``S`` parts' loads unrolled (a part past those
+    that read a tile masked off), so that they are issued together rather than one L2 trip after
+    another; the group's ``G`` query heads only (``GJ``: a power of two from ``G``; a part holds
+    ``GP`` lines)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_pos = tl.load(L + b)
@@ -110,21 +113,23 @@ def paged_decode_join(L, P, O, v_scale, window, sob, soh, G: tl.constexpr, GP: t
     lo = (first // TILE) * TILE
     tiles = tl.maximum(tl.cdiv(n_pos - lo, TILE), 1)
     parts = tl.cdiv(tiles, tl.cdiv(tiles, S))  # the parts that read a tile
-    g = tl.arange(0, GP)
+    g = tl.arange(0, GJ)
     d = tl.arange(0, DP)
     gm = g < G
     dm = d < D
     top = ((b * tl.num_programs(1) + h) * S) * GP + g
-    m = tl.full([GP], float("-inf"), tl.float32)
-    for part in range(0, parts):
-        m = tl.maximum(m, tl.load(P + (top + part * GP) * (DP + 2) + DP + 1, mask=gm, other=float("-inf")))
-    acc = tl.zeros([GP, DP], tl.float32)
-    den = tl.zeros([GP], tl.float32)
-    for part in range(0, parts):
+    m = tl.full([GJ], float("-inf"), tl.float32)
+    for part in tl.static_range(S):
+        m = tl.maximum(m, tl.load(P + (top + part * GP) * (DP + 2) + DP + 1, mask=gm & (part < parts),
+                                  other=float("-inf")))
+    acc = tl.zeros([GJ, DP], tl.float32)
+    den = tl.zeros([GJ], tl.float32)
+    for part in tl.static_range(S):
         row = top + part * GP
-        w = tl.exp(tl.load(P + row * (DP + 2) + DP + 1, mask=gm, other=float("-inf")) - m)
-        den += w * tl.load(P + row * (DP + 2) + DP, mask=gm, other=0.0)
-        acc += w[:, None] * tl.load(P + row[:, None] * (DP + 2) + d[None, :], mask=gm[:, None] & dm[None, :],
+        ok = gm & (part < parts)
+        w = tl.where(ok, tl.exp(tl.load(P + row * (DP + 2) + DP + 1, mask=ok, other=0.0) - m), 0.0)
+        den += w * tl.load(P + row * (DP + 2) + DP, mask=ok, other=0.0)
+        acc += w[:, None] * tl.load(P + row[:, None] * (DP + 2) + d[None, :], mask=ok[:, None] & dm[None, :],
                                     other=0.0)
     out = acc * (v_scale / den)[:, None]
     tl.store(O + b * sob + (h * G + g)[:, None] * soh + d[None, :], out.to(O.dtype.element_ty),

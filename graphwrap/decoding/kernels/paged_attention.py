@@ -121,7 +121,7 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: T
     parts = torch.empty((n, hkv, splits, gp, dp + 2), dtype=torch.float32, device=q.device)  # each part's sums, max
     _triton().paged_decode_part[(n, hkv, splits)](*args, parts, scale, window, softcap, *strides, S=splits, **shape)
     _triton().paged_decode_join[(n, hkv)](lengths, parts, out, v_scale, window, out.stride(0), out.stride(1), G=group,
-                                          GP=gp, D=d, DP=dp, TILE=tile, S=splits, num_warps=4)
+                                          GP=gp, GJ=_pow2(group), D=d, DP=dp, TILE=tile, S=splits, num_warps=4)
     return out
 
 
