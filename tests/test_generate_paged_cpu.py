@@ -669,3 +669,49 @@ def test_a_steps_attention_splits_each_rows_positions_where_its_rows_leave_sms_i
     assert pa.splits_at(pa.SPLITS, 1, 8, gpu) == pa.SPLITS and pa.splits_at(pa.SPLITS, 256, 8, gpu) == pa.SPLITS
     assert pa.splits_at(1, 8, 4, gpu) == 8, "a small model's 4 key heads: 32 programs at 8 rows"
     assert pa.splits_at(1, 1, 8, torch.device("cpu")) == 1
+
+
+def test_a_split_steps_work_is_every_rows_tiles_made_once_a_forward(monkeypatch):
+    """work_of: each row's tiles of positions (the kernel's tile for the heads' width, a sliding
+    window's first tile on) summed; found by a forward's first attention whose window splits,
+    handed to the rest, dropped by its first layer; none where the window does not split."""
+    from graphwrap.decoding.cache.layers import StepSlots
+    from graphwrap.decoding.cache.pages import PagedStore
+    from graphwrap.decoding.kernels import attention
+    from graphwrap.decoding.kernels import paged_attention as pa
+
+    seen = torch.tensor([1, 64, 65, 1000, 4097])
+    tile = pa.shape_of_work(128)[0]
+    assert int(pa.work_of(seen, 128)) == sum(max(1, -(-s // tile)) for s in seen.tolist())
+    firsts = [max(0, s - 300) // tile * tile for s in seen.tolist()]
+    assert int(pa.work_of(seen, 128, 300)) == sum(max(1, -(-(s - f) // tile)) for s, f in zip(seen.tolist(), firsts))
+    assert pa.shape_of_work(64)[0] != tile and int(pa.work_of(seen, 64)) < int(pa.work_of(seen, 128))
+
+    monkeypatch.setattr(_compat, "multiprocessors", lambda device: 132)
+    gpu = torch.device("cuda", 0)
+    assert [pa.balances(rows, 8, gpu) for rows in (1, 4, 5, 256)] == [False, False, True, True]
+    slots = StepSlots()
+    slots.splits = pa.SPLITS
+    assert attention._work(slots, seen, 128, None, 8) is None, "the CPU's own attention: none"
+    made = []
+    monkeypatch.setattr(pa, "work_of", lambda s, d, w: made.append((d, w)) or torch.tensor(len(made)))
+
+    def gpu_seen(rows):  # (what the GPU's seen of so many rows tells _work)
+        return type("Seen", (), {"is_cuda": True, "shape": (rows,), "device": gpu})()
+    first = attention._work(slots, gpu_seen(64), 128, None, 8)
+    assert attention._work(slots, gpu_seen(64), 128, None, 8) is first
+    assert int(attention._work(slots, gpu_seen(64), 128, 300, 8)) == 2
+    assert made == [(128, None), (128, 300)], "once a head width and window in a forward"
+    assert attention._work(StepSlots(), gpu_seen(64), 128, None, 8) is None, "a window that does not split"
+    one = StepSlots()
+    one.splits = pa.SPLITS
+    assert attention._work(one, gpu_seen(1), 128, None, 8) is None and not one.work, "one row keeps the window's split"
+    store = PagedStore(4, 64, "cpu", 16, 40, kernel=True)
+    store.allocate([torch.zeros(1, 2, 1, 8)] * 2, [torch.zeros(1, 2, 1, 8)] * 2)
+    layers, states = store.step_layers(32), torch.ones(3, 2, 1, 8)
+    layers[0].update(states, states)
+    layers[0].slots.work = {(128, None): first}
+    layers[1].update(states, states)
+    assert layers[1].slots.work, "a later layer keeps the forward's"
+    layers[0].update(states, states)
+    assert layers[0].slots.work is None, "a forward's first layer drops the last forward's"

@@ -65,6 +65,30 @@ def test_the_paged_attention_kernel_reads_each_rows_own_blocks(dtype, hq, hkv, d
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,hq,hkv,d,window,softcap", [
+    (torch.float16, 32, 8, 128, None, None), (torch.float32, 8, 4, 64, 17, 5.0), (torch.bfloat16, 8, 1, 80, 100, None)])
+def test_a_split_step_balances_its_rows_by_the_steps_work(dtype, hq, hkv, d, window, softcap):
+    """Past SPLIT_FROM, each row's programs take at least the step's share of its tiles
+    (``work_of``): from the window's 16 parts a row down to one, every split gives the
+    reference's attention, a row of uneven length beside short ones as well."""
+    from graphwrap.decoding.kernels import paged_attention
+
+    g = torch.Generator(device=DEV).manual_seed(2)
+    blocks, block, n = 900, 16, 12
+    k_pool = torch.randn((blocks, block, hkv, d), generator=g, device=DEV).to(dtype)
+    v_pool = torch.randn((blocks, block, hkv, d), generator=g, device=DEV).to(dtype)
+    lengths = torch.tensor([4000, 1, 15, 17, 64, 65, 200, 513, 1000, 1025, 2048, 3000], device=DEV)
+    table = torch.randint(1, blocks, (n, 256), generator=g, device=DEV)
+    query = torch.randn((n, hq, 1, d), generator=g, device=DEV).to(dtype)
+    want = paged_attention.reference(query, k_pool, v_pool, table, lengths, 0.1, window, softcap)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    step = paged_attention.work_of(lengths, d, window)
+    for work in (step, step * 64, torch.tensor(10 ** 9, device=DEV)):  # (the last: one program a row)
+        got = paged_attention.attend(query, k_pool, v_pool, table, lengths, 0.1, window, softcap,
+                                     paged_attention.SPLITS, work=work)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype,hq,hkv,d,width,start,valid,window,softcap", [
     (torch.float16, 32, 8, 128, 128, 5000, 128, None, None), (torch.float16, 32, 8, 128, 128, 0, 77, None, None),
     (torch.float32, 4, 2, 64, 32, 300, 32, None, None), (torch.bfloat16, 8, 1, 80, 64, 130, 20, None, None),

@@ -6,10 +6,12 @@ bytes over the time, and checked against the torch reference. With ``--kv fp8``,
 FP8 (graphwrap/decoding/cache/fp8.py), read back with their scales; ``--rows`` sets the rows.
 
 ``python3 benchmarks/diagnostics/step_attention.py [--tune] [--kv fp8] [--rows 256] [--shape 7-8B]
-[--positions 192,1024,4096] [--splits]`` from the repository root, on a GPU; without ``--tune`` only
+[--positions 192,1024,4096] [--splits] [--long 8192]`` from the repository root, on a GPU; without ``--tune`` only
 the defaults; with it, every tile of positions, warps and pipeline stages, the 12 fastest of each
 case; with ``--splits``, the default shape with each row's positions split between 1 to 16
-programs, and the split ``paged_attention.splits_at`` takes there.
+programs, and 16 balanced by the step's work (``paged_attention.work_of``: what a window past
+1,024 positions takes), and the split ``paged_attention.splits_at`` takes there; with ``--long
+P``, the first row at ``P`` positions (one long row beside the others).
 """
 
 import argparse
@@ -36,7 +38,8 @@ def main():
     ap.add_argument("--shape", default=None, choices=tuple(SHAPES))
     ap.add_argument("--positions", default="192,1024,4096", help="each row's positions, comma-separated")
     ap.add_argument("--splits", action="store_true",
-                    help="the default shape at 1, 2, 4, 8 and 16 programs a row (and what splits_at takes)")
+                    help="the default shape at 1, 2, 4, 8 and 16 programs a row, 16 balanced (and what splits_at takes)")
+    ap.add_argument("--long", type=int, default=0, help="the first row's positions (0: as the others')")
     a = ap.parse_args()
     rows = a.rows
     scales = fp8.Scales(0.02, 0.01) if a.kv != "fp16" else None
@@ -45,13 +48,13 @@ def main():
           f"{paged_attention.shape_of_work(64)} for 64-wide heads, {paged_attention.shape_of_work(128)} for 128", flush=True)
     configs = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3))) if a.tune else [None]
     if a.splits:
-        configs = [("splits", s) for s in (1, 2, 4, 8, 16)]
+        configs = [("splits", s) for s in (1, 2, 4, 8, 16)] + [("balanced", paged_attention.SPLITS)]
     g = torch.Generator(device=DEV).manual_seed(0)
     for name, (hq, hkv, d) in SHAPES.items():
         if a.shape not in (None, name):
             continue
         for S in map(int, a.positions.split(",")):
-            lines = S // BLOCK
+            lines = max(S, a.long) // BLOCK
             blocks = rows * lines + 1
             k_pool = torch.randn(blocks, BLOCK, hkv, d, generator=g, device=DEV).half()
             v_pool = torch.randn(blocks, BLOCK, hkv, d, generator=g, device=DEV).half()
@@ -63,12 +66,15 @@ def main():
                     v_pool, vs = fp8.encode(v_pool, scales.values), scales.values
             table = (torch.randperm(blocks - 1, generator=g, device=DEV)[:rows * lines] + 1).view(rows, lines)
             lengths = torch.full((rows,), S, device=DEV)
+            lengths[0] = a.long or S
+            work = paged_attention.work_of(lengths, d)
             q = torch.randn(rows, hq, 1, d, generator=g, device=DEV).half()
             want = paged_attention.reference(q, k_pool, v_pool, table, lengths, d ** -0.5, None, None, ks, vs)
-            gb = rows * S * hkv * d * (k_pool.element_size() + v_pool.element_size()) / 1e9
+            gb = int(lengths.sum()) * hkv * d * (k_pool.element_size() + v_pool.element_size()) / 1e9
             found = []
             for c in configs:
-                kw = {} if c is None else {c[0]: c[1]} if c[0] == "splits" else dict(zip(("tile", "warps", "stages"), c))
+                kw = ({} if c is None else {c[0]: c[1]} if c[0] == "splits" else dict(splits=c[1], work=work)
+                      if c[0] == "balanced" else dict(zip(("tile", "warps", "stages"), c)))
 
                 def f(kw=kw):
                     return paged_attention._launch(q[:, :, 0], k_pool, v_pool, table, lengths, d ** -0.5, 0, 0.0,
@@ -82,7 +88,8 @@ def main():
                 print(f"  {name} S={S:5d}: splits_at takes "
                       f"{paged_attention.splits_at(paged_attention.splits_for(S), rows, hkv, DEV)}", flush=True)
             for t, c, err in sorted(found, key=lambda x: x[0])[:12]:
-                label = ("defaults" if c is None else f"splits {c[1]}" if c[0] == "splits"
+                label = ("defaults" if c is None else f"splits {c[1]}" if c[0] == "splits" else f"splits {c[1]}, balanced"
+                         if c[0] == "balanced"
                          else "tile {} warps {} stages {}".format(*c))
                 print(f"  {name} S={S:5d}: {label:28s} {t:7.4f} ms  ({gb / t:5.2f} TB/s)  max error {err:.4f}",
                       flush=True)

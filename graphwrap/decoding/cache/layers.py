@@ -115,6 +115,7 @@ class StepSlots:
     offset: Tensor
     seen: Optional[Tensor] = None
     splits: int = 1  # programs the attention splits each row's positions between (paged_attention.splits_for)
+    work: Optional[dict] = None  # where it splits, the forward's rows' tiles summed by (head width, window)
     piece: tuple  # a mixed forward's piece: its row's line, and where its positions go (block, offset)
 
 
@@ -143,6 +144,7 @@ class PagedLayer(RowLayer):
         if self.first:
             slots.where, slots.offset, pos = _row_slots(self, n)
             slots.seen = pos + 1 if direct else None
+            slots.work = None  # (this forward's: found by its first attention that splits)
         where, offset = slots.where, slots.offset
         step_write.put(self.keys, self.values, where, offset, key_states[:, :, -1], value_states[:, :, -1],
                        self.scales)
@@ -291,6 +293,7 @@ class PagedMixedLayer(PagedLayer):
             slots.where, slots.offset, pos = _row_slots(self, n)
             slots.seen = pos + 1
             slots.piece = _piece_slots(store, self.steps)
+            slots.work = None
         k, v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)  # [n + width, heads, dim]
         step_write.put(self.keys, self.values, slots.where, slots.offset, k[:n], v[:n], self.scales)
         line, where, offset = slots.piece

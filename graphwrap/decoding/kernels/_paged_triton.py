@@ -71,11 +71,24 @@ def paged_decode(Q, K, V, T, L, O, scale, v_scale, window, softcap, sqb, sqh, sk
 
 
 @triton.jit
-def paged_decode_part(Q, K, V, T, L, P, scale, window, softcap, sqb, sqh, skb, skt, skh, stb, G: tl.constexpr,
-                      GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                      TILE: tl.constexpr, S: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+def _per(tiles, W, target, S: tl.constexpr, BALANCE: tl.constexpr):
+    """The tiles each of a row's programs takes: its ``tiles`` over ``S``; with ``BALANCE``, at
+    least the step's share of ``target`` programs (``W``: every row's tiles summed, the same
+    for every program of the step, so that the parts and their join agree)."""
+    per = tl.cdiv(tiles, S)
+    if BALANCE:
+        per = tl.maximum(per, tl.cdiv(tl.load(W) * tl.num_programs(1), target).to(per.dtype))
+    return per
+
+
+@triton.jit
+def paged_decode_part(Q, K, V, T, L, P, W, target, scale, window, softcap, sqb, sqh, skb, skt, skh, stb,
+                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+                      TILE: tl.constexpr, S: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
+                      BALANCE: tl.constexpr):
     """Program ``(b, h, s)``: the ``s``-th of row ``b``'s runs of tiles (a row of few tiles uses as
-    many programs as it has tiles); writes its part: the unscaled sums ``[G, D]``, then the
+    many programs as it has tiles; with ``BALANCE``, a row takes programs of at least the step's
+    share of tiles, :func:`_per`); writes its part: the unscaled sums ``[G, D]``, then the
     softmax's denominator and maximum, per query head."""
     b, h, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_pos = tl.load(L + b)
@@ -86,7 +99,7 @@ def paged_decode_part(Q, K, V, T, L, P, scale, window, softcap, sqb, sqh, skb, s
     first = tl.where(window > 0, tl.maximum(n_pos - window, 0), 0)
     lo = (first // TILE) * TILE
     tiles = tl.maximum(tl.cdiv(n_pos - lo, TILE), 1)
-    per = tl.cdiv(tiles, S)  # tiles a part
+    per = _per(tiles, W, target, S, BALANCE)  # tiles a part
     begin = lo + part * per * TILE
     end = tl.minimum(begin + per * TILE, n_pos)
     m_i, l_i, acc = paged_walk(q, K, V, T, b, h, begin, end, n_pos, first, scale, softcap, skb, skt, skh, stb,
@@ -99,8 +112,9 @@ def paged_decode_part(Q, K, V, T, L, P, scale, window, softcap, sqb, sqh, skb, s
 
 
 @triton.jit
-def paged_decode_join(L, P, O, v_scale, window, sob, soh, G: tl.constexpr, GP: tl.constexpr, GJ: tl.constexpr,
-                      D: tl.constexpr, DP: tl.constexpr, TILE: tl.constexpr, S: tl.constexpr):
+def paged_decode_join(L, P, O, W, target, v_scale, window, sob, soh, G: tl.constexpr, GP: tl.constexpr,
+                      GJ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, TILE: tl.constexpr, S: tl.constexpr,
+                      BALANCE: tl.constexpr):
     """Program ``(b, h)``: row ``b``'s parts for key head ``h``, each rescaled to the largest
     maximum, over the summed denominators. The ``S`` parts' loads unrolled (a part past those
     that read a tile masked off), so that they are issued together rather than one L2 trip after
@@ -112,7 +126,7 @@ def paged_decode_join(L, P, O, v_scale, window, sob, soh, G: tl.constexpr, GP: t
     first = tl.where(window > 0, tl.maximum(n_pos - window, 0), 0)
     lo = (first // TILE) * TILE
     tiles = tl.maximum(tl.cdiv(n_pos - lo, TILE), 1)
-    parts = tl.cdiv(tiles, tl.cdiv(tiles, S))  # the parts that read a tile
+    parts = tl.cdiv(tiles, _per(tiles, W, target, S, BALANCE))  # the parts that read a tile
     g = tl.arange(0, GJ)
     d = tl.arange(0, DP)
     gm = g < G

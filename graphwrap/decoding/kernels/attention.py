@@ -59,8 +59,9 @@ def folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
         slots = getattr(key, "_gw_slots", None)  # (each row's positions, found once a forward)
         seen = slots.seen if slots is not None and slots.seen is not None else store.lengths[:n] + 1
         splits = splits_at(slots.splits if slots is not None else 1, n, key.shape[2], query.device)
-        return attend(query, key, value, store.table[:n], seen, scaling, getattr(key, "_gw_window", None),
-                      kwargs.get("softcap"), splits, getattr(key, "_gw_scales", None)), None
+        window = getattr(key, "_gw_window", None)
+        return attend(query, key, value, store.table[:n], seen, scaling, window, kwargs.get("softcap"), splits,
+                      getattr(key, "_gw_scales", None), _work(slots, seen, query.shape[-1], window, key.shape[2])), None
     if not _folds(module, query, key, attention_mask, position_bias, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, position_bias=position_bias, **kwargs)
@@ -87,9 +88,29 @@ def _mixed(query, key, value, mixed, scaling, window, softcap):
     store = key._gw_pages
     scales = getattr(key, "_gw_scales", None)
     rows = attend(query[0, :, :n].transpose(0, 1)[:, :, None], key, value, store.table[:n], slots.seen, scaling,
-                  window, softcap, splits_at(slots.splits, n, key.shape[2], query.device), scales)  # [n, 1, hq, d]
+                  window, softcap, splits_at(slots.splits, n, key.shape[2], query.device), scales,
+                  _work(slots, slots.seen, query.shape[-1], window, key.shape[2]))  # [n, 1, hq, d]
     piece = attend_piece(query[:, :, n:], key, value, line, at, scaling, window, softcap, scales)  # [1, W, hq, d]
     return torch.cat([rows.transpose(0, 1), piece], dim=1)
+
+
+def _work(slots, seen, d: int, window, key_heads: int):
+    """The forward's rows' tiles summed (``paged_attention.work_of``) where its window splits each
+    row past ``SPLIT_FROM`` positions and its rows balance (``paged_attention.balances``): found by
+    its first layer that attends with the head width and window, and handed to the rest; None
+    elsewhere (the split as the window says), and while ``torch.compile`` traces."""
+    from .paged_attention import balances, work_of
+
+    if (slots is None or slots.splits <= 1 or not seen.is_cuda or torch.compiler.is_compiling()
+            or not balances(seen.shape[0], key_heads, seen.device)):
+        return None
+    if slots.work is None:
+        slots.work = {}
+    key = (d, window)
+    work = slots.work.get(key)
+    if work is None:
+        work = slots.work[key] = work_of(seen, d, window)
+    return work
 
 
 def _folds(module, query, key, mask, position_bias, kwargs) -> bool:

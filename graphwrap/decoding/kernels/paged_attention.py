@@ -21,6 +21,7 @@ Tensor = torch.Tensor
 TILE = 64  # positions a program reads at a time (heads wider than 128)
 SPLIT_FROM = 1024  # a step's graph over rows past this many positions splits each row's positions
 SPLITS = 16  # programs a row's positions are split between at most, in such a graph
+PER_SM = 4  # in such a graph, programs an SM a step's rows are split into at most (work_of)
 
 
 def shape_of_work(d: int) -> tuple:
@@ -72,15 +73,39 @@ def splits_at(splits: int, rows: int, key_heads: int, device: torch.device) -> i
     return 8 if 4 * programs <= sms else 4 if programs <= sms else 1
 
 
+def balances(rows: int, key_heads: int, device: torch.device) -> bool:
+    """Whether a step of ``rows`` rows whose window splits them balances its rows by
+    :func:`work_of`: where the rows' programs (one a row and key head) are more than a quarter of
+    the SMs. Fewer (one to four rows of 8 key heads on an H200) keep the window's split as it is:
+    one row of 4,096 positions took 12.5 us either way (``step_attention.py --splits``)."""
+    return 4 * rows * key_heads > _compat.multiprocessors(device)
+
+
+def work_of(seen: Tensor, d: int, window: Optional[int] = None) -> Tensor:
+    """Every row's tiles of positions summed (``seen``: the positions each row sees; ``d``: the
+    heads' width, which sets the tile; ``window``: a sliding window's), as one number on the
+    device: what a graph whose rows split past :data:`SPLIT_FROM` divides between about
+    :data:`PER_SM` programs an SM, so that rows of equal length are split only as far as the SMs
+    need (at 256 rows of 2,048 positions, 16 programs a row took 577 us against 495 in one, on
+    an H200), while one long row beside short ones still spreads over up to :data:`SPLITS`. The
+    programs a row leaves unused still start and end (the grid is the graph's): balanced, that
+    step took 570 us (``benchmarks/results/h200-2026-11-30-join/``)."""
+    tile = shape_of_work(d)[0]
+    lo = (seen - window).clamp(min=0) // tile * tile if window else 0
+    return ((seen - lo + (tile - 1)) // tile).clamp(min=1).sum()
+
+
 def attend(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor,
            scale: Optional[float] = None, window: Optional[int] = None, softcap: Optional[float] = None,
-           splits: int = 1, fp8_scales=None) -> Tensor:
+           splits: int = 1, fp8_scales=None, work: Optional[Tensor] = None) -> Tensor:
     """``query [n, hq, 1, d]`` over each row's first ``lengths[i]`` positions of the pools
     ``[blocks, block, hkv, d]`` (row ``i``'s blocks in ``table[i]``) -> ``[n, 1, hq, d]``. With
     ``window``, only the last ``window`` positions (transformers' sliding window: the query at
     ``p`` sees keys after ``p - window``); with ``softcap``, scores are ``softcap * tanh(s /
     softcap)`` (Gemma 2). With ``splits`` above 1, each row's positions go to up to that many
-    programs (as many as make tiles of their own), and a second kernel joins their parts. With
+    programs (as many as make tiles of their own), and a second kernel joins their parts; with
+    ``work`` (:func:`work_of` of ``lengths``), each row's programs take at least the step's share
+    of its tiles. With
     ``fp8_scales`` (the layer's :class:`~..cache.fp8.Scales`), the pools are FP8: a key reads
     back as its stored value times ``fp8_scales.keys``, a value times ``fp8_scales.values``. An
     operator of torch's own (``graphwrap::paged_attend``), so that ``torch.compile`` calls the
@@ -90,15 +115,17 @@ def attend(query: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     ks, vs = (float(fp8_scales.keys), float(fp8_scales.values)) if fp8_scales is not None else (1.0, 1.0)
     return paged_attend(query[:, :, 0], k_pool, v_pool, table, lengths, scale, int(window or 0),
-                        float(softcap or 0.0), int(splits), ks, vs)[:, None]
+                        float(softcap or 0.0), int(splits), ks, vs, work if splits > 1 else None)[:, None]
 
 
 def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor, scale: float, window: int,
             softcap: float, tile: Optional[int] = None, warps: Optional[int] = None,
-            stages: Optional[int] = None, splits: int = 1, k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
+            stages: Optional[int] = None, splits: int = 1, k_scale: float = 1.0, v_scale: float = 1.0,
+            work: Optional[Tensor] = None) -> Tensor:
     """The kernel over ``q [n, hq, d]`` -> ``[n, hq, d]`` (``tile``, ``warps``, ``stages``: its
     shape of work, ``shape_of_work(d)``'s unless given, for ``step_attention.py --tune``;
-    ``splits``: programs a row's positions go to at most, their parts joined by a second kernel)."""
+    ``splits``: programs a row's positions go to at most, their parts joined by a second kernel;
+    ``work``: :func:`work_of`, the rows split by the step's share of the SMs)."""
     n, hq, d = q.shape
     if tile is None:
         tile, warps, stages = shape_of_work(d)
@@ -119,26 +146,32 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: T
                                          out.stride(1), **shape)
         return out
     parts = torch.empty((n, hkv, splits, gp, dp + 2), dtype=torch.float32, device=q.device)  # each part's sums, max
-    _triton().paged_decode_part[(n, hkv, splits)](*args, parts, scale, window, softcap, *strides, S=splits, **shape)
-    _triton().paged_decode_join[(n, hkv)](lengths, parts, out, v_scale, window, out.stride(0), out.stride(1), G=group,
-                                          GP=gp, GJ=_pow2(group), D=d, DP=dp, TILE=tile, S=splits, num_warps=4)
+    balance = work is not None
+    target = PER_SM * _compat.multiprocessors(q.device) if balance else 1
+    w = work if balance else lengths  # (read only where balanced)
+    _triton().paged_decode_part[(n, hkv, splits)](*args, parts, w, target, scale, window, softcap, *strides, S=splits,
+                                                  BALANCE=balance, **shape)
+    _triton().paged_decode_join[(n, hkv)](lengths, parts, out, w, target, v_scale, window, out.stride(0),
+                                          out.stride(1), G=group, GP=gp, GJ=_pow2(group), D=d, DP=dp, TILE=tile,
+                                          S=splits, BALANCE=balance, num_warps=4)
     return out
 
 
 @torch.library.custom_op("graphwrap::paged_attend", mutates_args=())
 def paged_attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor, scale: float,
-                 window: int, softcap: float, splits: int = 1, k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
+                 window: int, softcap: float, splits: int = 1, k_scale: float = 1.0, v_scale: float = 1.0,
+                 work: Optional[Tensor] = None) -> Tensor:
     """``_launch`` as torch's operator ``graphwrap::paged_attend`` (off a GPU, :func:`reference`:
     what the batch's tests read the pool in place with on a CPU)."""
     if not q.is_cuda:
         return reference(q[:, :, None], k_pool, v_pool, table, lengths, scale, window, softcap, k_scale,
                          v_scale)[:, 0]
     return _launch(q, k_pool, v_pool, table, lengths, scale, window, softcap, splits=splits, k_scale=k_scale,
-                   v_scale=v_scale)
+                   v_scale=v_scale, work=work)
 
 
 @paged_attend.register_fake
-def _(q, k_pool, v_pool, table, lengths, scale, window, softcap, splits=1, k_scale=1.0, v_scale=1.0):
+def _(q, k_pool, v_pool, table, lengths, scale, window, softcap, splits=1, k_scale=1.0, v_scale=1.0, work=None):
     return q.new_empty(q.shape)
 
 
