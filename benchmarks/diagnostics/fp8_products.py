@@ -12,6 +12,8 @@ graphwrap's kernel (outputs a program takes, the inner dimension's step and part
 16 rows (``graphwrap.quantized.ROWS``), and at one row its CUDA cores' kernel (``one_row``) for FP8
 and int8 weights, each checked against the product written out in fp32.
 
+``--split-k``: only ``torch._scaled_mm`` at ``--rows``, as it is, in inner parts, and transposed.
+``--fp8-tiles``: only graphwrap's tiles kernel for FP8 layers at ``--rows``, by shape of work.
 ``--int8-tiles``: only the int8 layers' tiles past 16 rows at 64 and 256 rows, by shape of work.
 ``--weight-only``: the int8 and int4 weight-only layers' products instead (``Int8Linear``,
 ``Int4Linear``) beside fp16's, the same widths and timing; with ``--tune``, the int4 kernels'
@@ -205,17 +207,104 @@ def tune_int8_tiles():
                 print(f"    {1e3 * t:7.1f} us {kw} largest difference {err:.1e}", flush=True)
 
 
+def split_k(rows: int):
+    """``torch._scaled_mm`` at ``rows`` rows as it is, with its inner dimension in 2 or 4 parts
+    (each part's product in fp16, then summed), and transposed (the weight as the left operand,
+    the rows' scales as the right's): a product of fewer output tiles than SMs (the output and
+    down widths at 256 rows make 64 tiles of 128 x 128 on 132 SMs) may gain from more programs.
+    Each checked against the product written out in fp32."""
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    fast = FAST_ACCUM
+
+    def parts(q, s, w, ws, n):
+        k = q.shape[1] // n
+        out = _scaled(q[:, :k], s, w[:, :k], ws, fast)
+        for i in range(1, n):
+            out += _scaled(q[:, i * k:(i + 1) * k], s, w[:, i * k:(i + 1) * k], ws, fast)
+        return out
+
+    def transposed(q, s, w, ws):
+        return torch._scaled_mm(w, q.t(), scale_a=ws.t().contiguous(), scale_b=s.t().contiguous(),
+                                out_dtype=torch.float16, use_fast_accum=fast).t()
+
+    side = torch.cuda.Stream()
+
+    def streams(q, s, w, ws):  # (the two halves on two streams: in a graph, two branches at once)
+        k = q.shape[1] // 2
+        here = torch.cuda.current_stream()
+        side.wait_stream(here)
+        out = _scaled(q[:, :k], s, w[:, :k], ws, fast)
+        with torch.cuda.stream(side):
+            other = _scaled(q[:, k:], s, w[:, k:], ws, fast)
+        here.wait_stream(side)
+        return out.add_(other)
+
+    print(f"{rows} rows, split inner dimension:", flush=True)
+    for label in ("q, k and v as one", "q or o", "gate and up as one", "down"):
+        k, n = WIDTHS[label]
+        x = torch.randn(rows, k, generator=g, device=DEV).half()
+        q, s = rows_to_fp8(x)
+        w8, ws = _fp8_weight(g, n, k)
+        want = (q.float() * s) @ (w8.float() * ws.t()).t()
+        turn = itertools.cycle(_copies([w8, ws]))
+        runs = {"as is": lambda w, v: _scaled(q, s, w, v, fast), "2 parts": lambda w, v: parts(q, s, w, v, 2),
+                "4 parts": lambda w, v: parts(q, s, w, v, 4), "2 streams": lambda w, v: streams(q, s, w, v),
+                "transposed": lambda w, v: transposed(q, s, w, v)}
+        cells = []
+        for name, f in runs.items():
+            try:
+                err = ((f(w8, ws).float() - want).abs().max() / want.abs().max()).item()
+                t = graph_ms(lambda: f(*next(turn)))
+            except Exception as e:  # noqa: BLE001 - a form this torch cannot run: said
+                cells.append(f"{name} {type(e).__name__}")
+                continue
+            cells.append(f"{name} {1e3 * t:6.1f} us (err {err:.0e})")
+        print(f"  {label:18s} [{k}, {n}]: " + "; ".join(cells), flush=True)
+
+
+def tune_fp8_tiles(rows_list):
+    """graphwrap's tiles kernel (``few_rows`` past :data:`ROWS` rows) for FP8 layers at ``rows_list``
+    rows, by shape of work (split inner dimension included), beside ``torch._scaled_mm``."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    shapes = [dict(bm=bm, bn=bn, bk=bk, split=sp, warps=w, stages=st) for bm, bn, bk, sp, w, st in
+              itertools.product((64, 128), (64, 128), (64, 128), (1, 2, 4), (4, 8), (3, 4))]
+    for rows in rows_list:
+        for label in ("q, k and v as one", "q or o", "gate and up as one", "down"):
+            k, n = WIDTHS[label]
+            x = torch.randn(rows, k, generator=g, device=DEV).half()
+            (q, s), (w8, ws) = rows_to_fp8(x), _fp8_weight(g, n, k)
+            want = (q.float() * s) @ (w8.float() * ws.t()).t()
+            turn = itertools.cycle(_copies([w8, ws]))
+            base = graph_ms(lambda: _scaled(q, s, *next(turn), FAST_ACCUM))
+            found = _timed(shapes, lambda w, ws_, kw: few_rows(q, s, w, ws_, torch.float16, **kw), (w8, ws), turn,
+                           want)
+            print(f"  fp8, {rows} rows, {label} [{k}, {n}]: torch._scaled_mm {1e3 * base:.1f} us; fastest tiles:",
+                  flush=True)
+            for t, kw, err in found[:4]:
+                print(f"    {1e3 * t:7.1f} us {kw} largest difference {err:.1e}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,16,64,256")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--weight-only", action="store_true", help="int8 and int4 weight-only layers' products instead")
     ap.add_argument("--int8-tiles", action="store_true", help="only the int8 layers' tiles past 16 rows, by shape")
+    ap.add_argument("--split-k", action="store_true", help="only torch's FP8 product as is, in 2 or 4 inner parts, "
+                    "and transposed, at --rows")
+    ap.add_argument("--fp8-tiles", action="store_true", help="only graphwrap's tiles for FP8 layers at --rows, by "
+                    "shape of work, beside torch's product")
     a = ap.parse_args()
     print(f"fp8_products: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
           f"graphwrap's products take fast accumulation: {FAST_ACCUM}", flush=True)
     if a.int8_tiles:
         return tune_int8_tiles()
+    if a.fp8_tiles:
+        return tune_fp8_tiles([int(r) for r in a.rows.split(",")])
+    if a.split_k:
+        for rows in map(int, a.rows.split(",")):
+            split_k(rows)
+        return
     for rows in map(int, a.rows.split(",")):
         (weight_only if a.weight_only else compare)(rows)
     if a.tune:
