@@ -92,23 +92,23 @@ def paged_decode_part(Q, K, V, T, L, P, W, target, scale, window, softcap, sqb, 
     softmax's denominator and maximum, per query head."""
     b, h, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_pos = tl.load(L + b)
-    g, d = tl.arange(0, GP), tl.arange(0, DP)
-    gm, dm = g < G, d < D
-    heads = h * G + g
-    q = tl.load(Q + b * sqb + heads[:, None] * sqh + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
     first = tl.where(window > 0, tl.maximum(n_pos - window, 0), 0)
     lo = (first // TILE) * TILE
     tiles = tl.maximum(tl.cdiv(n_pos - lo, TILE), 1)
     per = _per(tiles, W, target, S, BALANCE)  # tiles a part
     begin = lo + part * per * TILE
-    end = tl.minimum(begin + per * TILE, n_pos)
-    m_i, l_i, acc = paged_walk(q, K, V, T, b, h, begin, end, n_pos, first, scale, softcap, skb, skt, skh, stb,
-                               GP, D, DP, BLOCK, TILE, IEEE, SOFTCAP)
-    row = ((b * tl.num_programs(1) + h) * S + part) * GP + g  # this part's line of each query head
-    ok = begin < n_pos
-    tl.store(P + row[:, None] * (DP + 2) + d[None, :], acc, mask=ok & gm[:, None] & dm[None, :])
-    tl.store(P + row * (DP + 2) + DP, l_i, mask=ok & gm)
-    tl.store(P + row * (DP + 2) + DP + 1, m_i, mask=ok & gm)
+    if begin < n_pos:  # (a part past the row's tiles reads and writes nothing: the join never reads it)
+        g, d = tl.arange(0, GP), tl.arange(0, DP)
+        gm, dm = g < G, d < D
+        heads = h * G + g
+        q = tl.load(Q + b * sqb + heads[:, None] * sqh + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+        end = tl.minimum(begin + per * TILE, n_pos)
+        m_i, l_i, acc = paged_walk(q, K, V, T, b, h, begin, end, n_pos, first, scale, softcap, skb, skt, skh, stb,
+                                   GP, D, DP, BLOCK, TILE, IEEE, SOFTCAP)
+        row = ((b * tl.num_programs(1) + h) * S + part) * GP + g  # this part's line of each query head
+        tl.store(P + row[:, None] * (DP + 2) + d[None, :], acc, mask=gm[:, None] & dm[None, :])
+        tl.store(P + row * (DP + 2) + DP, l_i, mask=gm)
+        tl.store(P + row * (DP + 2) + DP + 1, m_i, mask=gm)
 
 
 @triton.jit

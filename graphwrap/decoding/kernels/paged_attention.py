@@ -88,8 +88,9 @@ def work_of(seen: Tensor, d: int, window: Optional[int] = None) -> Tensor:
     :data:`PER_SM` programs an SM, so that rows of equal length are split only as far as the SMs
     need (at 256 rows of 2,048 positions, 16 programs a row took 577 us against 495 in one, on
     an H200), while one long row beside short ones still spreads over up to :data:`SPLITS`. The
-    programs a row leaves unused still start and end (the grid is the graph's): balanced, that
-    step took 570 us (``benchmarks/results/h200-2026-11-30-join/``)."""
+    programs a row leaves unused still start (the grid is the graph's) but leave before any read:
+    balanced, that step took 517 us against 569 when they read their row's query first
+    (``benchmarks/results/h200-2026-12-01-burst/``)."""
     tile = shape_of_work(d)[0]
     lo = (seen - window).clamp(min=0) // tile * tile if window else 0
     return ((seen - lo + (tile - 1)) // tile).clamp(min=1).sum()
