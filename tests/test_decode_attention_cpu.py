@@ -86,6 +86,60 @@ def test_it_folds_one_query_position_and_leaves_everything_else_to_sdpa(monkeypa
     assert len(handed) == 4, "32 positions: folded"
 
 
+def _spy_sdpa(monkeypatch):
+    """The calls of torch's attention from graphwrap's function: each call's keyword arguments."""
+    import types
+
+    calls = []
+
+    def spy(*a, **kw):
+        calls.append(kw)
+        return torch.nn.functional.scaled_dot_product_attention(*a, **kw)
+
+    monkeypatch.setattr(attention, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
+    return calls
+
+
+@pytest.mark.parametrize("groups,hkv", [(4, 2), (1, 3)])
+def test_joined_prompts_take_causal_attention_and_give_the_masks_answer_at_their_own_positions(monkeypatch, groups,
+                                                                                              hkv):
+    from graphwrap.decoding.engine.step import prompt_mask
+
+    calls = _spy_sdpa(monkeypatch)
+    lengths = torch.tensor([5, 8, 1, 3])
+    mask = prompt_mask(lengths, 8, torch.float32)
+    assert mask._gw_causal, "a windowless prompts' mask is marked"
+    q, k, v = _qkv(4, hkv, groups, 8, 8, seed=4)
+    got, _ = attention.folded_sdpa(_Attn(groups), q, k, v, mask, scaling=0.25)
+    assert len(calls) == 1 and calls[0]["is_causal"] and "attn_mask" not in calls[0]
+    want, _ = sdpa_attention_forward(_Attn(groups), q, k, v, mask.clone(), scaling=0.25)  # (clone: unmarked)
+    assert got.shape == want.shape == (4, 8, hkv * groups, 8)
+    for i, n in enumerate(lengths.tolist()):  # (a padded position's output is never read)
+        torch.testing.assert_close(got[i, :n], want[i, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_masks_that_causal_alone_would_not_answer_keep_the_masked_path(monkeypatch):
+    """A sliding window's mask is not marked; a marked mask under a soft cap, a position bias or
+    a window argument, or keys past the prompts' own positions, or a view of the mask (the mark
+    not carried), goes the way it went before the mark."""
+    from graphwrap.decoding.engine.step import prompt_mask
+
+    lengths = torch.tensor([6, 2])
+    assert not getattr(prompt_mask(lengths, 6, torch.float32, window=3), "_gw_causal", False)
+    calls = _spy_sdpa(monkeypatch)
+    mask = prompt_mask(lengths, 6, torch.float32)
+    q, k, v = _qkv(2, 2, 4, 6, 6, seed=5)
+    cases = [dict(softcap=30.0), dict(sliding_window=3), dict(position_bias=torch.zeros(2, 8, 6, 6))]
+    for kw in cases:
+        got, _ = attention.folded_sdpa(_Attn(4), q, k, v, mask, **kw)
+        torch.testing.assert_close(got, attention.folded_sdpa(_Attn(4), q, k, v, mask.clone(), **kw)[0])
+    longer = torch.zeros(2, 1, 6, 9)
+    longer._gw_causal = True
+    attention.folded_sdpa(_Attn(4), *_qkv(2, 2, 4, 6, 9, seed=6), longer)
+    attention.folded_sdpa(_Attn(4), q, k, v, mask[:, :, :, :6])
+    assert not any(c.get("is_causal") for c in calls)
+
+
 def _llama(heads=4, kv=2):
     torch.manual_seed(0)
     cfg = tr.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,

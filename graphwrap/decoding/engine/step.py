@@ -317,14 +317,21 @@ def output_cache(out):
 def prompt_mask(lengths: Tensor, P: int, dtype: torch.dtype, window: Optional[int] = None) -> Tensor:
     """The additive 4-D mask ``[k, 1, P, P]`` of right-padded prompts: causal, and no row sees a
     padded key. Given 4-D, the model uses it as it is, as it does the decode step's mask (no
-    release's own mask code in between; the probe checks both)."""
+    release's own mask code in between; the probe checks both). Without a window it is marked
+    ``_gw_causal``: at each prompt's own positions it says what causal alone says (the padding
+    is past them), so graphwrap's attention may run the fused causal kernel instead
+    (:func:`~..kernels.attention.folded_sdpa`); a padded position's output differs, and is never
+    read (its key is written over before a step attends to it)."""
     pos = torch.arange(P, device=lengths.device)
     causal = pos[None, :] <= pos[:, None]
     if window:
         causal = causal & (pos[None, :] > pos[:, None] - window)
     seen = causal[None] & (pos[None, None, :] < lengths[:, None, None])
     zero = torch.zeros((), dtype=dtype, device=lengths.device)
-    return torch.where(seen, zero, torch.finfo(dtype).min)[:, None]
+    mask = torch.where(seen, zero, torch.finfo(dtype).min)[:, None]
+    if not window:
+        mask._gw_causal = True  # type: ignore[attr-defined]
+    return mask
 
 
 def _layers(cache):

@@ -10,6 +10,12 @@ cheaper equivalent: the ``G`` query heads that share a key head become ``G`` tim
 positions of that key head, each under its position's row of the mask (the mask's rows repeated
 ``G`` times: a step's one row, or a piece's ``n``), and the fused kernels run as they are.
 
+The batch's joined prompts (masks marked by ``step.prompt_mask``: no sliding window) take
+PyTorch's fused causal kernel with grouped heads and no mask instead: right-padded from position
+0, at each prompt's own positions causal alone says what the mask says, and the fold would copy
+the query, the mask and the output (three copies of the forward's size a layer) to run the
+slower masked kernel.
+
 :func:`folding` sets the model's attention to that function around the calls the shared batch
 makes (its captures and any eager forward); where the fold does not apply (a mask per head, a
 mask not one row per query position, a position bias) the function is transformers' ``sdpa``
@@ -62,6 +68,11 @@ def folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
         window = getattr(key, "_gw_window", None)
         return attend(query, key, value, store.table[:n], seen, scaling, window, kwargs.get("softcap"), splits,
                       getattr(key, "_gw_scales", None), _work(slots, seen, query.shape[-1], window, key.shape[2])), None
+    if getattr(attention_mask, "_gw_causal", False) and _causal(module, query, key, position_bias, kwargs):
+        # (joined prompts from position 0, right-padded: the fused causal kernel, no mask and no copies)
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True,
+                                             enable_gqa=key.shape[1] != query.shape[1])
+        return out.transpose(1, 2).contiguous(), None
     if not _folds(module, query, key, attention_mask, position_bias, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, position_bias=position_bias, **kwargs)
@@ -111,6 +122,16 @@ def _work(slots, seen, d: int, window, key_heads: int):
     if work is None:
         work = slots.work[key] = work_of(seen, d, window)
     return work
+
+
+def _causal(module, query, key, position_bias, kwargs) -> bool:
+    """Whether a forward of joined prompts (its mask marked ``_gw_causal`` by ``step.prompt_mask``)
+    may take causal attention alone: its keys are its own positions, its query heads whole
+    groups of its key heads, and nothing but the mask shapes its scores (no position bias, soft
+    cap, sliding window or sinks)."""
+    return (query.shape[2] == key.shape[2] and query.shape[1] % key.shape[1] == 0 and position_bias is None
+            and getattr(module, "is_causal", True) is True and not kwargs.get("output_attentions", False)
+            and all(kwargs.get(k) is None for k in ("softcap", "sliding_window", "s_aux", "sinks")))
 
 
 def _folds(module, query, key, mask, position_bias, kwargs) -> bool:
