@@ -119,9 +119,9 @@ def test_joined_prompts_take_causal_attention_and_give_the_masks_answer_at_their
 
 
 def test_masks_that_causal_alone_would_not_answer_keep_the_masked_path(monkeypatch):
-    """A sliding window's mask is not marked; a marked mask under a soft cap, a position bias or
-    a window argument, or keys past the prompts' own positions, or a view of the mask (the mark
-    not carried), goes the way it went before the mark."""
+    """A sliding window's mask is not marked; a marked mask under a soft cap or a window
+    argument, or keys past the prompts' own positions, or a view of the mask (the mark not
+    carried), goes the way it went before the mark, and so would one with a position bias."""
     from graphwrap.decoding.engine.step import prompt_mask
 
     lengths = torch.tensor([6, 2])
@@ -129,10 +129,12 @@ def test_masks_that_causal_alone_would_not_answer_keep_the_masked_path(monkeypat
     calls = _spy_sdpa(monkeypatch)
     mask = prompt_mask(lengths, 6, torch.float32)
     q, k, v = _qkv(2, 2, 4, 6, 6, seed=5)
-    cases = [dict(softcap=30.0), dict(sliding_window=3), dict(position_bias=torch.zeros(2, 8, 6, 6))]
-    for kw in cases:
+    for kw in (dict(softcap=30.0), dict(sliding_window=3)):
         got, _ = attention.folded_sdpa(_Attn(4), q, k, v, mask, **kw)
         torch.testing.assert_close(got, attention.folded_sdpa(_Attn(4), q, k, v, mask.clone(), **kw)[0])
+    # (a position bias comes with transformers' boolean masks, which prompt_mask never makes)
+    assert not attention._causal(_Attn(4), q, k, torch.zeros(2, 8, 6, 6), {})
+    assert attention._causal(_Attn(4), q, k, None, {})
     longer = torch.zeros(2, 1, 6, 9)
     longer._gw_causal = True
     attention.folded_sdpa(_Attn(4), *_qkv(2, 2, 4, 6, 9, seed=6), longer)
