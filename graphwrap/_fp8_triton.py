@@ -116,6 +116,39 @@ def one_row(X, XS, W, WS, O, N, K, swn, BN: tl.constexpr, BK: tl.constexpr, HAS_
 
 
 @triton.jit
+def fp8_tiles(X, XS, W, WS, O, M, K, sxm, swn, som, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              EVEN_M: tl.constexpr, PRECISE: tl.constexpr):
+    """``O[m, n] = (X[m] . W[n]) * XS[m] * WS[n]`` for FP8 layers past a few rows, on the tensor
+    cores' own E4M3 products (no conversion), summed in fp32: each step of ``BK`` inputs summed
+    at the tensor cores' fast accumulation, the steps added in full fp32 where ``PRECISE``
+    (otherwise the whole inner dimension at fast accumulation, as torch's fast-accumulating
+    product). A program takes ``BM`` rows by ``BN`` outputs; programs of one column of weights
+    are launched together (the rows are ``program_id(0)``), so the weights are read from memory
+    about once. The caller sees that the outputs are a multiple of ``BN`` and the inner
+    dimension of ``BK``; ``EVEN_M``: the rows a multiple of ``BM`` (no mask)."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    xp = X + rm[:, None] * sxm + rk[None, :]
+    wp = W + rn[None, :] * swn + rk[:, None]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for _ in range(0, K, BK):
+        if EVEN_M:
+            x = tl.load(xp)
+        else:
+            x = tl.load(xp, mask=rm[:, None] < M, other=0.0)
+        if PRECISE:
+            acc = tl.dot(x, tl.load(wp), acc, max_num_imprecise_acc=BK)
+        else:
+            acc = tl.dot(x, tl.load(wp), acc)
+        xp += BK
+        wp += BK
+    xs = tl.load(XS + rm, mask=rm < M, other=0.0)
+    out = acc * xs[:, None] * tl.load(WS + rn)[None, :]
+    tl.store(O + rm[:, None] * som + rn[None, :], out.to(O.dtype.element_ty), mask=rm[:, None] < M)
+
+
+@triton.jit
 def sum_parts(P, O, NUMEL, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """``O[i] = sum(P[s, i] for s in range(SPLIT))``, in that order (the same sum every call),
     rounded once to ``O``'s dtype: :func:`rows_product`'s parts made one."""

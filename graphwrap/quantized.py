@@ -61,6 +61,7 @@ FEEDS = (("input_layernorm", "self_attn", "q_proj"), ("post_attention_layernorm"
 NORMED = "_gw_fp8_rows"  # a norm module's attribute: its output goes to FP8 layers (quantize sets it; normed)
 FAST_ACCUM = True  # the tensor cores' fast FP8 accumulation on a GPU (as torchao's inference products)
 ROWS = 16  # at most this many rows take graphwrap's kernel on a GPU (few_rows); more, torch._scaled_mm
+# or graphwrap's E4M3 tiles (fp8_tile_shape)
 _HERE = threading.local()  # exact: this thread's Fp8Linear products unrounded (exact_products)
 
 
@@ -204,12 +205,17 @@ class Int4Linear(QuantizedLinear):
 def product(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dtype: torch.dtype) -> Tensor:
     """``(q * scale) @ (weight * weight_scale).T`` in ``dtype``: rows ``q [n, k]`` in E4M3 scaled
     ``[n, 1]``, ``weight [out, k]`` scaled ``[1, out]``. Up to :data:`ROWS` rows in fp16 or bf16
-    on a GPU with Triton, graphwrap's kernel (:func:`few_rows`), else ``torch._scaled_mm``."""
+    on a GPU with Triton, graphwrap's kernel (:func:`few_rows`); more on a Hopper GPU where
+    torch's tiles would leave SMs idle, graphwrap's E4M3 tiles (:func:`fp8_tile_shape`); else
+    ``torch._scaled_mm``."""
     if not q.is_cuda:
         return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=dtype)
-    if (q.shape[0] <= ROWS and dtype in (torch.float16, torch.bfloat16) and _triton()
-            and not torch.compiler.is_compiling()):
-        return few_rows(q, scale, weight, weight_scale, dtype)
+    if dtype in (torch.float16, torch.bfloat16) and _triton() and not torch.compiler.is_compiling():
+        if q.shape[0] <= ROWS:
+            return few_rows(q, scale, weight, weight_scale, dtype)
+        shape = _tiles_here(q, scale, weight, weight_scale)
+        if shape is not None:
+            return fp8_tiles(q, scale, weight, weight_scale, dtype, shape)
     out_dtype = dtype if _writes(q.device, dtype) else torch.bfloat16
     out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype,
                            use_fast_accum=FAST_ACCUM)
@@ -260,6 +266,73 @@ def few_rows(q: Tensor, scale: Optional[Tensor], weight: Tensor, weight_scale: T
     if split > 1:
         sum_parts[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
     return out
+
+
+def fp8_tiles(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor, dtype: torch.dtype,
+              shape: Tuple[int, int, int, int, int], precise: bool = not FAST_ACCUM) -> Tensor:
+    """:func:`product` on the tensor cores' own E4M3 products in graphwrap's Triton kernel
+    (``_fp8_triton.fp8_tiles``), at ``shape``: ``(bm, bn, bk, warps, stages)``, rows and outputs
+    a program, the inner dimension's step, warps, stages. The outputs must be a multiple of
+    ``bn`` and the inner dimension of ``bk`` (:func:`fp8_tile_shape`). ``precise``: each step's
+    sum added in full fp32; otherwise the whole inner dimension summed at the tensor cores' fast
+    accumulation, as torch's product with :data:`FAST_ACCUM` (the same largest differences from
+    the product written out, 0.3-1.2%, where each step added in fp32 makes them 0.04-0.06%; on an
+    H200 that costs 10-30% up to 128 rows and 30-35% at 192 and 256, where it is torch's time)."""
+    import triton
+
+    from ._fp8_triton import fp8_tiles as kernel
+
+    bm, bn, bk, warps, stages = shape
+    m, k = q.shape
+    n = weight.shape[0]
+    if n % bn or k % bk:
+        raise GraphwrapError(f"fp8_tiles: {n} outputs of {k} inputs do not divide into {shape}")
+    out = torch.empty((m, n), dtype=dtype, device=q.device)
+    if m:
+        kernel[(triton.cdiv(m, bm), n // bn)](q, scale, weight, weight_scale, out, m, k, q.stride(0), weight.stride(0),
+                                              n, BM=bm, BN=bn, BK=bk, EVEN_M=m % bm == 0, PRECISE=precise,
+                                              num_warps=warps, num_stages=stages)
+    return out
+
+
+def fp8_tile_shape(m: int, n: int, k: int, processors: int) -> Optional[Tuple[int, int, int, int, int]]:
+    """:func:`fp8_tiles`' shape of work for ``m`` rows of ``k`` inputs into ``n`` outputs on a
+    Hopper chip of ``processors`` SMs, or None where ``torch._scaled_mm`` is kept.
+
+    torch's row-wise FP8 product takes about the same time from 64 to 512 rows at the Llama-3-8B
+    shape's widths: its tiles of 128 rows by 128 outputs make too few programs for the SMs
+    there (64 for the output or down projection at 256 rows, on 132 SMs). So where those tiles
+    would fill less than two thirds of the SMs, graphwrap's tiles take the product: 64 rows a
+    program, by 64 outputs where that makes one wave of programs at most, else by 128 where
+    that does (otherwise torch's: more than a wave of small tiles was slower); 256 inputs a step
+    (128 where the inner dimension is no multiple of 256); 4 warps, 4 stages. On an H200
+    (``fp8_products.py --native``, ``benchmarks/results/h200-2026-12-01-native/``) these were
+    the fastest of 40 shapes (splitting the inner dimension never was) at 32 to 256 rows, and
+    1.2-1.7x torch's product for the Llama-3-8B and 1.1B shapes' widths (at 256 rows of the
+    8B's: the output projection 14.3 -> 11.0 us, down 39.0 -> 28.3)."""
+    if -(-m // 128) * -(-n // 128) * 3 >= 2 * processors or n % 64 or k % 128:
+        return None
+    rows = -(-m // 64)
+    bn = 64 if rows * (n // 64) <= processors else 128
+    if n % bn or rows * (n // bn) > processors:
+        return None
+    return 64, bn, 256 if k % 256 == 0 else 128, 4, 4
+
+
+def _tiles_here(q: Tensor, scale: Tensor, weight: Tensor, weight_scale: Tensor
+                ) -> Optional[Tuple[int, int, int, int, int]]:
+    """:func:`fp8_tile_shape` for this product on this device, or None: a chip that is not
+    Hopper's (the shapes were measured there), or operands laid out other than :func:`fp8_tiles`
+    reads them (rows and weights along their inner dimension, scales one after another)."""
+    if (_capability(q.device)[0] != 9 or q.stride(1) != 1 or weight.stride(1) != 1
+            or scale.numel() != q.shape[0] or not scale.is_contiguous() or not weight_scale.is_contiguous()):
+        return None
+    return fp8_tile_shape(q.shape[0], weight.shape[0], q.shape[1], _compat.multiprocessors(q.device))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def tiles(m: int) -> Tuple[int, int, int, int, int, int]:

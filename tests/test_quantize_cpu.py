@@ -327,6 +327,36 @@ def test_the_few_rows_products_shape_of_work_follows_the_outputs_and_the_chips_s
     assert ROWS == 16, "at 64 rows torch's product was the faster (fp8_products.py)"
 
 
+def test_e4m3_tiles_take_the_products_torchs_tiles_leave_sms_idle_in():
+    """fp8_tile_shape: graphwrap's E4M3 tiles where torch's tiles of 128 x 128 would fill less than
+    two thirds of the SMs (the Llama-3-8B shape's output and down projections up to 256 rows on
+    132 SMs), torch's product elsewhere; by 64 outputs where that makes one wave of programs at
+    most, else by 128 where that does, else torch's; every shape divides its product."""
+    from graphwrap.quantized import fp8_tile_shape
+
+    widths = {"qkv": (6144, 4096), "o": (4096, 4096), "gate-up": (28672, 4096), "down": (4096, 14336)}
+    at = {rows: {w: fp8_tile_shape(rows, n, k, 132) for w, (n, k) in widths.items()} for rows in (17, 64, 128, 256, 512)}
+    assert at[256] == {"qkv": None, "o": (64, 128, 256, 4, 4), "gate-up": None, "down": (64, 128, 256, 4, 4)}
+    assert at[64] == {"qkv": (64, 64, 256, 4, 4), "o": (64, 64, 256, 4, 4), "gate-up": None, "down": (64, 64, 256, 4, 4)}
+    assert at[128]["qkv"] == (64, 128, 256, 4, 4) and at[128]["o"] == (64, 64, 256, 4, 4), "96 and 64 programs of 128"
+    assert all(s is None for s in at[512].values()), "four tiles of rows: torch's fill the SMs"
+    assert all(at[r]["gate-up"] is None for r in at), "224 of torch's tiles at 128 rows already"
+    for rows in range(17, 600, 7):
+        for sms in (78, 114, 132, 170):
+            for n, k in list(widths.values()) + [(2560, 2048), (64, 128), (4160, 4224)]:
+                shape = fp8_tile_shape(rows, n, k, sms)
+                if shape is None:
+                    continue
+                assert -(-rows // 128) * -(-n // 128) * 3 < 2 * sms
+                bm, bn, bk, warps, stages = shape
+                assert n % bn == 0 and k % bk == 0 and -(-rows // bm) * (n // bn) <= sms
+                assert bn == 64 or -(-rows // bm) * (n // 64) > sms, "64 outputs where they make one wave"
+    assert fp8_tile_shape(256, 2560, 2048, 132)[1] == 128 and fp8_tile_shape(512, 2560, 2048, 132) is None, \
+        "160 programs of 64 outputs: 128; 160 of 128 too: torch's (the 1.1B shape's q, k and v)"
+    assert fp8_tile_shape(64, 4096, 4096 + 128, 132)[2] == 128, "no multiple of 256: 128 a step"
+    assert fp8_tile_shape(64, 4096, 4096 + 64, 132) is None and fp8_tile_shape(64, 4096 + 32, 4096, 132) is None
+
+
 def test_one_row_takes_the_cuda_cores_at_every_width_but_fp8s_widest():
     """What the forms timed at one row on an H200 found: the CUDA cores' kernel (one_row) for
     int8 at every width and for FP8 up to 8,192 outputs (the gate or up projection, 14,336, and

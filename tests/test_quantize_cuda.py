@@ -185,6 +185,42 @@ def test_a_few_rows_product_is_the_fp8_product_written_out(dtype, rows, k, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [17, 24, 64, 100, 192, 256])
+@pytest.mark.parametrize("k, n", [(4096, 6144), (4096, 4096), (14336, 4096), (2048, 2560)])
+def test_graphwraps_e4m3_tiles_are_the_fp8_product_written_out(monkeypatch, dtype, rows, k, n):
+    """graphwrap's E4M3 tiles (fp8_tiles) at fp8_tile_shape's shape and others, each step's sum
+    added in full fp32 or not: the FP8 products summed and scaled; product() takes them on a
+    Hopper GPU exactly where fp8_tile_shape gives a shape, and then gives their result."""
+    from graphwrap import quantized
+    from graphwrap.quantized import fp8_tile_shape, fp8_tiles, product
+
+    g = torch.Generator(device=DEV).manual_seed(rows + n + k)
+    x = torch.randn(rows, k, generator=g, device=DEV).to(dtype)
+    layer = Fp8Linear(nn.Linear(k, n, bias=False).to(DEV, dtype))
+    q, s = rows_to_fp8(x)
+    want = (q.float() * s) @ (layer.weight_fp8.float() * layer.weight_scale.t()).t()
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    chosen = fp8_tile_shape(rows, n, k, sms)
+    shapes = [((64, 64, 128, 4, 4), True), ((128, 128, 128, 8, 3), True), ((64, 128, 256, 4, 4), False)]
+    for shape, precise in shapes + ([(chosen, True)] if chosen else []):
+        got = fp8_tiles(q, s, layer.weight_fp8, layer.weight_scale, dtype, shape, precise)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        # (each step's sum added in fp32: the output dtype's rounding; the whole inner dimension at
+        # the tensor cores' fast accumulation, as torch's fast-accumulating product: a little more)
+        assert err < ((8e-3 if dtype == torch.bfloat16 else 2e-3) if precise else 1.5e-2), (shape, precise, err)
+    taken = []
+    real = quantized.fp8_tiles
+    monkeypatch.setattr(quantized, "fp8_tiles", lambda *a: taken.append(a[-1]) or real(*a))
+    got = product(q, s, layer.weight_fp8, layer.weight_scale, dtype)
+    hopper = torch.cuda.get_device_capability(DEV)[0] == 9
+    assert taken == ([chosen] if hopper and chosen else [])
+    if taken:
+        torch.testing.assert_close(got, fp8_tiles(q, s, layer.weight_fp8, layer.weight_scale, dtype, chosen),
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kind, k, n", [(kind, k, n) for kind in ("fp8", "int8")
                                         for k, n in ((4096, 6144), (4096, 28672), (14336, 4096), (256, 48))]
                          + [("int8", 200, 40)])

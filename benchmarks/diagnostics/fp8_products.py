@@ -14,6 +14,9 @@ and int8 weights, each checked against the product written out in fp32.
 
 ``--split-k``: only ``torch._scaled_mm`` at ``--rows``, as it is, in inner parts, and transposed.
 ``--fp8-tiles``: only graphwrap's tiles kernel for FP8 layers at ``--rows``, by shape of work.
+``--native``: only graphwrap's kernel on the tensor cores' own E4M3 products
+(``graphwrap.quantized.fp8_tiles``) at ``fp8_tile_shape``'s shape beside ``torch._scaled_mm`` at
+``--rows``, for the Llama-3-8B and 1.1B shapes' widths; with ``--tune``, by shape of work too.
 ``--int8-tiles``: only the int8 layers' tiles past 16 rows at 64 and 256 rows, by shape of work.
 ``--weight-only``: the int8 and int4 weight-only layers' products instead (``Int8Linear``,
 ``Int4Linear``) beside fp16's, the same widths and timing; with ``--tune``, the int4 kernels'
@@ -29,7 +32,7 @@ import torch
 from piece_attention import graph_ms
 from step_products import _copies
 
-from graphwrap.quantized import FAST_ACCUM, FP8, few_rows, one_row, rows_to_fp8
+from graphwrap.quantized import FAST_ACCUM, FP8, few_rows, fp8_tile_shape, fp8_tiles, one_row, rows_to_fp8
 
 DEV = torch.device("cuda")
 K, I = 4096, 14336
@@ -284,6 +287,45 @@ def tune_fp8_tiles(rows_list):
                 print(f"    {1e3 * t:7.1f} us {kw} largest difference {err:.1e}", flush=True)
 
 
+SMALL = {"1.1B q, k and v as one": (2048, 2560), "1.1B q or o": (2048, 2048),
+         "1.1B gate and up as one": (2048, 11264), "1.1B down": (5632, 2048)}  # (the 1.1B Llama shape's)
+
+
+def native(rows_list, tune: bool = False):
+    """graphwrap's E4M3 tiles (``fp8_tiles``) at ``fp8_tile_shape``'s shape, each step's sum added
+    in full fp32 (``precise``, graphwrap's) and not, beside ``torch._scaled_mm`` at ``rows_list``
+    rows, the Llama-3-8B and 1.1B shapes' widths, each with its largest difference from the
+    product written out; with ``tune``, the 8B widths' shapes of work besides (rows and outputs
+    a program, the inner dimension's step, warps), fastest first."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    shapes = [(bm, bn, bk, w, 4) for bm, bn, bk, w in
+              itertools.product((64, 128), (64, 128), (128, 256), (4, 8)) if bm * bn // (32 * w) <= 128]
+    widths = {k: WIDTHS[k] for k in ("q, k and v as one", "q or o", "gate and up as one", "down")}
+    for rows in rows_list:
+        for label, (k, n) in {**widths, **SMALL}.items():
+            x = torch.randn(rows, k, generator=g, device=DEV).half()
+            (q, s), (w8, ws) = rows_to_fp8(x), _fp8_weight(g, n, k)
+            want = (q.float() * s) @ (w8.float() * ws.t()).t()
+            turn = itertools.cycle(_copies([w8, ws]))
+            flops = 2 * rows * n * k
+            base, _, err = _timed([{}], lambda w, v, kw: _scaled(q, s, w, v, FAST_ACCUM), (w8, ws), turn, want)[0]
+            line = (f"  {rows} rows, {label} [{k}, {n}]: torch._scaled_mm {1e3 * base:.1f} us "
+                    f"({flops / base / 1e9:.0f} TFLOP/s, largest difference {err:.1e})")
+            chosen = fp8_tile_shape(rows, n, k, sms)
+            for precise in (True, False) if chosen else ():
+                t, _, err = _timed([dict(shape=chosen, precise=precise)],
+                                   lambda w, v, kw: fp8_tiles(q, s, w, v, torch.float16, **kw), (w8, ws), turn, want)[0]
+                line += (f"; fp8_tiles {chosen}{' precise' if precise else ''} {1e3 * t:.1f} us ({base / t:.2f}x, "
+                         f"{err:.1e})")
+            print(line, flush=True)
+            if tune and label in widths:
+                fit = [dict(shape=sh) for sh in shapes if n % sh[1] == 0 and k % sh[2] == 0]
+                found = _timed(fit, lambda w, v, kw: fp8_tiles(q, s, w, v, torch.float16, **kw), (w8, ws), turn, want)
+                for t, kw, err in found[:3]:
+                    print(f"    {1e3 * t:7.1f} us ({flops / t / 1e9:4.0f} TFLOP/s) {kw['shape']}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,16,64,256")
@@ -294,11 +336,15 @@ def main():
                     "and transposed, at --rows")
     ap.add_argument("--fp8-tiles", action="store_true", help="only graphwrap's tiles for FP8 layers at --rows, by "
                     "shape of work, beside torch's product")
+    ap.add_argument("--native", action="store_true", help="only graphwrap's E4M3 tiles at --rows, by shape of work, "
+                    "beside torch's product")
     a = ap.parse_args()
     print(f"fp8_products: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
           f"graphwrap's products take fast accumulation: {FAST_ACCUM}", flush=True)
     if a.int8_tiles:
         return tune_int8_tiles()
+    if a.native:
+        return native([int(r) for r in a.rows.split(",")], a.tune)
     if a.fp8_tiles:
         return tune_fp8_tiles([int(r) for r in a.rows.split(",")])
     if a.split_k:
