@@ -25,6 +25,7 @@ def paged_walk(q, K, V, T, b, h, begin, end, n_pos, first, scale, softcap, skb, 
         base = blk.to(tl.int64) * skb + (pos % BLOCK) * skt + h * skh
         kv_mask = pm[:, None] & dm[None, :]
         k = tl.load(K + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # (an FP8 pool: read back)
+        v = tl.load(V + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # (issued beside the keys)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -37,7 +38,6 @@ def paged_walk(q, K, V, T, b, h, begin, end, n_pos, first, scale, softcap, skb, 
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
