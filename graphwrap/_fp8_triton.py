@@ -149,6 +149,37 @@ def fp8_tiles(X, XS, W, WS, O, M, K, sxm, swn, som, BM: tl.constexpr, BN: tl.con
 
 
 @triton.jit
+def int8_tiles(X, W, WS, O, M, K, sxm, swn, som, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               BF16: tl.constexpr):
+    """``O[m, n] = (X[m] . W[n]) * WS[n]`` for int8 weight-only layers past a few rows, made as
+    ``O^T`` tiles of ``BN`` outputs by ``BM`` rows: the weights (read as bytes, each made fp16 by
+    its bits, exact, as :func:`rows_product` makes them; bf16 where ``BF16``, the rows' dtype) are
+    the left operand, handed to the tensor cores from registers, and the rows the right one. The
+    products summed in fp32, scaled once, rounded once to ``O``'s dtype. Programs of one tile of
+    weights are launched together (the rows are ``program_id(0)``), so the weights are read from
+    memory about once. The caller sees that the outputs are a multiple of ``BN`` and the inner
+    dimension of ``BK``."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    wp = W + rn[:, None] * swn + rk[None, :]
+    xp = X + rm[None, :] * sxm + rk[:, None]
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for _ in range(0, K, BK):
+        w = tl.load(wp)
+        h = (((w ^ 0x80).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1152.0).to(tl.float16)
+        x = tl.load(xp, mask=rm[None, :] < M, other=0.0)
+        if BF16:
+            acc = tl.dot(h.to(tl.bfloat16), x, acc)
+        else:
+            acc = tl.dot(h, x, acc)
+        wp += BK
+        xp += BK
+    out = acc * tl.load(WS + rn)[:, None]
+    tl.store(O + rm[None, :] * som + rn[:, None], out.to(O.dtype.element_ty), mask=rm[None, :] < M)
+
+
+@triton.jit
 def sum_parts(P, O, NUMEL, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """``O[i] = sum(P[s, i] for s in range(SPLIT))``, in that order (the same sum every call),
     rounded once to ``O``'s dtype: :func:`rows_product`'s parts made one."""

@@ -170,6 +170,9 @@ class Int8Linear(QuantizedLinear):
                 and not torch.compiler.is_compiling()):
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
+            shape = int8_tile_shape(rows.shape[0], rows.shape[1], weight.shape[0], _compat.multiprocessors(rows.device))
+            if shape is not None and weight.stride(1) == 1 and scale.is_contiguous():
+                return int8_tiles(rows, weight, scale, shape)
             return few_rows(rows, None, weight, scale, rows.dtype)
         return nn.functional.linear(rows, (weight.to(torch.float32) * scale.t()).to(rows.dtype))
 
@@ -335,9 +338,54 @@ def _capability(device: torch.device) -> Tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def int8_tiles(rows: Tensor, weight: Tensor, scale: Tensor, shape: Tuple[int, int, int, int, int]) -> Tensor:
+    """An int8 weight-only layer's product of ``rows`` (fp16 or bf16) past :data:`ROWS` rows in
+    graphwrap's Triton kernel (``_fp8_triton.int8_tiles``: the weights the left operand, made
+    fp16 in registers), at ``shape``: ``(bm, bn, bk, warps, stages)`` (:func:`int8_tile_shape`)."""
+    import triton
+
+    from ._fp8_triton import int8_tiles as kernel
+
+    bm, bn, bk, warps, stages = shape
+    m, k = rows.shape
+    n = weight.shape[0]
+    if n % bn or k % bk:
+        raise GraphwrapError(f"int8_tiles: {n} outputs of {k} inputs do not divide into {shape}")
+    out = torch.empty((m, n), dtype=rows.dtype, device=rows.device)
+    if m:
+        kernel[(triton.cdiv(m, bm), n // bn)](rows, weight.view(torch.uint8), scale, out, m, k, rows.stride(0),
+                                              weight.stride(0), n, BM=bm, BN=bn, BK=bk,
+                                              BF16=rows.dtype == torch.bfloat16, num_warps=warps, num_stages=stages)
+    return out
+
+
+def int8_tile_shape(m: int, k: int, n: int, processors: int) -> Optional[Tuple[int, int, int, int, int]]:
+    """:func:`int8_tiles`' shape of work for ``m`` rows of ``k`` inputs into ``n`` outputs, or
+    None (up to :data:`ROWS` rows, or widths it does not divide: :func:`few_rows`).
+
+    Up to 1,024 rows: 64 outputs a program, 128 inputs a step, 4 warps; rows a program the
+    fewest of 32, 64 and 128 whose programs make one wave at most, or where none does, the
+    fewest that hold every row (at most 128); 4 stages where the programs are one wave at
+    most, else 3. Past 1,024 rows (a forward of many prompts' positions): 128 rows by 128
+    outputs, 64 inputs a step, 8 warps, 3 stages. On an H200
+    (``benchmarks/diagnostics/swapped_tiles.py``, ``benchmarks/results/h200-2026-12-01-native/``),
+    at 24 to 2,048 rows of the Llama-3-8B shape's widths these were the fastest of 48 shapes or
+    within 5% of it. Against :func:`few_rows`' tiles, whose weights are the right operand and pass
+    through shared memory, a layer's four products took 279 us against 523 at 256 rows (fp16's
+    cuBLAS 182), 142 against 221 at 64 rows (fp16's 130), 2,110 against 2,450 at 2,048 rows
+    (fp16's 1,318)."""
+    if m <= ROWS or n % 64 or k % 128:
+        return None
+    if m > 1024 and n % 128 == 0:
+        return 128, 128, 64, 8, 3
+    fit = [bm for bm in (32, 64, 128) if (n // 64) * -(-m // bm) <= processors]
+    bm = fit[0] if fit else next(bm for bm in (32, 64, 128) if bm >= m or bm == 128)
+    return bm, 64, 128, 4, 4 if (n // 64) * -(-m // bm) <= processors else 3
+
+
 def tiles(m: int) -> Tuple[int, int, int, int, int, int]:
     """:func:`few_rows`' ``(bm, bn, bk, split, warps, stages)`` for ``m`` rows past :data:`ROWS`
-    (int8 weight-only layers): tiles of 64 rows by 64 outputs up to 64 rows, of 128 by 128 on 8
+    (int8 weight-only layers whose widths :func:`int8_tiles` does not take): tiles of 64 rows by 64 outputs up to 64 rows, of 128 by 128 on 8
     warps past them. On an H200 (Llama-3-8B shape, ``benchmarks/results/h200-2026-11-30-one-row/``)
     the larger tiles took 256 requests at once from 0.52x fp16's tokens/s to 0.58x; at 256 rows
     alone (``fp8_products.py --int8-tiles``) tiles of 128 by 64 on 4 warps were faster for q/k/v,

@@ -374,13 +374,40 @@ def test_one_row_takes_the_cuda_cores_at_every_width_but_fp8s_widest():
 
 
 def test_int8_layers_past_64_rows_take_tiles_of_128_by_128():
-    """few_rows' tiles past ROWS (int8 weight-only layers): 64 rows by 64 outputs on 4 warps up
-    to 64 rows, as before; past them 128 by 128 on 8 warps (256 at once 0.58x fp16 against 0.52x
-    on an H200)."""
+    """few_rows' tiles past ROWS (int8 weight-only layers whose widths int8_tiles does not take):
+    64 rows by 64 outputs on 4 warps up to 64 rows, as before; past them 128 by 128 on 8 warps
+    (256 at once 0.58x fp16 against 0.52x on an H200, when every int8 layer took them)."""
     from graphwrap.quantized import ROWS, tiles
 
     assert tiles(ROWS + 1) == tiles(64) == (64, 64, 64, 1, 4, 4)
     assert tiles(65) == tiles(256) == tiles(4096) == (128, 128, 64, 1, 8, 3)
+
+
+def test_int8_layers_past_16_rows_take_tiles_with_the_weights_as_the_left_operand():
+    """int8_tile_shape: past ROWS rows, where the widths divide, graphwrap's tiles that hand the
+    weights to the tensor cores from registers; up to 1,024 rows 64 outputs and 128 inputs a step,
+    rows a program the fewest of 32, 64 and 128 that make one wave (else that hold every row, at
+    most 128), 4 stages in one wave, else 3; past 1,024 rows tiles of 128 by 128 on 8 warps;
+    widths that do not divide keep few_rows' tiles."""
+    from graphwrap.quantized import ROWS, int8_tile_shape
+
+    assert int8_tile_shape(ROWS, 4096, 4096, 132) is None
+    assert int8_tile_shape(64, 4096, 4096, 132) == (32, 64, 128, 4, 4), "64 x 2 programs: one wave"
+    assert int8_tile_shape(64, 4096, 6144, 132) == (64, 64, 128, 4, 4), "96 x 2 of 32 rows: 96 of 64"
+    assert int8_tile_shape(64, 4096, 28672, 132) == (64, 64, 128, 4, 3), "448 programs: three stages"
+    assert int8_tile_shape(256, 14336, 4096, 132) == (128, 64, 128, 4, 4)
+    assert int8_tile_shape(256, 4096, 6144, 132) == (128, 64, 128, 4, 3)
+    assert int8_tile_shape(20, 4096, 28672, 132)[0] == 32, "every row in one tile of 32"
+    assert int8_tile_shape(128, 4096, 6144, 132) == (128, 64, 128, 4, 4), "96 programs of 128 rows"
+    assert int8_tile_shape(128, 4096, 4096, 132) == (64, 64, 128, 4, 4), "128 programs of 64 rows"
+    assert int8_tile_shape(2048, 14336, 4096, 132) == (128, 128, 64, 8, 3)
+    assert int8_tile_shape(2048, 4096, 4160, 132)[:2] == (128, 64), "no multiple of 128 outputs"
+    assert int8_tile_shape(64, 200, 4096, 132) is None and int8_tile_shape(64, 4096, 40, 132) is None
+    for m in range(ROWS + 1, 3000, 37):
+        for k, n in ((4096, 6144), (14336, 4096), (2048, 2560), (128, 64)):
+            bm, bn, bk, warps, stages = int8_tile_shape(m, k, n, 132)
+            assert n % bn == 0 and k % bk == 0 and bm in (32, 64, 128) and stages in (3, 4)
+            assert bm >= min(m, 32) and (bm == 32 or m > bm // 2), "no tile of rows past the rows"
 
 
 def _plain(q, x):

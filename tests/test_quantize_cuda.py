@@ -328,6 +328,34 @@ def test_an_int8_layers_product_on_the_gpu_is_its_weight_rounded_written_out(dty
     assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), err
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [17, 40, 64, 200, 256])
+@pytest.mark.parametrize("k, n", [(4096, 6144), (14336, 4096), (2048, 2560)])
+def test_int8_tiles_with_the_weights_on_the_left_are_the_product_written_out(monkeypatch, dtype, rows, k, n):
+    """graphwrap's int8 tiles (int8_tiles, the weights the left operand) at int8_tile_shape's shape
+    and others against the product written out in fp32; an Int8Linear takes them exactly where
+    that rule gives a shape, and then gives their result."""
+    from graphwrap import quantized
+    from graphwrap.quantized import Int8Linear, int8_tile_shape, int8_tiles
+
+    torch.manual_seed(rows + k + n)
+    layer = Int8Linear(nn.Linear(k, n, bias=False).to(DEV, dtype))
+    x = torch.randn(rows, k, device=DEV, dtype=dtype)
+    want = x.float() @ (layer.weight_int8.float() * layer.weight_scale.t()).t()
+    chosen = int8_tile_shape(rows, k, n, torch.cuda.get_device_properties(DEV).multi_processor_count)
+    for shape in [(32, 64, 128, 4, 4), (64, 64, 128, 4, 3), (128, 64, 128, 4, 4), (64, 128, 64, 8, 3), chosen]:
+        got = int8_tiles(x, layer.weight_int8, layer.weight_scale, shape)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), (shape, err)
+    taken = []
+    real = quantized.int8_tiles
+    monkeypatch.setattr(quantized, "int8_tiles", lambda *a: taken.append(a[-1]) or real(*a))
+    got = layer(x)
+    assert taken == [chosen]
+    torch.testing.assert_close(got, int8_tiles(x, layer.weight_int8, layer.weight_scale, chosen), rtol=0, atol=0)
+
+
 def test_the_shared_batch_over_int8_layers_in_fp16_takes_one_product_for_q_k_and_v(monkeypatch):
     """The batch's forwards make an int8 attention layer's q, k and v as one product (together),
     and each of its tokens is, teacher-forced through the eager model on the batch's own

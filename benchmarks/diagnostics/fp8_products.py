@@ -97,6 +97,17 @@ def _int8_weight(g, n, k):
     return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale[None, :].contiguous()
 
 
+def int8_case(g, rows, k, n):
+    """``rows`` random fp16 rows of ``k`` inputs, int8 weights for ``n`` outputs and their
+    scales, the product written out in fp32, a cycle over the weights' copies, and fp16's cuBLAS
+    time for the same product (the weights made fp16)."""
+    x = torch.randn(rows, k, generator=g, device=DEV).half()
+    w8, ws = _int8_weight(g, n, k)
+    want = x.float() @ (w8.float() * ws.t()).t()
+    c16 = itertools.cycle(_copies([(w8.float() * ws.t()).half()]))
+    return x, (w8, ws), want, itertools.cycle(_copies([w8, ws])), graph_ms(lambda: x @ next(c16)[0].t())
+
+
 def _product(q, s, w, ws, kw):
     """few_rows' tiles at the shape ``kw``, or its one-row kernel where ``kw`` says ``one_row``."""
     if kw.get("one_row"):
@@ -195,12 +206,7 @@ def tune_int8_tiles():
     for rows in (64, 256):
         for label in ("q, k and v as one", "q or o", "gate and up as one", "down"):
             k, n = WIDTHS[label]
-            x = torch.randn(rows, k, generator=g, device=DEV).half()
-            w8, ws = _int8_weight(g, n, k)
-            want = x.float() @ (w8.float() * ws.t()).t()
-            w16 = (w8.float() * ws.t()).half()
-            turn, c16 = itertools.cycle(_copies([w8, ws])), itertools.cycle(_copies([w16]))
-            base = graph_ms(lambda: x @ next(c16)[0].t())
+            x, (w8, ws), want, turn, base = int8_case(g, rows, k, n)
             found = _timed(shapes, lambda w, ws_, kw: few_rows(x, None, w, ws_, torch.float16, **kw), (w8, ws),
                            turn, want)
             default = graph_ms(lambda: few_rows(x, None, *next(turn), torch.float16))
