@@ -170,7 +170,7 @@ class Int8Linear(QuantizedLinear):
                 and not torch.compiler.is_compiling()):
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            shape = int8_tile_shape(rows.shape[0], rows.shape[1], weight.shape[0], _compat.multiprocessors(rows.device))
+            shape = int8_tile_shape(rows.shape[0], weight.shape[0], rows.shape[1], _compat.multiprocessors(rows.device))
             if shape is not None and weight.stride(1) == 1 and scale.is_contiguous():
                 return int8_tiles(rows, weight, scale, shape)
             return few_rows(rows, None, weight, scale, rows.dtype)
@@ -359,8 +359,9 @@ def int8_tiles(rows: Tensor, weight: Tensor, scale: Tensor, shape: Tuple[int, in
     return out
 
 
-def int8_tile_shape(m: int, k: int, n: int, processors: int) -> Optional[Tuple[int, int, int, int, int]]:
-    """:func:`int8_tiles`' shape of work for ``m`` rows of ``k`` inputs into ``n`` outputs, or
+def int8_tile_shape(m: int, n: int, k: int, processors: int) -> Optional[Tuple[int, int, int, int, int]]:
+    """:func:`int8_tiles`' shape of work for ``m`` rows of ``k`` inputs into ``n`` outputs (the
+    arguments in :func:`fp8_tile_shape`'s order), or
     None (up to :data:`ROWS` rows, or widths it does not divide: :func:`few_rows`).
 
     Up to 1,024 rows: 64 outputs a program, 128 inputs a step, 4 warps; rows a program the

@@ -393,19 +393,19 @@ def test_int8_layers_past_16_rows_take_tiles_with_the_weights_as_the_left_operan
 
     assert int8_tile_shape(ROWS, 4096, 4096, 132) is None
     assert int8_tile_shape(64, 4096, 4096, 132) == (32, 64, 128, 4, 4), "64 x 2 programs: one wave"
-    assert int8_tile_shape(64, 4096, 6144, 132) == (64, 64, 128, 4, 4), "96 x 2 of 32 rows: 96 of 64"
-    assert int8_tile_shape(64, 4096, 28672, 132) == (64, 64, 128, 4, 3), "448 programs: three stages"
-    assert int8_tile_shape(256, 14336, 4096, 132) == (128, 64, 128, 4, 4)
-    assert int8_tile_shape(256, 4096, 6144, 132) == (128, 64, 128, 4, 3)
-    assert int8_tile_shape(20, 4096, 28672, 132)[0] == 32, "every row in one tile of 32"
-    assert int8_tile_shape(128, 4096, 6144, 132) == (128, 64, 128, 4, 4), "96 programs of 128 rows"
+    assert int8_tile_shape(64, 6144, 4096, 132) == (64, 64, 128, 4, 4), "96 x 2 of 32 rows: 96 of 64"
+    assert int8_tile_shape(64, 28672, 4096, 132) == (64, 64, 128, 4, 3), "448 programs: three stages"
+    assert int8_tile_shape(256, 4096, 14336, 132) == (128, 64, 128, 4, 4)
+    assert int8_tile_shape(256, 6144, 4096, 132) == (128, 64, 128, 4, 3)
+    assert int8_tile_shape(20, 28672, 4096, 132)[0] == 32, "every row in one tile of 32"
+    assert int8_tile_shape(128, 6144, 4096, 132) == (128, 64, 128, 4, 4), "96 programs of 128 rows"
     assert int8_tile_shape(128, 4096, 4096, 132) == (64, 64, 128, 4, 4), "128 programs of 64 rows"
-    assert int8_tile_shape(2048, 14336, 4096, 132) == (128, 128, 64, 8, 3)
-    assert int8_tile_shape(2048, 4096, 4160, 132)[:2] == (128, 64), "no multiple of 128 outputs"
-    assert int8_tile_shape(64, 200, 4096, 132) is None and int8_tile_shape(64, 4096, 40, 132) is None
+    assert int8_tile_shape(2048, 4096, 14336, 132) == (128, 128, 64, 8, 3)
+    assert int8_tile_shape(2048, 4160, 4096, 132)[:2] == (128, 64), "no multiple of 128 outputs"
+    assert int8_tile_shape(64, 4096, 200, 132) is None and int8_tile_shape(64, 40, 4096, 132) is None
     for m in range(ROWS + 1, 3000, 37):
         for k, n in ((4096, 6144), (14336, 4096), (2048, 2560), (128, 64)):
-            bm, bn, bk, warps, stages = int8_tile_shape(m, k, n, 132)
+            bm, bn, bk, warps, stages = int8_tile_shape(m, n, k, 132)
             assert n % bn == 0 and k % bk == 0 and bm in (32, 64, 128) and stages in (3, 4)
             assert bm >= min(m, 32) and (bm == 32 or m > bm // 2), "no tile of rows past the rows"
 

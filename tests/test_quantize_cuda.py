@@ -342,7 +342,7 @@ def test_int8_tiles_with_the_weights_on_the_left_are_the_product_written_out(mon
     layer = Int8Linear(nn.Linear(k, n, bias=False).to(DEV, dtype))
     x = torch.randn(rows, k, device=DEV, dtype=dtype)
     want = x.float() @ (layer.weight_int8.float() * layer.weight_scale.t()).t()
-    chosen = int8_tile_shape(rows, k, n, torch.cuda.get_device_properties(DEV).multi_processor_count)
+    chosen = int8_tile_shape(rows, n, k, torch.cuda.get_device_properties(DEV).multi_processor_count)
     for shape in [(32, 64, 128, 4, 4), (64, 64, 128, 4, 3), (128, 64, 128, 4, 4), (64, 128, 64, 8, 3), chosen]:
         got = int8_tiles(x, layer.weight_int8, layer.weight_scale, shape)
         assert got.dtype == dtype and got.shape == (rows, n)

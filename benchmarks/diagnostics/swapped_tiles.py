@@ -37,7 +37,7 @@ def int8_rows(rows_list, tune: bool = True):
             k, n = WIDTHS[label]
             x, (w8, ws), want, turn, base = int8_case(g, rows, k, n)
             layers = graph_ms(lambda: few_rows(x, None, *next(turn), torch.float16))
-            chosen = int8_tile_shape(rows, k, n, torch.cuda.get_device_properties(DEV).multi_processor_count)
+            chosen = int8_tile_shape(rows, n, k, torch.cuda.get_device_properties(DEV).multi_processor_count)
             rule = graph_ms(lambda: int8_tiles(x, *next(turn), chosen))
             found = _timed(shapes if tune else [dict(shape=chosen)], lambda w, v, kw: int8_tiles(x, w, v, kw["shape"]),
                            (w8, ws), turn, want)
