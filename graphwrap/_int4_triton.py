@@ -137,3 +137,48 @@ def int4_row(X, W, S, O, N, GROUPS, sxm, swn, ssn, som, sop, BN: tl.constexpr, S
         acc += part * scale + sums * offset
     out = tl.sum(tl.sum(acc, 1), 0)
     tl.store(O + tl.program_id(2) * sop + r * som + rn, out.to(O.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def int4_tiles(X, W, S, O, M, GROUPS, PER, sxm, swn, ssn, som, sop, BM: tl.constexpr, BN: tl.constexpr,
+               BF16: tl.constexpr):
+    """:func:`int4_product` made as ``O^T`` tiles of ``BN`` outputs by ``BM`` rows: each group's
+    values (:func:`_nibbles`, fp16 in registers; bf16 where ``BF16``, the rows' dtype) are the
+    left operand, handed to the tensor cores from registers, and the rows the right one, so no
+    weight passes through shared memory. ``S`` read as int32 words (each group's scale in the low
+    half, its offset in the high, as :func:`int4_row`). Each group's products summed in fp32,
+    scaled and offset in fp32, the groups added in order, rounded once to ``O``'s dtype. Programs
+    of one tile of weights are launched together (the rows are ``program_id(0)``), so the weights
+    are read from memory about once. A program takes ``PER`` of the ``GROUPS`` groups from the
+    ``program_id(2) * PER``-th and writes to ``O``'s part ``program_id(2)`` (``sop`` apart; fp32
+    parts for ``sum_parts`` where there are several). The caller sees that the outputs are a
+    multiple of ``BN``."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rj = tl.arange(0, 64)
+    first = tl.program_id(2) * PER
+    wp = W + rn[:, None] * swn + first * 64 + rj[None, :]
+    xp = X + rm[None, :] * sxm + first * 128 + rj[:, None]
+    sp = S + rn * ssn + first
+    rows = rm[None, :] < M
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for _ in range(first, tl.minimum(first + PER, GROUPS)):
+        lo, hi = _nibbles(tl.load(wp))
+        xl = tl.load(xp, mask=rows, other=0.0)
+        xh = tl.load(xp + 64, mask=rows, other=0.0)
+        if BF16:
+            part = tl.dot(lo.to(tl.bfloat16), xl)
+            part = tl.dot(hi.to(tl.bfloat16), xh, part)
+        else:
+            part = tl.dot(lo, xl)
+            part = tl.dot(hi, xh, part)
+        pair = tl.load(sp)
+        scale = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        offset = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        sums = tl.sum(xl.to(tl.float32), 0) + tl.sum(xh.to(tl.float32), 0)
+        acc += part * scale[:, None] + offset[:, None] * sums[None, :]
+        wp += 64
+        xp += 128
+        sp += 1
+    at = O + tl.program_id(2) * sop + rm[None, :] * som + rn[:, None]
+    tl.store(at, acc.to(O.dtype.element_ty), mask=rows)

@@ -17,6 +17,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .errors import GraphwrapError
+
 GROUP = 128  # inputs sharing a scale and an offset (the kernel's step)
 HALF = GROUP // 2  # a group's bytes: input j in the low four bits of byte j, input HALF + j in the high four
 LEVELS = 15  # the largest value (four bits)
@@ -25,6 +27,7 @@ ROWS = 16  # at most this many rows take shape_of_work's tiles; more, TILES
 TILES = (64, 64, 1, 4, 3)  # past ROWS rows: (rows, outputs a program, parts, warps, stages)
 UNROLLED = 32  # at most this many groups in one part of int4_row's (its loop is unrolled)
 WIDE = 64  # past this many rows, 128 outputs a program (the tiles' tune on an H200: 64 rows 64, 256 rows 128)
+SWAPPED = 64  # at most this many rows take tiles with the weights the left operand (tile_shape)
 
 
 def pack(weight: Tensor) -> Tuple[Tensor, Tensor]:
@@ -70,11 +73,12 @@ def product(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, bm: Op
             bn: Optional[int] = None, split: Optional[int] = None, warps: Optional[int] = None,
             stages: Optional[int] = None) -> Tensor:
     """``rows [m, in]`` (fp16 or bf16, on a GPU) times the int4 weight ``weight``, ``scale``
-    (:func:`pack`'s), in ``rows``' dtype, by ``int4_product``, on a chip of ``processors`` SMs.
-    Up to :data:`ONE_BY_ONE` rows, :func:`by_rows`; up to :data:`ROWS`, tiles of 16 rows in the
-    shape of work of :func:`shape_of_work`; more, tiles of :data:`TILES` (:data:`WIDE`). ``bm``,
-    ``bn``, ``split``, ``warps``, ``stages``: that shape given (``fp8_products.py --weight-only
-    --tune``)."""
+    (:func:`pack`'s), in ``rows``' dtype, on a chip of ``processors`` SMs. Up to
+    :data:`ONE_BY_ONE` rows, :func:`by_rows`; where :func:`tile_shape` gives a shape (up to
+    :data:`SWAPPED` rows), :func:`tiles`; else ``int4_product``: up to :data:`ROWS`, tiles of 16
+    rows in the shape of work of :func:`shape_of_work`; more, tiles of :data:`TILES`
+    (:data:`WIDE`). ``bm``, ``bn``, ``split``, ``warps``, ``stages``: ``int4_product``'s shape
+    given (``fp8_products.py --weight-only --tune``)."""
     import triton
 
     from ._fp8_triton import sum_parts
@@ -82,6 +86,10 @@ def product(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, bm: Op
 
     m, k = rows.shape
     n = weight.shape[0]
+    if bm is None and bn is None:
+        swapped = tile_shape(m, n, k, processors)
+        if swapped is not None:
+            return tiles(rows, weight, scale, swapped)
     out = torch.empty((m, n), dtype=rows.dtype, device=rows.device)
     if m == 0:
         return out
@@ -129,6 +137,66 @@ def by_rows(rows: Tensor, weight: Tensor, scale: Tensor, out: Tensor, bn: int = 
     if split > 1:
         sum_parts[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
     return out
+
+
+def tiles(rows: Tensor, weight: Tensor, scale: Tensor, shape: Tuple[int, int, int, int, int]) -> Tensor:
+    """:func:`product` by ``int4_tiles`` (the weights the left operand, made fp16 in registers) at
+    ``shape``: ``(bm, bn, split, warps, stages)``, rows and outputs a program, the groups in
+    ``split`` parts (:func:`tile_shape`)."""
+    import triton
+
+    from ._fp8_triton import sum_parts
+    from ._int4_triton import int4_tiles
+
+    bm, bn, split, warps, stages = shape
+    m, k = rows.shape
+    n = weight.shape[0]
+    if n % bn:
+        raise GraphwrapError(f"int4 tiles: {n} outputs do not divide into {bn}")
+    out = torch.empty((m, n), dtype=rows.dtype, device=rows.device)
+    if m == 0:
+        return out
+    groups = k // GROUP
+    per = -(-groups // split)
+    split = -(-groups // per)
+    parts = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=rows.device)
+    int4_tiles[(triton.cdiv(m, bm), n // bn, split)](
+        rows, weight, scale.view(torch.int32), parts, m, groups, per, rows.stride(0), weight.stride(0),
+        scale.stride(0) // 2, n, m * n, BM=bm, BN=bn, BF16=rows.dtype == torch.bfloat16, num_warps=warps,
+        num_stages=stages)
+    if split > 1:
+        sum_parts[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
+    return out
+
+
+def tile_shape(m: int, n: int, k: int, processors: int) -> Optional[Tuple[int, int, int, int, int]]:
+    """:func:`tiles`' shape of work for ``m`` rows of ``k`` inputs into ``n`` outputs on a chip of
+    ``processors`` SMs (the arguments in ``quantized.int8_tile_shape``'s order), or None: one row
+    (:func:`by_rows`), more than :data:`SWAPPED` rows or widths it does not divide (the tiles
+    with the weights the right operand).
+
+    128 outputs a program (64 where they do not divide), 4 warps, 3 stages; 16 rows a program up
+    to :data:`ROWS` rows, 32 up to 32, past them 64 where a tile of rows in the most parts
+    outnumbers the SMs, else 32; the groups in the fewest of 1, 2, 4 and 8 parts (4 at most past
+    :data:`ROWS` rows) that make six programs an SM, or the most. On an H200
+    (``benchmarks/diagnostics/swapped_tiles.py --only int4``,
+    ``benchmarks/results/h200-2026-12-01-int4-tiles/``), the Llama-3-8B shape's widths (q/k/v,
+    output, gate and up, down), us: at 16 rows 13.7, 12.0, 47.6, 25.1 against 19.5, 13.7, 62.8,
+    34.1 before (fp16's cuBLAS 16.0, 13.7, 59.5, 32.5); at 64 rows 29.5, 19.4, 104.6, 53.8 against
+    38.5, 39.8, 110.2, 131.2 (fp16's 16.5, 12.2, 61.1, 39.3). At one row :func:`by_rows` was
+    faster at three widths (11.8, 11.0, 41.4 us against the tiles' fastest 13.3, 11.3, 43.7) and
+    4% slower at down (25.7 against 24.6); at 256 rows the tiles were slower for q/k/v and gate
+    and up (82.8 and 321.7 us at their fastest against 71.6 and 276.7)."""
+    if m <= ONE_BY_ONE or m > SWAPPED or k % GROUP:
+        return None
+    bn = next((b for b in (128, 64) if n % b == 0), None)
+    if bn is None:
+        return None
+    most = 8 if m <= ROWS else 4
+    bm = 16 if m <= ROWS else 64 if m > 32 and (n // bn) * most > processors else 32
+    programs = -(-m // bm) * (n // bn)
+    split = next((s for s in (1, 2, 4) if programs * s >= 6 * processors), most)
+    return bm, bn, min(split, most, k // GROUP), 4, 3
 
 
 def row_parts(groups: int, step: int, split: Optional[int] = None) -> Tuple[int, int]:

@@ -410,6 +410,35 @@ def test_int8_layers_past_16_rows_take_tiles_with_the_weights_as_the_left_operan
             assert bm >= min(m, 32) and (bm == 32 or m > bm // 2), "no tile of rows past the rows"
 
 
+def test_int4_layers_of_2_to_64_rows_take_tiles_with_the_weights_as_the_left_operand():
+    """weight_only.tile_shape: one row keeps by_rows and more than SWAPPED rows int4_product's
+    tiles; between, 128 outputs a program (64 where 128 does not divide); 16 rows a program up to
+    ROWS rows, 32 up to 32, past them 64 where four parts of a tile of rows outnumber the SMs,
+    else 32; the groups in the fewest parts of 1, 2, 4 (8 up to 16 rows, 4 past them) that make
+    six programs an SM; widths it does not divide: None."""
+    from graphwrap.weight_only import ONE_BY_ONE, ROWS, SWAPPED, tile_shape
+
+    assert tile_shape(ONE_BY_ONE, 4096, 4096, 132) is None and tile_shape(SWAPPED + 1, 4096, 4096, 132) is None
+    assert SWAPPED == 64 and ONE_BY_ONE == 1
+    at = {m: [tile_shape(m, n, k, 132) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))]
+          for m in (2, 16, 17, 64)}
+    assert at[2] == at[16] == [(16, 128, 8, 4, 3), (16, 128, 8, 4, 3), (16, 128, 4, 4, 3), (16, 128, 8, 4, 3)]
+    assert at[17] == [(32, 128, 4, 4, 3)] * 4, "past 16 rows, four parts at most"
+    assert at[64] == [(64, 128, 4, 4, 3), (32, 128, 4, 4, 3), (64, 128, 4, 4, 3), (32, 128, 4, 4, 3)], \
+        "64 rows a program where 4 parts of a tile of rows outnumber the SMs (48 and 224 outputs' tiles, not 32)"
+    assert tile_shape(33, 4096, 4096, 100)[0] == 64 and tile_shape(32, 6144, 4096, 132)[0] == 32
+    assert tile_shape(16, 28672, 4096, 264)[2] == 8, "224 programs on twice the SMs: eight parts"
+    assert tile_shape(16, 28672, 4096, 30)[2] == 1, "224 programs: six an SM of 30 already"
+    assert tile_shape(4, 4160, 4096, 132)[1] == 64 and tile_shape(4, 4160 + 32, 4096, 132) is None
+    assert tile_shape(4, 4096, 4096 + 64, 132) is None, "no whole group"
+    assert tile_shape(4, 192, 256, 132) == (16, 64, 2, 4, 3), "two groups: two parts at most"
+    for m in range(2, SWAPPED + 1):
+        for n, k in ((6144, 4096), (4096, 14336), (2560, 2048), (64, 128)):
+            bm, bn, split, warps, stages = tile_shape(m, n, k, 132)
+            assert bm == 16 if m <= ROWS else bm in (32, 64) and (bm == 32 or m > 32) and n % bn == 0
+            assert 1 <= split <= min(8 if m <= ROWS else 4, k // 128)
+
+
 def _plain(q, x):
     from graphwrap.quantized import rows_to_fp8
 

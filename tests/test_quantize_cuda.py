@@ -405,6 +405,38 @@ def test_an_int4_layers_product_on_the_gpu_is_its_unpacked_weights_written_out(d
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [2, 5, 16, 17, 40, 64])
+@pytest.mark.parametrize("k, n", [(4096, 6144), (14336, 4096), (2048, 2560), (384, 192)])
+def test_int4_tiles_with_the_weights_on_the_left_are_the_product_written_out(monkeypatch, dtype, rows, k, n):
+    """graphwrap's int4 tiles (weight_only.tiles, the weights the left operand) at tile_shape's
+    shape and others (one part and several, a last part of fewer groups) against the unpacked
+    weight's product written out in fp32; an Int4Linear takes them exactly where that rule gives a
+    shape, and then gives their result."""
+    from graphwrap import weight_only
+    from graphwrap.quantized import Int4Linear
+
+    torch.manual_seed(rows + k + n)
+    layer = Int4Linear(nn.Linear(k, n, bias=False).to(DEV, dtype))
+    x = torch.randn(rows, k, device=DEV, dtype=dtype)
+    want = x.float() @ weight_only.unpack(layer.weight_int4, layer.weight_scale).t()
+    chosen = weight_only.tile_shape(rows, n, k, torch.cuda.get_device_properties(DEV).multi_processor_count)
+    assert chosen is not None
+    for shape in [(16, 64, 1, 4, 3), (32, 64, 3, 4, 2), (64, 64, 2, 4, 4), (16, 128, 8, 4, 3), chosen]:
+        if n % shape[1]:
+            continue
+        got = weight_only.tiles(x, layer.weight_int4, layer.weight_scale, shape)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), (shape, err)
+    taken = []
+    real = weight_only.tiles
+    monkeypatch.setattr(weight_only, "tiles", lambda *a: taken.append(a[-1]) or real(*a))
+    got = layer(x)
+    assert taken == [chosen]
+    torch.testing.assert_close(got, real(x, layer.weight_int4, layer.weight_scale, chosen), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_shared_batch_over_int4_layers_takes_one_product_for_q_k_v_and_for_gate_and_up(monkeypatch, dtype):
     """The batch's forwards make an int4 attention layer's q, k and v as one product and the MLP's
     gate and up as one (together), and each of its tokens is, teacher-forced through the eager

@@ -4,12 +4,16 @@ past 16 rows with the weights as the left operand (``graphwrap.quantized.int8_ti
 rows from shared memory) at ``int8_tile_shape``'s shape and by shape of work, against
 ``few_rows``' tiles (the weights the right operand) and fp16's cuBLAS; and FP8
 products of 2 to 16 rows on the tensor cores' own E4M3 products in tiles of 16 rows
-(``fp8_tiles``) against ``few_rows`` (E4M3 values made fp16). Each timed over ten calls in a
+(``fp8_tiles``) against ``few_rows`` (E4M3 values made fp16); and int4 weight-only products from
+one row up with the weights as the left operand (``graphwrap.weight_only.tiles``) at
+``tile_shape``'s shape and by shape of work, against the kernels ``weight_only.product`` took
+before them (``by_rows`` at one row, ``int4_product``'s tiles, the weights the right operand) and
+fp16's cuBLAS. Each timed over ten calls in a
 CUDA graph over weight copies past the L2 cache, median of 20, checked against the product
 written out.
 
-``python3 benchmarks/diagnostics/swapped_tiles.py [--only int8|fp8] [--rows 24,64,128,256,2048]`` from the
-repository root, on a Hopper GPU.
+``python3 benchmarks/diagnostics/swapped_tiles.py [--only int8|fp8|int4] [--rows 24,64,128,256,2048]
+[--int4-rows 1,4,16,64,256] [--no-tune]`` from the repository root, on a Hopper GPU.
 """
 
 import argparse
@@ -22,7 +26,8 @@ from fp8_products import WIDTHS, _fp8_weight, _timed, int8_case
 from piece_attention import graph_ms
 from step_products import _copies
 
-from graphwrap.quantized import few_rows, fp8_tiles, int8_tile_shape, int8_tiles, rows_to_fp8
+from graphwrap import weight_only
+from graphwrap.quantized import Int4Linear, few_rows, fp8_tiles, int8_tile_shape, int8_tiles, rows_to_fp8
 
 DEV = torch.device("cuda")
 LABELS = ("q, k and v as one", "q or o", "gate and up as one", "down")
@@ -30,22 +35,69 @@ LABELS = ("q, k and v as one", "q or o", "gate and up as one", "down")
 
 def int8_rows(rows_list, tune: bool = True):
     g = torch.Generator(device=DEV).manual_seed(0)
-    shapes = [dict(shape=s) for s in itertools.product((32, 64, 128), (64, 128), (64, 128), (4, 8), (3, 4))
-              if s[0] * s[1] // (32 * s[3]) <= 128]
     for rows in rows_list:
+        shapes = [dict(shape=s) for s in itertools.product((16,) if rows <= 16 else (32, 64, 128), (64, 128), (64, 128),
+                                                           (4, 8), (3, 4))
+                  if s[0] * s[1] // (32 * s[3]) <= 128]
         for label in LABELS:
             k, n = WIDTHS[label]
             x, (w8, ws), want, turn, base = int8_case(g, rows, k, n)
             layers = graph_ms(lambda: few_rows(x, None, *next(turn), torch.float16))
             chosen = int8_tile_shape(rows, n, k, torch.cuda.get_device_properties(DEV).multi_processor_count)
-            rule = graph_ms(lambda: int8_tiles(x, *next(turn), chosen))
-            found = _timed(shapes if tune else [dict(shape=chosen)], lambda w, v, kw: int8_tiles(x, w, v, kw["shape"]),
+            rule = graph_ms(lambda: int8_tiles(x, *next(turn), chosen)) if chosen else float("nan")
+            found = _timed(shapes if tune else [dict(shape=chosen)] if chosen else [],
+                           lambda w, v, kw: int8_tiles(x, w, v, kw["shape"]),
                            (w8, ws), turn, want)
             print(f"  int8, {rows} rows, {label} [{k}, {n}]: fp16 cuBLAS {1e3 * base:.1f} us; few_rows' tiles "
                   f"{1e3 * layers:.1f} us; int8_tiles {chosen} {1e3 * rule:.1f} us; fastest of {len(found)}:",
                   flush=True)
             for t, kw, err in found[:3]:
                 print(f"    {1e3 * t:7.1f} us {kw['shape']} largest difference {err:.1e}", flush=True)
+
+
+def _int4_shapes(rows):
+    if rows <= 16:
+        found = itertools.product((16,), (64, 128), (1, 2, 4, 8), (4, 8), (2, 3, 4))
+    elif rows <= 64:
+        found = itertools.product((16, 32, 64), (64, 128), (1, 2, 4), (4,), (3, 4))
+    else:
+        found = itertools.product((32, 64, 128), (64, 128), (1, 2), (4, 8), (3, 4))
+    return [dict(shape=s) for s in found if s[0] * s[1] // (32 * s[3]) <= 128]
+
+
+def int4_rows(rows_list, tune: bool = True):
+    g = torch.Generator(device=DEV).manual_seed(2)
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    for rows in rows_list:
+        for label in LABELS:
+            k, n = WIDTHS[label]
+            x = torch.randn(rows, k, generator=g, device=DEV).half()
+            layer = Int4Linear(torch.nn.Linear(k, n, bias=False, device=DEV, dtype=torch.float16))
+            w4, s4 = layer.weight_int4, layer.weight_scale
+            w16 = weight_only.unpack(w4, s4)
+            want = x.float() @ w16.t()
+            c16 = itertools.cycle(_copies([w16.half()]))
+            base = graph_ms(lambda: x @ next(c16)[0].t())
+            turn = itertools.cycle(_copies([w4, s4]))
+            before = graph_ms(lambda: _before(x, *next(turn), sms))
+            chosen = weight_only.tile_shape(rows, n, k, sms)
+            rule = graph_ms(lambda: weight_only.tiles(x, *next(turn), chosen)) if chosen else float("nan")
+            found = _timed(_int4_shapes(rows) if tune else [dict(shape=chosen)] if chosen else [],
+                           lambda w, v, kw: weight_only.tiles(x, w, v, kw["shape"]), (w4, s4), turn, want)
+            print(f"  int4, {rows} rows, {label} [{k}, {n}]: fp16 cuBLAS {1e3 * base:.1f} us; before "
+                  f"{1e3 * before:.1f} us; tiles {chosen} {1e3 * rule:.1f} us ({n * k / 2e9 / rule:.2f} TB/s); "
+                  f"fastest of {len(found)}:", flush=True)
+            for t, kw, err in found[:4]:
+                print(f"    {1e3 * t:7.1f} us ({n * k / 2e9 / t:4.2f} TB/s) {kw['shape']} largest difference "
+                      f"{err:.1e}", flush=True)
+
+
+def _before(x, w, s, sms):
+    """The product by the kernels weight_only.product took before the tiles."""
+    rows = x.shape[0]
+    if rows <= weight_only.ONE_BY_ONE:
+        return weight_only.by_rows(x, w, s, torch.empty((rows, w.shape[0]), dtype=x.dtype, device=DEV))
+    return weight_only.product(x, w, s, sms, bm=16 if rows <= weight_only.ROWS else weight_only.TILES[0])
 
 
 def fp8_few(rows_list):
@@ -69,16 +121,19 @@ def fp8_few(rows_list):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("int8", "fp8"), default=None)
+    ap.add_argument("--only", choices=("int8", "fp8", "int4"), default=None)
     ap.add_argument("--rows", default="24,64,128,256,2048", help="the int8 products' rows")
-    ap.add_argument("--no-tune", action="store_true", help="int8: only the rule's shape (checked), no others")
+    ap.add_argument("--int4-rows", default="1,4,16,64,256", help="the int4 products' rows")
+    ap.add_argument("--no-tune", action="store_true", help="int8 and int4: only the rule's shape (checked), no others")
     a = ap.parse_args()
     print(f"swapped_tiles: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"{time.strftime('%Y-%m-%d')}", flush=True)
-    if a.only != "int8":
+    if a.only in (None, "fp8"):
         fp8_few((2, 8, 16))
-    if a.only != "fp8":
+    if a.only in (None, "int8"):
         int8_rows([int(r) for r in a.rows.split(",")], not a.no_tune)
+    if a.only in (None, "int4"):
+        int4_rows([int(r) for r in a.int4_rows.split(",")], not a.no_tune)
 
 
 if __name__ == "__main__":
