@@ -80,79 +80,22 @@ def int4_product(X, W, S, O, M, N, GROUPS, PER, sxm, swn, ssn, som, sop, BM: tl.
 
 
 @triton.jit
-def _level(w, BITS: tl.constexpr):
-    """The four bits of int32 words ``w`` under ``BITS`` (a mask of bits 0-19), times
-    ``BITS``' lowest bit, in float32: or-ed under 0x4B000000's exponent they are 2^23 plus that
-    value, less 2^23 (exact: under 2^23)."""
-    return ((w & BITS) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def int4_row(X, W, S, O, N, GROUPS, sxm, swn, ssn, som, sop, BN: tl.constexpr, STEP: tl.constexpr,
-             PER: tl.constexpr):
-    """Row ``program_id(0)`` of :func:`int4_product`'s ``O`` without the tensor cores, for a
-    step's one row: ``W`` read as int32 words (a group's 64 bytes are 16 words; word ``u`` holds
-    inputs ``4u + i`` in bits ``8i`` to ``8i + 3`` and inputs ``64 + 4u + i`` in the four above),
-    ``S`` as int32 words (each group's scale in the low half, its offset in the high).
-    ``O[n] = sum over groups of scale * (sum of value * x) + offset * (sum of x)``, each sum in
-    fp32. Each value is made float32 by its bits where they lie (:func:`_level`: the value times
-    2^b for bits ``b`` to ``b + 3``; the top three values of a word shifted down 12 bits first)
-    and multiplied by its input times 2^-b: exactly value times input, two instructions and a
-    multiply-add a value. A program takes ``BN`` outputs, reading their weights once, ``STEP``
-    groups at a time over ``PER`` groups (unrolled) from the ``program_id(2) * PER``-th; its sum to
-    ``O``'s part ``program_id(2)`` (``sop`` apart)."""
-    r = tl.program_id(0)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    n = rn[None, None, :]
-    u = tl.arange(0, 16)[None, :, None]
-    acc = tl.zeros((STEP, 16, BN), dtype=tl.float32)
-    first = tl.program_id(2) * PER
-    for i in tl.static_range(0, PER, STEP):
-        g = first + i + tl.arange(0, STEP)[:, None, None]
-        here = g < GROUPS
-        keep = here & (n < N)
-        w = tl.load(W + n * swn + g * 16 + u, mask=keep, other=0)
-        pair = tl.load(S + n * ssn + g, mask=keep, other=0)
-        scale = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        offset = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        at = X + r * sxm + g * 128 + u * 4
-        x0 = tl.load(at, mask=here, other=0.0).to(tl.float32)  # (bits 0-3: input 4u)
-        x1 = tl.load(at + 64, mask=here, other=0.0).to(tl.float32)  # (bits 4-7: input 64 + 4u)
-        x2 = tl.load(at + 1, mask=here, other=0.0).to(tl.float32)
-        x3 = tl.load(at + 65, mask=here, other=0.0).to(tl.float32)
-        x4 = tl.load(at + 2, mask=here, other=0.0).to(tl.float32)
-        x5 = tl.load(at + 66, mask=here, other=0.0).to(tl.float32)
-        x6 = tl.load(at + 3, mask=here, other=0.0).to(tl.float32)
-        x7 = tl.load(at + 67, mask=here, other=0.0).to(tl.float32)
-        sums = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-        top = w >> 12  # (bits 20-31 to 8-19)
-        part = _level(w, 0xF) * x0
-        part += _level(w, 0xF0) * (x1 * 0.0625)
-        part += _level(w, 0xF00) * (x2 * 0.00390625)
-        part += _level(w, 0xF000) * (x3 * 0.000244140625)
-        part += _level(w, 0xF0000) * (x4 * 0.0000152587890625)
-        part += _level(top, 0xF00) * (x5 * 0.00390625)
-        part += _level(top, 0xF000) * (x6 * 0.000244140625)
-        part += _level(top, 0xF0000) * (x7 * 0.0000152587890625)
-        acc += part * scale + sums * offset
-    out = tl.sum(tl.sum(acc, 1), 0)
-    tl.store(O + tl.program_id(2) * sop + r * som + rn, out.to(O.dtype.element_ty), mask=rn < N)
-
-
-@triton.jit
 def int4_tiles(X, W, S, O, M, GROUPS, PER, sxm, swn, ssn, som, sop, BM: tl.constexpr, BN: tl.constexpr,
                BF16: tl.constexpr):
-    """:func:`int4_product` made as ``O^T`` tiles of ``BN`` outputs by ``BM`` rows: each group's
-    values (:func:`_nibbles`, fp16 in registers; bf16 where ``BF16``, the rows' dtype) are the
-    left operand, handed to the tensor cores from registers, and the rows the right one, so no
-    weight passes through shared memory. ``S`` read as int32 words (each group's scale in the low
-    half, its offset in the high, as :func:`int4_row`). Each group's products summed in fp32,
-    scaled and offset in fp32, the groups added in order, rounded once to ``O``'s dtype. Programs
-    of one tile of weights are launched together (the rows are ``program_id(0)``), so the weights
-    are read from memory about once. A program takes ``PER`` of the ``GROUPS`` groups from the
-    ``program_id(2) * PER``-th and writes to ``O``'s part ``program_id(2)`` (``sop`` apart; fp32
-    parts for ``sum_parts`` where there are several). The caller sees that the outputs are a
-    multiple of ``BN``."""
+    """:func:`int4_product`'s ``O`` made as ``O^T`` tiles of ``BN`` outputs by ``BM`` rows, the
+    weights made whole first: each group's values (:func:`_nibbles`) times its scale plus its
+    offset in fp16 (``S`` read as int32 words: the scale in the low half, the offset in the
+    high), so each weight is the unpacked weight in fp16 (then bf16 where ``BF16``, the rows'
+    dtype), as the layer's product off the GPU takes it in the rows' dtype. Those are
+    the left operand, handed to the tensor cores from registers, and the rows the right one; the
+    products summed in fp32 over every group and rounded once to ``O``'s dtype, so the tensor
+    cores' sums run on across groups with no scaling between them (scaling each group's sum, as
+    :func:`int4_product` does, made the tiles wait on the tensor cores once a group: 1.2-1.5x
+    the time). Programs of one tile of weights are launched together (the rows are
+    ``program_id(0)``), so the weights are read from memory about once. A program takes ``PER``
+    of the ``GROUPS`` groups from the ``program_id(2) * PER``-th and writes to ``O``'s part
+    ``program_id(2)`` (``sop`` apart; fp32 parts for ``sum_parts`` where there are several).
+    The caller sees that the outputs are a multiple of ``BN``."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rj = tl.arange(0, 64)
@@ -164,19 +107,17 @@ def int4_tiles(X, W, S, O, M, GROUPS, PER, sxm, swn, ssn, som, sop, BM: tl.const
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for _ in range(first, tl.minimum(first + PER, GROUPS)):
         lo, hi = _nibbles(tl.load(wp))
+        pair = tl.load(sp)
+        scale = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)[:, None]
+        offset = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)[:, None]
         xl = tl.load(xp, mask=rows, other=0.0)
         xh = tl.load(xp + 64, mask=rows, other=0.0)
         if BF16:
-            part = tl.dot(lo.to(tl.bfloat16), xl)
-            part = tl.dot(hi.to(tl.bfloat16), xh, part)
+            acc = tl.dot((lo * scale + offset).to(tl.bfloat16), xl, acc)
+            acc = tl.dot((hi * scale + offset).to(tl.bfloat16), xh, acc)
         else:
-            part = tl.dot(lo, xl)
-            part = tl.dot(hi, xh, part)
-        pair = tl.load(sp)
-        scale = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        offset = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        sums = tl.sum(xl.to(tl.float32), 0) + tl.sum(xh.to(tl.float32), 0)
-        acc += part * scale[:, None] + offset[:, None] * sums[None, :]
+            acc = tl.dot(lo * scale + offset, xl, acc)
+            acc = tl.dot(hi * scale + offset, xh, acc)
         wp += 64
         xp += 128
         sp += 1

@@ -6,9 +6,10 @@ weight-only layers read a little over a quarter of fp16's bytes. Each weight is 
 groups of :data:`GROUP` inputs, each group with a scale and an offset (a weight is ``offset +
 value * scale``: the group's smallest weight and its range over 15, both in fp16), two values a
 byte (:func:`pack`). On a GPU with Triton, in fp16 or bf16, graphwrap's kernels make the
-product reading those bytes (:func:`product`): for one row (a decode step at batch 1)
-``_int4_triton.int4_row`` on the CUDA cores; for more, ``int4_product`` in tiles on the tensor
-cores. Elsewhere the layer makes the weight again (:func:`unpack`) and takes torch's product.
+product reading those bytes (:func:`product`) on the tensor cores: up to :data:`SWAPPED` rows
+(decode steps) ``_int4_triton.int4_tiles``, the weights made whole in registers; more, and
+widths those tiles do not divide, ``int4_product``. Elsewhere the layer makes the weight again
+(:func:`unpack`) and takes torch's product.
 Every step is a device operation, so graphs capture and replay it like any other.
 """
 
@@ -22,12 +23,10 @@ from .errors import GraphwrapError
 GROUP = 128  # inputs sharing a scale and an offset (the kernel's step)
 HALF = GROUP // 2  # a group's bytes: input j in the low four bits of byte j, input HALF + j in the high four
 LEVELS = 15  # the largest value (four bits)
-ONE_BY_ONE = 1  # at most this many rows take int4_row (CUDA cores, a row a program; at 4 rows 2-3x the tiles' time)
-ROWS = 16  # at most this many rows take shape_of_work's tiles; more, TILES
+ROWS = 16  # at most this many rows take int4_product's shape_of_work; more, TILES
 TILES = (64, 64, 1, 4, 3)  # past ROWS rows: (rows, outputs a program, parts, warps, stages)
-UNROLLED = 32  # at most this many groups in one part of int4_row's (its loop is unrolled)
 WIDE = 64  # past this many rows, 128 outputs a program (the tiles' tune on an H200: 64 rows 64, 256 rows 128)
-SWAPPED = 64  # at most this many rows take tiles with the weights the left operand (tile_shape)
+SWAPPED = 64  # at most this many rows take the tiles with the weights the left operand (tile_shape)
 
 
 def pack(weight: Tensor) -> Tuple[Tensor, Tensor]:
@@ -73,12 +72,12 @@ def product(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, bm: Op
             bn: Optional[int] = None, split: Optional[int] = None, warps: Optional[int] = None,
             stages: Optional[int] = None) -> Tensor:
     """``rows [m, in]`` (fp16 or bf16, on a GPU) times the int4 weight ``weight``, ``scale``
-    (:func:`pack`'s), in ``rows``' dtype, on a chip of ``processors`` SMs. Up to
-    :data:`ONE_BY_ONE` rows, :func:`by_rows`; where :func:`tile_shape` gives a shape (up to
-    :data:`SWAPPED` rows), :func:`tiles`; else ``int4_product``: up to :data:`ROWS`, tiles of 16
-    rows in the shape of work of :func:`shape_of_work`; more, tiles of :data:`TILES`
-    (:data:`WIDE`). ``bm``, ``bn``, ``split``, ``warps``, ``stages``: ``int4_product``'s shape
-    given (``fp8_products.py --weight-only --tune``)."""
+    (:func:`pack`'s), in ``rows``' dtype, on a chip of ``processors`` SMs. Where
+    :func:`tile_shape` gives a shape (up to :data:`SWAPPED` rows), :func:`tiles`; else
+    ``int4_product``: up to :data:`ROWS`, tiles of 16 rows in the shape of work of
+    :func:`shape_of_work`; more, tiles of :data:`TILES` (:data:`WIDE`). ``bm``, ``bn``,
+    ``split``, ``warps``, ``stages``: ``int4_product``'s shape given (``fp8_products.py
+    --weight-only --tune``)."""
     import triton
 
     from ._fp8_triton import sum_parts
@@ -93,8 +92,6 @@ def product(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, bm: Op
     out = torch.empty((m, n), dtype=rows.dtype, device=rows.device)
     if m == 0:
         return out
-    if m <= ONE_BY_ONE and bm is None:
-        return by_rows(rows, weight, scale, out)
     if m <= ROWS:
         shape = (16, *shape_of_work(n, k, processors))
     else:
@@ -110,37 +107,8 @@ def product(rows: Tensor, weight: Tensor, scale: Tensor, processors: int, bm: Op
     return out
 
 
-def by_rows(rows: Tensor, weight: Tensor, scale: Tensor, out: Tensor, bn: int = 16, step: int = 2,
-            split: Optional[int] = None, warps: int = 2) -> Tensor:
-    """:func:`product` for up to :data:`ONE_BY_ONE` rows by ``int4_row`` (no tensor cores: a
-    row's tile of 16 would be 15 rows of zeros), into ``out``: ``bn`` outputs a program, ``step``
-    groups at a time, the groups in ``split`` parts (None: :func:`row_parts`), ``warps``.
-    (The fastest of ``fp8_products.py --weight-only --tune`` on an H200 at one row, the
-    Llama-3-8B shape's widths: 12.4, 10.8, 41.6 and 25.9 us for the q/k/v, output, gate-and-up
-    and down widths, against 14.0, 11.6, 49.7 and 27.2 for the kernel before, which made each
-    weight in fp32 and took more instructions a value; fp16's cuBLAS 16.2, 13.6, 56.6 and
-    32.2.)"""
-    import triton
-
-    from ._fp8_triton import sum_parts
-    from ._int4_triton import int4_row
-
-    m, k = rows.shape
-    n = weight.shape[0]
-    groups = k // GROUP
-    split, per = row_parts(groups, step, split)
-    parts = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=rows.device)
-    int4_row[(m, triton.cdiv(n, bn), split)](
-        rows, weight.view(torch.int32), scale.view(torch.int32), parts, n, groups, rows.stride(0),
-        weight.stride(0) // 4, scale.stride(0) // 2, n, m * n, BN=bn, STEP=step, PER=per, num_warps=warps,
-        num_stages=1)
-    if split > 1:
-        sum_parts[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
-    return out
-
-
 def tiles(rows: Tensor, weight: Tensor, scale: Tensor, shape: Tuple[int, int, int, int, int]) -> Tensor:
-    """:func:`product` by ``int4_tiles`` (the weights the left operand, made fp16 in registers) at
+    """:func:`product` by ``int4_tiles`` (the weights made whole in registers, the left operand) at
     ``shape``: ``(bm, bn, split, warps, stages)``, rows and outputs a program, the groups in
     ``split`` parts (:func:`tile_shape`)."""
     import triton
@@ -171,9 +139,9 @@ def tiles(rows: Tensor, weight: Tensor, scale: Tensor, shape: Tuple[int, int, in
 
 def tile_shape(m: int, n: int, k: int, processors: int) -> Optional[Tuple[int, int, int, int, int]]:
     """:func:`tiles`' shape of work for ``m`` rows of ``k`` inputs into ``n`` outputs on a chip of
-    ``processors`` SMs (the arguments in ``quantized.int8_tile_shape``'s order), or None: one row
-    (:func:`by_rows`), more than :data:`SWAPPED` rows or widths it does not divide (the tiles
-    with the weights the right operand).
+    ``processors`` SMs (the arguments in ``quantized.int8_tile_shape``'s order), or None: more
+    than :data:`SWAPPED` rows or widths it does not divide (``int4_product``'s tiles, the
+    weights the right operand).
 
     128 outputs a program (64 where they do not divide), 4 warps, 3 stages; 16 rows a program up
     to :data:`ROWS` rows, 32 up to 32, past them 64 where a tile of rows in the most parts
@@ -181,13 +149,12 @@ def tile_shape(m: int, n: int, k: int, processors: int) -> Optional[Tuple[int, i
     :data:`ROWS` rows) that make six programs an SM, or the most. On an H200
     (``benchmarks/diagnostics/swapped_tiles.py --only int4``,
     ``benchmarks/results/h200-2026-12-01-int4-tiles/``), the Llama-3-8B shape's widths (q/k/v,
-    output, gate and up, down), us: at 16 rows 13.7, 12.0, 47.6, 25.1 against 19.5, 13.7, 62.8,
-    34.1 before (fp16's cuBLAS 16.0, 13.7, 59.5, 32.5); at 64 rows 29.5, 19.4, 104.6, 53.8 against
-    38.5, 39.8, 110.2, 131.2 (fp16's 16.5, 12.2, 61.1, 39.3). At one row :func:`by_rows` was
-    faster at three widths (11.8, 11.0, 41.4 us against the tiles' fastest 13.3, 11.3, 43.7) and
-    4% slower at down (25.7 against 24.6); at 256 rows the tiles were slower for q/k/v and gate
-    and up (82.8 and 321.7 us at their fastest against 71.6 and 276.7)."""
-    if m <= ONE_BY_ONE or m > SWAPPED or k % GROUP:
+    output, gate and up, down), us: at one row 12.6, 10.6, 34.0, 21.3 against 11.8, 11.0, 41.4,
+    25.7 for the CUDA cores' kernel that took one row before (fp16's cuBLAS 16.4, 13.8, 57.2,
+    31.6); at 16 rows 12.9, 11.0, 36.4, 21.3 against 19.5, 13.7, 62.8, 34.1 for
+    ``int4_product``'s tiles (fp16's 16.0, 13.7, 59.5, 32.5); at 64 rows 20.9, 15.2, 69.5, 36.0
+    against 38.5, 39.8, 110.2, 131.2 (fp16's 16.5, 12.2, 61.1, 39.3)."""
+    if m > SWAPPED or k % GROUP:
         return None
     bn = next((b for b in (128, 64) if n % b == 0), None)
     if bn is None:
@@ -199,21 +166,9 @@ def tile_shape(m: int, n: int, k: int, processors: int) -> Optional[Tuple[int, i
     return bm, bn, min(split, most, k // GROUP), 4, 3
 
 
-def row_parts(groups: int, step: int, split: Optional[int] = None) -> Tuple[int, int]:
-    """``int4_row``'s parts of ``groups`` groups and each part's groups (whole steps of ``step``
-    groups): ``split`` parts where given, else four (the fastest at each of the Llama-3-8B
-    shape's widths on an H200, 2 or 8 up to 16% slower), more where a part would pass
-    :data:`UNROLLED` groups, fewer where there are too few groups for four. Each part's loop is
-    unrolled, so the kernel is compiled once for each inner dimension."""
-    if split is None:
-        split = max(1, min(groups, max(4, -(-groups // UNROLLED))))
-    per = -(-groups // (split * step)) * step
-    return -(-groups // per), per
-
-
 def shape_of_work(n: int, k: int, processors: int) -> Tuple[int, int, int, int]:
-    """:func:`product`'s ``(bn, split, warps, stages)`` for a few rows (past
-    :data:`ONE_BY_ONE`, up to :data:`ROWS`) of ``n`` outputs of ``k`` inputs on a chip of
+    """:func:`product`'s ``(bn, split, warps, stages)`` for ``int4_product``'s tiles of up to
+    :data:`ROWS` rows (widths :func:`tiles` does not divide, or its shape given) of ``n`` outputs of ``k`` inputs on a chip of
     ``processors`` SMs: 128 outputs a program, the groups in 4 parts, 4 warps, 3 stages
     (``fp8_products.py --weight-only --tune`` on an H200 at 16 rows, the Llama-3-8B shape's
     widths: 19.4, 13.5 and 34.1 us for the q/k/v, output and down widths against 18.7, 15.1 and

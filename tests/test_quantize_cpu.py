@@ -410,19 +410,18 @@ def test_int8_layers_past_16_rows_take_tiles_with_the_weights_as_the_left_operan
             assert bm >= min(m, 32) and (bm == 32 or m > bm // 2), "no tile of rows past the rows"
 
 
-def test_int4_layers_of_2_to_64_rows_take_tiles_with_the_weights_as_the_left_operand():
-    """weight_only.tile_shape: one row keeps by_rows and more than SWAPPED rows int4_product's
-    tiles; between, 128 outputs a program (64 where 128 does not divide); 16 rows a program up to
-    ROWS rows, 32 up to 32, past them 64 where four parts of a tile of rows outnumber the SMs,
-    else 32; the groups in the fewest parts of 1, 2, 4 (8 up to 16 rows, 4 past them) that make
-    six programs an SM; widths it does not divide: None."""
-    from graphwrap.weight_only import ONE_BY_ONE, ROWS, SWAPPED, tile_shape
+def test_int4_layers_of_up_to_64_rows_take_tiles_with_the_weights_as_the_left_operand():
+    """weight_only.tile_shape: more than SWAPPED rows keep int4_product's tiles; up to them, 128
+    outputs a program (64 where 128 does not divide); 16 rows a program up to ROWS rows, 32 up
+    to 32, past them 64 where four parts of a tile of rows outnumber the SMs, else 32; the
+    groups in the fewest parts of 1, 2, 4 (8 up to 16 rows, 4 past them) that make six programs
+    an SM; widths it does not divide: None."""
+    from graphwrap.weight_only import ROWS, SWAPPED, tile_shape
 
-    assert tile_shape(ONE_BY_ONE, 4096, 4096, 132) is None and tile_shape(SWAPPED + 1, 4096, 4096, 132) is None
-    assert SWAPPED == 64 and ONE_BY_ONE == 1
+    assert tile_shape(SWAPPED + 1, 4096, 4096, 132) is None and SWAPPED == 64
     at = {m: [tile_shape(m, n, k, 132) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))]
-          for m in (2, 16, 17, 64)}
-    assert at[2] == at[16] == [(16, 128, 8, 4, 3), (16, 128, 8, 4, 3), (16, 128, 4, 4, 3), (16, 128, 8, 4, 3)]
+          for m in (1, 16, 17, 64)}
+    assert at[1] == at[16] == [(16, 128, 8, 4, 3), (16, 128, 8, 4, 3), (16, 128, 4, 4, 3), (16, 128, 8, 4, 3)]
     assert at[17] == [(32, 128, 4, 4, 3)] * 4, "past 16 rows, four parts at most"
     assert at[64] == [(64, 128, 4, 4, 3), (32, 128, 4, 4, 3), (64, 128, 4, 4, 3), (32, 128, 4, 4, 3)], \
         "64 rows a program where 4 parts of a tile of rows outnumber the SMs (48 and 224 outputs' tiles, not 32)"
@@ -432,7 +431,7 @@ def test_int4_layers_of_2_to_64_rows_take_tiles_with_the_weights_as_the_left_ope
     assert tile_shape(4, 4160, 4096, 132)[1] == 64 and tile_shape(4, 4160 + 32, 4096, 132) is None
     assert tile_shape(4, 4096, 4096 + 64, 132) is None, "no whole group"
     assert tile_shape(4, 192, 256, 132) == (16, 64, 2, 4, 3), "two groups: two parts at most"
-    for m in range(2, SWAPPED + 1):
+    for m in range(1, SWAPPED + 1):
         for n, k in ((6144, 4096), (4096, 14336), (2560, 2048), (64, 128)):
             bm, bn, split, warps, stages = tile_shape(m, n, k, 132)
             assert bm == 16 if m <= ROWS else bm in (32, 64) and (bm == 32 or m > 32) and n % bn == 0
@@ -561,21 +560,6 @@ def test_an_int4_layer_from_gpt2s_conv1d_takes_its_weight_the_right_way_round():
     x = torch.randn(4, 128)
     rel = (layer(x) - conv(x)).norm() / conv(x).norm()
     assert rel < 0.1, rel
-
-
-@pytest.mark.parametrize("groups", [1, 2, 3, 7, 32, 34, 112, 500])
-@pytest.mark.parametrize("step", [1, 2, 4])
-def test_the_one_row_int4_kernels_parts_cover_each_group_once_in_unrolled_steps(groups, step):
-    """The one-row kernel's plan (``row_parts``): its parts, each of whole steps and at most
-    UNROLLED groups (its loop is unrolled), cover every group, none starts past the last, and the
-    Llama-3-8B shape's inner dimensions take four parts."""
-    from graphwrap.weight_only import UNROLLED, row_parts
-
-    split, per = row_parts(groups, step)
-    assert per % step == 0 and per <= max(UNROLLED, step)
-    assert split * per >= groups and (split - 1) * per < groups
-    if groups in (32, 112):  # (4,096 and 14,336 inputs)
-        assert split == 4
 
 
 def test_int4_leaves_layers_whose_inputs_are_not_a_multiple_of_128_and_says_so(gw_log):

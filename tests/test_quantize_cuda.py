@@ -388,8 +388,9 @@ def test_the_shared_batch_over_int8_layers_in_fp16_takes_one_product_for_q_k_and
 @pytest.mark.parametrize("rows", [1, 4, 7, 16, 17, 64, 256])
 @pytest.mark.parametrize("k, n", [(4096, 6144), (14336, 4096), (256, 40)])
 def test_an_int4_layers_product_on_the_gpu_is_its_unpacked_weights_written_out(dtype, rows, k, n):
-    """Int4Linear through graphwrap's kernels (one row on the CUDA cores, then the few rows'
-    tiles, its groups in parts; tiles past 16 rows) against the unpacked weight's product
+    """Int4Linear through graphwrap's kernels (up to 64 rows the tiles with the weights made whole,
+    past them int4_product's; a width they do not divide, int4_product's few rows' tiles, its groups
+    in parts) against the unpacked weight's product
     written out in fp32: each value exact, summed and scaled in fp32, rounded once."""
     from graphwrap.quantized import Int4Linear
     from graphwrap.weight_only import unpack
@@ -405,11 +406,11 @@ def test_an_int4_layers_product_on_the_gpu_is_its_unpacked_weights_written_out(d
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("rows", [2, 5, 16, 17, 40, 64])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 64])
 @pytest.mark.parametrize("k, n", [(4096, 6144), (14336, 4096), (2048, 2560), (384, 192)])
 def test_int4_tiles_with_the_weights_on_the_left_are_the_product_written_out(monkeypatch, dtype, rows, k, n):
-    """graphwrap's int4 tiles (weight_only.tiles, the weights the left operand) at tile_shape's
-    shape and others (one part and several, a last part of fewer groups) against the unpacked
+    """graphwrap's int4 tiles (weight_only.tiles, the weights made whole in registers, the left
+    operand) at tile_shape's shape and others (one part and several, a last part of fewer groups) against the unpacked
     weight's product written out in fp32; an Int4Linear takes them exactly where that rule gives a
     shape, and then gives their result."""
     from graphwrap import weight_only

@@ -19,8 +19,9 @@ and int8 weights, each checked against the product written out in fp32.
 ``--rows``, for the Llama-3-8B and 1.1B shapes' widths; with ``--tune``, by shape of work too.
 ``--int8-tiles``: only the int8 layers' tiles past 16 rows at 64 and 256 rows, by shape of work.
 ``--weight-only``: the int8 and int4 weight-only layers' products instead (``Int8Linear``,
-``Int4Linear``) beside fp16's, the same widths and timing; with ``--tune``, the int4 kernels'
-shapes of work at 1 row (``by_rows``) and its tiles at 64 and 256 rows, each checked against
+``Int4Linear``) beside fp16's, the same widths and timing; with ``--tune``, ``int4_product``'s
+shapes of work at 1 and 16 rows and its tiles at 64 and 256 rows beside the default (up to 64
+rows ``weight_only.tiles``: ``swapped_tiles.py --only int4`` tunes those), each checked against
 the unpacked weight's product in fp32.
 """
 
@@ -163,33 +164,26 @@ def weight_only(rows: int):
 def tune_int4():
     from graphwrap._compat import multiprocessors
     from graphwrap.quantized import Int4Linear
-    from graphwrap.weight_only import by_rows, product, unpack
+    from graphwrap.weight_only import product, unpack
 
     g = torch.Generator(device=DEV).manual_seed(0)
     sms = multiprocessors(torch.device(DEV))
-    one = [dict(by_rows=True, bn=bn, step=step, split=sp, warps=w) for (bn, w), step, sp in
-           itertools.product(((16, 2), (32, 2), (32, 4), (64, 4)), (2, 4), (2, 4, 8))]
     few = [dict(bm=16, bn=bn, split=sp, warps=w, stages=3) for bn, sp, w in
            itertools.product((32, 64, 128), (1, 2, 4), (2, 4))]
     tiles = [dict(bm=bm, bn=bn, split=1, warps=w, stages=3) for bm, bn, w in
              itertools.product((64, 128), (64, 128), (4, 8))]
-    for rows, configs in ((1, one + few), (16, few), (64, tiles), (256, tiles)):
+    for rows, configs in ((1, few), (16, few), (64, tiles), (256, tiles)):
         for label in ("q, k and v as one", "q or o", "gate and up as one", "down"):
             k, n = WIDTHS[label]
             x = torch.randn(rows, k, generator=g, device=DEV).half()
             l4 = Int4Linear(torch.nn.Linear(k, n, bias=False, device=DEV, dtype=torch.float16))
             want = x.float() @ unpack(l4.weight_int4, l4.weight_scale).t()
             turn = itertools.cycle(_copies([l4.weight_int4, l4.weight_scale]))
-
-            def run(w, s, kw):
-                if kw.get("by_rows"):
-                    kw = {k: v for k, v in kw.items() if k != "by_rows"}
-                    return by_rows(x, w, s, torch.empty((rows, n), dtype=x.dtype, device=DEV), **kw)
-                return product(x, w, s, sms, **kw)
-
-            found = _timed(configs, run, (l4.weight_int4, l4.weight_scale), turn, want)
+            found = _timed(configs, lambda w, s, kw: product(x, w, s, sms, **kw), (l4.weight_int4, l4.weight_scale),
+                           turn, want)
             default = graph_ms(lambda: product(x, *next(turn), sms))
-            print(f"  int4, {rows} rows, {label} [{k}, {n}]: the default {1e3 * default:.1f} us; fastest:", flush=True)
+            print(f"  int4, {rows} rows, {label} [{k}, {n}]: the default {1e3 * default:.1f} us; int4_product's "
+                  f"fastest:", flush=True)
             for t, kw, err in found[:4]:
                 print(f"    {1e3 * t:7.1f} us ({n * k / 2e9 / t:4.2f} TB/s) {kw} largest difference {err:.1e}", flush=True)
 

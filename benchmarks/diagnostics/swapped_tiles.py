@@ -5,10 +5,10 @@ rows from shared memory) at ``int8_tile_shape``'s shape and by shape of work, ag
 ``few_rows``' tiles (the weights the right operand) and fp16's cuBLAS; and FP8
 products of 2 to 16 rows on the tensor cores' own E4M3 products in tiles of 16 rows
 (``fp8_tiles``) against ``few_rows`` (E4M3 values made fp16); and int4 weight-only products from
-one row up with the weights as the left operand (``graphwrap.weight_only.tiles``) at
-``tile_shape``'s shape and by shape of work, against the kernels ``weight_only.product`` took
-before them (``by_rows`` at one row, ``int4_product``'s tiles, the weights the right operand) and
-fp16's cuBLAS. Each timed over ten calls in a
+one row up with the weights made whole in registers as the left operand
+(``graphwrap.weight_only.tiles``) at ``tile_shape``'s shape and by shape of work, against
+``int4_product``'s tiles (the weights the right operand, each group's sum scaled; what
+``weight_only.product`` takes past 64 rows) and fp16's cuBLAS. Each timed over ten calls in a
 CUDA graph over weight copies past the L2 cache, median of 20, checked against the product
 written out.
 
@@ -79,25 +79,22 @@ def int4_rows(rows_list, tune: bool = True):
             c16 = itertools.cycle(_copies([w16.half()]))
             base = graph_ms(lambda: x @ next(c16)[0].t())
             turn = itertools.cycle(_copies([w4, s4]))
-            before = graph_ms(lambda: _before(x, *next(turn), sms))
+            theirs = graph_ms(lambda: _int4_product(x, *next(turn), sms))
             chosen = weight_only.tile_shape(rows, n, k, sms)
             rule = graph_ms(lambda: weight_only.tiles(x, *next(turn), chosen)) if chosen else float("nan")
             found = _timed(_int4_shapes(rows) if tune else [dict(shape=chosen)] if chosen else [],
                            lambda w, v, kw: weight_only.tiles(x, w, v, kw["shape"]), (w4, s4), turn, want)
-            print(f"  int4, {rows} rows, {label} [{k}, {n}]: fp16 cuBLAS {1e3 * base:.1f} us; before "
-                  f"{1e3 * before:.1f} us; tiles {chosen} {1e3 * rule:.1f} us ({n * k / 2e9 / rule:.2f} TB/s); "
+            print(f"  int4, {rows} rows, {label} [{k}, {n}]: fp16 cuBLAS {1e3 * base:.1f} us; int4_product "
+                  f"{1e3 * theirs:.1f} us; tiles {chosen} {1e3 * rule:.1f} us ({n * k / 2e9 / rule:.2f} TB/s); "
                   f"fastest of {len(found)}:", flush=True)
             for t, kw, err in found[:4]:
                 print(f"    {1e3 * t:7.1f} us ({n * k / 2e9 / t:4.2f} TB/s) {kw['shape']} largest difference "
                       f"{err:.1e}", flush=True)
 
 
-def _before(x, w, s, sms):
-    """The product by the kernels weight_only.product took before the tiles."""
-    rows = x.shape[0]
-    if rows <= weight_only.ONE_BY_ONE:
-        return weight_only.by_rows(x, w, s, torch.empty((rows, w.shape[0]), dtype=x.dtype, device=DEV))
-    return weight_only.product(x, w, s, sms, bm=16 if rows <= weight_only.ROWS else weight_only.TILES[0])
+def _int4_product(x, w, s, sms):
+    """The product by int4_product's tiles at their default shape."""
+    return weight_only.product(x, w, s, sms, bm=16 if x.shape[0] <= weight_only.ROWS else weight_only.TILES[0])
 
 
 def fp8_few(rows_list):
