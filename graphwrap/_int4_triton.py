@@ -90,7 +90,7 @@ def int4_tiles(X, W, S, O, M, GROUPS, PER, sxm, swn, ssn, som, sop, BM: tl.const
     the left operand, handed to the tensor cores from registers, and the rows the right one; the
     products summed in fp32 over every group and rounded once to ``O``'s dtype, so the tensor
     cores' sums run on across groups with no scaling between them (scaling each group's sum, as
-    :func:`int4_product` does, made the tiles wait on the tensor cores once a group: 1.2-1.5x
+    :func:`int4_product` does, made the tiles wait on the tensor cores once a group: 1.05-1.5x
     the time). Programs of one tile of weights are launched together (the rows are
     ``program_id(0)``), so the weights are read from memory about once. A program takes ``PER``
     of the ``GROUPS`` groups from the ``program_id(2) * PER``-th and writes to ``O``'s part

@@ -163,7 +163,7 @@ def tile_shape(m: int, n: int, k: int, processors: int) -> Optional[Tuple[int, i
     bm = 16 if m <= ROWS else 64 if m > 32 and (n // bn) * most > processors else 32
     programs = -(-m // bm) * (n // bn)
     split = next((s for s in (1, 2, 4) if programs * s >= 6 * processors), most)
-    return bm, bn, min(split, most, k // GROUP), 4, 3
+    return bm, bn, min(split, k // GROUP), 4, 3
 
 
 def shape_of_work(n: int, k: int, processors: int) -> Tuple[int, int, int, int]:
